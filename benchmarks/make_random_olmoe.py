@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Write a random, OLMoE-1B-7B-shaped Hugging Face checkpoint (bf16 safetensors).
+
+The weights are seeded random normals (std 0.02, norms 1.0), written tensor by
+tensor straight into sharded safetensors files with the per-expert names that
+the OLMoE checkpoints on the hub use, e.g.
+``model.layers.3.mlp.experts.17.gate_proj.weight``. At most one tensor (a few
+hundred MB) is held in memory at a time, so the ~14 GB checkpoint is written on
+a small machine without a second copy in RAM.
+
+Each tensor has its own RNG stream, seeded from (seed, tensor index), so the
+output is bit-identical on every machine and independent of write order.
+
+A small byte-level BPE tokenizer (trained with the ``tokenizers`` library on a
+seeded synthetic corpus, vocab 8192 <= 50304) is written alongside, so the
+directory is a complete checkpoint that transformers, llama.cpp's converter and
+colibri can all load. Nothing is downloaded.
+
+Needs numpy and tokenizers. Usage:
+
+    python benchmarks/make_random_olmoe.py OUT_DIR [--seed 0] [--layers 16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+GENERATOR_VERSION = 1
+
+# The allenai/OLMoE-1B-7B-0924 config (transformers' OlmoeConfig defaults, with
+# the expert intermediate size of the released model: 1024). The token ids are
+# those of the tokenizer written below.
+BASE_CONFIG = {
+    "architectures": ["OlmoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "clip_qkv": None,
+    "eos_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 1024,
+    "max_position_embeddings": 4096,
+    "model_type": "olmoe",
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 16,
+    "output_router_logits": False,
+    "pad_token_id": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "router_aux_loss_coef": 0.01,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 50304,
+}
+
+SHARD_BYTES = 5 * 1000**3  # like the hub's ~5 GB shards
+WEIGHT_STD = 0.02
+TOKENIZER_VOCAB = 8192
+
+
+def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) for every tensor, kind in {'normal', 'ones'}."""
+    h = cfg["hidden_size"]
+    inter = cfg["intermediate_size"]
+    n_head = cfg["num_attention_heads"]
+    n_kv = cfg["num_key_value_heads"]
+    head_dim = h // n_head
+    kv_dim = head_dim * n_kv
+    vocab = cfg["vocab_size"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, h), "normal")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        specs += [
+            (f"{p}.input_layernorm.weight", (h,), "ones"),
+            (f"{p}.self_attn.q_proj.weight", (h, h), "normal"),
+            (f"{p}.self_attn.k_proj.weight", (kv_dim, h), "normal"),
+            (f"{p}.self_attn.v_proj.weight", (kv_dim, h), "normal"),
+            (f"{p}.self_attn.o_proj.weight", (h, h), "normal"),
+            (f"{p}.self_attn.q_norm.weight", (h,), "ones"),
+            (f"{p}.self_attn.k_norm.weight", (kv_dim,), "ones"),
+            (f"{p}.post_attention_layernorm.weight", (h,), "ones"),
+            (f"{p}.mlp.gate.weight", (cfg["num_experts"], h), "normal"),
+        ]
+        for j in range(cfg["num_experts"]):
+            e = f"{p}.mlp.experts.{j}"
+            specs += [
+                (f"{e}.gate_proj.weight", (inter, h), "normal"),
+                (f"{e}.up_proj.weight", (inter, h), "normal"),
+                (f"{e}.down_proj.weight", (h, inter), "normal"),
+            ]
+    specs += [("model.norm.weight", (h,), "ones"), ("lm_head.weight", (vocab, h), "normal")]
+    return specs
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16, returned as uint16 bits (in place on x)."""
+    u = x.view(np.uint32)
+    lsb = (u >> 16) & 1
+    u += 0x7FFF
+    u += lsb
+    return (u >> 16).astype(np.uint16)
+
+
+def make_tensor(seed: int, index: int, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    if kind == "ones":
+        return np.full(shape, 0x3F80, dtype=np.uint16)  # bf16 1.0
+    rng = np.random.Generator(np.random.PCG64([seed, index]))
+    x = rng.standard_normal(size=shape, dtype=np.float32)
+    x *= np.float32(WEIGHT_STD)
+    return f32_to_bf16_bits(x)
+
+
+def write_shards(out: Path, cfg: dict, seed: int) -> int:
+    specs = tensor_specs(cfg)
+    # assign tensors to shards greedily, in order
+    shards: list[list[int]] = [[]]
+    size = 0
+    for idx, (_, shape, _) in enumerate(specs):
+        nbytes = 2 * int(np.prod(shape))
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(idx)
+        size += nbytes
+    n_shards = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    t0 = time.time()
+    done_params = 0
+    all_params = sum(int(np.prod(s)) for _, s, _ in specs)
+    for si, members in enumerate(shards):
+        fname = f"model-{si + 1:05d}-of-{n_shards:05d}.safetensors"
+        header: dict = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for idx in members:
+            name, shape, _ = specs[idx]
+            nbytes = 2 * int(np.prod(shape))
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            off += nbytes
+            weight_map[name] = fname
+        hjson = json.dumps(header, separators=(",", ":")).encode()
+        hjson += b" " * (-len(hjson) % 8)
+        with open(out / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(hjson)))
+            f.write(hjson)
+            for idx in members:
+                _, shape, kind = specs[idx]
+                f.write(make_tensor(seed, idx, shape, kind).tobytes())
+                done_params += int(np.prod(shape))
+            total += off
+        el = time.time() - t0
+        print(f"  wrote {fname} ({off / 1e9:.2f} GB; {done_params / all_params:.0%} done, {el:.0f}s)",
+              flush=True)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return all_params
+
+
+def synthetic_corpus(seed: int, n_lines: int = 20000):
+    """Seeded pseudo-text (syllable words, Zipf-distributed, with digits/punctuation)."""
+    rng = np.random.Generator(np.random.PCG64([seed, 0xC0]))
+    onsets = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
+              "st", "tr", "pl", "ch", "sh", "th", "br", "gr"]
+    vowels = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "io"]
+    codas = ["", "", "n", "r", "s", "t", "l", "nd", "ng", "st", "rk"]
+    words = []
+    for _ in range(6000):
+        n_syl = 1 + int(rng.integers(0, 3))
+        words.append("".join(onsets[rng.integers(len(onsets))] + vowels[rng.integers(len(vowels))]
+                             + codas[rng.integers(len(codas))] for _ in range(n_syl)))
+    ranks = np.arange(1, len(words) + 1, dtype=np.float64)
+    p = 1.0 / ranks
+    p /= p.sum()
+    punct = [".", ",", "!", "?", ":", ";", " -", " (x)", "'s", "\n"]
+    for _ in range(n_lines):
+        n = int(rng.integers(4, 24))
+        ws = [words[k] for k in rng.choice(len(words), size=n, p=p)]
+        if rng.random() < 0.3:
+            ws[0] = ws[0].capitalize()
+        if rng.random() < 0.2:
+            ws.append(str(int(rng.integers(0, 100000))))
+        yield " ".join(ws) + punct[int(rng.integers(len(punct)))]
+
+
+def write_tokenizer(out: Path, seed: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=["<|endoftext|>", "<|padding|>"],  # ids 0 and 1, as in GPT-NeoX
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(synthetic_corpus(seed), trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|padding|>",
+        "unk_token": "<|endoftext|>",
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "pad_token": "<|padding|>", "unk_token": "<|endoftext|>",
+    }, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=BASE_CONFIG["num_hidden_layers"],
+                    help="number of layers (default 16; fewer for a quick smoke test)")
+    ap.add_argument("--force", action="store_true", help="regenerate even if OUT is complete")
+    args = ap.parse_args(argv)
+
+    cfg = dict(BASE_CONFIG, num_hidden_layers=args.layers)
+    stamp = {"generator_version": GENERATOR_VERSION, "seed": args.seed, "config": cfg}
+    done_file = args.out / "colibri_bench_complete.json"
+    if not args.force and done_file.exists() and json.loads(done_file.read_text()).get("stamp") == stamp:
+        print(f"model already present: {args.out}")
+        return 0
+
+    tmp = args.out.with_name(args.out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    print(f"writing random OLMoE-shaped checkpoint to {args.out} (seed {args.seed})", flush=True)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]}, indent=2) + "\n")
+    write_tokenizer(tmp, args.seed)
+    n_params = write_shards(tmp, cfg, args.seed)
+    (tmp / "colibri_bench_complete.json").write_text(
+        json.dumps({"stamp": stamp, "n_params": n_params}, indent=2) + "\n")
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    os.replace(tmp, args.out)
+    print(f"done: {n_params / 1e9:.3f}B params", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+//! `colibri convert`: a Hugging Face checkpoint directory to a colibri model directory.
+//!
+//! Reads `config.json` and `*.safetensors` (bf16/f16/f32, one file or sharded), follows the
+//! family's [`Plan`], quantizes weight matrices, and writes `resident.bin`, `experts.bin`, the
+//! tokenizer files and — last, atomically — `manifest.json`, so a directory without a manifest is
+//! an unfinished conversion. Any tensor that is missing, misshapen, of an unsupported dtype, or
+//! unused is reported by name.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use rayon::prelude::*;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::config::ModelConfig;
+use crate::error::{io_err, Error, Result};
+use crate::format::*;
+use crate::model::plan::{self, Plan, MLP_PARTS};
+use crate::quant;
+
+fn ck(msg: impl Into<String>) -> Error {
+    Error::Checkpoint(msg.into())
+}
+
+/// The checkpoint's tensors across all shards, by name.
+struct Checkpoint {
+    maps: Vec<Mmap>,
+    index: HashMap<String, usize>,
+}
+
+impl Checkpoint {
+    fn open(dir: &Path) -> Result<Checkpoint> {
+        let mut files: Vec<PathBuf> = fs::read_dir(dir)
+            .map_err(io_err(dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(ck(format!("no *.safetensors files in {}", dir.display())));
+        }
+        let mut maps = Vec::new();
+        let mut index = HashMap::new();
+        for (i, f) in files.iter().enumerate() {
+            let file = File::open(f).map_err(io_err(f))?;
+            // SAFETY: the checkpoint is opened read-only and not modified while converting; a
+            // concurrent writer would be a misuse outside this program's control.
+            let map = unsafe { Mmap::map(&file) }.map_err(io_err(f))?;
+            let st = SafeTensors::deserialize(&map)
+                .map_err(|e| ck(format!("{}: not a valid safetensors file: {e}", f.display())))?;
+            for name in st.names() {
+                if index.insert(name.to_string(), i).is_some() {
+                    return Err(ck(format!("tensor `{name}` appears in more than one shard")));
+                }
+            }
+            maps.push(map);
+        }
+        Ok(Checkpoint { maps, index })
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// The tensor as f32, checked against `shape`.
+    fn read(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (data, got_shape) = self.read_any(name)?;
+        if got_shape != shape {
+            return Err(ck(format!("tensor `{name}` has shape {got_shape:?}, expected {shape:?}")));
+        }
+        Ok(data)
+    }
+
+    fn read_any(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let &i = self.index.get(name).ok_or_else(|| ck(format!("missing tensor `{name}`")))?;
+        let st = SafeTensors::deserialize(&self.maps[i]).map_err(|e| ck(e.to_string()))?;
+        let t = st.tensor(name).map_err(|e| ck(format!("{name}: {e}")))?;
+        let b = t.data();
+        let data: Vec<f32> = match t.dtype() {
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(ck(format!(
+                    "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32"
+                )))
+            }
+        };
+        Ok((data, t.shape().to_vec()))
+    }
+}
+
+/// Encodes a tensor for storage.
+fn encode(data: &[f32], shape: &[usize], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::Q4 => quant::quantize_q4(data, shape[0], shape[1]),
+    }
+}
+
+fn encoded_len(shape: &[usize], dtype: DType) -> usize {
+    match dtype {
+        DType::F32 => shape.iter().product::<usize>() * 4,
+        DType::Q4 => quant::q4_byte_len(shape[0], shape[1]),
+    }
+}
+
+pub fn family_plan(c: &ModelConfig) -> Plan {
+    use crate::config::Arch;
+    match c.arch {
+        Arch::Olmoe => crate::model::olmoe::plan(c),
+        Arch::Qwen3Moe => crate::model::qwen3_moe::plan(c),
+        Arch::Glm4Moe => crate::model::glm4_moe::plan(c),
+    }
+}
+
+/// What a conversion produced.
+#[derive(Debug)]
+pub struct Summary {
+    pub architecture: String,
+    pub resident_bytes: usize,
+    pub expert_bytes: usize,
+    pub tensors: usize,
+    pub skipped: usize,
+}
+
+/// Progress callback: `(done, total, what)`.
+pub type Progress<'a> = &'a mut dyn FnMut(usize, usize, &str);
+
+/// A writer that places each blob at the next `align`ed offset.
+struct AlignedWriter {
+    out: BufWriter<File>,
+    pos: usize,
+    path: PathBuf,
+}
+
+impl AlignedWriter {
+    fn create(path: PathBuf) -> Result<AlignedWriter> {
+        let f = File::create(&path).map_err(io_err(&path))?;
+        Ok(AlignedWriter { out: BufWriter::with_capacity(1 << 20, f), pos: 0, path })
+    }
+    fn write_aligned(&mut self, bytes: &[u8], align: usize) -> Result<usize> {
+        let start = align_up(self.pos, align);
+        let pad = vec![0u8; start - self.pos];
+        self.out.write_all(&pad).map_err(io_err(&self.path))?;
+        self.out.write_all(bytes).map_err(io_err(&self.path))?;
+        self.pos = start + bytes.len();
+        Ok(start)
+    }
+    fn finish(mut self) -> Result<usize> {
+        self.out.flush().map_err(io_err(&self.path))?;
+        let f = self.out.into_inner().map_err(|e| io_err(&self.path)(e.into_error()))?;
+        f.sync_all().map_err(io_err(&self.path))?;
+        Ok(self.pos)
+    }
+}
+
+/// Reads expert `e`'s `part` matrix from either the per-expert or the fused checkpoint layout.
+fn read_expert_part(ck: &Checkpoint, prefix: &str, e: usize, part: &str, shape: &[usize], n_experts: usize) -> Result<Vec<f32>> {
+    let single = format!("{prefix}.{e}.{part}_proj.weight");
+    if ck.has(&single) {
+        return ck.read(&single, shape);
+    }
+    let (fused, rows_per, offset) = match part {
+        "gate" => (format!("{prefix}.gate_up_proj"), 2 * shape[0], 0),
+        "up" => (format!("{prefix}.gate_up_proj"), 2 * shape[0], shape[0]),
+        _ => (format!("{prefix}.down_proj"), shape[0], 0),
+    };
+    if !ck.has(&fused) {
+        return Err(self::ck(format!("missing tensor `{single}` (nor a fused `{fused}`)")));
+    }
+    let (all, got) = ck.read_any(&fused)?;
+    let want = [n_experts, rows_per, shape[1]];
+    if got != want {
+        return Err(self::ck(format!("tensor `{fused}` has shape {got:?}, expected {want:?}")));
+    }
+    let per = rows_per * shape[1];
+    let start = e * per + offset * shape[1];
+    Ok(all[start..start + shape[0] * shape[1]].to_vec())
+}
+
+/// Converts `hf_dir` into `out_dir` (created if needed).
+pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) -> Result<Summary> {
+    let cfg_path = hf_dir.join("config.json");
+    let cfg_text = fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
+    let cfg_json: serde_json::Value = serde_json::from_str(&cfg_text)
+        .map_err(|e| ck(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
+    let cfg = ModelConfig::from_hf(&cfg_json)?;
+    let tok_path = hf_dir.join("tokenizer.json");
+    if !tok_path.is_file() {
+        return Err(ck(format!("{} not found: the checkpoint has no tokenizer", tok_path.display())));
+    }
+    let ckpt = Checkpoint::open(hf_dir)?;
+    let plan = family_plan(&cfg);
+
+    // Every checkpoint tensor must be used or deliberately skipped.
+    let mut used: std::collections::HashSet<String> = plan.resident.iter().map(|t| t.hf.clone()).collect();
+    let mut skipped = BTreeMap::new();
+    for (_, src) in &plan.expert_layers {
+        for e in 0..cfg.num_experts {
+            for part in MLP_PARTS {
+                used.insert(format!("{}.{e}.{part}_proj.weight", src.prefix));
+            }
+        }
+        used.insert(format!("{}.gate_up_proj", src.prefix));
+        used.insert(format!("{}.down_proj", src.prefix));
+    }
+    let mut names: Vec<&String> = ckpt.index.keys().collect();
+    names.sort();
+    for name in names {
+        if used.contains(name) {
+            continue;
+        }
+        match plan::skip_reason(&cfg, name) {
+            Some(reason) => {
+                skipped.insert(name.clone(), reason);
+            }
+            None => {
+                return Err(ck(format!(
+                    "unexpected tensor `{name}`: not part of {} as configured",
+                    cfg.arch.hf_name()
+                )))
+            }
+        }
+    }
+
+    fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
+    // A previous manifest would describe files we are about to overwrite.
+    let manifest_path = out_dir.join(MANIFEST);
+    if manifest_path.exists() {
+        fs::remove_file(&manifest_path).map_err(io_err(&manifest_path))?;
+    }
+    let n_experts_total = plan.expert_layers.len() * cfg.num_experts;
+    let total = plan.resident.len() + n_experts_total;
+    let mut done = 0;
+
+    // Resident weights.
+    let mut rw = AlignedWriter::create(out_dir.join(RESIDENT_FILE))?;
+    let mut tensors = BTreeMap::new();
+    for spec in &plan.resident {
+        progress(done, total, &spec.name);
+        done += 1;
+        if spec.optional && !ckpt.has(&spec.hf) {
+            continue;
+        }
+        let data = ckpt.read(&spec.hf, &spec.shape)?;
+        let dtype = if spec.matrix { quant.matrix_dtype() } else { DType::F32 };
+        let bytes = encode(&data, &spec.shape, dtype);
+        let offset = rw.write_aligned(&bytes, TENSOR_ALIGN)?;
+        tensors.insert(spec.name.clone(), TensorEntry { dtype, shape: spec.shape.clone(), offset, nbytes: bytes.len() });
+    }
+    let resident_bytes = rw.finish()?;
+
+    // Routed experts: one record each.
+    let experts = if plan.expert_layers.is_empty() {
+        None
+    } else {
+        let (h, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
+        let dtype = quant.matrix_dtype();
+        let mut parts = BTreeMap::new();
+        let mut pos = 0;
+        for part in MLP_PARTS {
+            let shape = if part == "down" { vec![h, inter] } else { vec![inter, h] };
+            let nbytes = encoded_len(&shape, dtype);
+            let offset = align_up(pos, TENSOR_ALIGN);
+            pos = offset + nbytes;
+            parts.insert(part.to_string(), TensorEntry { dtype, shape, offset, nbytes });
+        }
+        let record_size = align_up(pos, RECORD_ALIGN);
+        let mut ew = AlignedWriter::create(out_dir.join(EXPERTS_FILE))?;
+        let mut layers = Vec::new();
+        let mut record = 0;
+        for (layer, src) in &plan.expert_layers {
+            layers.push(ExpertLayer { layer: *layer, first_record: record, count: cfg.num_experts });
+            // Quantize a layer's experts in parallel, write them in order.
+            let records: Vec<Result<Vec<u8>>> = (0..cfg.num_experts)
+                .into_par_iter()
+                .map(|e| {
+                    let mut buf = vec![0u8; record_size];
+                    for part in MLP_PARTS {
+                        let entry = &parts[part];
+                        let data = read_expert_part(&ckpt, &src.prefix, e, part, &entry.shape, cfg.num_experts)?;
+                        let bytes = encode(&data, &entry.shape, dtype);
+                        buf[entry.offset..entry.offset + bytes.len()].copy_from_slice(&bytes);
+                    }
+                    Ok(buf)
+                })
+                .collect();
+            for (e, rec) in records.into_iter().enumerate() {
+                progress(done, total, &format!("layers.{layer}.experts.{e}"));
+                done += 1;
+                let off = ew.write_aligned(&rec?, RECORD_ALIGN)?;
+                debug_assert_eq!(off, record * record_size);
+                record += 1;
+            }
+        }
+        ew.finish()?;
+        Some(ExpertsInfo { file: EXPERTS_FILE.into(), record_size, parts, layers })
+    };
+    progress(total, total, "tokenizer and manifest");
+
+    // Tokenizer files and chat template.
+    let copy = |name: &str| -> Result<bool> {
+        let src = hf_dir.join(name);
+        if !src.is_file() {
+            return Ok(false);
+        }
+        let dst = out_dir.join(name);
+        fs::copy(&src, &dst).map_err(io_err(&src))?;
+        Ok(true)
+    };
+    copy("tokenizer.json")?;
+    let has_tok_cfg = copy("tokenizer_config.json")?;
+    copy("generation_config.json")?;
+    let mut chat_template = None;
+    let jinja = hf_dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        chat_template = Some(fs::read_to_string(&jinja).map_err(io_err(&jinja))?);
+    } else if has_tok_cfg {
+        let p = hf_dir.join("tokenizer_config.json");
+        let v: serde_json::Value = serde_json::from_str(&fs::read_to_string(&p).map_err(io_err(&p))?)
+            .map_err(|e| ck(format!("{}: invalid JSON: {e}", p.display())))?;
+        chat_template = v.get("chat_template").and_then(|t| t.as_str()).map(str::to_string);
+    }
+
+    let expert_bytes = experts.as_ref().map(|x| x.record_size * n_experts_total).unwrap_or(0);
+    let n_tensors = tensors.len();
+    let n_skipped = skipped.len();
+    let manifest = Manifest {
+        format: FORMAT_NAME.into(),
+        version: FORMAT_VERSION,
+        architecture: cfg.arch.hf_name().into(),
+        config: cfg_json,
+        quantization: QuantInfo {
+            kind: quant,
+            group_size: (quant == Quant::Int4).then_some(quant::GROUP),
+        },
+        resident: ResidentInfo { file: RESIDENT_FILE.into(), tensors },
+        experts,
+        tokenizer: "tokenizer.json".into(),
+        tokenizer_config: has_tok_cfg.then(|| "tokenizer_config.json".into()),
+        chat_template,
+        skipped_tensors: skipped,
+    };
+    let tmp = out_dir.join(format!("{MANIFEST}.tmp"));
+    let text = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
+    {
+        let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+        f.write_all(text.as_bytes()).map_err(io_err(&tmp))?;
+        f.sync_all().map_err(io_err(&tmp))?;
+    }
+    fs::rename(&tmp, &manifest_path).map_err(io_err(&manifest_path))?;
+    Ok(Summary {
+        architecture: cfg.arch.hf_name().into(),
+        resident_bytes,
+        expert_bytes,
+        tensors: n_tensors,
+        skipped: n_skipped,
+    })
+}

@@ -1,0 +1,123 @@
+//! The colibri model directory: `manifest.json`, `resident.bin` (every weight that stays in RAM)
+//! and `experts.bin` (one fixed-size, 4096-byte-aligned record per routed expert holding its gate,
+//! up and down matrices, so one read loads one expert). See docs/FORMATS.md.
+//!
+//! This module only describes the layout; `convert` writes it and `model::load` reads it.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+pub const FORMAT_NAME: &str = "colibri-model";
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST: &str = "manifest.json";
+pub const RESIDENT_FILE: &str = "resident.bin";
+pub const EXPERTS_FILE: &str = "experts.bin";
+/// Alignment of every tensor inside a file (cache lines; lets f32 data be viewed in place).
+pub const TENSOR_ALIGN: usize = 64;
+/// Alignment and size granularity of an expert record (a page, so O_DIRECT reads work).
+pub const RECORD_ALIGN: usize = 4096;
+
+/// How a tensor's bytes encode its values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// little-endian f32, row-major
+    F32,
+    /// group-wise int4, layout of `quant::quantize_q4`
+    Q4,
+}
+
+/// Weight precision chosen at conversion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Quant {
+    Int4,
+    F32,
+}
+
+impl Quant {
+    pub fn parse(s: &str) -> Option<Quant> {
+        match s {
+            "int4" => Some(Quant::Int4),
+            "f32" => Some(Quant::F32),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Quant::Int4 => "int4",
+            Quant::F32 => "f32",
+        }
+    }
+    /// The storage of a weight matrix under this quantization (vectors and routers stay f32).
+    pub fn matrix_dtype(self) -> DType {
+        match self {
+            Quant::Int4 => DType::Q4,
+            Quant::F32 => DType::F32,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TensorEntry {
+    pub dtype: DType,
+    /// `[n]` for vectors, `[rows, cols]` for matrices (a linear layer's `[out, in]`).
+    pub shape: Vec<usize>,
+    /// Byte offset in the file (resident) or inside the record (expert part).
+    pub offset: usize,
+    pub nbytes: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct QuantInfo {
+    #[serde(rename = "type")]
+    pub kind: Quant,
+    /// Weights per scale (int4 only).
+    pub group_size: Option<usize>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExpertLayer {
+    pub layer: usize,
+    /// Index of this layer's expert 0 in `experts.bin`; expert `e` is record `first_record + e`.
+    pub first_record: usize,
+    pub count: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExpertsInfo {
+    pub file: String,
+    pub record_size: usize,
+    /// `gate`, `up`, `down`: where each matrix sits inside a record.
+    pub parts: BTreeMap<String, TensorEntry>,
+    pub layers: Vec<ExpertLayer>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ResidentInfo {
+    pub file: String,
+    pub tensors: BTreeMap<String, TensorEntry>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub architecture: String,
+    /// The checkpoint's `config.json`, verbatim: the only source of shapes and options.
+    pub config: serde_json::Value,
+    pub quantization: QuantInfo,
+    pub resident: ResidentInfo,
+    pub experts: Option<ExpertsInfo>,
+    /// File names inside the model directory.
+    pub tokenizer: String,
+    pub tokenizer_config: Option<String>,
+    pub chat_template: Option<String>,
+    /// Tensors of the checkpoint deliberately not converted, with the reason (e.g. MTP layers).
+    pub skipped_tensors: BTreeMap<String, String>,
+}
+
+pub fn align_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}

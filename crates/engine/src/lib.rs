@@ -1,0 +1,24 @@
+//! colibri's inference engine: int4 Mixture-of-Experts forward passes over a converted model
+//! directory, with the PyO3 surface (`colibri._engine`) behind the `python` feature.
+//!
+//! Layout: `config` (HF config.json -> [`config::ModelConfig`]), `format` (the model directory),
+//! `convert` (checkpoint -> model directory), `quant` (int4 and its kernels), `linear` (weights
+//! and parallel matmul), `ops` (norms, rope, attention), `model` (load + forward per family),
+//! `kv` (KV history), `sampler`, `engine` (generation), `python` (bindings).
+
+pub mod config;
+pub mod convert;
+pub mod engine;
+pub mod error;
+pub mod format;
+pub mod kv;
+pub mod linear;
+pub mod model;
+pub mod ops;
+pub mod quant;
+pub mod sampler;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};

@@ -1,0 +1,147 @@
+//! Weight matrices as stored (f32 or int4) and the multi-threaded matmul over them.
+//!
+//! [`matmul_many`] runs several independent products (e.g. q, k and v; or every routed expert's
+//! gate and up) in one parallel region: the rows of all jobs are cut into chunks that the pool's
+//! threads take, so a layer costs one fork/join instead of one per matrix. Each output row is
+//! computed whole by one thread, so results do not depend on the thread count.
+
+use rayon::prelude::*;
+
+use crate::format::DType;
+use crate::quant::{self, Kernel, OutView, Q4Matrix, Q8Acts};
+
+/// A weight matrix `[rows, cols]` (a linear layer `y = W x`) inside some byte buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct Linear {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    /// Byte range in the owning buffer.
+    pub offset: usize,
+    pub nbytes: usize,
+}
+
+/// A borrowed weight matrix, ready to multiply.
+#[derive(Clone, Copy)]
+pub enum WeightRef<'a> {
+    F32(&'a [f32]),
+    Q4(Q4Matrix<'a>),
+}
+
+impl Linear {
+    pub fn view<'a>(&self, buf: &'a [u8]) -> WeightRef<'a> {
+        let bytes = &buf[self.offset..self.offset + self.nbytes];
+        match self.dtype {
+            DType::F32 => WeightRef::F32(bytemuck::cast_slice(bytes)),
+            DType::Q4 => WeightRef::Q4(
+                Q4Matrix::new(bytes, self.rows, self.cols).expect("tensor size checked at load"),
+            ),
+        }
+    }
+}
+
+impl WeightRef<'_> {
+    pub fn rows(&self) -> usize {
+        match self {
+            WeightRef::F32(w) => w.len() / self.cols(),
+            WeightRef::Q4(m) => m.rows,
+        }
+    }
+    fn cols(&self) -> usize {
+        match self {
+            WeightRef::F32(_) => unreachable!("cols of an f32 view come from the job"),
+            WeightRef::Q4(m) => m.cols,
+        }
+    }
+
+    /// Copies (dequantizes) row `r` into `out` (`cols` values): embedding lookup.
+    pub fn row(&self, r: usize, cols: usize, out: &mut [f32]) {
+        match self {
+            WeightRef::F32(w) => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
+            WeightRef::Q4(m) => m.dequantize_row(r, out),
+        }
+    }
+}
+
+/// Activations for a product: `n` rows of `cols` f32 values, plus their 8-bit form when an int4
+/// weight needs it (quantized once, shared by every job reading the same input).
+pub struct Acts {
+    pub x: Vec<f32>,
+    pub n: usize,
+    pub cols: usize,
+    q8: Q8Acts,
+    q8_ready: bool,
+}
+
+impl Acts {
+    pub fn new() -> Acts {
+        Acts { x: Vec::new(), n: 0, cols: 0, q8: Q8Acts::new(), q8_ready: false }
+    }
+
+    pub fn from_vec(x: Vec<f32>, n: usize, cols: usize) -> Acts {
+        let mut a = Acts::new();
+        a.set(x, n, cols);
+        a
+    }
+
+    /// Replaces the contents (`x` is `n x cols`).
+    pub fn set(&mut self, x: Vec<f32>, n: usize, cols: usize) {
+        assert_eq!(x.len(), n * cols);
+        self.x = x;
+        self.n = n;
+        self.cols = cols;
+        self.q8_ready = false;
+    }
+
+    /// Makes the 8-bit form available if any of `weights` is int4.
+    pub fn prepare(&mut self, needs_q8: bool) {
+        if needs_q8 && !self.q8_ready {
+            self.q8.quantize(&self.x, self.n, self.cols);
+            self.q8_ready = true;
+        }
+    }
+}
+
+impl Default for Acts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One product: `out[t][r] = W[r] . x[t]` for every token `t` of `x` and row `r` of `w`.
+pub struct Job<'a> {
+    pub w: WeightRef<'a>,
+    pub x: &'a Acts,
+    /// `x.n * rows` values, token-major.
+    pub out: &'a mut [f32],
+}
+
+fn rows_of(w: &WeightRef, x: &Acts) -> usize {
+    match w {
+        WeightRef::F32(d) => d.len() / x.cols,
+        WeightRef::Q4(m) => m.rows,
+    }
+}
+
+/// Rows per work item: enough to amortise scheduling, small enough to balance the threads.
+const CHUNK_ROWS: usize = 64;
+
+/// Runs every job, splitting rows across the current rayon pool; outputs are written in place.
+pub fn matmul_many(k: Kernel, jobs: &mut [Job]) {
+    let mut items: Vec<(WeightRef, &Acts, OutView)> = Vec::new();
+    for job in jobs.iter_mut() {
+        let rows = rows_of(&job.w, job.x);
+        debug_assert_eq!(job.out.len(), rows * job.x.n);
+        let view = OutView::new(job.out, job.x.n, rows, rows);
+        for v in view.chunks(CHUNK_ROWS) {
+            items.push((job.w, job.x, v));
+        }
+    }
+    items.into_par_iter().for_each(|(w, x, out)| match w {
+        WeightRef::F32(d) => quant::f32_matmul_into(k, d, x.cols, &x.x, out),
+        WeightRef::Q4(m) => {
+            debug_assert!(x.q8_ready, "Acts::prepare must run before an int4 product");
+            quant::q4_matmul_into(k, &m, &x.q8, out)
+        }
+    });
+}

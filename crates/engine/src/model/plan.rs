@@ -1,0 +1,128 @@
+//! The tensors a model needs, under colibri's canonical names, and where each comes from in a
+//! Hugging Face checkpoint. The per-family files fill a [`Plan`]; the converter follows it and the
+//! loader reads the same names back.
+
+use crate::config::{FfnKind, ModelConfig};
+
+/// Canonical names of the three matrices of an expert (and of any SwiGLU MLP).
+pub const MLP_PARTS: [&str; 3] = ["gate", "up", "down"];
+
+#[derive(Clone, Debug)]
+pub struct TensorSpec {
+    /// colibri's name, e.g. `layers.3.q`.
+    pub name: String,
+    /// The checkpoint's name, e.g. `model.layers.3.self_attn.q_proj.weight`.
+    pub hf: String,
+    pub shape: Vec<usize>,
+    /// A weight matrix: stored at the model's quantization. Otherwise (norms, biases, routers)
+    /// kept in f32.
+    pub matrix: bool,
+    /// Loaded if the checkpoint has it (attention biases).
+    pub optional: bool,
+}
+
+/// Where one expert's gate/up/down come from in the checkpoint.
+#[derive(Clone, Debug)]
+pub struct ExpertSource {
+    /// `model.layers.{i}.mlp.experts` — followed by either `.{e}.gate_proj.weight` (one tensor per
+    /// expert, as published checkpoints store them) or `.gate_up_proj` / `.down_proj` (fused 3-D
+    /// tensors `[E, 2*I, H]` with gate first, and `[E, H, I]`, as transformers 5 keeps them).
+    pub prefix: String,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    pub resident: Vec<TensorSpec>,
+    /// `(layer, source)` for every MoE layer, in layer order.
+    pub expert_layers: Vec<(usize, ExpertSource)>,
+}
+
+impl Plan {
+    pub fn matrix(&mut self, name: String, hf: String, rows: usize, cols: usize) {
+        self.resident.push(TensorSpec { name, hf, shape: vec![rows, cols], matrix: true, optional: false });
+    }
+    pub fn vector(&mut self, name: String, hf: String, n: usize) {
+        self.resident.push(TensorSpec { name, hf, shape: vec![n], matrix: false, optional: false });
+    }
+    pub fn optional_vector(&mut self, name: String, hf: String, n: usize) {
+        self.resident.push(TensorSpec { name, hf, shape: vec![n], matrix: false, optional: true });
+    }
+    /// A full-precision matrix (a router).
+    pub fn f32_matrix(&mut self, name: String, hf: String, rows: usize, cols: usize) {
+        self.resident.push(TensorSpec { name, hf, shape: vec![rows, cols], matrix: false, optional: false });
+    }
+}
+
+/// Embedding, final norm and output head: the same names in every supported family.
+pub fn add_embeddings(p: &mut Plan, c: &ModelConfig) {
+    p.matrix("embed".into(), "model.embed_tokens.weight".into(), c.vocab_size, c.hidden_size);
+    p.vector("norm".into(), "model.norm.weight".into(), c.hidden_size);
+    if !c.tie_word_embeddings {
+        p.matrix("lm_head".into(), "lm_head.weight".into(), c.vocab_size, c.hidden_size);
+    }
+}
+
+/// The attention projections of layer `i` (biases optional), plus its two RMSNorms.
+pub fn add_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
+    let h = c.hidden_size;
+    let hf = |s: &str| format!("model.layers.{i}.{s}");
+    let n = |s: &str| format!("layers.{i}.{s}");
+    p.vector(n("attn_norm"), hf("input_layernorm.weight"), h);
+    p.vector(n("ffn_norm"), hf("post_attention_layernorm.weight"), h);
+    for (name, rows, cols) in [("q", c.q_dim(), h), ("k", c.kv_dim(), h), ("v", c.kv_dim(), h), ("o", h, c.q_dim())] {
+        p.matrix(n(name), hf(&format!("self_attn.{name}_proj.weight")), rows, cols);
+        p.optional_vector(n(&format!("{name}_bias")), hf(&format!("self_attn.{name}_proj.bias")), rows);
+    }
+}
+
+/// q/k RMSNorm weights of layer `i`, with lengths `q_len` and `k_len`.
+pub fn add_qk_norm(p: &mut Plan, i: usize, q_len: usize, k_len: usize) {
+    p.vector(format!("layers.{i}.q_norm"), format!("model.layers.{i}.self_attn.q_norm.weight"), q_len);
+    p.vector(format!("layers.{i}.k_norm"), format!("model.layers.{i}.self_attn.k_norm.weight"), k_len);
+}
+
+/// A SwiGLU MLP: canonical `{name}.gate|up|down` from `{hf_prefix}.gate_proj.weight` etc.
+pub fn add_mlp(p: &mut Plan, name: &str, hf_prefix: &str, hidden: usize, inter: usize) {
+    p.matrix(format!("{name}.gate"), format!("{hf_prefix}.gate_proj.weight"), inter, hidden);
+    p.matrix(format!("{name}.up"), format!("{hf_prefix}.up_proj.weight"), inter, hidden);
+    p.matrix(format!("{name}.down"), format!("{hf_prefix}.down_proj.weight"), hidden, inter);
+}
+
+/// The feed-forward block of layer `i`: a dense MLP, or a router plus routed experts.
+pub fn add_ffn(p: &mut Plan, c: &ModelConfig, i: usize) {
+    match c.layers[i] {
+        FfnKind::Dense => add_mlp(
+            p,
+            &format!("layers.{i}.mlp"),
+            &format!("model.layers.{i}.mlp"),
+            c.hidden_size,
+            c.intermediate_size,
+        ),
+        FfnKind::Moe => {
+            p.f32_matrix(
+                format!("layers.{i}.router"),
+                format!("model.layers.{i}.mlp.gate.weight"),
+                c.num_experts,
+                c.hidden_size,
+            );
+            p.expert_layers.push((i, ExpertSource { prefix: format!("model.layers.{i}.mlp.experts") }));
+        }
+    }
+}
+
+/// Names of checkpoint tensors that are deliberately not converted, with the reason.
+pub fn skip_reason(c: &ModelConfig, hf: &str) -> Option<String> {
+    if hf.ends_with("rotary_emb.inv_freq") {
+        return Some("recomputed from config".into());
+    }
+    let layer: Option<usize> = hf
+        .strip_prefix("model.layers.")
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|s| s.parse().ok());
+    match layer {
+        Some(l) if l >= c.num_layers => {
+            Some(format!("layer {l} is past num_hidden_layers (multi-token-prediction head, not used)"))
+        }
+        _ => None,
+    }
+}

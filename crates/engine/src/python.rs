@@ -1,0 +1,195 @@
+//! The PyO3 module `colibri._engine`: the only place that knows about Python.
+//!
+//! Long calls (load, forward, each generated token, conversion) release the GIL. The typed,
+//! documented Python API (`colibri.Engine`) wraps these in `python/colibri/engine.py`.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::convert;
+use crate::engine::{GenerateOptions, Generation};
+use crate::error::Error;
+use crate::format::Quant;
+use crate::kv::KvCache;
+use crate::model::Model as RsModel;
+use crate::quant::Kernel;
+
+fn to_py(e: Error) -> PyErr {
+    match e {
+        Error::Input(m) => PyValueError::new_err(m),
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+#[pyclass(frozen, module = "colibri._engine")]
+struct Model {
+    inner: Arc<RsModel>,
+}
+
+#[pymethods]
+impl Model {
+    #[new]
+    #[pyo3(signature = (path, threads=None, kernel=None))]
+    fn new(py: Python<'_>, path: PathBuf, threads: Option<usize>, kernel: Option<String>) -> PyResult<Model> {
+        let kernel = match kernel {
+            None => None,
+            Some(name) => {
+                let k = Kernel::from_name(&name).ok_or_else(|| {
+                    PyValueError::new_err(format!("unknown kernel `{name}` (scalar, avx2, avx512)"))
+                })?;
+                if !k.available() {
+                    return Err(PyValueError::new_err(format!("kernel `{name}` is not available on this CPU")));
+                }
+                Some(k)
+            }
+        };
+        let mut m = py.detach(|| RsModel::load(&path, threads)).map_err(to_py)?;
+        if let Some(k) = kernel {
+            m.set_kernel(k);
+        }
+        Ok(Model { inner: Arc::new(m) })
+    }
+
+    /// Architecture, sizes, quantization and the compute kernel in use.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = &self.inner;
+        let c = &m.cfg;
+        let d = PyDict::new(py);
+        d.set_item("architecture", c.arch.hf_name())?;
+        d.set_item("vocab_size", c.vocab_size)?;
+        d.set_item("context_length", c.max_positions)?;
+        d.set_item("quantization", m.manifest.quantization.kind.name())?;
+        d.set_item("hidden_size", c.hidden_size)?;
+        d.set_item("num_layers", c.num_layers)?;
+        d.set_item("num_experts", c.num_experts)?;
+        d.set_item("experts_per_token", c.top_k)?;
+        d.set_item("kernel", m.kernel().name())?;
+        d.set_item("threads", m.threads())?;
+        d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
+        d.set_item("bos_token_id", c.bos_token_id)?;
+        d.set_item("chat_template", m.manifest.chat_template.clone())?;
+        d.set_item("tokenizer", m.manifest.tokenizer.clone())?;
+        d.set_item("tokenizer_config", m.manifest.tokenizer_config.clone())?;
+        d.set_item("kv_bytes_per_token", m.new_cache().bytes_per_token())?;
+        Ok(d)
+    }
+
+    /// Logits of every position of `ids` from an empty context: `len(ids) * vocab` f32, little-endian.
+    fn logits<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyBytes>> {
+        let m = self.inner.clone();
+        let out = py
+            .detach(move || {
+                let mut kv = m.new_cache();
+                m.forward(&ids, &mut kv, true)
+            })
+            .map_err(to_py)?;
+        Ok(PyBytes::new(py, bytemuck::cast_slice(&out)))
+    }
+
+    #[pyo3(signature = (ids, max_tokens, temperature=0.0, top_p=1.0, stop_token_ids=Vec::new(), seed=None))]
+    fn generate(
+        &self,
+        ids: Vec<u32>,
+        max_tokens: usize,
+        temperature: f32,
+        top_p: f32,
+        stop_token_ids: Vec<u32>,
+        seed: Option<u64>,
+    ) -> PyResult<TokenStream> {
+        let opts = GenerateOptions { max_tokens, temperature, top_p, stop_token_ids, seed };
+        let gen = Generation::new(ids, opts).map_err(to_py)?;
+        let kv = self.inner.new_cache();
+        Ok(TokenStream { model: self.inner.clone(), state: Arc::new(Mutex::new((gen, kv))) })
+    }
+}
+
+/// Tokens of one generation, computed one per `__next__` with the GIL released.
+#[pyclass(frozen, module = "colibri._engine")]
+struct TokenStream {
+    model: Arc<RsModel>,
+    state: Arc<Mutex<(Generation, KvCache)>>,
+}
+
+#[pymethods]
+impl TokenStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<u32>> {
+        let model = self.model.clone();
+        let state = self.state.clone();
+        py.detach(move || {
+            let mut guard = state.lock().map_err(|_| PyRuntimeError::new_err("generation state poisoned"))?;
+            let (gen, kv) = &mut *guard;
+            gen.next_token(&model, kv).map_err(to_py)
+        })
+    }
+}
+
+/// Converts a Hugging Face checkpoint directory; returns a summary dict.
+#[pyfunction]
+#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false))]
+fn convert_checkpoint<'py>(
+    py: Python<'py>,
+    hf_dir: PathBuf,
+    out_dir: PathBuf,
+    quant: &str,
+    progress: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let q = Quant::parse(quant)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)")))?;
+    let summary = py
+        .detach(|| {
+            let mut report = |done: usize, total: usize, what: &str| {
+                if progress {
+                    use std::io::Write;
+                    let pct = if total == 0 { 100 } else { done * 100 / total };
+                    let mut e = std::io::stderr().lock();
+                    let _ = write!(e, "\r\x1b[2Kconverting {pct:3}% ({done}/{total}) {what}");
+                    if done == total {
+                        let _ = writeln!(e);
+                    }
+                }
+            };
+            convert::convert(&hf_dir, &out_dir, q, &mut report)
+        })
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("architecture", summary.architecture)?;
+    d.set_item("resident_bytes", summary.resident_bytes)?;
+    d.set_item("expert_bytes", summary.expert_bytes)?;
+    d.set_item("tensors", summary.tensors)?;
+    d.set_item("skipped_tensors", summary.skipped)?;
+    Ok(d)
+}
+
+/// Name of the kernel chosen for this CPU (after any `COLI_KERNEL` override).
+#[pyfunction]
+fn default_kernel() -> &'static str {
+    crate::quant::kernel().name()
+}
+
+/// Kernels this CPU can run.
+#[pyfunction]
+fn available_kernels() -> Vec<&'static str> {
+    [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512Vnni]
+        .into_iter()
+        .filter(|k| k.available())
+        .map(|k| k.name())
+        .collect()
+}
+
+#[pymodule]
+fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Model>()?;
+    m.add_class::<TokenStream>()?;
+    m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(default_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,475 @@
+//! The int4 format: layout arithmetic, quantization, dequantization (see the module doc of
+//! `quant` for the layout).
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::QuantError;
+
+/// Weights per scale group.
+pub const GROUP: usize = 32;
+
+/// `cols` rounded up to a multiple of [`GROUP`].
+pub fn q4_padded_cols(cols: usize) -> usize {
+    cols.div_ceil(GROUP) * GROUP
+}
+
+/// Byte offset of the scales: the nibbles rounded up to a multiple of 64 bytes.
+pub fn q4_scales_offset(rows: usize, cols: usize) -> usize {
+    (rows * q4_padded_cols(cols) / 2).next_multiple_of(64)
+}
+
+/// Total bytes of a `rows x cols` int4 matrix.
+pub fn q4_byte_len(rows: usize, cols: usize) -> usize {
+    q4_scales_offset(rows, cols) + rows * (q4_padded_cols(cols) / GROUP) * 2
+}
+
+fn checked_layout(rows: usize, cols: usize) -> Option<(usize, usize)> {
+    let kp = cols.checked_next_multiple_of(GROUP)?;
+    let nib = rows.checked_mul(kp / 2)?;
+    let off = nib.checked_next_multiple_of(64)?;
+    let len = off.checked_add(rows.checked_mul(kp / GROUP * 2)?)?;
+    Some((off, len))
+}
+
+/// Quantizes one group of 32 to nibbles `q` (0..=15, weight `(q - 8) * d`) for the inverse scale
+/// `is` with llama.cpp Q4_0's rounding (round half up, clamp).
+#[inline]
+fn quant_with(x: &[f32; GROUP], is: f32, q: &mut [u8; GROUP]) {
+    for (qi, &v) in q.iter_mut().zip(x) {
+        // `as i32` truncates toward zero and saturates; with the clamp that equals floor().
+        *qi = ((v * is + 8.5) as i32).clamp(0, 15) as u8;
+    }
+}
+
+#[inline]
+fn group_err(x: &[f32; GROUP], q: &[u8; GROUP], d: f32) -> f32 {
+    let mut e = 0.0f32;
+    for (&v, &qi) in x.iter().zip(q) {
+        let r = v - (qi as f32 - 8.0) * d;
+        e += r * r;
+    }
+    e
+}
+
+/// Least-squares scale for fixed nibbles, rounded to f16.
+#[inline]
+fn ls_scale(x: &[f32; GROUP], q: &[u8; GROUP]) -> Option<f16> {
+    let (mut sxq, mut sqq) = (0.0f32, 0.0f32);
+    for (&v, &qi) in x.iter().zip(q) {
+        let c = qi as f32 - 8.0;
+        sxq += v * c;
+        sqq += c * c;
+    }
+    (sqq > 0.0).then(|| f16::from_f32(sxq / sqq))
+}
+
+/// Target positions (in units of the step) of the group's largest-magnitude weight tried by the
+/// scale search: negative ones put it on the -8 side (like Q4_0), positive ones on the +7 side;
+/// beyond the ends it is clipped.
+const CANDIDATES: [f32; 16] = [
+    -8.75, -8.5, -8.25, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, 6.5, 6.75, 7.0, 7.25, 7.5, 7.75,
+    8.0,
+];
+
+/// Q4_0 round-to-nearest of one group, as llama.cpp does it: `d = max / -8` (max = the value of
+/// largest magnitude), `q = min(15, trunc(x / d + 8.5))`, `d` stored as f16.
+fn rtn_group(x: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
+    let (mut amax, mut m) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            m = v;
+        }
+    }
+    let d = m / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    quant_with(x, id, q);
+    f16::from_f32(d)
+}
+
+/// Quantizes one group, minimising the squared error over a small set of scales (which includes
+/// the Q4_0 round-to-nearest choice, so it is never worse than that).
+fn quantize_group(x: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
+    let (mut amax, mut m) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            m = v;
+        }
+    }
+    if amax == 0.0 || !amax.is_finite() {
+        // All zero (or not finite: give up on the group rather than emit NaN scales).
+        q.fill(8);
+        return f16::ZERO;
+    }
+    let mut best_d = rtn_group(x, q);
+    let mut best_e = group_err(x, q, best_d.to_f32());
+    let mut cand = [0u8; GROUP];
+    let try_q = |cand: &[u8; GROUP], q: &mut [u8; GROUP], best_d: &mut f16, best_e: &mut f32| {
+        if let Some(d) = ls_scale(x, cand) {
+            let e = group_err(x, cand, d.to_f32());
+            if e < *best_e {
+                *best_e = e;
+                *best_d = d;
+                *q = *cand;
+            }
+        }
+    };
+    for c in CANDIDATES {
+        quant_with(x, c / m, &mut cand);
+        try_q(&cand, q, &mut best_d, &mut best_e);
+    }
+    // Two rounds of alternating refinement: re-round with the best scale, refit the scale.
+    for _ in 0..2 {
+        let d = best_d.to_f32();
+        if d == 0.0 {
+            break;
+        }
+        quant_with(x, 1.0 / d, &mut cand);
+        if cand == *q {
+            break;
+        }
+        try_q(&cand, q, &mut best_d, &mut best_e);
+    }
+    best_d
+}
+
+fn pack_group(q: &[u8; GROUP], out: &mut [u8]) {
+    for j in 0..GROUP / 2 {
+        out[j] = q[j] | (q[j + GROUP / 2] << 4);
+    }
+}
+
+fn quantize_with(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    f: fn(&[f32; GROUP], &mut [u8; GROUP]) -> f16,
+) -> Vec<u8> {
+    assert_eq!(w.len(), rows * cols, "quantize_q4: w has {} floats, not {rows}x{cols}", w.len());
+    let (off, len) = checked_layout(rows, cols).expect("quantize_q4: shape too large");
+    let mut out = vec![0u8; len];
+    if rows == 0 || cols == 0 {
+        return out;
+    }
+    let kp = q4_padded_cols(cols);
+    let groups = kp / GROUP;
+    let (nib, rest) = out.split_at_mut(off);
+    let scales = &mut rest[..rows * groups * 2];
+    nib[..rows * kp / 2]
+        .par_chunks_mut(kp / 2)
+        .zip(scales.par_chunks_mut(groups * 2))
+        .zip(w.par_chunks(cols))
+        .for_each(|((nrow, srow), wrow)| {
+            let mut x = [0.0f32; GROUP];
+            let mut q = [0u8; GROUP];
+            for g in 0..groups {
+                let lo = g * GROUP;
+                let hi = (lo + GROUP).min(cols);
+                x.fill(0.0);
+                x[..hi - lo].copy_from_slice(&wrow[lo..hi]);
+                let d = f(&x, &mut q);
+                pack_group(&q, &mut nrow[g * 16..g * 16 + 16]);
+                srow[g * 2..g * 2 + 2].copy_from_slice(&d.to_le_bytes());
+            }
+        });
+    out
+}
+
+/// Quantizes `w` (`rows x cols`, row-major) to the int4 layout, choosing each group's scale to
+/// minimise the squared error (never worse than Q4_0 round-to-nearest). Parallel over rows.
+pub fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Vec<u8> {
+    quantize_with(w, rows, cols, quantize_group)
+}
+
+/// Plain llama.cpp Q4_0 round-to-nearest into the same layout (a baseline for comparisons).
+pub fn quantize_q4_0_rtn(w: &[f32], rows: usize, cols: usize) -> Vec<u8> {
+    quantize_with(w, rows, cols, rtn_group)
+}
+
+/// An int4 matrix borrowed from a byte buffer (any alignment).
+#[derive(Clone, Copy)]
+pub struct Q4Matrix<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    bytes: &'a [u8],
+    kp: usize,
+    scales_off: usize,
+}
+
+impl std::fmt::Debug for Q4Matrix<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Q4Matrix")
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Q4Matrix<'a> {
+    /// Checks that `bytes` has exactly `q4_byte_len(rows, cols)` bytes.
+    pub fn new(bytes: &'a [u8], rows: usize, cols: usize) -> Result<Self, QuantError> {
+        let (off, len) = checked_layout(rows, cols).ok_or(QuantError::Shape { rows, cols })?;
+        if bytes.len() != len {
+            return Err(QuantError::Length {
+                rows,
+                cols,
+                expected: len,
+                actual: bytes.len(),
+            });
+        }
+        Ok(Q4Matrix {
+            rows,
+            cols,
+            bytes,
+            kp: q4_padded_cols(cols),
+            scales_off: off,
+        })
+    }
+
+    /// The whole buffer.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// Groups of 32 per row.
+    pub fn groups(&self) -> usize {
+        self.kp / GROUP
+    }
+
+    /// Nibbles of row `r`: `groups() * 16` bytes.
+    pub fn row_nibbles(&self, r: usize) -> &'a [u8] {
+        &self.bytes[r * self.kp / 2..(r + 1) * self.kp / 2]
+    }
+
+    /// Scales of row `r`: `groups()` little-endian f16, as `groups() * 2` bytes.
+    pub fn row_scales(&self, r: usize) -> &'a [u8] {
+        let g = self.groups();
+        &self.bytes[self.scales_off + r * g * 2..self.scales_off + (r + 1) * g * 2]
+    }
+
+    /// Scale of group `g` of row `r`.
+    pub fn scale(&self, r: usize, g: usize) -> f32 {
+        let s = self.row_scales(r);
+        f16::from_le_bytes([s[2 * g], s[2 * g + 1]]).to_f32()
+    }
+
+    /// Dequantizes row `r` into `out` (`out.len() == cols`).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows, "dequantize_row: row {r} of {}", self.rows);
+        assert_eq!(out.len(), self.cols, "dequantize_row: out.len() != cols");
+        let nib = self.row_nibbles(r);
+        let mut buf = [0.0f32; GROUP];
+        for (g, chunk) in out.chunks_mut(GROUP).enumerate() {
+            let d = self.scale(r, g);
+            for j in 0..GROUP / 2 {
+                let b = nib[g * 16 + j];
+                buf[j] = ((b & 15) as f32 - 8.0) * d;
+                buf[j + 16] = ((b >> 4) as f32 - 8.0) * d;
+            }
+            chunk.copy_from_slice(&buf[..chunk.len()]);
+        }
+    }
+
+    /// The whole matrix as f32, `rows x cols` row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        if self.cols > 0 {
+            for (r, row) in out.chunks_mut(self.cols).enumerate() {
+                self.dequantize_row(r, row);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic Gaussian-ish numbers (xorshift + Box-Muller).
+    pub(crate) fn gauss(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        (0..n)
+            .map(|_| {
+                let (u, v) = (next(), next());
+                ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+            })
+            .collect()
+    }
+
+    fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+        let num: f64 = a.iter().zip(b).map(|(&x, &y)| ((x - y) as f64).powi(2)).sum();
+        let den: f64 = a.iter().map(|&x| (x as f64).powi(2)).sum();
+        (num / den).sqrt()
+    }
+
+    #[test]
+    fn layout_lengths() {
+        assert_eq!(q4_padded_cols(0), 0);
+        assert_eq!(q4_padded_cols(1), 32);
+        assert_eq!(q4_padded_cols(64), 64);
+        assert_eq!(q4_padded_cols(72), 96);
+        // 3 rows x 72 cols: 3 * 48 = 144 nibble bytes -> 192, + 3 * 3 * 2 scales.
+        assert_eq!(q4_scales_offset(3, 72), 192);
+        assert_eq!(q4_byte_len(3, 72), 192 + 18);
+        assert_eq!(q4_byte_len(2048, 1024), 2048 * 512 + 2048 * 32 * 2);
+        assert_eq!(q4_byte_len(0, 100), 0);
+        assert!(checked_layout(usize::MAX / 2, 64).is_none());
+    }
+
+    #[test]
+    fn new_checks_length_and_accepts_any_alignment() {
+        let w = gauss(5 * 40, 1);
+        let bytes = quantize_q4(&w, 5, 40);
+        assert_eq!(bytes.len(), q4_byte_len(5, 40));
+        assert!(matches!(
+            Q4Matrix::new(&bytes[1..], 5, 40),
+            Err(QuantError::Length { .. })
+        ));
+        assert!(matches!(
+            Q4Matrix::new(&bytes, 5, 41),
+            Ok(_) // 41 pads to 64 like 40: same layout
+        ));
+        assert!(matches!(
+            Q4Matrix::new(&bytes, 6, 40),
+            Err(QuantError::Length { .. })
+        ));
+        assert!(matches!(
+            Q4Matrix::new(&[], usize::MAX, 64),
+            Err(QuantError::Shape { .. })
+        ));
+        let reference = Q4Matrix::new(&bytes, 5, 40).unwrap().dequantize();
+        for shift in 1..4 {
+            let mut buf = vec![0u8; bytes.len() + shift];
+            buf[shift..].copy_from_slice(&bytes);
+            let m = Q4Matrix::new(&buf[shift..], 5, 40).unwrap();
+            assert_eq!(m.dequantize(), reference);
+        }
+    }
+
+    #[test]
+    fn roundtrip_error_bounds() {
+        for &(rows, cols) in &[(1, 32), (3, 72), (17, 40), (8, 200), (64, 256)] {
+            let w = gauss(rows * cols, (rows * 1000 + cols) as u64);
+            let bytes = quantize_q4(&w, rows, cols);
+            let m = Q4Matrix::new(&bytes, rows, cols).unwrap();
+            let d = m.dequantize();
+            let mut row = vec![0.0; cols];
+            for r in 0..rows {
+                m.dequantize_row(r, &mut row);
+                assert_eq!(row, d[r * cols..(r + 1) * cols]);
+                for (g, (wg, dg)) in w[r * cols..(r + 1) * cols]
+                    .chunks(GROUP)
+                    .zip(row.chunks(GROUP))
+                    .enumerate()
+                {
+                    let amax = wg.iter().fold(0.0f32, |a, &v| a.max(v.abs()));
+                    let s = m.scale(r, g).abs();
+                    assert!(s <= amax / 6.0 + 1e-6, "scale {s} for amax {amax}");
+                    for (&a, &b) in wg.iter().zip(dg) {
+                        // Each weight is within one step of the grid, clipping included.
+                        assert!((a - b).abs() <= amax / 6.0, "{a} vs {b} (amax {amax})");
+                    }
+                }
+            }
+            let e = rel_err(&w, &d);
+            assert!(e < 0.12, "{rows}x{cols}: relative error {e}");
+        }
+    }
+
+    #[test]
+    fn never_worse_than_q4_0_rtn() {
+        let (rows, cols) = (256, 1024);
+        let mut tot = (0.0, 0.0);
+        for seed in 0..3 {
+            let w = gauss(rows * cols, 100 + seed);
+            let ours = Q4Matrix::new(&quantize_q4(&w, rows, cols), rows, cols)
+                .unwrap()
+                .dequantize();
+            let rtn = Q4Matrix::new(&quantize_q4_0_rtn(&w, rows, cols), rows, cols)
+                .unwrap()
+                .dequantize();
+            let (eo, er) = (rel_err(&w, &ours), rel_err(&w, &rtn));
+            // Per group as well: the search includes the RTN choice.
+            for (g, ((wg, og), rg)) in w
+                .chunks(GROUP)
+                .zip(ours.chunks(GROUP))
+                .zip(rtn.chunks(GROUP))
+                .enumerate()
+            {
+                let e = |d: &[f32]| -> f32 { wg.iter().zip(d).map(|(a, b)| (a - b) * (a - b)).sum() };
+                assert!(e(og) <= e(rg) * (1.0 + 1e-5) + 1e-12, "group {g}");
+            }
+            assert!(eo <= er, "ours {eo} > rtn {er}");
+            tot.0 += eo / 3.0;
+            tot.1 += er / 3.0;
+        }
+        println!(
+            "relative Frobenius error on N(0,1) {rows}x{cols} (mean of 3): ours {:.5}, Q4_0 RTN {:.5}",
+            tot.0, tot.1
+        );
+        assert!(tot.0 < tot.1 * 0.97, "search should measurably beat RTN");
+    }
+
+    #[test]
+    fn zero_rows_and_padding_are_zero() {
+        let (rows, cols) = (3, 72);
+        let mut w = gauss(rows * cols, 7);
+        w[cols..2 * cols].fill(0.0); // row 1 all zero
+        let bytes = quantize_q4(&w, rows, cols);
+        let m = Q4Matrix::new(&bytes, rows, cols).unwrap();
+        let mut row = vec![1.0; cols];
+        m.dequantize_row(1, &mut row);
+        assert!(row.iter().all(|&v| v == 0.0));
+        assert!(m.row_scales(1).iter().all(|&b| b == 0));
+        // Padding columns 72..96 of every row hold q = 8 (weight 0).
+        for r in 0..rows {
+            let nib = m.row_nibbles(r);
+            for j in 72 - 64..16 {
+                assert_eq!(nib[2 * 16 + j] >> 4, 8, "row {r} col {}", 64 + 16 + j);
+            }
+            for j in 8..16 {
+                assert_eq!(nib[2 * 16 + j] & 15, 8, "row {r} col {}", 64 + j);
+            }
+        }
+        // Bytes between the nibbles and the scales are zero.
+        let off = q4_scales_offset(rows, cols);
+        assert!(bytes[rows * 48..off].iter().all(|&b| b == 0));
+        // An all-zero matrix dequantizes to zeros.
+        let z = quantize_q4(&vec![0.0; 17 * 40], 17, 40);
+        assert!(Q4Matrix::new(&z, 17, 40)
+            .unwrap()
+            .dequantize()
+            .iter()
+            .all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn nibble_order_within_group() {
+        // Weights j - 8 for j in 0..16 then 7 - j: exactly representable with scale 1.
+        let mut w = vec![0.0f32; 32];
+        for j in 0..16 {
+            w[j] = j as f32 - 8.0;
+            w[j + 16] = 7.0 - j as f32;
+        }
+        let b = quantize_q4(&w, 1, 32);
+        let m = Q4Matrix::new(&b, 1, 32).unwrap();
+        assert_eq!(m.dequantize(), w);
+        let nib = m.row_nibbles(0);
+        let s = m.scale(0, 0);
+        for j in 0..16 {
+            let lo = (nib[j] & 15) as f32 - 8.0;
+            let hi = (nib[j] >> 4) as f32 - 8.0;
+            assert_eq!(lo * s, w[j]);
+            assert_eq!(hi * s, w[j + 16]);
+        }
+    }
+}

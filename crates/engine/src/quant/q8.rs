@@ -1,0 +1,261 @@
+//! Activations quantized to 8 bits per group of 32, in the order the kernels read them.
+//!
+//! Per activation vector, with `gp` = groups rounded up to a multiple of 8 (the padding groups
+//! are all zero):
+//! * `qs`: `gp * 32` i8 in blocks of 4 groups (128 bytes): `[g0 0..16][g1 0..16][g2 0..16]
+//!   [g3 0..16][g0 16..32][g1 16..32][g2 16..32][g3 16..32]`, i.e. the low halves of the 4 groups
+//!   then their high halves, matching the low and high nibbles of 64 bytes of int4 weights;
+//! * `corr`: 4 i32 per group, each `-2 * sum(q of the group)` (together the `-8 * sum` that
+//!   undoes the int4 offset);
+//! * `dexp`: 4 f32 per group, each the group's scale.
+//!
+//! The kernels reduce each group in 4 i32 lanes, which is why `corr` and `dexp` come 4 per group.
+//! All three arrays start 64-byte aligned, and so does every vector within them.
+
+use super::GROUP;
+
+/// 64 bytes, 64-byte aligned: the allocation unit of [`AVec`].
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Plain numeric types that any bit pattern (and all-zero) is valid for.
+///
+/// # Safety
+/// Implementors have no padding, no invalid bit patterns and alignment <= 64.
+unsafe trait Pod: Copy {}
+// SAFETY: i8, i32 and f32 have no padding and no invalid bit patterns; alignment <= 4.
+unsafe impl Pod for i8 {}
+// SAFETY: as above.
+unsafe impl Pod for i32 {}
+// SAFETY: as above.
+unsafe impl Pod for f32 {}
+
+/// A 64-byte aligned, zero-initialised growable array of `T`.
+struct AVec<T: Pod> {
+    lines: Vec<Line>,
+    len: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T: Pod> AVec<T> {
+    fn new() -> Self {
+        AVec {
+            lines: Vec::new(),
+            len: 0,
+            _t: std::marker::PhantomData,
+        }
+    }
+
+    /// Sets the length to `len` elements; the contents are unspecified (but valid) afterwards.
+    fn set_len(&mut self, len: usize) {
+        let bytes = len * std::mem::size_of::<T>();
+        let nl = bytes.div_ceil(64);
+        if self.lines.len() < nl {
+            self.lines.resize(nl, Line([0; 64]));
+        }
+        self.len = len;
+    }
+
+    fn as_slice(&self) -> &[T] {
+        // SAFETY: `lines` holds at least len * size_of::<T>() initialised bytes (set_len), its
+        // pointer is 64-byte aligned >= align_of::<T>() (Pod), and any bytes are a valid T.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<T>(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as in as_slice, and `&mut self` gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<T>(), self.len) }
+    }
+}
+
+/// `n` activation vectors of `cols` values each, quantized to i8 per group of 32 with an f32
+/// scale per group (plus the per-group sums the int4 kernels need). Reuses its allocation.
+pub struct Q8Acts {
+    n: usize,
+    cols: usize,
+    /// Groups per vector, padded to a multiple of 8.
+    gp: usize,
+    qs: AVec<i8>,
+    corr: AVec<i32>,
+    dexp: AVec<f32>,
+}
+
+impl Default for Q8Acts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Borrowed data of one activation vector (see the module doc for the layout).
+#[derive(Clone, Copy)]
+pub(crate) struct TokenActs<'a> {
+    pub qs: &'a [i8],
+    pub corr: &'a [i32],
+    pub dexp: &'a [f32],
+}
+
+impl Q8Acts {
+    pub fn new() -> Self {
+        Q8Acts {
+            n: 0,
+            cols: 0,
+            gp: 0,
+            qs: AVec::new(),
+            corr: AVec::new(),
+            dexp: AVec::new(),
+        }
+    }
+
+    /// Number of activation vectors.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Values per activation vector.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Groups per vector as stored (a multiple of 8, covering `cols`).
+    pub(crate) fn padded_groups(&self) -> usize {
+        self.gp
+    }
+
+    /// Quantizes `x` (`n x cols`, row-major).
+    pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) {
+        assert_eq!(x.len(), n * cols, "Q8Acts::quantize: x has {} floats, not {n}x{cols}", x.len());
+        let groups = cols.div_ceil(GROUP);
+        let gp = groups.next_multiple_of(8);
+        self.n = n;
+        self.cols = cols;
+        self.gp = gp;
+        self.qs.set_len(n * gp * GROUP);
+        self.corr.set_len(n * gp * 4);
+        self.dexp.set_len(n * gp * 4);
+        if n == 0 || gp == 0 {
+            return;
+        }
+        let qs = self.qs.as_mut_slice();
+        let corr = self.corr.as_mut_slice();
+        let dexp = self.dexp.as_mut_slice();
+        for t in 0..n {
+            let xt = &x[t * cols..(t + 1) * cols];
+            let qs = &mut qs[t * gp * GROUP..(t + 1) * gp * GROUP];
+            let corr = &mut corr[t * gp * 4..(t + 1) * gp * 4];
+            let dexp = &mut dexp[t * gp * 4..(t + 1) * gp * 4];
+            let mut buf = [0.0f32; GROUP];
+            for g in 0..gp {
+                let lo = (g * GROUP).min(cols);
+                let hi = ((g + 1) * GROUP).min(cols);
+                buf.fill(0.0);
+                buf[..hi - lo].copy_from_slice(&xt[lo..hi]);
+                let (q, d) = quantize_group(&buf);
+                let (blk, i) = (g / 4, g % 4);
+                let base = blk * 128 + i * 16;
+                qs[base..base + 16].copy_from_slice(&q[..16]);
+                qs[base + 64..base + 80].copy_from_slice(&q[16..]);
+                let sum: i32 = q.iter().map(|&v| v as i32).sum();
+                corr[g * 4..g * 4 + 4].fill(-2 * sum);
+                dexp[g * 4..g * 4 + 4].fill(d);
+            }
+        }
+    }
+
+    /// The data of vector `t`.
+    pub(crate) fn token(&self, t: usize) -> TokenActs<'_> {
+        let gp = self.gp;
+        TokenActs {
+            qs: &self.qs.as_slice()[t * gp * GROUP..(t + 1) * gp * GROUP],
+            corr: &self.corr.as_slice()[t * gp * 4..(t + 1) * gp * 4],
+            dexp: &self.dexp.as_slice()[t * gp * 4..(t + 1) * gp * 4],
+        }
+    }
+
+    /// Quantized value `j` of group `g` of vector `t` (j < 32).
+    pub(crate) fn q_at(a: &TokenActs, g: usize, j: usize) -> i8 {
+        let base = (g / 4) * 128 + (g % 4) * 16;
+        if j < 16 {
+            a.qs[base + j]
+        } else {
+            a.qs[base + 64 + j - 16]
+        }
+    }
+
+    /// Vector `t` dequantized (`cols` values): what the kernels actually multiply with.
+    pub fn dequantize(&self, t: usize) -> Vec<f32> {
+        assert!(t < self.n);
+        let a = self.token(t);
+        (0..self.cols)
+            .map(|c| Self::q_at(&a, c / GROUP, c % GROUP) as f32 * a.dexp[(c / GROUP) * 4])
+            .collect()
+    }
+}
+
+/// Symmetric 8-bit quantization of one group: scale `amax / 127`, round to nearest (even).
+fn quantize_group(x: &[f32; GROUP]) -> ([i8; GROUP], f32) {
+    let amax = x.iter().fold(0.0f32, |a, &v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut q = [0i8; GROUP];
+    // 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to nearest, ties to even.
+    const MAGIC: f32 = 12_582_912.0;
+    for (qi, &v) in q.iter_mut().zip(x) {
+        let r = (v * id + MAGIC) - MAGIC;
+        *qi = r.clamp(-127.0, 127.0) as i8;
+    }
+    (q, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_awkward_cols_roundtrip_and_layout() {
+        let mut a = Q8Acts::new();
+        for &(n, cols) in &[(1, 72), (3, 40), (5, 200), (8, 32), (2, 1), (4, 300), (1, 1024)] {
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
+                .collect();
+            a.quantize(&x, n, cols);
+            assert_eq!((a.n(), a.cols()), (n, cols));
+            let gp = a.padded_groups();
+            assert_eq!(gp % 8, 0);
+            assert!(gp * GROUP >= cols);
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let d = a.dequantize(t);
+                let tok = a.token(t);
+                for (g, (xg, dg)) in xt.chunks(GROUP).zip(d.chunks(GROUP)).enumerate() {
+                    let amax = xg.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
+                    let scale = tok.dexp[g * 4];
+                    assert!((scale - amax / 127.0).abs() <= 1e-6 * amax);
+                    for (&u, &v) in xg.iter().zip(dg) {
+                        assert!((u - v).abs() <= scale * 0.5 * (1.0 + 1e-5), "{u} vs {v}");
+                    }
+                    let sum: i32 = (0..GROUP).map(|j| Q8Acts::q_at(&tok, g, j) as i32).sum();
+                    assert!(tok.corr[g * 4..g * 4 + 4].iter().all(|&c| c == -2 * sum));
+                    assert!(tok.dexp[g * 4..g * 4 + 4].iter().all(|&s| s == scale));
+                }
+                // Everything past cols is zero: padding columns and padding groups.
+                for c in cols..gp * GROUP {
+                    assert_eq!(Q8Acts::q_at(&tok, c / GROUP, c % GROUP), 0, "col {c}");
+                }
+                for g in cols.div_ceil(GROUP)..gp {
+                    assert!(tok.corr[g * 4..g * 4 + 4].iter().all(|&c| c == 0));
+                    assert!(tok.dexp[g * 4..g * 4 + 4].iter().all(|&s| s == 0.0));
+                }
+                assert_eq!(tok.qs.as_ptr() as usize % 64, 0);
+                assert_eq!(tok.corr.as_ptr() as usize % 64, 0);
+                assert_eq!(tok.dexp.as_ptr() as usize % 64, 0);
+            }
+        }
+        // Empty input.
+        a.quantize(&[], 0, 64);
+        assert_eq!(a.n(), 0);
+        let x = vec![0.0; 3 * 50];
+        a.quantize(&x, 3, 50);
+        assert!(a.dequantize(2).iter().all(|&v| v == 0.0));
+    }
+}

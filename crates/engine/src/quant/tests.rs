@@ -1,0 +1,319 @@
+//! Kernel tests: every available path against the scalar oracle.
+
+use super::*;
+
+fn gauss(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|_| {
+            let (u, v) = (next(), next());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        })
+        .collect()
+}
+
+fn available() -> Vec<Kernel> {
+    Kernel::ALL.into_iter().filter(|k| k.available()).collect()
+}
+
+/// max |a - b| / max |b|.
+fn rel_max_diff(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64)).max(1e-30);
+    let d = a
+        .iter()
+        .zip(b)
+        .fold(0.0f64, |m, (&x, &y)| m.max((x as f64 - y as f64).abs()));
+    d / scale
+}
+
+const SHAPES: &[(usize, usize)] = &[
+    (1, 32),
+    (1, 72),
+    (3, 40),
+    (17, 200),
+    (5, 256),
+    (9, 288),
+    (4, 1000),
+    (6, 1024),
+];
+const NS: &[usize] = &[1, 3, 5, 8];
+
+struct Case {
+    rows: usize,
+    cols: usize,
+    bytes: Vec<u8>,
+    x: Vec<f32>,
+}
+
+fn case(rows: usize, cols: usize, n: usize, seed: u64) -> Case {
+    let w = gauss(rows * cols, seed);
+    let mut x = gauss(n * cols, seed + 1);
+    // Some structure: a positive bias in part of the activations (like post-SiLU values).
+    for (i, v) in x.iter_mut().enumerate() {
+        if i % 3 == 0 {
+            *v = v.abs() + 0.5;
+        }
+    }
+    Case {
+        rows,
+        cols,
+        bytes: quantize_q4(&w, rows, cols),
+        x,
+    }
+}
+
+#[test]
+fn scalar_q4_matches_dequantized_dot() {
+    for &(rows, cols) in SHAPES {
+        for &n in NS {
+            let c = case(rows, cols, n, (rows * 31 + cols * 7 + n) as u64);
+            let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
+            let mut a = Q8Acts::new();
+            a.quantize(&c.x, n, cols);
+            let mut out = vec![0.0; n * rows];
+            q4_matmul(Kernel::Scalar, &w, &a, &mut out, rows, 0..rows);
+            let wd = w.dequantize();
+            for t in 0..n {
+                let xd = a.dequantize(t);
+                for r in 0..rows {
+                    let exact: f64 = wd[r * cols..(r + 1) * cols]
+                        .iter()
+                        .zip(&xd)
+                        .map(|(&p, &q)| p as f64 * q as f64)
+                        .sum();
+                    let mag: f64 = wd[r * cols..(r + 1) * cols]
+                        .iter()
+                        .zip(&xd)
+                        .map(|(&p, &q)| (p as f64 * q as f64).abs())
+                        .sum();
+                    let got = out[t * rows + r] as f64;
+                    assert!(
+                        (got - exact).abs() <= 1e-5 * mag + 1e-12,
+                        "{rows}x{cols} n={n} t={t} r={r}: {got} vs {exact}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_q4_matches_scalar_awkward_shapes_and_subranges() {
+    let ks = available();
+    println!("kernels available: {:?}", ks);
+    let mut a = Q8Acts::new();
+    for &(rows, cols) in SHAPES {
+        for &n in NS {
+            let c = case(rows, cols, n, (rows * 131 + cols * 17 + n) as u64);
+            let w = Q4Matrix::new(&c.bytes, c.rows, c.cols).unwrap();
+            a.quantize(&c.x, n, cols);
+            let stride = rows + 3;
+            let mut want = vec![f32::NAN; n * stride];
+            q4_matmul(Kernel::Scalar, &w, &a, &mut want, stride, 0..rows);
+            let ranges = [0..rows, rows / 3..rows, 0..rows / 2 + 1, rows / 2..rows / 2 + 1];
+            for &k in &ks {
+                for range in ranges.iter().cloned() {
+                    let mut got = vec![f32::NAN; n * stride];
+                    q4_matmul(k, &w, &a, &mut got, stride, range.clone());
+                    for t in 0..n {
+                        for r in 0..stride {
+                            let g = got[t * stride + r];
+                            if range.contains(&r) {
+                                assert!(g.is_finite());
+                            } else {
+                                assert!(g.is_nan(), "{} wrote outside rows {range:?}", k.name());
+                            }
+                        }
+                    }
+                    let sel = |v: &[f32]| -> Vec<f32> {
+                        (0..n)
+                            .flat_map(|t| range.clone().map(move |r| (t, r)))
+                            .map(|(t, r)| v[t * stride + r])
+                            .collect()
+                    };
+                    let d = rel_max_diff(&sel(&got), &sel(&want));
+                    assert!(
+                        d < 1e-5,
+                        "{} {rows}x{cols} n={n} rows {range:?}: rel diff {d}",
+                        k.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn forced_kernels_via_public_api_and_variants() {
+    let (rows, cols, n) = (37, 200, 6);
+    let c = case(rows, cols, n, 99);
+    let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
+    let mut a = Q8Acts::new();
+    a.quantize(&c.x, n, cols);
+    let mut want = vec![0.0; n * rows];
+    q4_matmul(Kernel::Scalar, &w, &a, &mut want, rows, 0..rows);
+    for k in Kernel::ALL {
+        let (resolved, warn) = resolve_kernel(Some(k.name()));
+        if !k.available() {
+            assert!(warn.is_some());
+            assert_eq!(resolved, Kernel::best());
+            continue;
+        }
+        assert_eq!((resolved, warn), (k, None));
+        // Whole output.
+        let mut o1 = vec![0.0; n * rows];
+        q4_matmul(resolved, &w, &a, &mut o1, rows, 0..rows);
+        assert!(rel_max_diff(&o1, &want) < 1e-5, "{}", k.name());
+        // Row-range-relative output.
+        let (lo, hi) = (5, 30);
+        let mut o2 = vec![0.0; n * (hi - lo)];
+        q4_matmul_rows(resolved, &w, &a, &mut o2, hi - lo, lo..hi);
+        for t in 0..n {
+            for r in lo..hi {
+                assert_eq!(o2[t * (hi - lo) + r - lo], o1[t * rows + r]);
+            }
+        }
+        // OutView split across rayon tasks.
+        let mut o3 = vec![0.0; n * rows];
+        {
+            use rayon::prelude::*;
+            let view = OutView::new(&mut o3, n, rows, rows);
+            view.chunks(8)
+                .into_par_iter()
+                .for_each(|v| q4_matmul_into(resolved, &w, &a, v));
+        }
+        assert_eq!(o3, o1);
+        let mut o4 = vec![0.0; n * rows];
+        q4_matmul_par(resolved, &w, &a, &mut o4, rows);
+        assert_eq!(o4, o1);
+    }
+    assert_eq!(resolve_kernel(None).0, Kernel::best());
+    assert!(resolve_kernel(Some("nonsense")).1.is_some());
+    assert!(kernel().available());
+}
+
+#[test]
+fn out_view_splits() {
+    let mut buf = vec![0.0f32; 3 * 10];
+    let v = OutView::new(&mut buf, 3, 10, 7);
+    let (a, b) = v.split_at(3);
+    assert_eq!((a.rows(), b.rows()), (0..3, 3..7));
+    let parts = b.chunks(3);
+    assert_eq!(
+        parts.iter().map(|p| p.rows()).collect::<Vec<_>>(),
+        vec![3..6, 6..7]
+    );
+    assert_eq!(a.n(), 3);
+    assert_eq!(a.stride(), 10);
+    assert_eq!(a.get(2, 1), 0.0);
+}
+
+#[test]
+fn q4_matmul_n_zero_and_empty_rows() {
+    let c = case(4, 64, 1, 5);
+    let w = Q4Matrix::new(&c.bytes, 4, 64).unwrap();
+    let mut a = Q8Acts::new();
+    a.quantize(&[], 0, 64);
+    for k in available() {
+        q4_matmul(k, &w, &a, &mut [], 4, 0..4);
+    }
+    a.quantize(&c.x, 1, 64);
+    for k in available() {
+        let mut o = [7.0f32; 4];
+        q4_matmul(k, &w, &a, &mut o, 4, 2..2);
+        assert_eq!(o, [7.0; 4]);
+    }
+}
+
+#[test]
+fn prefill_larger_n_matches_scalar() {
+    // Enough tokens to span several token blocks of the SIMD kernels.
+    let (rows, cols, n) = (10, 2080, 70);
+    let c = case(rows, cols, n, 4242);
+    let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
+    let mut a = Q8Acts::new();
+    a.quantize(&c.x, n, cols);
+    let mut want = vec![0.0; n * rows];
+    q4_matmul(Kernel::Scalar, &w, &a, &mut want, rows, 0..rows);
+    for k in available() {
+        let mut got = vec![0.0; n * rows];
+        q4_matmul(k, &w, &a, &mut got, rows, 0..rows);
+        assert!(rel_max_diff(&got, &want) < 1e-5, "{}", k.name());
+    }
+}
+
+#[test]
+fn f32_matmul_all_paths_accurate() {
+    for &(rows, cols) in &[(1, 1), (3, 7), (5, 40), (17, 72), (9, 200), (6, 1031)] {
+        for &n in &[1usize, 2, 3, 5, 8] {
+            let w = gauss(rows * cols, (rows * 7 + cols) as u64);
+            let x = gauss(n * cols, (n * 13 + cols) as u64);
+            let stride = rows + 1;
+            let mut exact = vec![0.0f32; n * stride];
+            let mut mag = vec![0.0f64; n * stride];
+            for t in 0..n {
+                for r in 0..rows {
+                    let (mut s, mut m) = (0.0f64, 0.0f64);
+                    for k in 0..cols {
+                        let p = w[r * cols + k] as f64 * x[t * cols + k] as f64;
+                        s += p;
+                        m += p.abs();
+                    }
+                    exact[t * stride + r] = s as f32;
+                    mag[t * stride + r] = m;
+                }
+            }
+            for k in available() {
+                for range in [0..rows, rows / 2..rows] {
+                    let mut got = vec![f32::NAN; n * stride];
+                    f32_matmul(k, &w, cols, &x, n, &mut got, stride, range.clone());
+                    for t in 0..n {
+                        for r in 0..stride {
+                            let g = got[t * stride + r];
+                            if range.contains(&r) {
+                                let e = (g as f64 - exact[t * stride + r] as f64).abs();
+                                assert!(
+                                    e <= 1e-6 * mag[t * stride + r] + 1e-30,
+                                    "{} {rows}x{cols} n={n}: {g} vs {}",
+                                    k.name(),
+                                    exact[t * stride + r]
+                                );
+                            } else {
+                                assert!(g.is_nan());
+                            }
+                        }
+                    }
+                    let mut rel = vec![0.0; n * range.len()];
+                    f32_matmul_rows(k, &w, cols, &x, n, &mut rel, range.len(), range.clone());
+                    for t in 0..n {
+                        for r in range.clone() {
+                            assert_eq!(rel[t * range.len() + r - range.start], got[t * stride + r]);
+                        }
+                    }
+                }
+                let mut par = vec![0.0; n * rows];
+                f32_matmul_par(k, &w, rows, cols, &x, n, &mut par, rows);
+                let mut seq = vec![0.0; n * rows];
+                f32_matmul(k, &w, cols, &x, n, &mut seq, rows, 0..rows);
+                assert_eq!(par, seq);
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "too short")]
+fn q4_matmul_checks_output_length() {
+    let c = case(4, 64, 2, 5);
+    let w = Q4Matrix::new(&c.bytes, 4, 64).unwrap();
+    let mut a = Q8Acts::new();
+    a.quantize(&c.x, 2, 64);
+    let mut o = vec![0.0; 7];
+    q4_matmul(Kernel::Scalar, &w, &a, &mut o, 4, 0..4);
+}

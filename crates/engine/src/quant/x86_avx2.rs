@@ -1,0 +1,367 @@
+//! AVX2 + FMA + F16C kernels.
+//!
+//! int4 × int8: per 2 groups, 32 weight bytes are split into low and high nibbles (two vectors
+//! of 2 x 16 unsigned values), multiplied with the matching activation halves by
+//! `_mm256_maddubs_epi16` (u8 × i8 → i16 pairs, at most 2·15·127 so no saturation), summed to
+//! 4 i32 lanes per group by `_mm256_madd_epi16`, offset by the precomputed `-8 * sum(a)` lanes,
+//! converted to f32 and accumulated with FMA against `weight scale * activation scale`.
+//! Tiles of `R` rows × `T` tokens reuse each unpacked weight vector for `T` tokens and each
+//! activation vector for `R` rows.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::q8::TokenActs;
+use super::{Q4Matrix, Q8Acts};
+
+/// Raw pointers to one activation vector's arrays (see `q8`'s layout).
+#[derive(Clone, Copy)]
+pub(crate) struct ActPtr {
+    pub qs: *const i8,
+    pub corr: *const i32,
+    pub dexp: *const f32,
+}
+
+impl ActPtr {
+    pub(crate) fn new(a: &TokenActs) -> Self {
+        ActPtr {
+            qs: a.qs.as_ptr(),
+            corr: a.corr.as_ptr(),
+            dexp: a.dexp.as_ptr(),
+        }
+    }
+}
+
+/// Activation vectors per block: enough to keep a block's activations (64 bytes per group)
+/// within ~384 KiB of L2 while the weights stream by once per block; a multiple of 4.
+pub(crate) fn token_block(x: &Q8Acts) -> usize {
+    let per_token = x.padded_groups() * 64;
+    ((384 << 10) / per_token.max(1)).clamp(4, 256) / 4 * 4
+}
+
+#[target_feature(enable = "avx,sse3")]
+#[inline]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// Dots of `R` rows with `T` activation vectors.
+///
+/// # Safety
+/// `wq[r]` points at `groups * 16` readable bytes of nibbles and `ws[r]` at `groups * 2` bytes
+/// of scales; each `a[t]` points at the arrays of one activation vector with at least
+/// `groups.next_multiple_of(8)` groups (`qs`: 32 bytes, `corr`/`dexp`: 4 values per group).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_tile<const R: usize, const T: usize>(
+    wq: [*const u8; R],
+    ws: [*const u8; R],
+    groups: usize,
+    a: [ActPtr; T],
+) -> [[f32; T]; R] {
+    let full = groups / 8;
+    let nch = groups.div_ceil(8);
+    // The last partial chunk of 8 groups is copied into zero-filled buffers (zero scales make
+    // the padding groups contribute nothing; the activations are zero there as well).
+    let mut tq = [[0u8; 128]; R];
+    let mut ts = [[0u8; 16]; R];
+    if nch > full {
+        let rem = groups - full * 8;
+        for r in 0..R {
+            // SAFETY: row r has groups*16 nibble bytes and groups*2 scale bytes; the copies
+            // read [full*128, groups*16) and [full*16, groups*2) of them into 128/16-byte
+            // buffers (rem < 8 groups).
+            unsafe {
+                std::ptr::copy_nonoverlapping(wq[r].add(full * 128), tq[r].as_mut_ptr(), rem * 16);
+                std::ptr::copy_nonoverlapping(ws[r].add(full * 16), ts[r].as_mut_ptr(), rem * 2);
+            }
+        }
+    }
+    let m4 = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let pf = super::PF_DIST.load(std::sync::atomic::Ordering::Relaxed);
+    for c in 0..nch {
+        if pf > 0 {
+            for r in 0..R {
+                let p = wq[r].wrapping_add(c * 128 + pf);
+                _mm_prefetch::<_MM_HINT_T0>(p.cast());
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
+                _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(c * 16 + pf / 8).cast());
+            }
+        }
+        let mut q = [std::ptr::null::<u8>(); R];
+        let mut dw = [_mm256_setzero_ps(); R];
+        for r in 0..R {
+            let s = if c < full {
+                // SAFETY: chunk c < full lies inside the row (c*128 + 128 <= groups*16,
+                // c*16 + 16 <= groups*2).
+                q[r] = unsafe { wq[r].add(c * 128) };
+                // SAFETY: as above.
+                unsafe { ws[r].add(c * 16) }
+            } else {
+                q[r] = tq[r].as_ptr();
+                ts[r].as_ptr()
+            };
+            // SAFETY: s points at 16 readable bytes (8 f16 scales), see above.
+            dw[r] = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(s.cast()) });
+        }
+        for s2 in 0..4 {
+            let g = 2 * s2 as i32;
+            let idx = _mm256_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1);
+            let mut wlo = [_mm256_setzero_si256(); R];
+            let mut whi = [_mm256_setzero_si256(); R];
+            let mut dwe = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                // SAFETY: q[r] points at 128 readable bytes (this chunk's nibbles).
+                let v = unsafe { _mm256_loadu_si256(q[r].add(s2 * 32).cast()) };
+                wlo[r] = _mm256_and_si256(v, m4);
+                whi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                dwe[r] = _mm256_permutevar8x32_ps(dw[r], idx);
+            }
+            // Groups 8c + 2*s2 + {0, 1}: in 4-group block 2c + s2/2, slot (s2%2)*2.
+            let aoff = c * 256 + (s2 / 2) * 128 + (s2 % 2) * 32;
+            let loff = c * 32 + s2 * 8;
+            for t in 0..T {
+                // SAFETY: chunk c < nch <= padded groups / 8, so qs[aoff..aoff+96] and
+                // corr/dexp[loff..loff+8] are inside the vector's arrays.
+                let (alo, ahi, corr, de) = unsafe {
+                    (
+                        _mm256_loadu_si256(a[t].qs.add(aoff).cast()),
+                        _mm256_loadu_si256(a[t].qs.add(aoff + 64).cast()),
+                        _mm256_loadu_si256(a[t].corr.add(loff).cast()),
+                        _mm256_loadu_ps(a[t].dexp.add(loff)),
+                    )
+                };
+                for r in 0..R {
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(wlo[r], alo),
+                        _mm256_maddubs_epi16(whi[r], ahi),
+                    );
+                    let i = _mm256_add_epi32(_mm256_madd_epi16(p, ones), corr);
+                    acc[r][t] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(i),
+                        _mm256_mul_ps(dwe[r], de),
+                        acc[r][t],
+                    );
+                }
+            }
+        }
+    }
+    let mut res = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            res[r][t] = hsum(acc[r][t]);
+        }
+    }
+    res
+}
+
+/// # Safety
+/// As [`q4_rows`], for rows `r0..r0 + R` and tokens `t0..t0 + T`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_run<const R: usize, const T: usize>(
+    w: &Q4Matrix,
+    r0: usize,
+    x: &Q8Acts,
+    t0: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let wq: [*const u8; R] = std::array::from_fn(|i| w.row_nibbles(r0 + i).as_ptr());
+    let ws: [*const u8; R] = std::array::from_fn(|i| w.row_scales(r0 + i).as_ptr());
+    let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
+    // SAFETY: the pointers come from row slices of `w` (groups*16 / groups*2 bytes) and from
+    // activation vectors padded to a multiple of 8 groups >= w.groups() (cols agree).
+    let res = unsafe { q4_tile::<R, T>(wq, ws, w.groups(), a) };
+    for (i, row) in res.iter().enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
+            // writable.
+            unsafe { *out.add((t0 + j) * out_stride + r0 + i) = v };
+        }
+    }
+}
+
+/// # Safety
+/// As `q4_rows`, for rows `r0..r0 + R` and tokens `ts`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_rows_tokens<const R: usize>(
+    w: &Q4Matrix,
+    r0: usize,
+    x: &Q8Acts,
+    ts: Range<usize>,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let mut t = ts.start;
+    while t < ts.end {
+        // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
+        unsafe {
+            match ts.end - t {
+                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride),
+                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride),
+                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride),
+                _ => q4_run::<R, 4>(w, r0, x, t, out, out_stride),
+            }
+        }
+        t += (ts.end - t).min(4);
+    }
+}
+
+/// `out[t * out_stride + r] = dot(w[r], x[t])`.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `rows.end <= w.rows`; `x.cols() == w.cols`; every
+/// `out + t * out_stride + r` (`t < x.n()`, `r in rows`) is valid for writes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_rows(
+    w: &Q4Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    out_stride: usize,
+    rows: Range<usize>,
+) {
+    let n = x.n();
+    let tb = token_block(x);
+    let mut t0 = 0;
+    while t0 < n {
+        let t1 = (t0 + tb).min(n);
+        let mut r = rows.start;
+        while r < rows.end {
+            // SAFETY: rows r..r+R are inside `rows`, tokens t0..t1 inside 0..n.
+            unsafe {
+                if rows.end - r >= 2 {
+                    q4_rows_tokens::<2>(w, r, x, t0..t1, out, out_stride);
+                    r += 2;
+                } else {
+                    q4_rows_tokens::<1>(w, r, x, t0..t1, out, out_stride);
+                    r += 1;
+                }
+            }
+        }
+        t0 = t1;
+    }
+}
+
+/// f32 dots of `R` rows with `T` vectors.
+///
+/// # Safety
+/// `w[r]` and `x[t]` each point at `cols` readable floats.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn f32_tile<const R: usize, const T: usize>(
+    w: [*const f32; R],
+    x: [*const f32; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    let c8 = cols / 8 * 8;
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut k = 0;
+    while k < c8 {
+        let mut xv = [_mm256_setzero_ps(); T];
+        for t in 0..T {
+            // SAFETY: k + 8 <= cols.
+            xv[t] = unsafe { _mm256_loadu_ps(x[t].add(k)) };
+        }
+        for r in 0..R {
+            // SAFETY: k + 8 <= cols.
+            let wv = unsafe { _mm256_loadu_ps(w[r].add(k)) };
+            for t in 0..T {
+                acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+            }
+        }
+        k += 8;
+    }
+    let mut res = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            let mut tail = 0.0f32;
+            for k in c8..cols {
+                // SAFETY: k < cols.
+                tail += unsafe { *w[r].add(k) * *x[t].add(k) };
+            }
+            res[r][t] = hsum(acc[r][t]) + tail;
+        }
+    }
+    res
+}
+
+/// # Safety
+/// As `f32_rows`, for rows `r0..r0 + R` and tokens `t0..t0 + T`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn f32_run<const R: usize, const T: usize>(
+    w: &[f32],
+    cols: usize,
+    r0: usize,
+    x: &[f32],
+    t0: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let wp: [*const f32; R] = std::array::from_fn(|i| w[(r0 + i) * cols..][..cols].as_ptr());
+    let xp: [*const f32; T] = std::array::from_fn(|j| x[(t0 + j) * cols..][..cols].as_ptr());
+    // SAFETY: each pointer comes from a slice of `cols` floats.
+    let res = unsafe { f32_tile::<R, T>(wp, xp, cols) };
+    for (i, row) in res.iter().enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            // SAFETY: (t0 + j, r0 + i) is within the range the caller guarantees writable.
+            unsafe { *out.add((t0 + j) * out_stride + r0 + i) = v };
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has AVX2 and FMA; `w.len() >= rows.end * cols`; `x.len() >= n * cols`; every
+/// `out + t * out_stride + r` (`t < n`, `r in rows`) is valid for writes.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn f32_rows(
+    w: &[f32],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: *mut f32,
+    out_stride: usize,
+    rows: Range<usize>,
+) {
+    let mut r = rows.start;
+    if n == 1 {
+        while r < rows.end {
+            if rows.end - r >= 4 {
+                // SAFETY: rows r..r+4 are inside `rows`, token 0 < n; forwarded contract.
+                unsafe { f32_run::<4, 1>(w, cols, r, x, 0, out, out_stride) };
+                r += 4;
+            } else {
+                // SAFETY: row r is inside `rows`, token 0 < n; forwarded contract.
+                unsafe { f32_run::<1, 1>(w, cols, r, x, 0, out, out_stride) };
+                r += 1;
+            }
+        }
+        return;
+    }
+    while r < rows.end {
+        let two = rows.end - r >= 2;
+        let mut t = 0;
+        while t < n {
+            let left = n - t;
+            // SAFETY: rows r..r+(2 if two else 1) are inside `rows` and tokens
+            // t..t+min(left, 4) inside 0..n; forwarded contract.
+            unsafe {
+                match (two, left) {
+                    (true, 1) => f32_run::<2, 1>(w, cols, r, x, t, out, out_stride),
+                    (true, 2) => f32_run::<2, 2>(w, cols, r, x, t, out, out_stride),
+                    (true, 3) => f32_run::<2, 3>(w, cols, r, x, t, out, out_stride),
+                    (true, _) => f32_run::<2, 4>(w, cols, r, x, t, out, out_stride),
+                    (false, 1) => f32_run::<1, 1>(w, cols, r, x, t, out, out_stride),
+                    (false, 2) => f32_run::<1, 2>(w, cols, r, x, t, out, out_stride),
+                    (false, 3) => f32_run::<1, 3>(w, cols, r, x, t, out, out_stride),
+                    (false, _) => f32_run::<1, 4>(w, cols, r, x, t, out, out_stride),
+                }
+            }
+            t += left.min(4);
+        }
+        r += if two { 2 } else { 1 };
+    }
+}

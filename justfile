@@ -1,0 +1,27 @@
+# colibri's tasks. `just test` is what CI runs (via .ci/run); `just bench` is never part of it.
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+py := ".venv/bin/python"
+
+# Create .venv and build/install the package (release engine).
+setup:
+    scripts/setup.sh
+
+# Every test: Rust unit tests, then the Python suite against the real engine.
+test: setup
+    cargo test --release --workspace --quiet
+    {{py}} -m pytest -q tests
+
+# Formatting and lints (Rust and Python).
+lint: setup
+    cargo fmt --all --check
+    cargo clippy --release --workspace --all-targets -- -D warnings
+    .venv/bin/ruff check python tests scripts benchmarks
+
+# colibri vs llama.cpp on an OLMoE-1B-7B-shaped model (slow: builds llama.cpp once).
+bench: setup
+    {{py}} benchmarks/bench_vs_llamacpp.py
+
+# Print a completion from the built-in model.
+generate prompt="Hello": setup
+    .venv/bin/colibri generate --prompt "{{prompt}}"

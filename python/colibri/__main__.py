@@ -1,0 +1,5 @@
+import sys
+
+from colibri.cli import main
+
+sys.exit(main())

@@ -1,0 +1,156 @@
+"""The built-in default model, used when no ``--model`` is given.
+
+Until the trained demo model ships, this is a deterministic tiny GLM-4.5-MoE-shaped checkpoint
+with random weights and a byte-level tokenizer, built on first use (no network) and cached.
+It proves the whole path runs; its words are noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+BUILTIN_NAME = "builtin-random-glm4moe-v1"
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<think>",
+    "</think>",
+]
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CONFIG = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "attention_bias": True,
+    "use_qk_norm": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+SEED = 20261130
+
+
+def cache_dir() -> Path:
+    """Where colibri keeps generated models: ``COLI_CACHE_DIR``, else the user cache dir."""
+    env = os.environ.get("COLI_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "colibri"
+
+
+def _tokenizer_json(path: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+
+def _weights(cfg: dict) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    mi, di, ne = cfg["moe_intermediate_size"], cfg["intermediate_size"], cfg["n_routed_experts"]
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def vec(n: int, mean: float = 0.0, std: float = 0.1) -> np.ndarray:
+        return (mean + std * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": mat(v, h), "model.norm.weight": vec(h, 1.0), "lm_head.weight": mat(v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = vec(h, 1.0)
+        w[p + "post_attention_layernorm.weight"] = vec(h, 1.0)
+        for name, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+            w[p + f"self_attn.{name}_proj.weight"] = mat(rows, h)
+            w[p + f"self_attn.{name}_proj.bias"] = vec(rows)
+        w[p + "self_attn.o_proj.weight"] = mat(h, nh * hd)
+        if i < cfg["first_k_dense_replace"]:
+            for name, (r, c) in (("gate", (di, h)), ("up", (di, h)), ("down", (h, di))):
+                w[p + f"mlp.{name}_proj.weight"] = mat(r, c)
+            continue
+        w[p + "mlp.gate.weight"] = mat(ne, h)
+        w[p + "mlp.gate.e_score_correction_bias"] = vec(ne, 0.0, 0.01)
+        for e in range(ne):
+            for name, (r, c) in (("gate", (mi, h)), ("up", (mi, h)), ("down", (h, mi))):
+                w[p + f"mlp.experts.{e}.{name}_proj.weight"] = mat(r, c)
+        for name, (r, c) in (("gate", (mi, h)), ("up", (mi, h)), ("down", (h, mi))):
+            w[p + f"mlp.shared_experts.{name}_proj.weight"] = mat(r, c)
+    return w
+
+
+def write_checkpoint(out: Path) -> None:
+    """Writes the built-in Hugging Face checkpoint (config, safetensors, tokenizer) to ``out``."""
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _tokenizer_json(out / "tokenizer.json")
+    cfg = dict(CONFIG, vocab_size=vocab)
+    eos = [vocab - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    cfg["eos_token_id"] = eos
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2)
+    )
+    save_file(_weights(cfg), str(out / "model.safetensors"))
+
+
+def builtin_model_dir() -> Path:
+    """The converted built-in model, building and caching it on first use."""
+    from colibri.engine import convert
+
+    target = cache_dir() / "models" / BUILTIN_NAME
+    if (target / "manifest.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        hf = Path(tmp) / "hf"
+        write_checkpoint(hf)
+        staged = Path(tmp) / "model"
+        convert(hf, staged, "int4")
+        try:
+            staged.rename(target)
+        except OSError:
+            # Another process finished first; its copy is identical.
+            if not (target / "manifest.json").is_file():
+                shutil.rmtree(target, ignore_errors=True)
+                staged.rename(target)
+    return target

@@ -1,0 +1,171 @@
+"""`colibri` / `coli` command line: generate, convert, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def _model_dir(arg: str | None) -> Path:
+    """``--model``, else ``COLI_MODEL``, else the built-in default model."""
+    chosen = arg or os.environ.get("COLI_MODEL")
+    if chosen:
+        return Path(chosen)
+    from colibri.builtin import builtin_model_dir
+
+    return builtin_model_dir()
+
+
+def _load(args: argparse.Namespace):
+    from colibri.engine import Engine
+
+    return Engine(_model_dir(args.model), threads=args.threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _load(args)
+    ids = engine.tokenize(args.prompt)
+    if not ids:
+        print("colibri: the prompt is empty", file=sys.stderr)
+        return 2
+    out: list[int] = []
+    shown = ""
+    stream = engine.generate(
+        ids, args.max_tokens, args.temperature, args.top_p, engine.eos_token_ids, args.seed
+    )
+    for tok in stream:
+        if tok in engine.eos_token_ids:
+            break
+        out.append(tok)
+        text = engine.detokenize(out)
+        # Hold back a trailing partial UTF-8 sequence until it completes.
+        if text.endswith("\ufffd"):
+            continue
+        sys.stdout.write(text[len(shown) :])
+        sys.stdout.flush()
+        shown = text
+    text = engine.detokenize(out)
+    sys.stdout.write(text[len(shown) :] + "\n")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from colibri.engine import convert
+
+    src, dst = Path(args.hf_dir), Path(args.out_dir)
+    if not (src / "config.json").is_file():
+        print(f"colibri convert: {src}/config.json not found: not a Hugging Face checkpoint", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    summary = convert(src, dst, args.quant, progress=sys.stderr.isatty())
+    dt = time.perf_counter() - t0
+    mb = (summary["resident_bytes"] + summary["expert_bytes"]) / 1e6
+    print(
+        f"converted {summary['architecture']} to {dst} ({args.quant}): {mb:.1f} MB "
+        f"({summary['resident_bytes'] / 1e6:.1f} MB resident, {summary['expert_bytes'] / 1e6:.1f} MB experts), "
+        f"{summary['skipped_tensors']} tensors skipped, {dt:.1f} s"
+    )
+    return 0
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    engine = _load(args)
+    vocab = engine.info["vocab_size"]
+    rng = np.random.default_rng(0)
+    prefill: list[float] = []
+    decode: list[float] = []
+    for _ in range(args.repeat):
+        prompt = [int(x) for x in rng.integers(0, vocab, args.prompt_tokens)]
+        stream = engine.generate(prompt, args.gen_tokens + 1)
+        t0 = time.perf_counter()
+        next(stream)  # prefill + first token
+        t1 = time.perf_counter()
+        n = sum(1 for _ in stream)
+        t2 = time.perf_counter()
+        prefill.append(args.prompt_tokens / (t1 - t0))
+        if n:
+            decode.append(n / (t2 - t1))
+    result = {
+        "model": str(engine.path),
+        "architecture": engine.info["architecture"],
+        "quantization": engine.info["quantization"],
+        "kernel": engine.info["kernel"],
+        "threads": engine.info["threads"],
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "prefill_tok_s": float(np.median(prefill)),
+        "decode_tok_s": float(np.median(decode)) if decode else 0.0,
+        "prefill_runs": prefill,
+        "decode_runs": decode,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{result['architecture']} {result['quantization']} kernel={result['kernel']} "
+            f"threads={result['threads']}\n"
+            f"prefill ({args.prompt_tokens} tokens): {result['prefill_tok_s']:.1f} tok/s\n"
+            f"decode: {result['decode_tok_s']:.2f} tok/s\n"
+            f"peak RSS: {result['peak_rss_mb']:.0f} MB"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colibri", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def model_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", help="colibri model directory (default: $COLI_MODEL, else built-in)")
+        sp.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
+
+    g = sub.add_parser("generate", help="print a completion of a prompt")
+    model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
+    c.add_argument("hf_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--quant", choices=["int4", "f32"], default="int4")
+    c.set_defaults(func=cmd_convert)
+
+    b = sub.add_parser("bench", help="measure prefill and decode speed")
+    model_args(b)
+    b.add_argument("--prompt-tokens", type=int, default=64)
+    b.add_argument("--gen-tokens", type=int, default=32)
+    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"colibri: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

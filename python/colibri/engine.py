@@ -1,0 +1,102 @@
+"""The Python face of the Rust engine: a loaded model plus its Hugging Face tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from colibri import _engine
+
+
+class Engine:
+    """A converted colibri model, loaded once.
+
+    ``threads`` defaults to every core; ``kernel`` forces a compute path (``"scalar"``,
+    ``"avx2"``, ``"avx512"``), otherwise the best one this CPU has (or ``COLI_KERNEL``) is used.
+    Generation and scoring release the GIL, so other Python threads keep running.
+    """
+
+    def __init__(
+        self, path: str | Path, threads: int | None = None, kernel: str | None = None
+    ) -> None:
+        self.path = Path(path)
+        self._model = _engine.Model(str(self.path), threads, kernel)
+        info = dict(self._model.info())
+        self._tokenizer = Tokenizer.from_file(str(self.path / info["tokenizer"]))
+        self.tokenizer_config: dict[str, Any] = {}
+        if info.get("tokenizer_config"):
+            cfg_path = self.path / info["tokenizer_config"]
+            self.tokenizer_config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        self.info: dict[str, Any] = info
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a reply: the config's ``eos_token_id`` plus the tokenizer's EOS."""
+        ids = list(self.info["eos_token_ids"])
+        eos = self.tokenizer_config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            tid = self._tokenizer.token_to_id(eos)
+            if tid is not None and tid not in ids:
+                ids.append(tid)
+        return ids
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` (special-token strings in it are recognised as such)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Logits ``[len(ids), vocab]`` (float32) of a full forward pass from an empty context."""
+        if not ids:
+            raise ValueError("logits() needs at least one token")
+        raw = self._model.logits(list(ids))
+        return np.frombuffer(raw, dtype="<f4").reshape(len(ids), self.info["vocab_size"])
+
+    def generate(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: Iterable[int] = (),
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Yields generated token ids one at a time (a stop token is yielded, then it ends).
+
+        Each token is computed with the GIL released. Closing the iterator (or dropping it)
+        stops the computation: no token is computed ahead of the one asked for.
+        """
+        stream = self._model.generate(
+            list(ids), int(max_tokens), float(temperature), float(top_p), list(stop_token_ids), seed
+        )
+        return _Tokens(stream)
+
+
+class _Tokens(Iterator[int]):
+    """Iterator over a Rust token stream; ``close()`` ends it for good."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream: Any | None = stream
+
+    def __next__(self) -> int:
+        if self._stream is None:
+            raise StopIteration
+        tok = next(self._stream)
+        return int(tok)
+
+    def close(self) -> None:
+        self._stream = None
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = "int4", progress: bool = False) -> dict:
+    """Converts a Hugging Face checkpoint directory to a colibri model directory."""
+    return dict(_engine.convert_checkpoint(str(hf_dir), str(out_dir), quant, progress))

@@ -1,0 +1,835 @@
+#!/usr/bin/env python3
+"""Generate Hugging Face reference fixtures for colibri's correctness tests.
+
+Run by hand, never by CI (it needs torch + transformers, which are NOT project
+dependencies):
+
+    python -m venv /root/refvenv
+    /root/refvenv/bin/pip install torch transformers safetensors numpy tokenizers
+    /root/refvenv/bin/python scripts/make_reference_fixtures.py
+
+It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe}:
+
+    tests/fixtures/<arch>/hf/            HF checkpoint (config.json, *.safetensors,
+                                         tokenizer.json, tokenizer_config.json, ...)
+    tests/fixtures/<arch>/reference.npz  logits / greedy tokens / Q4_0 error
+    tests/fixtures/<arch>/tokenizer_cases.json  text -> ids and chat-template cases
+
+Everything is seeded and deterministic.  The reference numbers are computed by
+transformers from the checkpoint *as stored on disk* (reloaded with
+from_pretrained, upcast to float32, eager attention, eager experts), so the
+rounding to bf16 / f16 is part of the fixture.
+
+See tests/fixtures/README.md for what every file contains.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import tokenizers
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures"
+
+# Seed-search acceptance thresholds: greedy decoding and expert routing must not
+# hinge on near ties, otherwise an f32 engine that differs from torch in the last
+# ulp could legitimately disagree.
+MIN_GREEDY_MARGIN = 0.05  # min top1 - top2 logit gap over all greedy steps
+MIN_ROUTER_GAP = 0.002  # min gap at the routing decision boundary (see router_gaps)
+N_GREEDY = 12
+MIN_DISTINCT = 4  # greedy continuations must not collapse into one repeated token
+PROMPT_LENS = (1, 9, 33)
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
+PAD, BOS, EOS = 0, 1, 2
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' }}{{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.
+A mixture of experts routes every token to a small number of feed forward networks.
+Each expert is a gated linear unit; the router picks the top experts for each token.
+Rotary position embeddings rotate pairs of query and key features by an angle.
+The attention scores are scaled by the inverse square root of the head dimension.
+RMS normalisation divides by the root mean square and multiplies by a learned weight.
+In the beginning the engine reads the configuration, then the tokenizer, then the weights.
+Quantisation stores blocks of thirty two weights with one half precision scale each.
+def forward(self, hidden_states): return self.down_proj(self.act(self.gate(x)) * self.up(x))
+for (i, x) in values.iter().enumerate() { total += x * weights[i]; }
+Numbers like 3.14159, 2.71828, 1024, 65536 and 1e-6 appear in configuration files.
+She sells sea shells by the sea shore, and the shells she sells are surely sea shells.
+How much wood would a woodchuck chuck if a woodchuck could chuck wood?
+Colibri is a small bird that hovers; it is also a small inference engine written in Rust.
+The weather today is cloudy with a chance of rain in the afternoon and clear skies at night.
+Tokens are generated one at a time by taking the most likely next token, which is greedy decoding.
+Hello, world! Hello again, world. Goodbye, world; see you tomorrow, world?
+Über café naïve résumé façade coöperate — unicode text must round trip through bytes.
+Key value caches store the keys and values of previous positions so they are not recomputed.
+Shared experts are always active, while routed experts are chosen by a sigmoid gate with a bias.
+Group limited routing first picks the best groups of experts and then the best experts inside them.
+The correction bias changes which experts are selected but not the weights that multiply them.
+"""
+
+PROMPT_TEXT = (
+    "The router picks the top experts for each token, and the engine must reproduce the "
+    "reference logits exactly, one token at a time, in the beginning and at the end."
+)
+
+
+# --------------------------------------------------------------------------------------
+# Model specs
+# --------------------------------------------------------------------------------------
+
+SPECS = {
+    # OLMoE: 6 query heads / 2 kv heads, head_dim = 72/6 = 12 (OLMoE has no head_dim key),
+    # q/k RMSNorm over the whole projection (72 and 24 wide), softmax-then-topk routing,
+    # norm_topk_prob False, 8 experts top-5, float32 single file.
+    "olmoe": dict(
+        cls=OlmoeForCausalLM,
+        cfg_cls=OlmoeConfig,
+        tok_vocab=397,
+        storage=torch.float32,
+        shards=1,
+        seed=1000,
+        cfg=dict(
+            vocab_size=397,
+            hidden_size=72,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=5,
+            norm_topk_prob=False,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            attention_bias=False,
+            clip_qkv=None,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
+    # Qwen3-MoE: 4/4 heads, explicit head_dim 20 (!= 56/4), per-head q/k norm,
+    # layer 1 dense (mlp_only_layers=[1]), 7 experts top-3, norm_topk_prob True,
+    # bf16 in 2 shards, config vocab 467 > tokenizer vocab 451 (padded embedding rows).
+    "qwen3_moe": dict(
+        cls=Qwen3MoeForCausalLM,
+        cfg_cls=Qwen3MoeConfig,
+        tok_vocab=451,
+        storage=torch.bfloat16,
+        shards=2,
+        seed=2000,
+        cfg=dict(
+            vocab_size=467,
+            hidden_size=56,
+            intermediate_size=88,
+            moe_intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=20,
+            num_experts=7,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            attention_bias=False,
+            use_sliding_window=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
+    # GLM-4-MoE: 5 query heads / 1 kv head, explicit head_dim 16 (!= 60/5), partial
+    # rotary 0.5 (first 8 dims of each head rotated), q/k/v bias (o_proj no bias),
+    # per-head q/k norm, layer 0 dense, 8 routed experts in 2 groups, top-1 group,
+    # top-3 experts, 1 shared expert, sigmoid router + nonzero e_score_correction_bias,
+    # routed_scaling_factor 2.5.  float16 single file; router weight and correction
+    # bias stay float32 (as transformers keeps them: _keep_in_fp32_modules_strict).
+    "glm4_moe": dict(
+        cls=Glm4MoeForCausalLM,
+        cfg_cls=Glm4MoeConfig,
+        tok_vocab=509,
+        storage=torch.float16,
+        shards=1,
+        seed=3000,
+        cfg=dict(
+            vocab_size=509,
+            hidden_size=60,
+            intermediate_size=56,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            use_qk_norm=True,
+            attention_bias=True,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            num_nextn_predict_layers=0,
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
+}
+
+# Parameters that stay float32 in the stored checkpoint regardless of `storage`.
+KEEP_F32 = {"glm4_moe": ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [l for l in CORPUS.splitlines() if l.strip()]
+    tok.train_from_iterator(lines, trainer=trainer)
+    got = tok.get_vocab_size(with_added_tokens=True)
+    assert got == vocab_size, f"tokenizer vocab {got} != {vocab_size}: enlarge CORPUS"
+    for i, s in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(s) == i
+    return tok
+
+
+def write_tokenizer(hf_dir: Path, tok: Tokenizer) -> None:
+    tok.save(str(hf_dir / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": 256,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(hf_dir / "tokenizer_config.json", "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def tokenizer_cases(hf_dir: Path) -> dict:
+    t = AutoTokenizer.from_pretrained(str(hf_dir))
+    texts = [
+        "",
+        "Hello, world!",
+        "The quick brown fox jumps over the lazy dog.",
+        "  leading spaces and\ttabs\nnewlines  ",
+        "Über café naïve — ✓ 🐦 unseen: zqxj",
+        "<|user|>special tokens inline<|eos|>",
+        PROMPT_TEXT,
+    ]
+    enc = [{"text": s, "ids": t.encode(s, add_special_tokens=False)} for s in texts]
+    for e in enc:
+        assert t.decode(e["ids"]) == e["text"], e
+    conv = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hello, world!"},
+    ]
+    rendered = t.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    chat_ids = t(rendered, add_special_tokens=False)["input_ids"]
+    return {
+        "vocab_size": len(t),
+        "special_tokens": {s: i for i, s in enumerate(SPECIAL_TOKENS)},
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "pad_token_id": PAD,
+        "encode": enc,
+        "chat": {
+            "messages": conv,
+            "add_generation_prompt": True,
+            "rendered": rendered,
+            "ids": chat_ids,
+        },
+    }
+
+
+def make_prompts(tok: Tokenizer) -> list[list[int]]:
+    ids = tok.encode(PROMPT_TEXT).ids
+    assert len(ids) >= max(PROMPT_LENS) - 1, len(ids)
+    return [[BOS] + ids[: n - 1] for n in PROMPT_LENS]
+
+
+# --------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------
+
+
+# Standard deviations used by randomize(); chosen so logits are spread (std ~3-5),
+# routing is varied and greedy continuations do not collapse into repeating one token.
+SCALES = {
+    "embed": 0.6,  # embed_tokens ~ N(0, embed)
+    "linear_gain": 1.0,  # every other 2-D/3-D weight ~ N(0, gain / sqrt(fan_in))
+    "lm_head_gain": 5.0,
+    "router_gain": {"olmoe": 2.5, "qwen3_moe": 2.5, "glm4_moe": 1.5},
+    "bias": 0.3,
+    "e_score_correction_bias": 0.08,
+    "norm_lo": 0.8,  # norm weights ~ U(norm_lo, norm_hi)
+    "norm_hi": 1.2,
+}
+
+
+def randomize(model: torch.nn.Module, arch: str, seed: int) -> None:
+    """Overwrite every parameter/buffer with spread-out deterministic values."""
+    g = torch.Generator().manual_seed(seed)
+    S = SCALES
+
+    def normal(shape, std):
+        return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+    state = dict(model.named_parameters())
+    state.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    for name in sorted(state):
+        p = state[name]
+        shape = tuple(p.shape)
+        if name.endswith("e_score_correction_bias"):
+            v = normal(shape, S["e_score_correction_bias"])
+        elif name.endswith("norm.weight"):
+            v = S["norm_lo"] + (S["norm_hi"] - S["norm_lo"]) * torch.rand(shape, generator=g)
+        elif name.endswith(".bias"):
+            v = normal(shape, S["bias"])
+        elif name.endswith("embed_tokens.weight"):
+            v = normal(shape, S["embed"])
+        elif name == "lm_head.weight":
+            v = normal(shape, S["lm_head_gain"] / math.sqrt(shape[-1]))
+        elif name.endswith("mlp.gate.weight"):
+            v = normal(shape, S["router_gain"][arch] / math.sqrt(shape[-1]))
+        else:
+            assert len(shape) in (2, 3), name
+            v = normal(shape, S["linear_gain"] / math.sqrt(shape[-1]))
+        with torch.no_grad():
+            p.copy_(v)
+
+
+def storage_dtype(arch: str, name: str) -> torch.dtype:
+    if any(name.endswith(s) for s in KEEP_F32.get(arch, ())):
+        return torch.float32
+    return SPECS[arch]["storage"]
+
+
+def round_to_storage(model: torch.nn.Module, arch: str) -> None:
+    """Round every weight to its storage dtype, keeping the model in float32."""
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "rotary_emb" in name:
+                continue
+            t.copy_(t.to(storage_dtype(arch, name)).to(torch.float32))
+
+
+def cast_for_save(model: torch.nn.Module, arch: str) -> None:
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "rotary_emb" in name:
+                continue
+            t.data = t.data.to(storage_dtype(arch, name))
+
+
+# --------------------------------------------------------------------------------------
+# Reference computations
+# --------------------------------------------------------------------------------------
+
+
+class RouterProbe:
+    """Records router logits of every MoE layer to measure routing-decision gaps."""
+
+    def __init__(self, model, arch):
+        self.arch = arch
+        self.records = []
+        self.handles = []
+        for name, mod in model.named_modules():
+            if name.endswith("mlp.gate") and hasattr(mod, "weight"):
+                self.handles.append(mod.register_forward_hook(self._hook(mod)))
+
+    def _hook(self, mod):
+        def f(_m, _inp, out):
+            self.records.append((mod, out[0].detach().double()))
+
+        return f
+
+    def clear(self):
+        self.records = []
+
+    def min_gap(self) -> float:
+        gaps = []
+        for mod, logits in self.records:
+            k = mod.top_k
+            if self.arch == "glm4_moe":
+                s = torch.sigmoid(logits) + mod.e_score_correction_bias.double()
+                ng, tg = mod.num_group, mod.topk_group
+                grouped = s.view(-1, ng, s.shape[-1] // ng)
+                gscore = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, ng]
+                gs = gscore.sort(dim=-1, descending=True)[0]
+                gaps.append((gs[:, tg - 1] - gs[:, tg]).min().item())
+                gidx = gscore.topk(tg, dim=-1)[1]
+                mask = torch.zeros_like(gscore).scatter_(1, gidx, 1).bool()
+                masked = grouped.masked_fill(~mask[..., None], float("-inf")).reshape(s.shape)
+                srt = masked.sort(dim=-1, descending=True)[0]
+                nxt = srt[:, k]
+                gaps.append((srt[:, k - 1] - nxt)[torch.isfinite(nxt)].min().item() if torch.isfinite(nxt).any() else 1.0)
+            else:
+                srt = logits.sort(dim=-1, descending=True)[0]
+                gaps.append((srt[:, k - 1] - srt[:, k]).min().item())
+        return min(gaps)
+
+
+@torch.no_grad()
+def logits_of(model, ids: list[int]) -> torch.Tensor:
+    x = torch.tensor([ids], dtype=torch.long)
+    return model(input_ids=x, use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int]) -> tuple[list[int], float]:
+    """Argmax loop with full recomputation (no cache, no eos stop)."""
+    seq = list(prompt)
+    margin = float("inf")
+    for _ in range(N_GREEDY):
+        last = logits_of(model, seq)[-1]
+        top2 = torch.topk(last, 2)
+        margin = min(margin, (top2.values[0] - top2.values[1]).item())
+        seq.append(int(top2.indices[0]))
+    return seq[len(prompt) :], margin
+
+
+def evaluate(model, arch, prompts):
+    probe = RouterProbe(model, arch)
+    out = {"logits": [], "greedy": [], "margin": []}
+    for p in prompts:
+        out["logits"].append(logits_of(model, p))
+        toks, m = greedy(model, p)
+        out["greedy"].append(toks)
+        out["margin"].append(m)
+    # Routing gaps over every position ever fed to the model (prompt + greedy prefix).
+    probe.clear()
+    for p, toks in zip(prompts, out["greedy"]):
+        logits_of(model, p + toks[:-1])
+    out["router_gap"] = probe.min_gap()
+    for h in probe.handles:
+        h.remove()
+    return out
+
+
+def q4_0_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """ggml Q4_0 quantize -> dequantize along the last dim (rows zero-padded to 32)."""
+    shape = w.shape
+    n = shape[-1]
+    pad = (-n) % 32
+    x = w.reshape(-1, n).float()
+    if pad:
+        x = torch.cat([x, torch.zeros(x.shape[0], pad)], dim=1)
+    b = x.view(x.shape[0], -1, 32)
+    idx = b.abs().argmax(dim=-1, keepdim=True)  # first max |x| wins, as in ggml
+    m = torch.gather(b, -1, idx)
+    d = m / -8.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp(torch.floor(b * inv + 8.5), max=15.0)  # == clamp(round(x/d)+8, 0, 15)
+    q = torch.where(d != 0, q, torch.full_like(q, 8.0))
+    d16 = d.to(torch.float16).to(torch.float32)
+    deq = (q - 8.0) * d16
+    return deq.view(x.shape)[:, :n].reshape(shape)
+
+
+def is_quantized(name: str, t: torch.Tensor) -> bool:
+    return t.dim() >= 2 and not name.endswith("mlp.gate.weight")
+
+
+@torch.no_grad()
+def q4_0_model(model) -> tuple[torch.nn.Module, list[str]]:
+    import copy
+
+    qm = copy.deepcopy(model)
+    names = []
+    for name, p in qm.named_parameters():
+        if is_quantized(name, p):
+            p.copy_(q4_0_roundtrip(p))
+            names.append(name)
+    if qm.config.tie_word_embeddings:
+        assert qm.lm_head.weight.data_ptr() == qm.model.embed_tokens.weight.data_ptr()
+    return qm, names
+
+
+# --------------------------------------------------------------------------------------
+# Independent float64 NumPy forward pass (self-check and executable spec)
+# --------------------------------------------------------------------------------------
+
+
+def load_checkpoint(hf_dir: Path) -> tuple[dict, dict]:
+    """config.json + every tensor of every *.safetensors file, upcast to float64."""
+    from safetensors import safe_open
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    W = {}
+    for fn in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(fn), "pt") as f:
+            for k in f.keys():
+                W[k] = f.get_tensor(k).to(torch.float64).numpy()
+    return cfg, W
+
+
+def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
+    """Plain float64 re-implementation of the three HF forward passes (no cache)."""
+    arch = cfg["model_type"]
+    H = cfg["hidden_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or H // nh
+    eps = cfg["rms_norm_eps"]
+    rope = cfg["rope_parameters"]
+    rd = int(hd * rope.get("partial_rotary_factor", 1.0))  # rotated dims: the first rd of each head
+    T = len(ids)
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    def silu(x):
+        return x / (1.0 + np.exp(-x))
+
+    def mlp(h, pre):
+        return (silu(h @ W[pre + "gate_proj.weight"].T) * (h @ W[pre + "up_proj.weight"].T)) @ W[
+            pre + "down_proj.weight"
+        ].T
+
+    inv = 1.0 / rope["rope_theta"] ** (np.arange(0, rd, 2, dtype=np.float64) / rd)
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
+    cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]  # [T, 1, rd]
+    sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
+
+    def rope_fn(x):  # x [T, heads, hd]; rotate_half (NeoX) style on the first rd dims
+        xr, xp = x[..., :rd], x[..., rd:]
+        half = rd // 2
+        rot = np.concatenate([-xr[..., half:], xr[..., :half]], -1)
+        return np.concatenate([xr * cos + rot * sin, xp], -1)
+
+    x = W["model.embed_tokens.weight"][ids]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        h = rms(x, W[p + "input_layernorm.weight"])
+        a = p + "self_attn."
+        q, k, v = (h @ W[a + n + "_proj.weight"].T for n in "qkv")
+        if a + "q_proj.bias" in W:
+            q, k, v = q + W[a + "q_proj.bias"], k + W[a + "k_proj.bias"], v + W[a + "v_proj.bias"]
+        if arch == "olmoe":  # norm over the whole projection, before the head split
+            q, k = rms(q, W[a + "q_norm.weight"]), rms(k, W[a + "k_norm.weight"])
+            if cfg.get("clip_qkv") is not None:
+                c = cfg["clip_qkv"]
+                q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
+        q, k, v = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
+        if arch == "qwen3_moe" or (arch == "glm4_moe" and cfg.get("use_qk_norm")):  # per head
+            q, k = rms(q, W[a + "q_norm.weight"]), rms(k, W[a + "k_norm.weight"])
+        q, k = rope_fn(q), rope_fn(k)
+        o = np.zeros((T, nh, hd))
+        for i in range(nh):
+            j = i // (nh // nkv)
+            sc = q[:, i] @ k[:, j].T * hd**-0.5 + mask
+            sc = np.exp(sc - sc.max(-1, keepdims=True))
+            o[:, i] = (sc / sc.sum(-1, keepdims=True)) @ v[:, j]
+        o = o.reshape(T, nh * hd) @ W[a + "o_proj.weight"].T
+        if a + "o_proj.bias" in W:
+            o = o + W[a + "o_proj.bias"]
+        x = x + o
+
+        h = rms(x, W[p + "post_attention_layernorm.weight"])
+        m = p + "mlp."
+        if m + "gate.weight" not in W:  # dense layer
+            x = x + mlp(h, m)
+            continue
+        E = W[m + "gate.weight"].shape[0]
+        K = cfg["num_experts_per_tok"]
+        r = h @ W[m + "gate.weight"].T  # [T, E]
+        if arch == "glm4_moe":
+            s = 1.0 / (1.0 + np.exp(-r))
+            sc = s + W[m + "gate.e_score_correction_bias"]
+            ng, tg = cfg["n_group"], cfg["topk_group"]
+            g = np.sort(sc.reshape(T, ng, E // ng), -1)[..., -2:].sum(-1)  # sum of top-2 per group
+            keep = np.argsort(-g, -1, kind="stable")[:, :tg]
+            gm = np.zeros((T, ng), bool)
+            np.put_along_axis(gm, keep, True, -1)
+            sc = np.where(np.repeat(gm, E // ng, -1), sc, -np.inf)
+            idx = np.argsort(-sc, -1, kind="stable")[:, :K]
+            w = np.take_along_axis(s, idx, -1)  # weights from the *uncorrected* sigmoid
+            if cfg["norm_topk_prob"]:
+                w = w / (w.sum(-1, keepdims=True) + 1e-20)
+            w = w * cfg["routed_scaling_factor"]
+        else:
+            pr = np.exp(r - r.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            idx = np.argsort(-pr, -1, kind="stable")[:, :K]
+            w = np.take_along_axis(pr, idx, -1)
+            if cfg["norm_topk_prob"]:
+                w = w / w.sum(-1, keepdims=True)
+        out = np.zeros_like(h)
+        for t in range(T):
+            for e, we in zip(idx[t], w[t]):
+                out[t] += we * mlp(h[t : t + 1], f"{m}experts.{e}.")[0]
+        if m + "shared_experts.gate_proj.weight" in W:
+            out += mlp(h, m + "shared_experts.")
+        x = x + out
+    x = rms(x, W["model.norm.weight"])
+    head = W.get("lm_head.weight", W["model.embed_tokens.weight"])  # tied if absent
+    return x @ head.T
+
+
+# --------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------
+
+
+def build(arch: str, seed: int):
+    spec = SPECS[arch]
+    cfg = spec["cfg_cls"](**spec["cfg"])
+    torch.manual_seed(seed)
+    model = spec["cls"](cfg).float().eval()
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    randomize(model, arch, seed)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    round_to_storage(model, arch)
+    return model
+
+
+def load(hf_dir: Path):
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    assert model.config._attn_implementation == "eager"
+    return model
+
+
+def shard_size(model, arch) -> int:
+    total = 0
+    for name, t in model.state_dict().items():
+        total += t.numel() * torch.tensor([], dtype=storage_dtype(arch, name)).element_size()
+    return total
+
+
+def make(arch: str) -> dict:
+    spec = SPECS[arch]
+    out_dir = OUT / arch
+    hf_dir = out_dir / "hf"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    hf_dir.mkdir(parents=True)
+
+    tok = build_tokenizer(spec["tok_vocab"])
+    prompts = make_prompts(tok)
+
+    # Seed search: first seed whose greedy and routing decisions are not near ties,
+    # and whose greedy continuations never produce eos.
+    for seed in range(spec["seed"], spec["seed"] + 500):
+        model = build(arch, seed)
+        ev = evaluate(model, arch, prompts)
+        ok = (
+            min(ev["margin"]) >= MIN_GREEDY_MARGIN
+            and ev["router_gap"] >= MIN_ROUTER_GAP
+            and all(EOS not in g for g in ev["greedy"])
+            and all(len(set(g)) >= MIN_DISTINCT for g in ev["greedy"])
+        )
+        print(f"[{arch}] seed {seed}: greedy margin {min(ev['margin']):.4f} router gap {ev['router_gap']:.4f} ok={ok}")
+        if ok:
+            break
+    else:
+        raise SystemExit(f"{arch}: no acceptable seed")
+
+    # Save exactly the rounded weights in the storage dtype(s).
+    cast_for_save(model, arch)
+    kwargs = {}
+    if spec["shards"] > 1:
+        kwargs["max_shard_size"] = int(shard_size(model, arch) * 0.6)
+    model.save_pretrained(str(hf_dir), **kwargs)
+    write_tokenizer(hf_dir, tok)
+    shards = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    assert len(shards) == spec["shards"], shards
+
+    # Reference from what is on disk.
+    ref = load(hf_dir)
+    ref_sd = ref.state_dict()
+    model_sd = {k: v.float() for k, v in model.state_dict().items()}
+    for k, v in ref_sd.items():
+        if "rotary_emb" in k:
+            continue
+        assert torch.equal(v.float(), model_sd[k]), k
+    ev2 = evaluate(ref, arch, prompts)
+    for a, b in zip(ev["logits"], ev2["logits"]):
+        assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
+    assert ev["greedy"] == ev2["greedy"]
+    ev = ev2
+
+    # Cross-check the manual argmax loop against model.generate (KV cache path).
+    for p, g in zip(prompts, ev["greedy"]):
+        gen = ref.generate(
+            torch.tensor([p]), do_sample=False, max_new_tokens=N_GREEDY, pad_token_id=PAD, eos_token_id=EOS
+        )[0, len(p) :].tolist()
+        assert gen == g, (gen, g)
+
+    # Independent float64 NumPy forward from the files alone must agree.
+    cfg_json, W = load_checkpoint(hf_dir)
+    np_err = 0.0
+    for p, L in zip(prompts, ev["logits"]):
+        ref_np = numpy_forward(cfg_json, W, p)
+        err = np.abs(ref_np - L.numpy()).max() / np.abs(ref_np).max()
+        np_err = max(np_err, float(err))
+    assert np_err < 1e-4, f"numpy forward disagrees with transformers: {np_err}"
+
+    # Routing sanity for GLM: the correction bias must actually change the selection.
+    route_changed = None
+    if arch == "glm4_moe":
+        route_changed = glm_bias_effect(ref, prompts)
+        assert route_changed > 0, "e_score_correction_bias does not change routing"
+
+    # Q4_0 weight error.
+    qm, qnames = q4_0_model(ref)
+    lq = [logits_of(qm, p) for p in prompts]
+    L = ev["logits"]
+    rel2 = ((lq[2] - L[2]).norm() / L[2].norm()).item()
+    cat_l, cat_q = torch.cat(L), torch.cat(lq)
+    rel_all = ((cat_q - cat_l).norm() / cat_l.norm()).item()
+
+    npz = {}
+    for i, p in enumerate(prompts):
+        npz[f"prompt_{i}"] = np.asarray(p, dtype=np.int32)
+        npz[f"logits_{i}"] = ev["logits"][i].numpy().astype(np.float32)
+        npz[f"greedy_{i}"] = np.asarray(ev["greedy"][i], dtype=np.int32)
+        npz[f"greedy_margin_{i}"] = np.float32(ev["margin"][i])
+    npz["router_min_gap"] = np.float32(ev["router_gap"])
+    npz["q4_0_rel_error"] = np.float32(rel2)
+    npz["q4_0_rel_error_all"] = np.float32(rel_all)
+    np.savez(out_dir / "reference.npz", **npz)
+
+    cases = tokenizer_cases(hf_dir)
+    with open(out_dir / "tokenizer_cases.json", "w") as f:
+        json.dump(cases, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+    size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
+    summary = dict(
+        arch=arch,
+        seed=seed,
+        greedy_margins=[round(m, 4) for m in ev["margin"]],
+        router_min_gap=round(ev["router_gap"], 4),
+        q4_0_rel_error=rel2,
+        q4_0_rel_error_all=rel_all,
+        logit_std=[round(l.std().item(), 3) for l in L],
+        greedy=ev["greedy"],
+        glm_tokens_with_bias_changed_routing=route_changed,
+        shards=shards,
+        bytes=size,
+        quantized_tensors=len(qnames),
+        numpy_vs_torch_max_rel=np_err,
+    )
+    print(json.dumps(summary))
+    return summary
+
+
+@torch.no_grad()
+def glm_bias_effect(model, prompts) -> int:
+    """Number of (layer, token) routing decisions that differ with the bias zeroed."""
+    changed = 0
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")]
+    sel = {}
+
+    def hook(key):
+        def f(_m, _i, out):
+            sel.setdefault(key, []).append(torch.sort(out[2], dim=-1)[0])
+
+        return f
+
+    for variant in ("bias", "zero"):
+        saved = [g.e_score_correction_bias.clone() for g in gates]
+        if variant == "zero":
+            for g in gates:
+                g.e_score_correction_bias.zero_()
+        hs = [g.register_forward_hook(hook((variant, i))) for i, g in enumerate(gates)]
+        for p in prompts:
+            logits_of(model, p)
+        for h in hs:
+            h.remove()
+        for g, s in zip(gates, saved):
+            g.e_score_correction_bias.copy_(s)
+    for i in range(len(gates)):
+        a = torch.cat(sel[("bias", i)])
+        b = torch.cat(sel[("zero", i)])
+        changed += int((a != b).any(dim=-1).sum())
+    return changed
+
+
+def main():
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    archs = sys.argv[1:] or list(SPECS)
+    summaries = [make(a) for a in archs]
+    with open(OUT / "versions.json", "w") as f:
+        json.dump(
+            {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "tokenizers": tokenizers.__version__,
+                "numpy": np.__version__,
+                "python": sys.version.split()[0],
+            },
+            f,
+            indent=2,
+        )
+        f.write("\n")
+    print("done:", [(s["arch"], s["bytes"]) for s in summaries])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Shared fixtures: the committed reference checkpoints, converted once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri import convert
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ARCHS = ["olmoe", "qwen3_moe", "glm4_moe"]
+
+
+class Reference:
+    """One architecture's HF checkpoint and transformers' outputs for it."""
+
+    def __init__(self, arch: str) -> None:
+        self.arch = arch
+        self.hf_dir = FIXTURES / arch / "hf"
+        data = np.load(FIXTURES / arch / "reference.npz")
+        self.prompts = [data[f"prompt_{i}"].tolist() for i in range(3)]
+        self.logits = [data[f"logits_{i}"] for i in range(3)]
+        self.greedy = [data[f"greedy_{i}"].tolist() for i in range(3)]
+        self.q4_0_rel_error = float(data["q4_0_rel_error"])
+        self.q4_0_rel_error_all = float(data["q4_0_rel_error_all"])
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def reference(request) -> Reference:
+    return Reference(request.param)
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """``converted(arch, quant)`` -> path of that fixture converted (cached per session)."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, quant: str) -> Path:
+        key = (arch, quant)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-{quant}")
+            convert(FIXTURES / arch / "hf", out, quant)
+            cache[key] = out
+        return cache[key]
+
+    return get
