@@ -16,6 +16,7 @@ test: setup
 lint: setup
     cargo fmt --all --check
     cargo clippy --release --workspace --all-targets -- -D warnings
+    cargo clippy --release -p colibri-engine --features python -- -D warnings
     .venv/bin/ruff check python tests scripts benchmarks
 
 # colibri vs llama.cpp on an OLMoE-1B-7B-shaped model (slow: builds llama.cpp once).

@@ -27,6 +27,7 @@ cmake, a C/C++ compiler and network access to PyPI for the setup.
     python3 benchmarks/bench_vs_llamacpp.py --setup-only   # warm the cache
     python3 benchmarks/bench_vs_llamacpp.py --rounds 9 --out docs/bench.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,9 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run(cmd: list, *, nice: bool = False, log_file: Path | None = None, **kw) -> subprocess.CompletedProcess:
+def run(
+    cmd: list, *, nice: bool = False, log_file: Path | None = None, **kw
+) -> subprocess.CompletedProcess:
     cmd = [str(c) for c in cmd]
     if nice and shutil.which("nice"):
         cmd = NICE + cmd
@@ -76,8 +79,10 @@ def run(cmd: list, *, nice: bool = False, log_file: Path | None = None, **kw) ->
             r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, **kw)
         if r.returncode != 0:
             tail = log_file.read_text(errors="replace").splitlines()[-30:]
-            raise SystemExit(f"command failed ({r.returncode}): {' '.join(cmd)}\n--- {log_file} (tail)\n"
-                             + "\n".join(tail))
+            raise SystemExit(
+                f"command failed ({r.returncode}): {' '.join(cmd)}\n--- {log_file} (tail)\n"
+                + "\n".join(tail)
+            )
         return r
     return subprocess.run(cmd, check=True, **kw)
 
@@ -95,13 +100,16 @@ def read_json(path: Path):
 
 # ---------------------------------------------------------------- setup steps
 
+
 class Paths:
     def __init__(self, cache: Path, layers: int):
         self.cache = cache
         self.venv = cache / "venv"
         self.py = self.venv / "bin" / "python"
         self.dl = cache / "dl"
-        self.llama_src = cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+        self.llama_src = (
+            cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+        )
         self.llama_build = cache / f"llama.cpp-build-{LLAMA_CPP_PYTHON_VERSION}"
         self.llama_bench = self.llama_build / "bin" / "llama-bench"
         self.llama_quantize = self.llama_build / "bin" / "llama-quantize"
@@ -126,21 +134,38 @@ def setup_venv(p: Paths) -> None:
     if not p.py.exists():
         run([sys.executable, "-m", "venv", p.venv])
     p.logs.mkdir(parents=True, exist_ok=True)
-    run([p.py, "-m", "pip", "install", "--progress-bar", "off", "-r", req], nice=True,
-        log_file=p.logs / "venv-install.log")
+    run(
+        [p.py, "-m", "pip", "install", "--progress-bar", "off", "-r", req],
+        nice=True,
+        log_file=p.logs / "venv-install.log",
+    )
     stamp.write_text(want + "\n")
 
 
 def setup_llama_src(p: Paths) -> None:
-    if (p.llama_src / "CMakeLists.txt").exists() and (p.llama_src / "convert_hf_to_gguf.py").exists():
+    if (p.llama_src / "CMakeLists.txt").exists() and (
+        p.llama_src / "convert_hf_to_gguf.py"
+    ).exists():
         log(f"[setup] llama.cpp source: {p.llama_src} (cached)")
         return
     log(f"[setup] llama.cpp source: llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist from PyPI")
     p.dl.mkdir(parents=True, exist_ok=True)
     sdist = p.dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
     if not sdist.exists():
-        run([p.py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", p.dl])
+        run(
+            [
+                p.py,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                "-d",
+                p.dl,
+            ]
+        )
     dest = p.cache / "src"
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tf:
@@ -156,10 +181,24 @@ def setup_llama_build(p: Paths) -> None:
         return
     log("[setup] llama.cpp build (GGML_NATIVE; ~15 min on 2 cores)")
     p.logs.mkdir(parents=True, exist_ok=True)
-    run(["cmake", "-S", p.llama_src, "-B", p.llama_build, *LLAMA_CMAKE_FLAGS], nice=True,
-        log_file=p.logs / "llama-cmake.log")
-    run(["cmake", "--build", p.llama_build, "-j", str(os.cpu_count() or 2), "--target", *LLAMA_TARGETS],
-        nice=True, log_file=p.logs / "llama-build.log")
+    run(
+        ["cmake", "-S", p.llama_src, "-B", p.llama_build, *LLAMA_CMAKE_FLAGS],
+        nice=True,
+        log_file=p.logs / "llama-cmake.log",
+    )
+    run(
+        [
+            "cmake",
+            "--build",
+            p.llama_build,
+            "-j",
+            str(os.cpu_count() or 2),
+            "--target",
+            *LLAMA_TARGETS,
+        ],
+        nice=True,
+        log_file=p.logs / "llama-build.log",
+    )
 
 
 def setup_bandwidth(p: Paths) -> None:
@@ -194,14 +233,29 @@ def setup_gguf(p: Paths, keep_bf16: bool) -> None:
     if not (p.gguf_bf16.exists() and read_json(bf16_stamp) == want):
         log("[setup] GGUF: convert_hf_to_gguf.py --outtype bf16")
         tmp = p.gguf_bf16.with_name(p.gguf_bf16.name + ".partial")
-        run([p.py, HERE / "convert_to_gguf.py", p.llama_src, p.hf, "--outfile", tmp, "--outtype", "bf16"],
-            nice=True, log_file=p.logs / "convert-gguf.log")
+        run(
+            [
+                p.py,
+                HERE / "convert_to_gguf.py",
+                p.llama_src,
+                p.hf,
+                "--outfile",
+                tmp,
+                "--outtype",
+                "bf16",
+            ],
+            nice=True,
+            log_file=p.logs / "convert-gguf.log",
+        )
         os.replace(tmp, p.gguf_bf16)
         bf16_stamp.write_text(json.dumps(want, indent=2) + "\n")
     log("[setup] GGUF: llama-quantize --pure Q4_0")
     tmp = p.gguf_q4.with_name(p.gguf_q4.name + ".partial")
-    run([p.llama_quantize, "--pure", p.gguf_bf16, tmp, "Q4_0", str(os.cpu_count() or 2)], nice=True,
-        log_file=p.logs / "quantize.log")
+    run(
+        [p.llama_quantize, "--pure", p.gguf_bf16, tmp, "Q4_0", str(os.cpu_count() or 2)],
+        nice=True,
+        log_file=p.logs / "quantize.log",
+    )
     os.replace(tmp, p.gguf_q4)
     stamp.write_text(json.dumps(want, indent=2) + "\n")
     if not keep_bf16:
@@ -220,11 +274,26 @@ def find_colibri(explicit: str | None) -> Path | None:
 
 
 def colibri_version(exe: Path) -> str:
+    """`colibri --version`, else the installed package's version (for a Python entry point).
+
+    It goes into the converted model's stamp. A rebuild of the same version reuses
+    the cached conversion (reconverting takes ~15 min); if `colibri bench` then fails
+    on it, the model is reconverted once automatically (--reconvert-colibri forces it).
+    """
     try:
         r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
-        return (r.stdout or r.stderr).strip() if r.returncode == 0 else "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip()
+        first = exe.read_text(errors="replace").split("\n", 1)[0]
+        if first.startswith("#!") and "python" in first:
+            code = "from importlib.metadata import version; print('colibri', version('colibri'))"
+            py = first[2:].strip().split()[0]
+            r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=60)
+            if r.returncode == 0:
+                return r.stdout.strip()
+    except (OSError, UnicodeDecodeError, subprocess.TimeoutExpired):
+        pass
+    return "unknown"
 
 
 def setup_colibri_model(p: Paths, exe: Path, force: bool) -> None:
@@ -243,18 +312,70 @@ def setup_colibri_model(p: Paths, exe: Path, force: bool) -> None:
         elif d.exists():
             d.unlink()
     stamp.unlink(missing_ok=True)
-    run([exe, "convert", p.hf, tmp, "--quant", "int4"], nice=True, log_file=p.logs / "colibri-convert.log")
+    run(
+        [exe, "convert", p.hf, tmp, "--quant", "int4"],
+        nice=True,
+        log_file=p.logs / "colibri-convert.log",
+    )
     os.replace(tmp, p.colibri_model)
     stamp.write_text(json.dumps(want, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- measurement
 
-def run_with_rss(cmd: list, timeout: float) -> tuple[int, str, str, float]:
-    """Run cmd; return (returncode, stdout, stderr, the child's own peak RSS in MB via wait4)."""
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all CPUs from /proc/stat, or None off Linux."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    total = sum(f[:8])  # user nice system idle iowait irq softirq steal
+    return total - f[3] - f[4], total
+
+
+def others_cpu(before, after, own_cpu_s: float = 0.0) -> float | None:
+    """Fraction of all CPUs used by other processes between two cpu_times() samples."""
+    if not before or not after or after[1] <= before[1]:
+        return None
+    own = own_cpu_s * os.sysconf("SC_CLK_TCK")
+    return max(0.0, (after[0] - before[0] - own) / (after[1] - before[1]))
+
+
+def wait_for_idle(max_wait: float, threshold: float) -> float | None:
+    """Wait (up to max_wait s) until other processes use <= threshold of the CPUs.
+
+    Returns the last 1-second busy fraction seen.
+    """
+    t0 = time.monotonic()
+    said = -1e9
+    while True:
+        c0 = cpu_times()
+        time.sleep(1.0)
+        busy = others_cpu(c0, cpu_times())
+        if busy is None or busy <= threshold:
+            return busy
+        waited = time.monotonic() - t0
+        if waited >= max_wait:
+            log(f"  machine still busy ({busy:.0%} CPU) after {waited:.0f}s; measuring anyway")
+            return busy
+        if waited - said >= 15:
+            log(f"  waiting for the machine to go idle (other processes: {busy:.0%} CPU)")
+            said = waited
+
+
+def run_with_rss(cmd: list, timeout: float) -> dict:
+    """Run cmd to completion, reaping it with wait4.
+
+    Returns rc, out, err, the child's own peak RSS (rss_mb) and the share of the
+    CPUs that other processes used meanwhile (others_cpu: the machine's busy time
+    minus the child's own CPU time, over the wall time of all CPUs).
+    """
     import tempfile
+
     cmd = [str(c) for c in cmd]
     with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
+        c0 = cpu_times()
         proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True)
         deadline = time.monotonic() + timeout
         rc, ru = None, None
@@ -270,12 +391,20 @@ def run_with_rss(cmd: list, timeout: float) -> tuple[int, str, str, float]:
                 proc.returncode = rc = -9
                 break
             time.sleep(0.05)
+        c1 = cpu_times()
         fo.seek(0)
         fe.seek(0)
         out, err = fo.read(), fe.read()
     if rc == -9:
         err += f"\n(killed after {timeout:.0f}s)"
-    return rc, out, err, (ru.ru_maxrss / 1024.0 if ru else 0.0)
+    own = (ru.ru_utime + ru.ru_stime) if ru else 0.0
+    return {
+        "rc": rc,
+        "out": out,
+        "err": err,
+        "rss_mb": ru.ru_maxrss / 1024.0 if ru else 0.0,
+        "others_cpu": others_cpu(c0, c1, own),
+    }
 
 
 def last_json_object(text: str):
@@ -293,46 +422,86 @@ def last_json_object(text: str):
 
 
 def measure_bandwidth(p: Paths, threads: int, size_mib: int, passes: int) -> dict:
-    rc, out, err, _ = run_with_rss([p.bandwidth, "-t", threads, "-s", size_mib, "-r", passes, "--json"], 300)
-    obj = last_json_object(out) if rc == 0 else None
+    r = run_with_rss([p.bandwidth, "-t", threads, "-s", size_mib, "-r", passes, "--json"], 300)
+    obj = last_json_object(r["out"]) if r["rc"] == 0 else None
     if not obj:
-        raise SystemExit(f"bandwidth probe failed ({rc}): {err.strip()[-2000:]}")
-    return {"gb_s": obj["median_gb_s"], "raw": obj}
+        raise SystemExit(f"bandwidth probe failed ({r['rc']}): {r['err'].strip()[-2000:]}")
+    return {"gb_s": obj["median_gb_s"], "others_cpu": r["others_cpu"], "raw": obj}
+
+
+def median_ts(row: dict) -> float:
+    """Median over llama-bench's repetitions (its avg_ts is the mean)."""
+    samples = row.get("samples_ts") or [row["avg_ts"]]
+    return float(statistics.median(samples))
 
 
 def measure_llama(p: Paths, a) -> dict:
-    cmd = [p.llama_bench, "-m", p.gguf_q4, "-t", a.threads, "-p", a.prompt_tokens, "-n", a.gen_tokens,
-           "-r", a.llama_reps, "-o", "json"]
-    rc, out, err, rss = run_with_rss(cmd, 900)
-    if rc != 0:
-        raise SystemExit(f"llama-bench failed ({rc}):\n{err.strip()[-3000:]}")
+    cmd = [
+        p.llama_bench,
+        "-m",
+        p.gguf_q4,
+        "-t",
+        a.threads,
+        "-p",
+        a.prompt_tokens,
+        "-n",
+        a.gen_tokens,
+        "-r",
+        a.reps,
+        "-o",
+        "json",
+    ]
+    r = run_with_rss(cmd, 900)
+    out = r["out"]
+    if r["rc"] != 0:
+        raise SystemExit(f"llama-bench failed ({r['rc']}):\n{r['err'].strip()[-3000:]}")
     try:
         rows = json.loads(out)
     except ValueError:
-        raise SystemExit(f"could not parse llama-bench JSON:\n{out[-2000:]}")
-    res = {"peak_rss_mb": rss}
+        raise SystemExit(f"could not parse llama-bench JSON:\n{out[-2000:]}") from None
+    res = {"peak_rss_mb": r["rss_mb"], "others_cpu": r["others_cpu"]}
     for row in rows:
         if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
-            res["prefill_tok_s"] = float(row["avg_ts"])
+            res["prefill_tok_s"] = median_ts(row)
         elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
-            res["decode_tok_s"] = float(row["avg_ts"])
+            res["decode_tok_s"] = median_ts(row)
     if "prefill_tok_s" not in res or "decode_tok_s" not in res:
         raise SystemExit(f"unexpected llama-bench output:\n{out[-2000:]}")
     return res
 
 
 def measure_colibri(exe: Path, p: Paths, a) -> dict:
-    cmd = [exe, "bench", "--model", p.colibri_model, "--threads", a.threads,
-           "--prompt-tokens", a.prompt_tokens, "--gen-tokens", a.gen_tokens, "--json"]
-    rc, out, err, rss = run_with_rss(cmd, 900)
-    obj = last_json_object(out) if rc == 0 else None
+    cmd = [
+        exe,
+        "bench",
+        "--model",
+        p.colibri_model,
+        "--threads",
+        a.threads,
+        "--prompt-tokens",
+        a.prompt_tokens,
+        "--gen-tokens",
+        a.gen_tokens,
+        "--repeat",
+        a.reps,
+        "--json",
+    ]
+    r = run_with_rss(cmd, 900)
+    obj = last_json_object(r["out"]) if r["rc"] == 0 else None
     if not obj or "decode_tok_s" not in obj or "prefill_tok_s" not in obj:
-        raise RuntimeError(f"colibri bench failed (exit {rc}):\n{(err or out).strip()[-3000:]}")
-    return {"prefill_tok_s": float(obj["prefill_tok_s"]), "decode_tok_s": float(obj["decode_tok_s"]),
-            "peak_rss_mb": float(obj.get("peak_rss_mb") or rss), "raw": obj}
+        msg = (r["err"] or r["out"]).strip()[-3000:]
+        raise RuntimeError(f"colibri bench failed (exit {r['rc']}):\n{msg}")
+    return {
+        "prefill_tok_s": float(obj["prefill_tok_s"]),
+        "decode_tok_s": float(obj["decode_tok_s"]),
+        "peak_rss_mb": float(obj.get("peak_rss_mb") or r["rss_mb"]),
+        "others_cpu": r["others_cpu"],
+        "raw": obj,
+    }
 
 
 # ---------------------------------------------------------------- model arithmetic
+
 
 def bytes_per_decoded_token(cfg: dict, bits: float = BITS_PER_WEIGHT) -> dict:
     """Weight bytes one decode step reads: everything active for one token."""
@@ -347,13 +516,22 @@ def bytes_per_decoded_token(cfg: dict, bits: float = BITS_PER_WEIGHT) -> dict:
     lm_head = cfg["vocab_size"] * h
     embed_row = h
     active = attn + router + experts + lm_head + embed_row
-    total = (2 * cfg["vocab_size"] * h + L * (2 * h * h + 2 * kv_dim * h + cfg["num_experts"] * h
-                                               + cfg["num_experts"] * 3 * h * inter))
-    return {"active_params": active, "total_params": total, "attn": attn, "router": router,
-            "experts": experts, "lm_head": lm_head, "bytes": active * bits / 8}
+    total = 2 * cfg["vocab_size"] * h + L * (
+        2 * h * h + 2 * kv_dim * h + cfg["num_experts"] * h + cfg["num_experts"] * 3 * h * inter
+    )
+    return {
+        "active_params": active,
+        "total_params": total,
+        "attn": attn,
+        "router": router,
+        "experts": experts,
+        "lm_head": lm_head,
+        "bytes": active * bits / 8,
+    }
 
 
 # ---------------------------------------------------------------- report
+
 
 def stats(xs: list[float]) -> tuple[float, float, float] | None:
     xs = [x for x in xs if x is not None]
@@ -391,40 +569,69 @@ def mem_total_gb() -> float:
 
 def git_rev() -> str:
     try:
-        r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                           text=True, timeout=10)
+        r = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return r.stdout.strip() or "uncommitted"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
 
 
-def build_report(a, rounds: list[dict], bpt: dict, colibri_note: str | None, colibri_ver: str | None) -> str:
-    L = {k: stats([r["llama"][k] for r in rounds if r.get("llama")]) for k in
-         ("decode_tok_s", "prefill_tok_s", "peak_rss_mb")}
-    C = {k: stats([r["colibri"][k] for r in rounds if r.get("colibri")]) for k in
-         ("decode_tok_s", "prefill_tok_s", "peak_rss_mb")}
+def build_report(
+    a, rounds: list[dict], bpt: dict, colibri_note: str | None, colibri_ver: str | None
+) -> str:
+    L = {
+        k: stats([r["llama"][k] for r in rounds if r.get("llama")])
+        for k in ("decode_tok_s", "prefill_tok_s", "peak_rss_mb")
+    }
+    C = {
+        k: stats([r["colibri"][k] for r in rounds if r.get("colibri")])
+        for k in ("decode_tok_s", "prefill_tok_s", "peak_rss_mb")
+    }
     bw = stats([r["bw"]["gb_s"] for r in rounds if r.get("bw")])
     gb_per_tok = bpt["bytes"] / 1e9
 
     def ratio(key: str) -> str:
         if not C[key] or not L[key]:
             return "n/a"
-        paired = [r["colibri"][key] / r["llama"][key] for r in rounds if r.get("colibri") and r.get("llama")]
+        paired = [
+            r["colibri"][key] / r["llama"][key]
+            for r in rounds
+            if r.get("colibri") and r.get("llama")
+        ]
         return f"**{C[key][0] / L[key][0]:.2f}** (per round {min(paired):.2f}–{max(paired):.2f})"
 
     def of_ceiling(eng: str) -> str:
-        vals = [r[eng]["decode_tok_s"] * gb_per_tok / r["bw"]["gb_s"]
-                for r in rounds if r.get(eng) and r.get("bw")]
+        vals = [
+            r[eng]["decode_tok_s"] * gb_per_tok / r["bw"]["gb_s"]
+            for r in rounds
+            if r.get(eng) and r.get("bw")
+        ]
         s = stats(vals)
         if not s:
             return "n/a"
         return f"{100 * s[0]:.0f}% ({100 * s[1]:.0f}–{100 * s[2]:.0f}%)"
 
+    def busy_of(eng: str) -> str:
+        s = stats([r[eng]["others_cpu"] for r in rounds if r.get(eng)])
+        if not s:
+            return "n/a"
+        return f"{100 * s[0]:.0f}% ({100 * s[1]:.0f}–{100 * s[2]:.0f}%)"
+
+    def round_busy(r: dict) -> float | None:
+        xs = [r[k].get("others_cpu") for k in ("bw", "llama", "colibri") if r.get(k)]
+        xs = [x for x in xs if x is not None]
+        return max(xs) if xs else None
+
+    worst = max((b for b in map(round_busy, rounds) if b is not None), default=None)
     ceiling = stats([r["bw"]["gb_s"] / gb_per_tok for r in rounds if r.get("bw")])
     when = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    shape = "" if a.layers == 16 else f" ({a.layers} layers)"
     lines = [
-        f"## colibri vs llama.cpp: random OLMoE-1B-7B{'' if a.layers == 16 else f' ({a.layers} layers)'}, "
-        f"{a.threads} threads",
+        f"## colibri vs llama.cpp: random OLMoE-1B-7B{shape}, {a.threads} threads",
         "",
         f"Median (min–max) over {len(rounds)} alternating rounds. colibri int4 vs llama.cpp "
         f"Q4_0 `--pure` from the same bf16 weights; prefill = {a.prompt_tokens}-token prompt, "
@@ -432,63 +639,126 @@ def build_report(a, rounds: list[dict], bpt: dict, colibri_note: str | None, col
         "",
         "| | colibri int4 | llama.cpp Q4_0 | colibri / llama.cpp |",
         "|---|---|---|---|",
-        f"| decode tok/s | {fmt(C['decode_tok_s'], 2)} | {fmt(L['decode_tok_s'], 2)} | {ratio('decode_tok_s')} |",
+        f"| decode tok/s | {fmt(C['decode_tok_s'], 2)} | {fmt(L['decode_tok_s'], 2)} | "
+        f"{ratio('decode_tok_s')} |",
         f"| prefill tok/s ({a.prompt_tokens}-token prompt) | {fmt(C['prefill_tok_s'], 1)} | "
         f"{fmt(L['prefill_tok_s'], 1)} | {ratio('prefill_tok_s')} |",
         f"| peak RSS, MB | {fmt(C['peak_rss_mb'], 0)} | {fmt(L['peak_rss_mb'], 0)} | |",
         f"| decode as % of bandwidth ceiling | {of_ceiling('colibri')} | {of_ceiling('llama')} | |",
+        f"| CPU used by other processes meanwhile | {busy_of('colibri')} | {busy_of('llama')} | |",
         "",
         "| machine and model | |",
         "|---|---|",
         f"| read bandwidth, {a.threads} threads (benchmarks/bandwidth.c) | {fmt(bw, 1, ' GB/s')} |",
-        f"| weight bytes read per decoded token at {BITS_PER_WEIGHT} bits/weight | {gb_per_tok:.3f} GB "
+        f"| weight bytes read per decoded token at {BITS_PER_WEIGHT} bits/weight | "
+        f"{gb_per_tok:.3f} GB "
         f"({bpt['active_params'] / 1e9:.3f}B active of {bpt['total_params'] / 1e9:.2f}B params) |",
         f"| decode ceiling = bandwidth / bytes per token | {fmt(ceiling, 1, ' tok/s')} |",
         "",
         f"{when}; {cpu_name()}, {os.cpu_count()} cores, {mem_total_gb():.0f} GB; "
         f"llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (llama-bench "
-        f"`-t {a.threads} -p {a.prompt_tokens} -n {a.gen_tokens} -r {a.llama_reps}`); "
+        f"`-t {a.threads} -p {a.prompt_tokens} -n {a.gen_tokens} -r {a.reps}`); "
         f"colibri: {colibri_ver or 'n/a'}, repo at {git_rev()}.",
     ]
+    if worst is not None and worst > 2 * a.idle_threshold:
+        lines += [
+            "",
+            f"**Noisy run:** other processes used up to {worst:.0%} of the CPUs during the "
+            "measurements; both engines run 2 threads on 2 cores, so such rounds are slowed "
+            "(llama.cpp's spinning thread pool especially). Re-run on an idle machine.",
+        ]
     if colibri_note:
         lines += ["", f"**colibri not measured:** {colibri_note}"]
-    lines += ["", "<details><summary>per-round samples</summary>", "",
-              "| round | order | GB/s | colibri decode | colibri prefill | llama.cpp decode | llama.cpp prefill |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "<details><summary>per-round samples</summary>",
+        "",
+        "| round | order | GB/s | colibri decode | colibri prefill | llama.cpp decode "
+        "| llama.cpp prefill | others' CPU (max) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
 
     def g(r, eng, k, d=2):
         return f"{r[eng][k]:.{d}f}" if r.get(eng) else "–"
 
     for i, r in enumerate(rounds):
-        lines.append(f"| {i + 1} | {r['order']} | {r['bw']['gb_s']:.1f} | {g(r, 'colibri', 'decode_tok_s')} | "
-                     f"{g(r, 'colibri', 'prefill_tok_s', 1)} | {g(r, 'llama', 'decode_tok_s')} | "
-                     f"{g(r, 'llama', 'prefill_tok_s', 1)} |")
+        lines.append(
+            f"| {i + 1} | {r['order']} | {r['bw']['gb_s']:.1f} | "
+            f"{g(r, 'colibri', 'decode_tok_s')} | "
+            f"{g(r, 'colibri', 'prefill_tok_s', 1)} | {g(r, 'llama', 'decode_tok_s')} | "
+            f"{g(r, 'llama', 'prefill_tok_s', 1)} | "
+            + ("–" if round_busy(r) is None else f"{round_busy(r):.0%}")
+            + " |"
+        )
     lines += ["", "</details>", ""]
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- main
 
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="colibri vs llama.cpp speed benchmark (see module docstring)")
+    ap = argparse.ArgumentParser(
+        description="colibri vs llama.cpp speed benchmark (see module docstring)"
+    )
     ap.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default 5)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
-    ap.add_argument("--llama-reps", type=int, default=1, help="llama-bench -r per round (default 1)")
-    ap.add_argument("--bw-size-mib", type=int, default=1024, help="bandwidth probe buffer (default 1024 MiB)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        help="repetitions per engine per round, median taken (llama-bench -r, colibri --repeat)",
+    )
+    ap.add_argument(
+        "--bw-size-mib", type=int, default=1024, help="bandwidth probe buffer (default 1024 MiB)"
+    )
     ap.add_argument("--bw-passes", type=int, default=10, help="bandwidth probe passes per round")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "latest.md", help="markdown output path")
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=180,
+        help="before each round, wait up to this many seconds for other processes to go "
+        "quiet (default 180; 0 = never wait)",
+    )
+    ap.add_argument(
+        "--idle-threshold",
+        type=float,
+        default=0.15,
+        help="'quiet' = other processes use at most this fraction of all CPUs (default 0.15)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=HERE / "results" / "latest.md", help="markdown output path"
+    )
     ap.add_argument("--json-out", type=Path, help="also write raw per-round results as JSON")
-    ap.add_argument("--cache", type=Path,
-                    default=Path(os.environ.get("COLIBRI_BENCH_CACHE", Path.home() / ".cache" / "colibri-bench")))
-    ap.add_argument("--colibri", help="colibri executable (default: REPO/.venv/bin/colibri, then PATH)")
-    ap.add_argument("--skip-colibri", action="store_true", help="measure llama.cpp and bandwidth only")
-    ap.add_argument("--reconvert-colibri", action="store_true", help="redo colibri convert even if cached")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(
+            os.environ.get("COLIBRI_BENCH_CACHE", Path.home() / ".cache" / "colibri-bench")
+        ),
+    )
+    ap.add_argument(
+        "--colibri", help="colibri executable (default: REPO/.venv/bin/colibri, then PATH)"
+    )
+    ap.add_argument(
+        "--skip-colibri", action="store_true", help="measure llama.cpp and bandwidth only"
+    )
+    ap.add_argument(
+        "--reconvert-colibri", action="store_true", help="redo colibri convert even if cached"
+    )
     ap.add_argument("--setup-only", action="store_true", help="prepare everything, measure nothing")
-    ap.add_argument("--keep-bf16-gguf", action="store_true", help="keep the 14 GB bf16 GGUF after quantizing")
+    ap.add_argument(
+        "--keep-bf16-gguf", action="store_true", help="keep the 14 GB bf16 GGUF after quantizing"
+    )
     ap.add_argument("--seed", type=int, default=0, help="random model seed")
-    ap.add_argument("--layers", type=int, default=16, help="model layers (16 = OLMoE-1B-7B; fewer for a smoke test)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=16,
+        help="model layers (16 = OLMoE-1B-7B; fewer for a smoke test)",
+    )
     a = ap.parse_args(argv)
 
     p = Paths(a.cache.expanduser().resolve(), a.layers)
@@ -509,8 +779,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         exe = find_colibri(a.colibri)
         if exe is None or not exe.exists():
-            colibri_note = ("no colibri executable (looked for --colibri, REPO/.venv/bin/colibri, PATH); "
-                            "build it and re-run.")
+            colibri_note = (
+                "no colibri executable (looked for --colibri, REPO/.venv/bin/colibri, PATH); "
+                "build it and re-run."
+            )
             exe = None
             log(f"[colibri] SKIPPED: {colibri_note}")
         else:
@@ -518,7 +790,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 setup_colibri_model(p, exe, a.reconvert_colibri)
             except SystemExit as e:  # conversion failed: report, still measure llama.cpp
-                colibri_note = f"`colibri convert` failed: {str(e).splitlines()[0]} (see {p.logs}/colibri-convert.log)"
+                colibri_note = (
+                    f"`colibri convert` failed: {str(e).splitlines()[0]} "
+                    f"(see {p.logs}/colibri-convert.log)"
+                )
                 log(f"[colibri] SKIPPED: {e}")
                 exe = None
     log(f"[setup] done in {time.time() - t_setup:.0f}s")
@@ -528,13 +803,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads((p.hf / "config.json").read_text())
     bpt = bytes_per_decoded_token(cfg)
     rounds: list[dict] = []
-    log(f"[measure] {a.rounds} rounds, {a.threads} threads, prompt {a.prompt_tokens}, gen {a.gen_tokens}")
+    log(
+        f"[measure] {a.rounds} rounds, {a.threads} threads, "
+        f"prompt {a.prompt_tokens}, gen {a.gen_tokens}"
+    )
     retried_convert = False
     for i in range(a.rounds):
         engines = ["llama", "colibri"] if i % 2 == 0 else ["colibri", "llama"]
         if exe is None:
             engines = ["llama"]
         r: dict = {"order": " → ".join("llama.cpp" if e == "llama" else e for e in engines)}
+        if a.wait_idle > 0:
+            r["idle_before"] = wait_for_idle(a.wait_idle, a.idle_threshold)
         r["bw"] = measure_bandwidth(p, a.threads, a.bw_size_mib, a.bw_passes)
         for eng in engines:
             if eng == "llama":
@@ -560,7 +840,14 @@ def main(argv: list[str] | None = None) -> int:
         parts = [f"bw {r['bw']['gb_s']:.1f} GB/s"]
         for eng in ("llama", "colibri"):
             if r.get(eng):
-                parts.append(f"{eng} decode {r[eng]['decode_tok_s']:.2f} prefill {r[eng]['prefill_tok_s']:.1f} tok/s")
+                parts.append(
+                    f"{eng} decode {r[eng]['decode_tok_s']:.2f} "
+                    f"prefill {r[eng]['prefill_tok_s']:.1f} tok/s"
+                )
+        busy = [r[k]["others_cpu"] for k in ("bw", "llama", "colibri") if r.get(k)]
+        busy = [b for b in busy if b is not None]
+        if busy:
+            parts.append(f"other processes {max(busy):.0%} CPU")
         log(f"  round {i + 1}/{a.rounds} [{r['order']}]: " + "; ".join(parts))
 
     report = build_report(a, rounds, bpt, colibri_note, colibri_ver)
@@ -572,7 +859,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {out}")
     if a.json_out:
         a.json_out.parent.mkdir(parents=True, exist_ok=True)
-        a.json_out.write_text(json.dumps({"rounds": rounds, "bytes_per_token": bpt}, indent=2) + "\n")
+        a.json_out.write_text(
+            json.dumps({"rounds": rounds, "bytes_per_token": bpt}, indent=2) + "\n"
+        )
     return 0
 
 

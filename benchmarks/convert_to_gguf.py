@@ -12,6 +12,7 @@ Usage (with a Python that has torch, numpy, transformers, ...):
 
     python convert_to_gguf.py LLAMA_CPP_DIR HF_DIR --outfile OUT.gguf --outtype bf16
 """
+
 from __future__ import annotations
 
 import sys
@@ -35,7 +36,9 @@ def main() -> int:
         try:
             return original(self, tokenizer)
         except NotImplementedError:
-            base.logger.warning("unrecognized pre-tokenizer hash: using 'gpt-2' (byte-level BPE, GPT-2 regex)")
+            base.logger.warning(
+                "unrecognized pre-tokenizer hash: using 'gpt-2' (byte-level BPE, GPT-2 regex)"
+            )
             return "gpt-2"
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre

@@ -20,6 +20,7 @@ Needs numpy and tokenizers. Usage:
 
     python benchmarks/make_random_olmoe.py OUT_DIR [--seed 0] [--layers 16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,7 +84,9 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     head_dim = h // n_head
     kv_dim = head_dim * n_kv
     vocab = cfg["vocab_size"]
-    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, h), "normal")]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (vocab, h), "normal")
+    ]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         specs += [
@@ -151,7 +154,11 @@ def write_shards(out: Path, cfg: dict, seed: int) -> int:
         for idx in members:
             name, shape, _ = specs[idx]
             nbytes = 2 * int(np.prod(shape))
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            header[name] = {
+                "dtype": "BF16",
+                "shape": list(shape),
+                "data_offsets": [off, off + nbytes],
+            }
             off += nbytes
             weight_map[name] = fname
         hjson = json.dumps(header, separators=(",", ":")).encode()
@@ -165,8 +172,10 @@ def write_shards(out: Path, cfg: dict, seed: int) -> int:
                 done_params += int(np.prod(shape))
             total += off
         el = time.time() - t0
-        print(f"  wrote {fname} ({off / 1e9:.2f} GB; {done_params / all_params:.0%} done, {el:.0f}s)",
-              flush=True)
+        print(
+            f"  wrote {fname} ({off / 1e9:.2f} GB; {done_params / all_params:.0%} done, {el:.0f}s)",
+            flush=True,
+        )
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return all_params
@@ -175,15 +184,47 @@ def write_shards(out: Path, cfg: dict, seed: int) -> int:
 def synthetic_corpus(seed: int, n_lines: int = 20000):
     """Seeded pseudo-text (syllable words, Zipf-distributed, with digits/punctuation)."""
     rng = np.random.Generator(np.random.PCG64([seed, 0xC0]))
-    onsets = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
-              "st", "tr", "pl", "ch", "sh", "th", "br", "gr"]
+    onsets = [
+        "",
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "j",
+        "k",
+        "l",
+        "m",
+        "n",
+        "p",
+        "r",
+        "s",
+        "t",
+        "v",
+        "w",
+        "st",
+        "tr",
+        "pl",
+        "ch",
+        "sh",
+        "th",
+        "br",
+        "gr",
+    ]
     vowels = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "io"]
     codas = ["", "", "n", "r", "s", "t", "l", "nd", "ng", "st", "rk"]
     words = []
     for _ in range(6000):
         n_syl = 1 + int(rng.integers(0, 3))
-        words.append("".join(onsets[rng.integers(len(onsets))] + vowels[rng.integers(len(vowels))]
-                             + codas[rng.integers(len(codas))] for _ in range(n_syl)))
+        words.append(
+            "".join(
+                onsets[rng.integers(len(onsets))]
+                + vowels[rng.integers(len(vowels))]
+                + codas[rng.integers(len(codas))]
+                for _ in range(n_syl)
+            )
+        )
     ranks = np.arange(1, len(words) + 1, dtype=np.float64)
     p = 1.0 / ranks
     p /= p.sum()
@@ -213,35 +254,57 @@ def write_tokenizer(out: Path, seed: int) -> None:
     )
     tok.train_from_iterator(synthetic_corpus(seed), trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "bos_token": None,
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|padding|>",
-        "unk_token": "<|endoftext|>",
-        "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": "<|endoftext|>", "pad_token": "<|padding|>", "unk_token": "<|endoftext|>",
-    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "bos_token": None,
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|padding|>",
+                "unk_token": "<|endoftext|>",
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|padding|>",
+                "unk_token": "<|endoftext|>",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=BASE_CONFIG["num_hidden_layers"],
-                    help="number of layers (default 16; fewer for a quick smoke test)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=BASE_CONFIG["num_hidden_layers"],
+        help="number of layers (default 16; fewer for a quick smoke test)",
+    )
     ap.add_argument("--force", action="store_true", help="regenerate even if OUT is complete")
     args = ap.parse_args(argv)
 
     cfg = dict(BASE_CONFIG, num_hidden_layers=args.layers)
     stamp = {"generator_version": GENERATOR_VERSION, "seed": args.seed, "config": cfg}
     done_file = args.out / "colibri_bench_complete.json"
-    if not args.force and done_file.exists() and json.loads(done_file.read_text()).get("stamp") == stamp:
+    if (
+        not args.force
+        and done_file.exists()
+        and json.loads(done_file.read_text()).get("stamp") == stamp
+    ):
         print(f"model already present: {args.out}")
         return 0
 
@@ -251,12 +314,17 @@ def main(argv: list[str] | None = None) -> int:
     tmp.mkdir(parents=True)
     print(f"writing random OLMoE-shaped checkpoint to {args.out} (seed {args.seed})", flush=True)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]}, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(
+        json.dumps(
+            {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]}, indent=2
+        )
+        + "\n"
+    )
     write_tokenizer(tmp, args.seed)
     n_params = write_shards(tmp, cfg, args.seed)
     (tmp / "colibri_bench_complete.json").write_text(
-        json.dumps({"stamp": stamp, "n_params": n_params}, indent=2) + "\n")
+        json.dumps({"stamp": stamp, "n_params": n_params}, indent=2) + "\n"
+    )
     if args.out.exists():
         shutil.rmtree(args.out)
     os.replace(tmp, args.out)

@@ -32,9 +32,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-
 import tokenizers
+import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -207,7 +206,11 @@ SPECS = {
             attention_bias=True,
             rms_norm_eps=1e-5,
             max_position_embeddings=256,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
             num_nextn_predict_layers=0,
             tie_word_embeddings=False,
             pad_token_id=PAD,
@@ -237,7 +240,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    lines = [l for l in CORPUS.splitlines() if l.strip()]
+    lines = [line for line in CORPUS.splitlines() if line.strip()]
     tok.train_from_iterator(lines, trainer=trainer)
     got = tok.get_vocab_size(with_added_tokens=True)
     assert got == vocab_size, f"tokenizer vocab {got} != {vocab_size}: enlarge CORPUS"
@@ -421,7 +424,11 @@ class RouterProbe:
                 masked = grouped.masked_fill(~mask[..., None], float("-inf")).reshape(s.shape)
                 srt = masked.sort(dim=-1, descending=True)[0]
                 nxt = srt[:, k]
-                gaps.append((srt[:, k - 1] - nxt)[torch.isfinite(nxt)].min().item() if torch.isfinite(nxt).any() else 1.0)
+                gaps.append(
+                    (srt[:, k - 1] - nxt)[torch.isfinite(nxt)].min().item()
+                    if torch.isfinite(nxt).any()
+                    else 1.0
+                )
             else:
                 srt = logits.sort(dim=-1, descending=True)[0]
                 gaps.append((srt[:, k - 1] - srt[:, k]).min().item())
@@ -457,7 +464,7 @@ def evaluate(model, arch, prompts):
         out["margin"].append(m)
     # Routing gaps over every position ever fed to the model (prompt + greedy prefix).
     probe.clear()
-    for p, toks in zip(prompts, out["greedy"]):
+    for p, toks in zip(prompts, out["greedy"], strict=True):
         logits_of(model, p + toks[:-1])
     out["router_gap"] = probe.min_gap()
     for h in probe.handles:
@@ -557,8 +564,8 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
 
     x = W["model.embed_tokens.weight"][ids]
     mask = np.triu(np.full((T, T), -np.inf), 1)
-    for l in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{l}."
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
         h = rms(x, W[p + "input_layernorm.weight"])
         a = p + "self_attn."
         q, k, v = (h @ W[a + n + "_proj.weight"].T for n in "qkv")
@@ -615,7 +622,7 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
                 w = w / w.sum(-1, keepdims=True)
         out = np.zeros_like(h)
         for t in range(T):
-            for e, we in zip(idx[t], w[t]):
+            for e, we in zip(idx[t], w[t], strict=True):
                 out[t] += we * mlp(h[t : t + 1], f"{m}experts.{e}.")[0]
         if m + "shared_experts.gate_proj.weight" in W:
             out += mlp(h, m + "shared_experts.")
@@ -647,7 +654,10 @@ def build(arch: str, seed: int):
 
 def load(hf_dir: Path):
     model = AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+        str(hf_dir),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
     ).eval()
     assert model.config._attn_implementation == "eager"
     return model
@@ -682,7 +692,10 @@ def make(arch: str) -> dict:
             and all(EOS not in g for g in ev["greedy"])
             and all(len(set(g)) >= MIN_DISTINCT for g in ev["greedy"])
         )
-        print(f"[{arch}] seed {seed}: greedy margin {min(ev['margin']):.4f} router gap {ev['router_gap']:.4f} ok={ok}")
+        print(
+            f"[{arch}] seed {seed}: greedy margin {min(ev['margin']):.4f} "
+            f"router gap {ev['router_gap']:.4f} ok={ok}"
+        )
         if ok:
             break
     else:
@@ -707,22 +720,26 @@ def make(arch: str) -> dict:
             continue
         assert torch.equal(v.float(), model_sd[k]), k
     ev2 = evaluate(ref, arch, prompts)
-    for a, b in zip(ev["logits"], ev2["logits"]):
+    for a, b in zip(ev["logits"], ev2["logits"], strict=True):
         assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
     assert ev["greedy"] == ev2["greedy"]
     ev = ev2
 
     # Cross-check the manual argmax loop against model.generate (KV cache path).
-    for p, g in zip(prompts, ev["greedy"]):
+    for p, g in zip(prompts, ev["greedy"], strict=True):
         gen = ref.generate(
-            torch.tensor([p]), do_sample=False, max_new_tokens=N_GREEDY, pad_token_id=PAD, eos_token_id=EOS
+            torch.tensor([p]),
+            do_sample=False,
+            max_new_tokens=N_GREEDY,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
         )[0, len(p) :].tolist()
         assert gen == g, (gen, g)
 
     # Independent float64 NumPy forward from the files alone must agree.
     cfg_json, W = load_checkpoint(hf_dir)
     np_err = 0.0
-    for p, L in zip(prompts, ev["logits"]):
+    for p, L in zip(prompts, ev["logits"], strict=True):
         ref_np = numpy_forward(cfg_json, W, p)
         err = np.abs(ref_np - L.numpy()).max() / np.abs(ref_np).max()
         np_err = max(np_err, float(err))
@@ -766,7 +783,7 @@ def make(arch: str) -> dict:
         router_min_gap=round(ev["router_gap"], 4),
         q4_0_rel_error=rel2,
         q4_0_rel_error_all=rel_all,
-        logit_std=[round(l.std().item(), 3) for l in L],
+        logit_std=[round(x.std().item(), 3) for x in L],
         greedy=ev["greedy"],
         glm_tokens_with_bias_changed_routing=route_changed,
         shards=shards,
@@ -782,7 +799,11 @@ def make(arch: str) -> dict:
 def glm_bias_effect(model, prompts) -> int:
     """Number of (layer, token) routing decisions that differ with the bias zeroed."""
     changed = 0
-    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")]
+    gates = [
+        m
+        for n, m in model.named_modules()
+        if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")
+    ]
     sel = {}
 
     def hook(key):
@@ -801,7 +822,7 @@ def glm_bias_effect(model, prompts) -> int:
             logits_of(model, p)
         for h in hs:
             h.remove()
-        for g, s in zip(gates, saved):
+        for g, s in zip(gates, saved, strict=True):
             g.e_score_correction_bias.copy_(s)
     for i in range(len(gates)):
         a = torch.cat(sel[("bias", i)])

@@ -53,7 +53,11 @@ CONFIG = {
     "use_qk_norm": False,
     "rms_norm_eps": 1e-5,
     "max_position_embeddings": 2048,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+    },
     "hidden_act": "silu",
     "tie_word_embeddings": False,
 }
@@ -94,7 +98,11 @@ def _weights(cfg: dict) -> dict[str, np.ndarray]:
     def vec(n: int, mean: float = 0.0, std: float = 0.1) -> np.ndarray:
         return (mean + std * rng.standard_normal(n)).astype(np.float32)
 
-    w = {"model.embed_tokens.weight": mat(v, h), "model.norm.weight": vec(h, 1.0), "lm_head.weight": mat(v, h)}
+    w = {
+        "model.embed_tokens.weight": mat(v, h),
+        "model.norm.weight": vec(h, 1.0),
+        "lm_head.weight": mat(v, h),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = vec(h, 1.0)
@@ -124,7 +132,10 @@ def write_checkpoint(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     vocab = _tokenizer_json(out / "tokenizer.json")
     cfg = dict(CONFIG, vocab_size=vocab)
-    eos = [vocab - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    eos = [
+        vocab - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(t)
+        for t in ("<|endoftext|>", "<|user|>", "<|observation|>")
+    ]
     cfg["eos_token_id"] = eos
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "tokenizer_config.json").write_text(

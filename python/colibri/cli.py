@@ -59,7 +59,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     src, dst = Path(args.hf_dir), Path(args.out_dir)
     if not (src / "config.json").is_file():
-        print(f"colibri convert: {src}/config.json not found: not a Hugging Face checkpoint", file=sys.stderr)
+        print(
+            f"colibri convert: {src}/config.json not found: not a Hugging Face checkpoint",
+            file=sys.stderr,
+        )
         return 2
     t0 = time.perf_counter()
     summary = convert(src, dst, args.quant, progress=sys.stderr.isatty())
@@ -67,7 +70,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     mb = (summary["resident_bytes"] + summary["expert_bytes"]) / 1e6
     print(
         f"converted {summary['architecture']} to {dst} ({args.quant}): {mb:.1f} MB "
-        f"({summary['resident_bytes'] / 1e6:.1f} MB resident, {summary['expert_bytes'] / 1e6:.1f} MB experts), "
+        f"({summary['resident_bytes'] / 1e6:.1f} MB resident, "
+        f"{summary['expert_bytes'] / 1e6:.1f} MB experts), "
         f"{summary['skipped_tensors']} tensors skipped, {dt:.1f} s"
     )
     return 0
@@ -85,6 +89,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     prefill: list[float] = []
     decode: list[float] = []
+    # One untimed run first (as llama-bench does): caches, page tables and thread pool warm.
+    list(engine.generate([int(x) for x in rng.integers(0, vocab, args.prompt_tokens)], 2))
     for _ in range(args.repeat):
         prompt = [int(x) for x in rng.integers(0, vocab, args.prompt_tokens)]
         stream = engine.generate(prompt, args.gen_tokens + 1)
@@ -128,8 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def model_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--model", help="colibri model directory (default: $COLI_MODEL, else built-in)")
-        sp.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
+        sp.add_argument(
+            "--model", help="colibri model directory (default: $COLI_MODEL, else built-in)"
+        )
+        sp.add_argument(
+            "--threads", type=int, default=None, help="worker threads (default: all cores)"
+        )
 
     g = sub.add_parser("generate", help="print a completion of a prompt")
     model_args(g)
@@ -157,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # numpy's BLAS threads are never used here, and idle ones still compete with the engine's.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

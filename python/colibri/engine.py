@@ -97,6 +97,8 @@ class _Tokens(Iterator[int]):
         self._stream = None
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, quant: str = "int4", progress: bool = False) -> dict:
+def convert(
+    hf_dir: str | Path, out_dir: str | Path, quant: str = "int4", progress: bool = False
+) -> dict:
     """Converts a Hugging Face checkpoint directory to a colibri model directory."""
     return dict(_engine.convert_checkpoint(str(hf_dir), str(out_dir), quant, progress))

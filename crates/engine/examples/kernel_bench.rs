@@ -1,13 +1,14 @@
 //! Single-thread throughput of the int4 (and f32) matmul kernels.
 //!
-//! `cargo run --release --example kernel_bench [-- --quick]`
+//! `cargo run --release --example kernel_bench [-- --quick] [--wall]`
 //!
 //! * decode (n = 1), hot: one matrix repeatedly (it stays in L2/L3);
 //! * decode (n = 1), DRAM: a ring of distinct matrices totalling ~256 MB;
 //! * prefill (n = 64): tokens/s-equivalent over one matrix.
 //!
 //! Times are this thread's CPU time (best of 5 rounds), so other processes sharing the core
-//! distort them less than wall time would (they still share the memory bandwidth).
+//! distort them less than wall time would (they still share the memory bandwidth); `--wall`
+//! uses wall time instead.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -57,17 +58,22 @@ extern "C" {
 
 /// CPU time of this thread in seconds (robust against other processes time-slicing the core).
 fn thread_cpu_time() -> f64 {
-    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    cpu_time(3) // CLOCK_THREAD_CPUTIME_ID
+}
+
+fn cpu_time(clock: i32) -> f64 {
     let mut ts = Timespec { sec: 0, nsec: 0 };
     // SAFETY: clock_gettime writes one timespec (two longs on x86_64 Linux) into `ts`.
-    let rc = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    let rc = unsafe { clock_gettime(clock, &mut ts) };
     assert_eq!(rc, 0);
     ts.sec as f64 + ts.nsec as f64 * 1e-9
 }
 
 /// Runs `f` until `min` wall time has passed; returns thread-CPU seconds per call (best of 5
 /// rounds).
+/// (`--wall`: wall time instead.)
 fn time(min: Duration, mut f: impl FnMut()) -> f64 {
+    let wall = WALL.load(std::sync::atomic::Ordering::Relaxed);
     f();
     let mut best = f64::INFINITY;
     for _ in 0..5 {
@@ -78,21 +84,28 @@ fn time(min: Duration, mut f: impl FnMut()) -> f64 {
             f();
             iters += 1;
         }
-        best = best.min((thread_cpu_time() - cpu0) / iters as f64);
+        let t = if wall {
+            start.elapsed().as_secs_f64()
+        } else {
+            thread_cpu_time() - cpu0
+        };
+        best = best.min(t / iters as f64);
     }
     best
 }
 
+static WALL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    if let Ok(v) = std::env::var("PF") {
-        colibri_engine::quant::PF_DIST.store(v.parse().unwrap(), std::sync::atomic::Ordering::Relaxed);
-    }
+    let wall = std::env::args().any(|a| a == "--wall");
+    WALL.store(wall, std::sync::atomic::Ordering::Relaxed);
+    println!(
+        "timing: {} (best of 5 rounds)",
+        if wall { "wall time" } else { "thread CPU time" }
+    );
     let min = Duration::from_millis(if quick { 300 } else { 1500 });
-    let kernels: Vec<Kernel> = Kernel::ALL
-        .into_iter()
-        .filter(|k| k.available())
-        .collect();
+    let kernels: Vec<Kernel> = Kernel::ALL.into_iter().filter(|k| k.available()).collect();
     println!(
         "kernels available: {:?}; default: {}",
         kernels,
@@ -172,12 +185,18 @@ fn main() {
     // Quantization speed (the converter's cost).
     let (rows, cols) = (512, 1024);
     let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
-    let t = time(min, || {
+    let start = Instant::now();
+    let cpu0 = cpu_time(2); // CLOCK_PROCESS_CPUTIME_ID: all threads
+    let reps = if quick { 2 } else { 5 };
+    for _ in 0..reps {
         black_box(quantize_q4(&w, rows, cols));
-    });
+    }
+    let t = start.elapsed().as_secs_f64() / reps as f64;
+    let tc = (cpu_time(2) - cpu0) / reps as f64;
     println!(
-        "\nquantize_q4: {:.1} M weights/s (rayon, {} threads)",
+        "\nquantize_q4: {:.1} M weights/s wall, {:.1} M weights per CPU-second (rayon, {} threads)",
         (rows * cols) as f64 / t / 1e6,
+        (rows * cols) as f64 / tc / 1e6,
         rayon::current_num_threads()
     );
 
@@ -186,7 +205,10 @@ fn main() {
     let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
     let x: Vec<f32> = (0..64 * cols).map(|_| rng.f32()).collect();
     let mut out = vec![0.0f32; 64 * rows];
-    println!("\n== f32 {rows} x {cols} ({:.1} MB)", (rows * cols * 4) as f64 / 1e6);
+    println!(
+        "\n== f32 {rows} x {cols} ({:.1} MB)",
+        (rows * cols * 4) as f64 / 1e6
+    );
     for &k in &kernels {
         let t1 = time(min, || {
             f32_matmul(k, &w, cols, &x, 1, &mut out, rows, 0..rows);

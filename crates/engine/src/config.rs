@@ -100,6 +100,13 @@ fn bad(msg: impl Into<String>) -> Error {
     Error::Config(msg.into())
 }
 
+/// Upper bound on any one size in `config.json` (hidden size, vocabulary, experts, heads, ...).
+/// Far above any real model, low enough that products of two sizes (and their byte counts) cannot
+/// overflow and that a corrupt config cannot make the engine reserve absurd amounts of memory.
+pub const MAX_DIM: usize = 1 << 20;
+/// Upper bound on `num_hidden_layers`.
+pub const MAX_LAYERS: usize = 1 << 12;
+
 struct Reader<'a> {
     v: &'a Value,
 }
@@ -113,13 +120,24 @@ impl<'a> Reader<'a> {
             .ok_or_else(|| bad(format!("config.json: missing required field `{key}`")))?
             .as_u64()
             .map(|x| x as usize)
-            .ok_or_else(|| bad(format!("config.json: `{key}` must be a non-negative integer")))
+            .ok_or_else(|| {
+                bad(format!(
+                    "config.json: `{key}` must be a non-negative integer"
+                ))
+            })
     }
     fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
         match self.get(key) {
             None => Ok(default),
             Some(_) => self.usize_req(key),
         }
+    }
+    /// A size: an integer in `min..=max`.
+    fn size_req(&self, key: &str, min: usize, max: usize) -> Result<usize> {
+        check_size(key, self.usize_req(key)?, min, max)
+    }
+    fn size_or(&self, key: &str, default: usize, min: usize, max: usize) -> Result<usize> {
+        check_size(key, self.usize_or(key, default)?, min, max)
     }
     fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
         match self.get(key) {
@@ -137,6 +155,15 @@ impl<'a> Reader<'a> {
                 .ok_or_else(|| bad(format!("config.json: `{key}` must be true or false"))),
         }
     }
+}
+
+fn check_size(key: &str, x: usize, min: usize, max: usize) -> Result<usize> {
+    if x < min || x > max {
+        return Err(bad(format!(
+            "config.json: `{key}` is {x}, must be between {min} and {max}"
+        )));
+    }
+    Ok(x)
 }
 
 /// RoPE settings: `rope_parameters` (transformers 5), else top-level `rope_theta` /
@@ -163,6 +190,11 @@ fn rope_settings(r: &Reader, default_partial: f64) -> Result<(f64, f64)> {
         theta = p.f64_or("rope_theta", theta)?;
         partial = p.f64_or("partial_rotary_factor", partial)?;
     }
+    if !(theta.is_finite() && theta > 0.0) {
+        return Err(bad(format!(
+            "config.json: rope_theta {theta} must be a positive number"
+        )));
+    }
     if !(partial > 0.0 && partial <= 1.0) {
         return Err(bad(format!(
             "config.json: partial_rotary_factor {partial} must be in (0, 1]"
@@ -174,7 +206,11 @@ fn rope_settings(r: &Reader, default_partial: f64) -> Result<(f64, f64)> {
 fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -194,16 +230,19 @@ impl ModelConfig {
                  Qwen3MoeForCausalLM, Glm4MoeForCausalLM)"
             ))
         })?;
-        let act = r.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        let act = r
+            .get("hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("silu");
         if act != "silu" {
             return Err(bad(format!(
                 "config.json: hidden_act `{act}` is not supported (only silu)"
             )));
         }
-        let hidden_size = r.usize_req("hidden_size")?;
-        let num_layers = r.usize_req("num_hidden_layers")?;
-        let num_heads = r.usize_req("num_attention_heads")?;
-        let num_kv_heads = r.usize_or("num_key_value_heads", num_heads)?;
+        let hidden_size = r.size_req("hidden_size", 1, MAX_DIM)?;
+        let num_layers = r.size_req("num_hidden_layers", 0, MAX_LAYERS)?;
+        let num_heads = r.size_req("num_attention_heads", 0, MAX_DIM)?;
+        let num_kv_heads = r.size_or("num_key_value_heads", num_heads, 0, MAX_DIM)?;
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return Err(bad(format!(
                 "config.json: num_attention_heads ({num_heads}) must be a positive multiple of \
@@ -213,10 +252,18 @@ impl ModelConfig {
         let head_dim = match arch {
             // OLMoE's q/k norms span hidden_size, so its head_dim is always hidden / heads.
             Arch::Olmoe => hidden_size / num_heads,
-            _ => r.usize_or("head_dim", hidden_size / num_heads)?,
+            _ => r.size_or("head_dim", hidden_size / num_heads, 0, MAX_DIM)?,
         };
+        if num_heads * head_dim > MAX_DIM {
+            return Err(bad(format!(
+                "config.json: num_attention_heads * head_dim = {} exceeds {MAX_DIM}",
+                num_heads * head_dim
+            )));
+        }
         if arch == Arch::Olmoe && head_dim * num_heads != hidden_size {
-            return Err(bad("config.json: OLMoE needs hidden_size divisible by num_attention_heads"));
+            return Err(bad(
+                "config.json: OLMoE needs hidden_size divisible by num_attention_heads",
+            ));
         }
         let default_partial = if arch == Arch::Glm4Moe { 0.5 } else { 1.0 };
         let (rope_theta, partial) = rope_settings(&r, default_partial)?;
@@ -229,87 +276,133 @@ impl ModelConfig {
             _ => 1e-5,
         };
         let rms_norm_eps = r.f64_or("rms_norm_eps", default_eps)? as f32;
-        let vocab_size = r.usize_req("vocab_size")?;
+        let vocab_size = r.size_req("vocab_size", 1, MAX_DIM)?;
         let max_positions = r.usize_or("max_position_embeddings", 4096)?;
-        let intermediate_size = r.usize_req("intermediate_size")?;
-        let top_k = r.usize_req("num_experts_per_tok")?;
+        let intermediate_size = r.size_req("intermediate_size", 0, MAX_DIM)?;
+        let top_k = r.size_req("num_experts_per_tok", 0, MAX_DIM)?;
 
-        let (num_experts, moe_intermediate_size, shared_intermediate_size, routing, layers, qk_norm, clip_qkv) =
-            match arch {
-                Arch::Olmoe => {
-                    let e = r.usize_req("num_experts")?;
-                    let routing = Routing::SoftmaxTopK {
-                        norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
-                    };
-                    let clip = r.get("clip_qkv").and_then(Value::as_f64).map(|c| c as f32);
-                    (e, intermediate_size, 0, routing, vec![FfnKind::Moe; num_layers], QkNorm::Full, clip)
+        let (
+            num_experts,
+            moe_intermediate_size,
+            shared_intermediate_size,
+            routing,
+            layers,
+            qk_norm,
+            clip_qkv,
+        ) = match arch {
+            Arch::Olmoe => {
+                let e = r.size_req("num_experts", 0, MAX_DIM)?;
+                let routing = Routing::SoftmaxTopK {
+                    norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
+                };
+                let clip = r.get("clip_qkv").and_then(Value::as_f64).map(|c| c as f32);
+                (
+                    e,
+                    intermediate_size,
+                    0,
+                    routing,
+                    vec![FfnKind::Moe; num_layers],
+                    QkNorm::Full,
+                    clip,
+                )
+            }
+            Arch::Qwen3Moe => {
+                if r.bool_or("use_sliding_window", false)? {
+                    return Err(bad("config.json: use_sliding_window is not supported yet"));
                 }
-                Arch::Qwen3Moe => {
-                    if r.bool_or("use_sliding_window", false)? {
-                        return Err(bad("config.json: use_sliding_window is not supported yet"));
-                    }
-                    // Hub checkpoints say `num_experts`; transformers 5 saves `num_local_experts`.
-                    let e = match r.get("num_experts") {
-                        Some(_) => r.usize_req("num_experts")?,
-                        None => r.usize_or("num_local_experts", 0)?,
-                    };
-                    let step = r.usize_or("decoder_sparse_step", 1)?.max(1);
-                    let mlp_only: Vec<usize> = match r.get("mlp_only_layers") {
-                        None => Vec::new(),
-                        Some(Value::Array(a)) => a
-                            .iter()
-                            .map(|x| x.as_u64().map(|x| x as usize))
-                            .collect::<Option<_>>()
-                            .ok_or_else(|| bad("config.json: mlp_only_layers must list integers"))?,
-                        Some(_) => return Err(bad("config.json: mlp_only_layers must be a list")),
-                    };
-                    let layers = (0..num_layers)
-                        .map(|i| {
-                            if !mlp_only.contains(&i) && e > 0 && (i + 1) % step == 0 {
-                                FfnKind::Moe
-                            } else {
-                                FfnKind::Dense
-                            }
-                        })
-                        .collect();
-                    let routing = Routing::SoftmaxTopK {
-                        norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
-                    };
-                    (e, r.usize_req("moe_intermediate_size")?, 0, routing, layers, QkNorm::PerHead, None)
-                }
-                Arch::Glm4Moe => {
-                    let e = r.usize_req("n_routed_experts")?;
-                    let moe_i = r.usize_req("moe_intermediate_size")?;
-                    let n_group = r.usize_or("n_group", 1)?;
-                    let topk_group = r.usize_or("topk_group", 1)?;
-                    if n_group == 0 || e % n_group != 0 || topk_group == 0 || topk_group > n_group {
-                        return Err(bad(format!(
-                            "config.json: n_group {n_group} / topk_group {topk_group} do not fit \
+                // Hub checkpoints say `num_experts`; transformers 5 saves `num_local_experts`.
+                let e = match r.get("num_experts") {
+                    Some(_) => r.size_req("num_experts", 0, MAX_DIM)?,
+                    None => r.size_or("num_local_experts", 0, 0, MAX_DIM)?,
+                };
+                let step = r.usize_or("decoder_sparse_step", 1)?.max(1);
+                let mlp_only: Vec<usize> = match r.get("mlp_only_layers") {
+                    None => Vec::new(),
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .map(|x| x.as_u64().map(|x| x as usize))
+                        .collect::<Option<_>>()
+                        .ok_or_else(|| bad("config.json: mlp_only_layers must list integers"))?,
+                    Some(_) => return Err(bad("config.json: mlp_only_layers must be a list")),
+                };
+                let layers = (0..num_layers)
+                    .map(|i| {
+                        if !mlp_only.contains(&i) && e > 0 && (i + 1) % step == 0 {
+                            FfnKind::Moe
+                        } else {
+                            FfnKind::Dense
+                        }
+                    })
+                    .collect();
+                let routing = Routing::SoftmaxTopK {
+                    norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
+                };
+                (
+                    e,
+                    r.size_req("moe_intermediate_size", 0, MAX_DIM)?,
+                    0,
+                    routing,
+                    layers,
+                    QkNorm::PerHead,
+                    None,
+                )
+            }
+            Arch::Glm4Moe => {
+                let e = r.size_req("n_routed_experts", 0, MAX_DIM)?;
+                let moe_i = r.size_req("moe_intermediate_size", 0, MAX_DIM)?;
+                let n_group = r.usize_or("n_group", 1)?;
+                let topk_group = r.usize_or("topk_group", 1)?;
+                if n_group == 0 || e % n_group != 0 || topk_group == 0 || topk_group > n_group {
+                    return Err(bad(format!(
+                        "config.json: n_group {n_group} / topk_group {topk_group} do not fit \
                              {e} routed experts"
-                        )));
-                    }
-                    if e / n_group < 2 && n_group > 1 {
-                        return Err(bad("config.json: each expert group needs at least 2 experts"));
-                    }
-                    let routing = Routing::SigmoidGrouped {
-                        n_group,
-                        topk_group,
-                        norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
-                        scaling: r.f64_or("routed_scaling_factor", 1.0)? as f32,
-                    };
-                    let first_dense = r.usize_or("first_k_dense_replace", 1)?;
-                    let layers = (0..num_layers)
-                        .map(|i| if i >= first_dense { FfnKind::Moe } else { FfnKind::Dense })
-                        .collect();
-                    let shared = moe_i * r.usize_or("n_shared_experts", 1)?;
-                    let qk = if r.bool_or("use_qk_norm", false)? {
-                        QkNorm::PerHead
-                    } else {
-                        QkNorm::None
-                    };
-                    (e, moe_i, shared, routing, layers, qk, None)
+                    )));
                 }
-            };
+                if e / n_group < 2 && n_group > 1 {
+                    return Err(bad(
+                        "config.json: each expert group needs at least 2 experts",
+                    ));
+                }
+                let routing = Routing::SigmoidGrouped {
+                    n_group,
+                    topk_group,
+                    norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
+                    scaling: r.f64_or("routed_scaling_factor", 1.0)? as f32,
+                };
+                let first_dense = r.usize_or("first_k_dense_replace", 1)?;
+                let layers = (0..num_layers)
+                    .map(|i| {
+                        if i >= first_dense {
+                            FfnKind::Moe
+                        } else {
+                            FfnKind::Dense
+                        }
+                    })
+                    .collect();
+                let shared = moe_i * r.size_or("n_shared_experts", 1, 0, MAX_DIM)?;
+                if shared > MAX_DIM {
+                    return Err(bad(format!(
+                            "config.json: n_shared_experts * moe_intermediate_size = {shared} exceeds {MAX_DIM}"
+                        )));
+                }
+                let qk = if r.bool_or("use_qk_norm", false)? {
+                    QkNorm::PerHead
+                } else {
+                    QkNorm::None
+                };
+                (e, moe_i, shared, routing, layers, qk, None)
+            }
+        };
+        if layers.contains(&FfnKind::Dense) && intermediate_size == 0 {
+            return Err(bad(
+                "config.json: intermediate_size must be positive (the model has dense layers)",
+            ));
+        }
+        if layers.contains(&FfnKind::Moe) && moe_intermediate_size == 0 {
+            return Err(bad(
+                "config.json: the MoE intermediate size must be positive",
+            ));
+        }
         if layers.contains(&FfnKind::Moe) && (top_k == 0 || top_k > num_experts) {
             return Err(bad(format!(
                 "config.json: num_experts_per_tok ({top_k}) must be between 1 and the number of \
@@ -389,7 +482,10 @@ mod tests {
     fn scaled_rope_is_refused() {
         let mut v = glm();
         v["rope_parameters"] = json!({"rope_type": "yarn", "factor": 4.0});
-        assert!(ModelConfig::from_hf(&v).unwrap_err().to_string().contains("yarn"));
+        assert!(ModelConfig::from_hf(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("yarn"));
     }
 
     #[test]
@@ -404,5 +500,52 @@ mod tests {
         assert_eq!(c.layers, vec![FfnKind::Moe, FfnKind::Dense, FfnKind::Moe]);
         assert_eq!(c.head_dim, 20);
         assert_eq!(c.rope_theta, 1e6);
+    }
+
+    /// Found by fuzzing: sizes from a corrupt config once reached allocations (`vec![..;
+    /// num_hidden_layers]`) and products (`n_shared_experts * moe_intermediate_size`) unchecked.
+    #[test]
+    fn absurd_sizes_are_refused_by_name() {
+        for (key, value) in [
+            ("num_hidden_layers", json!(1u64 << 60)),
+            ("hidden_size", json!(u64::MAX)),
+            ("hidden_size", json!(0)),
+            ("vocab_size", json!(0)),
+            ("n_shared_experts", json!(1u64 << 40)),
+            ("head_dim", json!(1u64 << 40)),
+            ("n_routed_experts", json!(1u64 << 33)),
+        ] {
+            let mut v = glm();
+            v[key] = value;
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key) || e.contains("exceeds"), "{key}: {e}");
+        }
+        let mut v = glm();
+        v["num_attention_heads"] = json!(1 << 19);
+        v["num_key_value_heads"] = json!(1);
+        v["head_dim"] = json!(1 << 19);
+        assert!(ModelConfig::from_hf(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("exceeds"));
+    }
+
+    #[test]
+    fn zero_intermediate_sizes_and_bad_theta_are_refused() {
+        let mut v = glm();
+        v["moe_intermediate_size"] = json!(0);
+        assert!(ModelConfig::from_hf(&v).is_err());
+        let mut v = glm();
+        v["intermediate_size"] = json!(0);
+        assert!(ModelConfig::from_hf(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("intermediate_size"));
+        let mut v = glm();
+        v["rope_parameters"]["rope_theta"] = json!(-1.0);
+        assert!(ModelConfig::from_hf(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("rope_theta"));
     }
 }

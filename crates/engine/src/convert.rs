@@ -25,10 +25,17 @@ fn ck(msg: impl Into<String>) -> Error {
     Error::Checkpoint(msg.into())
 }
 
+/// Where a checkpoint tensor is and what its header says about it.
+struct TensorMeta {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+}
+
 /// The checkpoint's tensors across all shards, by name.
 struct Checkpoint {
     maps: Vec<Mmap>,
-    index: HashMap<String, usize>,
+    index: HashMap<String, TensorMeta>,
 }
 
 impl Checkpoint {
@@ -49,11 +56,22 @@ impl Checkpoint {
             // SAFETY: the checkpoint is opened read-only and not modified while converting; a
             // concurrent writer would be a misuse outside this program's control.
             let map = unsafe { Mmap::map(&file) }.map_err(io_err(f))?;
-            let st = SafeTensors::deserialize(&map)
-                .map_err(|e| ck(format!("{}: not a valid safetensors file: {e}", f.display())))?;
-            for name in st.names() {
-                if index.insert(name.to_string(), i).is_some() {
-                    return Err(ck(format!("tensor `{name}` appears in more than one shard")));
+            let st = SafeTensors::deserialize(&map).map_err(|e| {
+                ck(format!(
+                    "{}: not a valid safetensors file: {e}",
+                    f.display()
+                ))
+            })?;
+            for (name, t) in st.iter() {
+                let meta = TensorMeta {
+                    shard: i,
+                    dtype: t.dtype(),
+                    shape: t.shape().to_vec(),
+                };
+                if index.insert(name.to_string(), meta).is_some() {
+                    return Err(ck(format!(
+                        "tensor `{name}` appears in more than one shard"
+                    )));
                 }
             }
             maps.push(map);
@@ -65,22 +83,48 @@ impl Checkpoint {
         self.index.contains_key(name)
     }
 
+    /// Checks from the header alone that `name` exists, has `shape` and a supported dtype, so a
+    /// conversion is refused before anything is written or allocated for it.
+    fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        let m = self
+            .index
+            .get(name)
+            .ok_or_else(|| ck(format!("missing tensor `{name}`")))?;
+        check_dtype(name, m.dtype)?;
+        if m.shape != shape {
+            return Err(ck(format!(
+                "tensor `{name}` has shape {:?}, expected {shape:?}",
+                m.shape
+            )));
+        }
+        Ok(())
+    }
+
     /// The tensor as f32, checked against `shape`.
     fn read(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (data, got_shape) = self.read_any(name)?;
         if got_shape != shape {
-            return Err(ck(format!("tensor `{name}` has shape {got_shape:?}, expected {shape:?}")));
+            return Err(ck(format!(
+                "tensor `{name}` has shape {got_shape:?}, expected {shape:?}"
+            )));
         }
         Ok(data)
     }
 
     fn read_any(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
-        let &i = self.index.get(name).ok_or_else(|| ck(format!("missing tensor `{name}`")))?;
-        let st = SafeTensors::deserialize(&self.maps[i]).map_err(|e| ck(e.to_string()))?;
+        let m = self
+            .index
+            .get(name)
+            .ok_or_else(|| ck(format!("missing tensor `{name}`")))?;
+        check_dtype(name, m.dtype)?;
+        let st = SafeTensors::deserialize(&self.maps[m.shard]).map_err(|e| ck(e.to_string()))?;
         let t = st.tensor(name).map_err(|e| ck(format!("{name}: {e}")))?;
         let b = t.data();
         let data: Vec<f32> = match t.dtype() {
-            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
             Dtype::BF16 => b
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
@@ -89,13 +133,18 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            other => {
-                return Err(ck(format!(
-                    "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32"
-                )))
-            }
+            other => return Err(check_dtype(name, other).unwrap_err()),
         };
         Ok((data, t.shape().to_vec()))
+    }
+}
+
+fn check_dtype(name: &str, dtype: Dtype) -> Result<()> {
+    match dtype {
+        Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok(()),
+        other => Err(ck(format!(
+            "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32"
+        ))),
     }
 }
 
@@ -146,7 +195,11 @@ struct AlignedWriter {
 impl AlignedWriter {
     fn create(path: PathBuf) -> Result<AlignedWriter> {
         let f = File::create(&path).map_err(io_err(&path))?;
-        Ok(AlignedWriter { out: BufWriter::with_capacity(1 << 20, f), pos: 0, path })
+        Ok(AlignedWriter {
+            out: BufWriter::with_capacity(1 << 20, f),
+            pos: 0,
+            path,
+        })
     }
     fn write_aligned(&mut self, bytes: &[u8], align: usize) -> Result<usize> {
         let start = align_up(self.pos, align);
@@ -158,17 +211,33 @@ impl AlignedWriter {
     }
     fn finish(mut self) -> Result<usize> {
         self.out.flush().map_err(io_err(&self.path))?;
-        let f = self.out.into_inner().map_err(|e| io_err(&self.path)(e.into_error()))?;
+        let f = self
+            .out
+            .into_inner()
+            .map_err(|e| io_err(&self.path)(e.into_error()))?;
         f.sync_all().map_err(io_err(&self.path))?;
         Ok(self.pos)
     }
 }
 
-/// Reads expert `e`'s `part` matrix from either the per-expert or the fused checkpoint layout.
-fn read_expert_part(ck: &Checkpoint, prefix: &str, e: usize, part: &str, shape: &[usize], n_experts: usize) -> Result<Vec<f32>> {
+/// Where expert `e`'s `part` matrix of `shape` comes from: a per-expert tensor, or else a slice of a
+/// fused 3-D one `(name, rows per expert, row offset, expected fused shape)`.
+enum PartSource {
+    Single(String),
+    Fused(String, usize, usize, [usize; 3]),
+}
+
+fn expert_part_source(
+    ck: &Checkpoint,
+    prefix: &str,
+    e: usize,
+    part: &str,
+    shape: &[usize],
+    n_experts: usize,
+) -> Result<PartSource> {
     let single = format!("{prefix}.{e}.{part}_proj.weight");
     if ck.has(&single) {
-        return ck.read(&single, shape);
+        return Ok(PartSource::Single(single));
     }
     let (fused, rows_per, offset) = match part {
         "gate" => (format!("{prefix}.gate_up_proj"), 2 * shape[0], 0),
@@ -176,16 +245,99 @@ fn read_expert_part(ck: &Checkpoint, prefix: &str, e: usize, part: &str, shape: 
         _ => (format!("{prefix}.down_proj"), shape[0], 0),
     };
     if !ck.has(&fused) {
-        return Err(self::ck(format!("missing tensor `{single}` (nor a fused `{fused}`)")));
+        return Err(self::ck(format!(
+            "missing tensor `{single}` (nor a fused `{fused}`)"
+        )));
     }
-    let (all, got) = ck.read_any(&fused)?;
-    let want = [n_experts, rows_per, shape[1]];
-    if got != want {
-        return Err(self::ck(format!("tensor `{fused}` has shape {got:?}, expected {want:?}")));
+    Ok(PartSource::Fused(
+        fused,
+        rows_per,
+        offset,
+        [n_experts, rows_per, shape[1]],
+    ))
+}
+
+/// Checks expert `e`'s `part` from the header alone (see [`Checkpoint::check`]).
+fn check_expert_part(
+    ck: &Checkpoint,
+    prefix: &str,
+    e: usize,
+    part: &str,
+    shape: &[usize],
+    n_experts: usize,
+) -> Result<()> {
+    match expert_part_source(ck, prefix, e, part, shape, n_experts)? {
+        PartSource::Single(name) => ck.check(&name, shape),
+        PartSource::Fused(name, _, _, want) => ck.check(&name, &want),
     }
-    let per = rows_per * shape[1];
-    let start = e * per + offset * shape[1];
-    Ok(all[start..start + shape[0] * shape[1]].to_vec())
+}
+
+/// Reads expert `e`'s `part` matrix from either the per-expert or the fused checkpoint layout.
+fn read_expert_part(
+    ck: &Checkpoint,
+    prefix: &str,
+    e: usize,
+    part: &str,
+    shape: &[usize],
+    n_experts: usize,
+) -> Result<Vec<f32>> {
+    match expert_part_source(ck, prefix, e, part, shape, n_experts)? {
+        PartSource::Single(name) => ck.read(&name, shape),
+        PartSource::Fused(fused, rows_per, offset, want) => {
+            let all = ck.read(&fused, &want)?;
+            let per = rows_per * shape[1];
+            let start = e * per + offset * shape[1];
+            Ok(all[start..start + shape[0] * shape[1]].to_vec())
+        }
+    }
+}
+
+/// The shapes of an expert's gate, up and down matrices.
+fn expert_shape(cfg: &ModelConfig, part: &str) -> Vec<usize> {
+    let (h, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    if part == "down" {
+        vec![h, inter]
+    } else {
+        vec![inter, h]
+    }
+}
+
+/// Every tensor the plan reads, checked against the checkpoint's headers before any output.
+fn check_plan(ckpt: &Checkpoint, plan: &Plan, cfg: &ModelConfig) -> Result<()> {
+    for spec in &plan.resident {
+        if spec.optional && !ckpt.has(&spec.hf) {
+            continue;
+        }
+        ckpt.check(&spec.hf, &spec.shape)?;
+    }
+    for (_, src) in &plan.expert_layers {
+        for e in 0..cfg.num_experts {
+            for part in MLP_PARTS {
+                check_expert_part(
+                    ckpt,
+                    &src.prefix,
+                    e,
+                    part,
+                    &expert_shape(cfg, part),
+                    cfg.num_experts,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Copies `src` to `dst` unless they are the same file (converting into the checkpoint's own
+/// directory must not truncate its tokenizer).
+fn copy_file(src: &Path, dst: &Path) -> Result<()> {
+    if dst.exists()
+        && fs::canonicalize(src).map_err(io_err(src))?
+            == fs::canonicalize(dst).map_err(io_err(dst))?
+    {
+        return Ok(());
+    }
+    fs::copy(src, dst).map_err(io_err(src))?;
+    Ok(())
 }
 
 /// Converts `hf_dir` into `out_dir` (created if needed).
@@ -197,13 +349,17 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
     let cfg = ModelConfig::from_hf(&cfg_json)?;
     let tok_path = hf_dir.join("tokenizer.json");
     if !tok_path.is_file() {
-        return Err(ck(format!("{} not found: the checkpoint has no tokenizer", tok_path.display())));
+        return Err(ck(format!(
+            "{} not found: the checkpoint has no tokenizer",
+            tok_path.display()
+        )));
     }
     let ckpt = Checkpoint::open(hf_dir)?;
     let plan = family_plan(&cfg);
 
     // Every checkpoint tensor must be used or deliberately skipped.
-    let mut used: std::collections::HashSet<String> = plan.resident.iter().map(|t| t.hf.clone()).collect();
+    let mut used: std::collections::HashSet<String> =
+        plan.resident.iter().map(|t| t.hf.clone()).collect();
     let mut skipped = BTreeMap::new();
     for (_, src) in &plan.expert_layers {
         for e in 0..cfg.num_experts {
@@ -233,6 +389,8 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
         }
     }
 
+    check_plan(&ckpt, &plan, &cfg)?;
+
     fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
     // A previous manifest would describe files we are about to overwrite.
     let manifest_path = out_dir.join(MANIFEST);
@@ -253,10 +411,22 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
             continue;
         }
         let data = ckpt.read(&spec.hf, &spec.shape)?;
-        let dtype = if spec.matrix { quant.matrix_dtype() } else { DType::F32 };
+        let dtype = if spec.matrix {
+            quant.matrix_dtype()
+        } else {
+            DType::F32
+        };
         let bytes = encode(&data, &spec.shape, dtype);
         let offset = rw.write_aligned(&bytes, TENSOR_ALIGN)?;
-        tensors.insert(spec.name.clone(), TensorEntry { dtype, shape: spec.shape.clone(), offset, nbytes: bytes.len() });
+        tensors.insert(
+            spec.name.clone(),
+            TensorEntry {
+                dtype,
+                shape: spec.shape.clone(),
+                offset,
+                nbytes: bytes.len(),
+            },
+        );
     }
     let resident_bytes = rw.finish()?;
 
@@ -264,23 +434,34 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
     let experts = if plan.expert_layers.is_empty() {
         None
     } else {
-        let (h, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
         let dtype = quant.matrix_dtype();
         let mut parts = BTreeMap::new();
         let mut pos = 0;
         for part in MLP_PARTS {
-            let shape = if part == "down" { vec![h, inter] } else { vec![inter, h] };
+            let shape = expert_shape(&cfg, part);
             let nbytes = encoded_len(&shape, dtype);
             let offset = align_up(pos, TENSOR_ALIGN);
             pos = offset + nbytes;
-            parts.insert(part.to_string(), TensorEntry { dtype, shape, offset, nbytes });
+            parts.insert(
+                part.to_string(),
+                TensorEntry {
+                    dtype,
+                    shape,
+                    offset,
+                    nbytes,
+                },
+            );
         }
         let record_size = align_up(pos, RECORD_ALIGN);
         let mut ew = AlignedWriter::create(out_dir.join(EXPERTS_FILE))?;
         let mut layers = Vec::new();
         let mut record = 0;
         for (layer, src) in &plan.expert_layers {
-            layers.push(ExpertLayer { layer: *layer, first_record: record, count: cfg.num_experts });
+            layers.push(ExpertLayer {
+                layer: *layer,
+                first_record: record,
+                count: cfg.num_experts,
+            });
             // Quantize a layer's experts in parallel, write them in order.
             let records: Vec<Result<Vec<u8>>> = (0..cfg.num_experts)
                 .into_par_iter()
@@ -288,7 +469,14 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
                     let mut buf = vec![0u8; record_size];
                     for part in MLP_PARTS {
                         let entry = &parts[part];
-                        let data = read_expert_part(&ckpt, &src.prefix, e, part, &entry.shape, cfg.num_experts)?;
+                        let data = read_expert_part(
+                            &ckpt,
+                            &src.prefix,
+                            e,
+                            part,
+                            &entry.shape,
+                            cfg.num_experts,
+                        )?;
                         let bytes = encode(&data, &entry.shape, dtype);
                         buf[entry.offset..entry.offset + bytes.len()].copy_from_slice(&bytes);
                     }
@@ -304,7 +492,12 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
             }
         }
         ew.finish()?;
-        Some(ExpertsInfo { file: EXPERTS_FILE.into(), record_size, parts, layers })
+        Some(ExpertsInfo {
+            file: EXPERTS_FILE.into(),
+            record_size,
+            parts,
+            layers,
+        })
     };
     progress(total, total, "tokenizer and manifest");
 
@@ -314,8 +507,7 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
         if !src.is_file() {
             return Ok(false);
         }
-        let dst = out_dir.join(name);
-        fs::copy(&src, &dst).map_err(io_err(&src))?;
+        copy_file(&src, &out_dir.join(name))?;
         Ok(true)
     };
     copy("tokenizer.json")?;
@@ -327,12 +519,19 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
         chat_template = Some(fs::read_to_string(&jinja).map_err(io_err(&jinja))?);
     } else if has_tok_cfg {
         let p = hf_dir.join("tokenizer_config.json");
-        let v: serde_json::Value = serde_json::from_str(&fs::read_to_string(&p).map_err(io_err(&p))?)
-            .map_err(|e| ck(format!("{}: invalid JSON: {e}", p.display())))?;
-        chat_template = v.get("chat_template").and_then(|t| t.as_str()).map(str::to_string);
+        let v: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&p).map_err(io_err(&p))?)
+                .map_err(|e| ck(format!("{}: invalid JSON: {e}", p.display())))?;
+        chat_template = v
+            .get("chat_template")
+            .and_then(|t| t.as_str())
+            .map(str::to_string);
     }
 
-    let expert_bytes = experts.as_ref().map(|x| x.record_size * n_experts_total).unwrap_or(0);
+    let expert_bytes = experts
+        .as_ref()
+        .map(|x| x.record_size * n_experts_total)
+        .unwrap_or(0);
     let n_tensors = tensors.len();
     let n_skipped = skipped.len();
     let manifest = Manifest {
@@ -344,7 +543,10 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
             kind: quant,
             group_size: (quant == Quant::Int4).then_some(quant::GROUP),
         },
-        resident: ResidentInfo { file: RESIDENT_FILE.into(), tensors },
+        resident: ResidentInfo {
+            file: RESIDENT_FILE.into(),
+            tensors,
+        },
         experts,
         tokenizer: "tokenizer.json".into(),
         tokenizer_config: has_tok_cfg.then(|| "tokenizer_config.json".into()),
@@ -366,4 +568,66 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
         tensors: n_tensors,
         skipped: n_skipped,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(arch: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures")
+            .join(arch)
+            .join("hf")
+    }
+
+    /// A fresh copy of a fixture checkpoint in a scratch directory.
+    fn scratch_copy(arch: &str, tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("colibri-convert-{}-{tag}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        for e in fs::read_dir(fixture(arch)).unwrap().flatten() {
+            fs::copy(e.path(), d.join(e.file_name())).unwrap();
+        }
+        d
+    }
+
+    fn quiet() -> impl FnMut(usize, usize, &str) {
+        |_, _, _| {}
+    }
+
+    /// Converting into the checkpoint's own directory once truncated its tokenizer.json
+    /// (`fs::copy` onto itself).
+    #[test]
+    fn converting_into_the_checkpoint_directory_keeps_the_tokenizer() {
+        let d = scratch_copy("glm4_moe", "samedir");
+        let before = fs::read(d.join("tokenizer.json")).unwrap();
+        convert(&d, &d, Quant::Int4, &mut quiet()).unwrap();
+        assert_eq!(fs::read(d.join("tokenizer.json")).unwrap(), before);
+        assert!(d.join(MANIFEST).is_file());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Found by fuzzing: a config whose expert size the checkpoint does not back once made the
+    /// converter allocate a record buffer of that size before reading any expert. Shapes are now
+    /// checked from the headers first, and nothing is written for a refused checkpoint.
+    #[test]
+    fn shape_errors_are_found_before_any_output() {
+        let d = scratch_copy("olmoe", "shapes");
+        let cfg_path = d.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&cfg_path).unwrap()).unwrap();
+        cfg["intermediate_size"] = serde_json::json!(1 << 20);
+        fs::write(&cfg_path, cfg.to_string()).unwrap();
+        let out = d.join("out");
+        let e = convert(&d, &out, Quant::Int4, &mut quiet())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.layers.0.mlp.experts.0.gate_proj.weight") && e.contains("1048576"),
+            "{e}"
+        );
+        assert!(!out.exists(), "a refused checkpoint writes nothing");
+        fs::remove_dir_all(&d).unwrap();
+    }
 }

@@ -30,11 +30,22 @@ impl Generation {
         if prompt.is_empty() {
             return Err(Error::Input("the prompt has no tokens".into()));
         }
-        if !(opts.temperature >= 0.0) || !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
-            return Err(Error::Input("temperature must be >= 0 and top_p in (0, 1]".into()));
+        let temperature_ok = opts.temperature >= 0.0; // false for NaN too
+        let top_p_ok = opts.top_p > 0.0 && opts.top_p <= 1.0;
+        if !temperature_ok || !top_p_ok {
+            return Err(Error::Input(
+                "temperature must be >= 0 and top_p in (0, 1]".into(),
+            ));
         }
         let sampler = Sampler::new(opts.temperature, opts.top_p, opts.seed);
-        Ok(Generation { prompt, opts, sampler, produced: 0, last: None, finished: false })
+        Ok(Generation {
+            prompt,
+            opts,
+            sampler,
+            produced: 0,
+            last: None,
+            finished: false,
+        })
     }
 
     /// The next token, or `None` when generation has ended. `kv` must be the cache this

@@ -75,7 +75,13 @@ pub struct Acts {
 
 impl Acts {
     pub fn new() -> Acts {
-        Acts { x: Vec::new(), n: 0, cols: 0, q8: Q8Acts::new(), q8_ready: false }
+        Acts {
+            x: Vec::new(),
+            n: 0,
+            cols: 0,
+            q8: Q8Acts::new(),
+            q8_ready: false,
+        }
     }
 
     pub fn from_vec(x: Vec<f32>, n: usize, cols: usize) -> Acts {

@@ -34,7 +34,12 @@ struct Model {
 impl Model {
     #[new]
     #[pyo3(signature = (path, threads=None, kernel=None))]
-    fn new(py: Python<'_>, path: PathBuf, threads: Option<usize>, kernel: Option<String>) -> PyResult<Model> {
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        threads: Option<usize>,
+        kernel: Option<String>,
+    ) -> PyResult<Model> {
         let kernel = match kernel {
             None => None,
             Some(name) => {
@@ -42,7 +47,9 @@ impl Model {
                     PyValueError::new_err(format!("unknown kernel `{name}` (scalar, avx2, avx512)"))
                 })?;
                 if !k.available() {
-                    return Err(PyValueError::new_err(format!("kernel `{name}` is not available on this CPU")));
+                    return Err(PyValueError::new_err(format!(
+                        "kernel `{name}` is not available on this CPU"
+                    )));
                 }
                 Some(k)
             }
@@ -100,10 +107,19 @@ impl Model {
         stop_token_ids: Vec<u32>,
         seed: Option<u64>,
     ) -> PyResult<TokenStream> {
-        let opts = GenerateOptions { max_tokens, temperature, top_p, stop_token_ids, seed };
+        let opts = GenerateOptions {
+            max_tokens,
+            temperature,
+            top_p,
+            stop_token_ids,
+            seed,
+        };
         let gen = Generation::new(ids, opts).map_err(to_py)?;
         let kv = self.inner.new_cache();
-        Ok(TokenStream { model: self.inner.clone(), state: Arc::new(Mutex::new((gen, kv))) })
+        Ok(TokenStream {
+            model: self.inner.clone(),
+            state: Arc::new(Mutex::new((gen, kv))),
+        })
     }
 }
 
@@ -124,7 +140,9 @@ impl TokenStream {
         let model = self.model.clone();
         let state = self.state.clone();
         py.detach(move || {
-            let mut guard = state.lock().map_err(|_| PyRuntimeError::new_err("generation state poisoned"))?;
+            let mut guard = state
+                .lock()
+                .map_err(|_| PyRuntimeError::new_err("generation state poisoned"))?;
             let (gen, kv) = &mut *guard;
             gen.next_token(&model, kv).map_err(to_py)
         })
@@ -141,14 +159,15 @@ fn convert_checkpoint<'py>(
     quant: &str,
     progress: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let q = Quant::parse(quant)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)")))?;
+    let q = Quant::parse(quant).ok_or_else(|| {
+        PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)"))
+    })?;
     let summary = py
         .detach(|| {
             let mut report = |done: usize, total: usize, what: &str| {
                 if progress {
                     use std::io::Write;
-                    let pct = if total == 0 { 100 } else { done * 100 / total };
+                    let pct = (done * 100).checked_div(total).unwrap_or(100);
                     let mut e = std::io::stderr().lock();
                     let _ = write!(e, "\r\x1b[2Kconverting {pct:3}% ({done}/{total}) {what}");
                     if done == total {

@@ -27,7 +27,11 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => rand::make_rng(),
         };
-        Sampler { temperature, top_p, rng }
+        Sampler {
+            temperature,
+            top_p,
+            rng,
+        }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> usize {

@@ -86,7 +86,9 @@ fn map_file(path: &Path) -> Result<Mmap> {
     let f = File::open(path).map_err(io_err(path))?;
     // SAFETY: model files are written once by the converter and only read afterwards; the map is
     // read-only. Truncating them while a server runs is outside what this program can guard.
-    unsafe { Mmap::map(&f) }.map_err(io_err(path))
+    // `populate` faults every page in at load (one sequential pass) instead of one fault per
+    // page on first use in the middle of a generation.
+    unsafe { memmap2::MmapOptions::new().populate().map(&f) }.map_err(io_err(path))
 }
 
 struct Tensors<'a> {
@@ -100,8 +102,13 @@ impl Tensors<'_> {
             .entries
             .get(name)
             .ok_or_else(|| fmt_err(format!("manifest has no tensor `{name}`")))?;
-        if e.offset + e.nbytes > self.buf.len() {
-            return Err(fmt_err(format!("tensor `{name}` lies past the end of the resident file")));
+        if e.offset
+            .checked_add(e.nbytes)
+            .is_none_or(|end| end > self.buf.len())
+        {
+            return Err(fmt_err(format!(
+                "tensor `{name}` lies past the end of the resident file"
+            )));
         }
         Ok(e)
     }
@@ -109,12 +116,21 @@ impl Tensors<'_> {
     fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
         let e = self.entry(name)?;
         check_linear(name, e, rows, cols)?;
-        Ok(Linear { dtype: e.dtype, rows, cols, offset: e.offset, nbytes: e.nbytes })
+        Ok(Linear {
+            dtype: e.dtype,
+            rows,
+            cols,
+            offset: e.offset,
+            nbytes: e.nbytes,
+        })
     }
 
     fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
         let e = self.entry(name)?;
-        if e.dtype != DType::F32 || e.shape.iter().product::<usize>() != n || e.nbytes != 4 * n {
+        if e.dtype != DType::F32
+            || e.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(n)
+            || e.nbytes != 4 * n
+        {
             return Err(fmt_err(format!("tensor `{name}` should be {n} f32 values")));
         }
         Ok(self.buf[e.offset..e.offset + e.nbytes]
@@ -151,6 +167,26 @@ fn check_linear(name: &str, e: &TensorEntry, rows: usize, cols: usize) -> Result
             e.shape, e.nbytes
         )));
     }
+    // f32 weights are viewed in place as `&[f32]` (files are mapped page-aligned).
+    if e.dtype == DType::F32 && !e.offset.is_multiple_of(4) {
+        return Err(fmt_err(format!(
+            "tensor `{name}` is at offset {}, not 4-byte aligned",
+            e.offset
+        )));
+    }
+    Ok(())
+}
+
+/// A file named by the manifest: a plain name inside the model directory.
+fn file_name(what: &str, name: &str) -> Result<()> {
+    let p = Path::new(name);
+    let plain = p.components().count() == 1
+        && matches!(p.components().next(), Some(std::path::Component::Normal(_)));
+    if !plain {
+        return Err(fmt_err(format!(
+            "manifest: {what} `{name}` is not a file name inside the model directory"
+        )));
+    }
     Ok(())
 }
 
@@ -180,18 +216,36 @@ impl Model {
             )));
         }
         let cfg = ModelConfig::from_hf(&manifest.config)?;
+        file_name("resident file", &manifest.resident.file)?;
+        file_name("tokenizer", &manifest.tokenizer)?;
+        if let Some(t) = &manifest.tokenizer_config {
+            file_name("tokenizer config", t)?;
+        }
+        if let Some(x) = &manifest.experts {
+            file_name("experts file", &x.file)?;
+        }
         let resident = map_file(&dir.join(&manifest.resident.file))?;
-        let t = Tensors { entries: &manifest.resident.tensors, buf: &resident };
+        let t = Tensors {
+            entries: &manifest.resident.tensors,
+            buf: &resident,
+        };
         let (h, qd, kvd, hd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
 
         let embed = t.linear("embed", cfg.vocab_size, h)?;
-        let lm_head = if cfg.tie_word_embeddings { embed } else { t.linear("lm_head", cfg.vocab_size, h)? };
+        let lm_head = if cfg.tie_word_embeddings {
+            embed
+        } else {
+            t.linear("lm_head", cfg.vocab_size, h)?
+        };
         let norm = t.vector("norm", h)?;
         let mut expert_first = BTreeMap::new();
         if let Some(x) = &manifest.experts {
             for l in &x.layers {
                 if l.count != cfg.num_experts {
-                    return Err(fmt_err(format!("layer {} lists {} experts, config has {}", l.layer, l.count, cfg.num_experts)));
+                    return Err(fmt_err(format!(
+                        "layer {} lists {} experts, config has {}",
+                        l.layer, l.count, cfg.num_experts
+                    )));
                 }
                 expert_first.insert(l.layer, l.first_record);
             }
@@ -201,15 +255,23 @@ impl Model {
             let n = |s: &str| format!("layers.{i}.{s}");
             let (q_norm, k_norm) = match cfg.qk_norm {
                 QkNorm::None => (None, None),
-                QkNorm::Full => (Some(t.vector(&n("q_norm"), qd)?), Some(t.vector(&n("k_norm"), kvd)?)),
-                QkNorm::PerHead => (Some(t.vector(&n("q_norm"), hd)?), Some(t.vector(&n("k_norm"), hd)?)),
+                QkNorm::Full => (
+                    Some(t.vector(&n("q_norm"), qd)?),
+                    Some(t.vector(&n("k_norm"), kvd)?),
+                ),
+                QkNorm::PerHead => (
+                    Some(t.vector(&n("q_norm"), hd)?),
+                    Some(t.vector(&n("k_norm"), hd)?),
+                ),
             };
             let ffn = match cfg.layers[i] {
                 FfnKind::Dense => Ffn::Dense(t.mlp(&n("mlp"), h, cfg.intermediate_size)?),
                 FfnKind::Moe => {
                     let router = t.vector(&n("router"), cfg.num_experts * h)?;
                     let router_bias = t.optional_vector(&n("router_bias"), cfg.num_experts)?;
-                    if matches!(cfg.routing, crate::config::Routing::SigmoidGrouped { .. }) && router_bias.is_none() {
+                    if matches!(cfg.routing, crate::config::Routing::SigmoidGrouped { .. })
+                        && router_bias.is_none()
+                    {
                         return Err(fmt_err(format!("missing `{}`", n("router_bias"))));
                     }
                     let shared = if cfg.shared_intermediate_size > 0 {
@@ -220,7 +282,12 @@ impl Model {
                     let first_record = *expert_first
                         .get(&i)
                         .ok_or_else(|| fmt_err(format!("no experts recorded for MoE layer {i}")))?;
-                    Ffn::Moe { router, router_bias, first_record, shared }
+                    Ffn::Moe {
+                        router,
+                        router_bias,
+                        first_record,
+                        shared,
+                    }
                 }
             };
             layers.push(Layer {
@@ -247,30 +314,64 @@ impl Model {
             Some(x) => {
                 let map = map_file(&dir.join(&x.file))?;
                 let part = |p: &str| -> Result<TensorEntry> {
-                    x.parts.get(p).cloned().ok_or_else(|| fmt_err(format!("expert part `{p}` missing")))
+                    x.parts
+                        .get(p)
+                        .cloned()
+                        .ok_or_else(|| fmt_err(format!("expert part `{p}` missing")))
                 };
                 let parts = [part("gate")?, part("up")?, part("down")?];
                 let mi = cfg.moe_intermediate_size;
                 check_linear("experts.gate", &parts[0], mi, h)?;
                 check_linear("experts.up", &parts[1], mi, h)?;
                 check_linear("experts.down", &parts[2], h, mi)?;
-                if parts.iter().any(|p| p.offset + p.nbytes > x.record_size) {
+                if parts.iter().any(|p| {
+                    p.offset
+                        .checked_add(p.nbytes)
+                        .is_none_or(|end| end > x.record_size)
+                }) {
                     return Err(fmt_err("expert parts overflow the record size"));
                 }
-                let records = x.layers.iter().map(|l| l.first_record + l.count).max().unwrap_or(0);
-                if map.len() < records * x.record_size {
+                if parts.iter().any(|p| p.dtype != parts[0].dtype) {
+                    return Err(fmt_err(
+                        "expert parts gate, up and down must have the same dtype",
+                    ));
+                }
+                if x.record_size % RECORD_ALIGN != 0 {
                     return Err(fmt_err(format!(
-                        "{} is {} bytes, expected at least {} (truncated?)",
-                        x.file,
-                        map.len(),
-                        records * x.record_size
+                        "expert record size {} is not a multiple of {RECORD_ALIGN}",
+                        x.record_size
                     )));
                 }
-                (Some(map), Some(ExpertLayout { record_size: x.record_size, parts }))
+                let records = x
+                    .layers
+                    .iter()
+                    .map(|l| l.first_record.checked_add(l.count))
+                    .try_fold(0usize, |m, r| r.map(|r| m.max(r)));
+                let need = records.and_then(|r| r.checked_mul(x.record_size));
+                if need.is_none_or(|need| map.len() < need) {
+                    return Err(fmt_err(format!(
+                        "{} is {} bytes, smaller than its {} records of {} bytes (truncated?)",
+                        x.file,
+                        map.len(),
+                        records.map_or("too many".to_string(), |r| r.to_string()),
+                        x.record_size
+                    )));
+                }
+                (
+                    Some(map),
+                    Some(ExpertLayout {
+                        record_size: x.record_size,
+                        parts,
+                    }),
+                )
             }
         };
 
-        let threads = threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        let threads = threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .thread_name(|i| format!("colibri-worker-{i}"))
@@ -316,7 +417,10 @@ impl Model {
     }
 
     fn expert(&self, record: usize, part: usize) -> WeightRef<'_> {
-        let lay = self.expert_layout.as_ref().expect("MoE layer implies experts");
+        let lay = self
+            .expert_layout
+            .as_ref()
+            .expect("MoE layer implies experts");
         let p = &lay.parts[part];
         let lin = Linear {
             dtype: p.dtype,
@@ -343,12 +447,21 @@ impl Model {
             )));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(Error::Input(format!("token id {bad} is outside the vocabulary ({})", self.cfg.vocab_size)));
+            return Err(Error::Input(format!(
+                "token id {bad} is outside the vocabulary ({})",
+                self.cfg.vocab_size
+            )));
         }
-        self.pool.install(|| self.forward_inner(tokens, kv, all_logits))
+        self.pool
+            .install(|| self.forward_inner(tokens, kv, all_logits))
     }
 
-    fn forward_inner(&self, tokens: &[u32], kv: &mut KvCache, all_logits: bool) -> Result<Vec<f32>> {
+    fn forward_inner(
+        &self,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let (n, h) = (tokens.len(), c.hidden_size);
         let mut x = vec![0.0f32; n * h];
@@ -368,7 +481,12 @@ impl Model {
             let mut acts = Acts::from_vec(hn, n, h);
             let y = match &layer.ffn {
                 Ffn::Dense(m) => self.mlp(m, &mut acts),
-                Ffn::Moe { router, router_bias, first_record, shared } => {
+                Ffn::Moe {
+                    router,
+                    router_bias,
+                    first_record,
+                    shared,
+                } => {
                     let mut y = self.moe(&mut acts, router, router_bias.as_deref(), *first_record);
                     if let Some(m) = shared {
                         for (a, b) in y.iter_mut().zip(self.mlp(m, &mut acts)) {
@@ -384,7 +502,11 @@ impl Model {
         }
         kv.len += n;
 
-        let rows: Vec<f32> = if all_logits { x } else { x[(n - 1) * h..].to_vec() };
+        let rows: Vec<f32> = if all_logits {
+            x
+        } else {
+            x[(n - 1) * h..].to_vec()
+        };
         let m = rows.len() / h;
         let mut hn = rows;
         ops::rms_norm(&mut hn, &self.norm, c.rms_norm_eps);
@@ -400,13 +522,24 @@ impl Model {
         let mut jobs: Vec<Job> = ws
             .iter()
             .zip(outs.iter_mut())
-            .map(|(w, out)| Job { w: self.w(w), x, out })
+            .map(|(w, out)| Job {
+                w: self.w(w),
+                x,
+                out,
+            })
             .collect();
         matmul_many(self.kernel, &mut jobs);
         outs
     }
 
-    fn attention(&self, li: usize, layer: &Layer, hn: Vec<f32>, n: usize, kv: &mut KvCache) -> Vec<f32> {
+    fn attention(
+        &self,
+        li: usize,
+        layer: &Layer,
+        hn: Vec<f32>,
+        n: usize,
+        kv: &mut KvCache,
+    ) -> Vec<f32> {
         let c = &self.cfg;
         let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
         let mut acts = Acts::from_vec(hn, n, h);
@@ -452,7 +585,17 @@ impl Model {
                 let (i, head) = (idx / c.num_heads, idx % c.num_heads);
                 let qh = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
                 let kv_off = (head / group) * hd;
-                ops::attend(qh, keys, values, p0 + i + 1, kvd, kv_off, scale, scores, out);
+                ops::attend(
+                    qh,
+                    keys,
+                    values,
+                    p0 + i + 1,
+                    kvd,
+                    kv_off,
+                    scale,
+                    scores,
+                    out,
+                );
             },
         );
         let mut acts = Acts::from_vec(att, n, qd);
@@ -477,7 +620,13 @@ impl Model {
     }
 
     /// Routed experts for every token of `x`, weighted and summed (shared experts excluded).
-    fn moe(&self, x: &mut Acts, router: &[f32], bias: Option<&[f32]>, first_record: usize) -> Vec<f32> {
+    fn moe(
+        &self,
+        x: &mut Acts,
+        router: &[f32],
+        bias: Option<&[f32]>,
+        first_record: usize,
+    ) -> Vec<f32> {
         let c = &self.cfg;
         let (n, h, e) = (x.n, c.hidden_size, c.num_experts);
         let mut logits = vec![0.0f32; n * e];
@@ -490,7 +639,10 @@ impl Model {
             }
         }
         let experts: Vec<(usize, Vec<(usize, f32)>)> = by_expert.into_iter().collect();
-        let q4 = self.expert_layout.as_ref().is_some_and(|l| l.parts[0].dtype == DType::Q4);
+        let q4 = self
+            .expert_layout
+            .as_ref()
+            .is_some_and(|l| l.parts[0].dtype == DType::Q4);
         // Inputs per expert: the shared activations when every token goes there (decode).
         let inputs: Vec<Option<Acts>> = experts
             .iter()
@@ -509,15 +661,26 @@ impl Model {
         x.prepare(q4);
         let x = &*x;
         let mi = c.moe_intermediate_size;
-        let mut gate_up: Vec<Vec<f32>> = experts.iter().flat_map(|(_, t)| [vec![0.0; t.len() * mi], vec![0.0; t.len() * mi]]).collect();
+        let mut gate_up: Vec<Vec<f32>> = experts
+            .iter()
+            .flat_map(|(_, t)| [vec![0.0; t.len() * mi], vec![0.0; t.len() * mi]])
+            .collect();
         {
             let mut outs = gate_up.iter_mut();
             let mut jobs = Vec::with_capacity(2 * experts.len());
             for ((ex, _), inp) in experts.iter().zip(&inputs) {
                 let rec = first_record + ex;
                 let xin = inp.as_ref().unwrap_or(x);
-                jobs.push(Job { w: self.expert(rec, 0), x: xin, out: outs.next().unwrap() });
-                jobs.push(Job { w: self.expert(rec, 1), x: xin, out: outs.next().unwrap() });
+                jobs.push(Job {
+                    w: self.expert(rec, 0),
+                    x: xin,
+                    out: outs.next().unwrap(),
+                });
+                jobs.push(Job {
+                    w: self.expert(rec, 1),
+                    x: xin,
+                    out: outs.next().unwrap(),
+                });
             }
             matmul_many(self.kernel, &mut jobs);
         }
@@ -532,13 +695,20 @@ impl Model {
                 a
             })
             .collect();
-        let mut downs: Vec<Vec<f32>> = experts.iter().map(|(_, t)| vec![0.0; t.len() * h]).collect();
+        let mut downs: Vec<Vec<f32>> = experts
+            .iter()
+            .map(|(_, t)| vec![0.0; t.len() * h])
+            .collect();
         {
             let mut jobs: Vec<Job> = experts
                 .iter()
                 .zip(&hidden)
                 .zip(downs.iter_mut())
-                .map(|(((ex, _), hid), out)| Job { w: self.expert(first_record + ex, 2), x: hid, out })
+                .map(|(((ex, _), hid), out)| Job {
+                    w: self.expert(first_record + ex, 2),
+                    x: hid,
+                    out,
+                })
                 .collect();
             matmul_many(self.kernel, &mut jobs);
         }
@@ -551,5 +721,102 @@ impl Model {
             }
         }
         y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    /// The GLM fixture converted to f32 once; each test edits a copy of its manifest.
+    fn converted() -> &'static Path {
+        static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+        DIR.get_or_init(|| {
+            let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/glm4_moe/hf");
+            let out =
+                std::env::temp_dir().join(format!("colibri-load-{}-base", std::process::id()));
+            let _ = fs::remove_dir_all(&out);
+            crate::convert::convert(&hf, &out, Quant::F32, &mut |_, _, _| {}).unwrap();
+            out
+        })
+    }
+
+    /// Loads a copy of the converted model whose manifest went through `edit`.
+    fn load_edited(tag: &str, edit: impl FnOnce(&mut Value)) -> Result<Model> {
+        let base = converted();
+        let d = base.with_file_name(format!("colibri-load-{}-{tag}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        for e in fs::read_dir(base).unwrap().flatten() {
+            fs::copy(e.path(), d.join(e.file_name())).unwrap();
+        }
+        let mut m: Value =
+            serde_json::from_str(&fs::read_to_string(d.join(MANIFEST)).unwrap()).unwrap();
+        edit(&mut m);
+        fs::write(d.join(MANIFEST), m.to_string()).unwrap();
+        let r = Model::load(&d, Some(1));
+        if let Ok(model) = &r {
+            let mut kv = model.new_cache();
+            model.forward(&[1, 2, 3], &mut kv, false).unwrap();
+        }
+        r
+    }
+
+    fn err(r: Result<Model>) -> String {
+        match r {
+            Ok(_) => panic!("expected the model to be refused"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn unedited_model_loads() {
+        load_edited("ok", |_| {}).unwrap();
+    }
+
+    /// Found by fuzzing: offsets and record counts from a corrupt manifest overflowed (`offset +
+    /// nbytes`, `first_record + count`, `records * record_size`) and misaligned f32 tensors
+    /// panicked in the in-place `&[f32]` view at the first forward pass.
+    #[test]
+    fn corrupt_manifest_offsets_are_refused() {
+        let e = err(load_edited("first", |m| {
+            m["experts"]["layers"][0]["first_record"] = json!(u64::MAX)
+        }));
+        assert!(e.contains("truncated"), "{e}");
+        let e = err(load_edited("offset", |m| {
+            m["resident"]["tensors"]["embed"]["offset"] = json!(u64::MAX - 3)
+        }));
+        assert!(e.contains("embed") && e.contains("past the end"), "{e}");
+        let e = err(load_edited("align", |m| {
+            let off = m["resident"]["tensors"]["layers.0.q"]["offset"]
+                .as_u64()
+                .unwrap();
+            m["resident"]["tensors"]["layers.0.q"]["offset"] = json!(off + 2);
+        }));
+        assert!(e.contains("layers.0.q") && e.contains("aligned"), "{e}");
+        let e = err(load_edited("shape", |m| {
+            m["resident"]["tensors"]["norm"]["shape"] = json!([1u64 << 63, 4])
+        }));
+        assert!(e.contains("norm"), "{e}");
+        let e = err(load_edited("record", |m| {
+            let r = m["experts"]["record_size"].as_u64().unwrap();
+            m["experts"]["record_size"] = json!(r + 4);
+        }));
+        assert!(e.contains("record size"), "{e}");
+    }
+
+    #[test]
+    fn manifest_file_names_stay_inside_the_directory() {
+        for (tag, ptr) in [
+            ("res", "/resident/file"),
+            ("exp", "/experts/file"),
+            ("tok", "/tokenizer"),
+        ] {
+            let e = err(load_edited(tag, |m| {
+                *m.pointer_mut(ptr).unwrap() = json!("../x.bin")
+            }));
+            assert!(e.contains("../x.bin"), "{e}");
+        }
     }
 }

@@ -39,26 +39,60 @@ pub struct Plan {
 
 impl Plan {
     pub fn matrix(&mut self, name: String, hf: String, rows: usize, cols: usize) {
-        self.resident.push(TensorSpec { name, hf, shape: vec![rows, cols], matrix: true, optional: false });
+        self.resident.push(TensorSpec {
+            name,
+            hf,
+            shape: vec![rows, cols],
+            matrix: true,
+            optional: false,
+        });
     }
     pub fn vector(&mut self, name: String, hf: String, n: usize) {
-        self.resident.push(TensorSpec { name, hf, shape: vec![n], matrix: false, optional: false });
+        self.resident.push(TensorSpec {
+            name,
+            hf,
+            shape: vec![n],
+            matrix: false,
+            optional: false,
+        });
     }
     pub fn optional_vector(&mut self, name: String, hf: String, n: usize) {
-        self.resident.push(TensorSpec { name, hf, shape: vec![n], matrix: false, optional: true });
+        self.resident.push(TensorSpec {
+            name,
+            hf,
+            shape: vec![n],
+            matrix: false,
+            optional: true,
+        });
     }
     /// A full-precision matrix (a router).
     pub fn f32_matrix(&mut self, name: String, hf: String, rows: usize, cols: usize) {
-        self.resident.push(TensorSpec { name, hf, shape: vec![rows, cols], matrix: false, optional: false });
+        self.resident.push(TensorSpec {
+            name,
+            hf,
+            shape: vec![rows, cols],
+            matrix: false,
+            optional: false,
+        });
     }
 }
 
 /// Embedding, final norm and output head: the same names in every supported family.
 pub fn add_embeddings(p: &mut Plan, c: &ModelConfig) {
-    p.matrix("embed".into(), "model.embed_tokens.weight".into(), c.vocab_size, c.hidden_size);
+    p.matrix(
+        "embed".into(),
+        "model.embed_tokens.weight".into(),
+        c.vocab_size,
+        c.hidden_size,
+    );
     p.vector("norm".into(), "model.norm.weight".into(), c.hidden_size);
     if !c.tie_word_embeddings {
-        p.matrix("lm_head".into(), "lm_head.weight".into(), c.vocab_size, c.hidden_size);
+        p.matrix(
+            "lm_head".into(),
+            "lm_head.weight".into(),
+            c.vocab_size,
+            c.hidden_size,
+        );
     }
 }
 
@@ -69,23 +103,60 @@ pub fn add_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
     let n = |s: &str| format!("layers.{i}.{s}");
     p.vector(n("attn_norm"), hf("input_layernorm.weight"), h);
     p.vector(n("ffn_norm"), hf("post_attention_layernorm.weight"), h);
-    for (name, rows, cols) in [("q", c.q_dim(), h), ("k", c.kv_dim(), h), ("v", c.kv_dim(), h), ("o", h, c.q_dim())] {
-        p.matrix(n(name), hf(&format!("self_attn.{name}_proj.weight")), rows, cols);
-        p.optional_vector(n(&format!("{name}_bias")), hf(&format!("self_attn.{name}_proj.bias")), rows);
+    for (name, rows, cols) in [
+        ("q", c.q_dim(), h),
+        ("k", c.kv_dim(), h),
+        ("v", c.kv_dim(), h),
+        ("o", h, c.q_dim()),
+    ] {
+        p.matrix(
+            n(name),
+            hf(&format!("self_attn.{name}_proj.weight")),
+            rows,
+            cols,
+        );
+        p.optional_vector(
+            n(&format!("{name}_bias")),
+            hf(&format!("self_attn.{name}_proj.bias")),
+            rows,
+        );
     }
 }
 
 /// q/k RMSNorm weights of layer `i`, with lengths `q_len` and `k_len`.
 pub fn add_qk_norm(p: &mut Plan, i: usize, q_len: usize, k_len: usize) {
-    p.vector(format!("layers.{i}.q_norm"), format!("model.layers.{i}.self_attn.q_norm.weight"), q_len);
-    p.vector(format!("layers.{i}.k_norm"), format!("model.layers.{i}.self_attn.k_norm.weight"), k_len);
+    p.vector(
+        format!("layers.{i}.q_norm"),
+        format!("model.layers.{i}.self_attn.q_norm.weight"),
+        q_len,
+    );
+    p.vector(
+        format!("layers.{i}.k_norm"),
+        format!("model.layers.{i}.self_attn.k_norm.weight"),
+        k_len,
+    );
 }
 
 /// A SwiGLU MLP: canonical `{name}.gate|up|down` from `{hf_prefix}.gate_proj.weight` etc.
 pub fn add_mlp(p: &mut Plan, name: &str, hf_prefix: &str, hidden: usize, inter: usize) {
-    p.matrix(format!("{name}.gate"), format!("{hf_prefix}.gate_proj.weight"), inter, hidden);
-    p.matrix(format!("{name}.up"), format!("{hf_prefix}.up_proj.weight"), inter, hidden);
-    p.matrix(format!("{name}.down"), format!("{hf_prefix}.down_proj.weight"), hidden, inter);
+    p.matrix(
+        format!("{name}.gate"),
+        format!("{hf_prefix}.gate_proj.weight"),
+        inter,
+        hidden,
+    );
+    p.matrix(
+        format!("{name}.up"),
+        format!("{hf_prefix}.up_proj.weight"),
+        inter,
+        hidden,
+    );
+    p.matrix(
+        format!("{name}.down"),
+        format!("{hf_prefix}.down_proj.weight"),
+        hidden,
+        inter,
+    );
 }
 
 /// The feed-forward block of layer `i`: a dense MLP, or a router plus routed experts.
@@ -105,7 +176,12 @@ pub fn add_ffn(p: &mut Plan, c: &ModelConfig, i: usize) {
                 c.num_experts,
                 c.hidden_size,
             );
-            p.expert_layers.push((i, ExpertSource { prefix: format!("model.layers.{i}.mlp.experts") }));
+            p.expert_layers.push((
+                i,
+                ExpertSource {
+                    prefix: format!("model.layers.{i}.mlp.experts"),
+                },
+            ));
         }
     }
 }
@@ -120,9 +196,9 @@ pub fn skip_reason(c: &ModelConfig, hf: &str) -> Option<String> {
         .and_then(|rest| rest.split('.').next())
         .and_then(|s| s.parse().ok());
     match layer {
-        Some(l) if l >= c.num_layers => {
-            Some(format!("layer {l} is past num_hidden_layers (multi-token-prediction head, not used)"))
-        }
+        Some(l) if l >= c.num_layers => Some(format!(
+            "layer {l} is past num_hidden_layers (multi-token-prediction head, not used)"
+        )),
         _ => None,
     }
 }

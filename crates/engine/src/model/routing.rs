@@ -11,7 +11,12 @@ fn top_k(values: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// `(expert, weight)` pairs for one token.
-pub fn route(routing: &Routing, k: usize, logits: &[f32], bias: Option<&[f32]>) -> Vec<(usize, f32)> {
+pub fn route(
+    routing: &Routing,
+    k: usize,
+    logits: &[f32],
+    bias: Option<&[f32]>,
+) -> Vec<(usize, f32)> {
     match *routing {
         Routing::SoftmaxTopK { norm_topk_prob } => {
             let mut probs = logits.to_vec();
@@ -24,7 +29,12 @@ pub fn route(routing: &Routing, k: usize, logits: &[f32], bias: Option<&[f32]>) 
             }
             chosen.into_iter().zip(w).collect()
         }
-        Routing::SigmoidGrouped { n_group, topk_group, norm_topk_prob, scaling } => {
+        Routing::SigmoidGrouped {
+            n_group,
+            topk_group,
+            norm_topk_prob,
+            scaling,
+        } => {
             let scores: Vec<f32> = logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
             let mut choice: Vec<f32> = match bias {
                 Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
@@ -61,14 +71,26 @@ mod tests {
 
     #[test]
     fn softmax_topk_renormalised_weights_sum_to_one() {
-        let r = route(&Routing::SoftmaxTopK { norm_topk_prob: true }, 3, &[0.1, 2.0, -1.0, 1.5, 0.7], None);
+        let r = route(
+            &Routing::SoftmaxTopK {
+                norm_topk_prob: true,
+            },
+            3,
+            &[0.1, 2.0, -1.0, 1.5, 0.7],
+            None,
+        );
         assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 4]);
         assert!((r.iter().map(|x| x.1).sum::<f32>() - 1.0).abs() < 1e-6);
     }
 
     #[test]
     fn grouped_routing_stays_inside_the_best_group() {
-        let routing = Routing::SigmoidGrouped { n_group: 2, topk_group: 1, norm_topk_prob: true, scaling: 2.5 };
+        let routing = Routing::SigmoidGrouped {
+            n_group: 2,
+            topk_group: 1,
+            norm_topk_prob: true,
+            scaling: 2.5,
+        };
         // Group 0 (experts 0..4) has the single best expert, group 1 the best pair.
         let logits = [5.0, -5.0, -5.0, -5.0, 3.0, 3.0, 0.0, 0.0];
         let r = route(&routing, 3, &logits, Some(&[0.0; 8]));
@@ -78,9 +100,17 @@ mod tests {
 
     #[test]
     fn correction_bias_changes_choice_not_weight() {
-        let routing = Routing::SigmoidGrouped { n_group: 1, topk_group: 1, norm_topk_prob: false, scaling: 1.0 };
+        let routing = Routing::SigmoidGrouped {
+            n_group: 1,
+            topk_group: 1,
+            norm_topk_prob: false,
+            scaling: 1.0,
+        };
         let r = route(&routing, 1, &[1.0, 0.0], Some(&[0.0, 1.0]));
         assert_eq!(r[0].0, 1);
-        assert!((r[0].1 - 0.5).abs() < 1e-6, "weight is the unbiased sigmoid");
+        assert!(
+            (r[0].1 - 0.5).abs() < 1e-6,
+            "weight is the unbiased sigmoid"
+        );
     }
 }

@@ -124,7 +124,12 @@ impl Q8Acts {
 
     /// Quantizes `x` (`n x cols`, row-major).
     pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) {
-        assert_eq!(x.len(), n * cols, "Q8Acts::quantize: x has {} floats, not {n}x{cols}", x.len());
+        assert_eq!(
+            x.len(),
+            n * cols,
+            "Q8Acts::quantize: x has {} floats, not {n}x{cols}",
+            x.len()
+        );
         let groups = cols.div_ceil(GROUP);
         let gp = groups.next_multiple_of(8);
         self.n = n;
@@ -214,7 +219,15 @@ mod tests {
     #[test]
     fn q8_awkward_cols_roundtrip_and_layout() {
         let mut a = Q8Acts::new();
-        for &(n, cols) in &[(1, 72), (3, 40), (5, 200), (8, 32), (2, 1), (4, 300), (1, 1024)] {
+        for &(n, cols) in &[
+            (1, 72),
+            (3, 40),
+            (5, 200),
+            (8, 32),
+            (2, 1),
+            (4, 300),
+            (1, 1024),
+        ] {
             let x: Vec<f32> = (0..n * cols)
                 .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
                 .collect();

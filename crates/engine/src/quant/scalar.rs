@@ -50,7 +50,7 @@ pub(crate) unsafe fn q4_rows(
         for r in rows.clone() {
             let v = q4_row_dot(w, r, &a);
             // SAFETY: (t, r) is in the range the caller guarantees writable.
-            unsafe { *out.add(t * out_stride + r) = v };
+            unsafe { *out.wrapping_add(t * out_stride + r) = v };
         }
     }
 }
@@ -91,7 +91,7 @@ pub(crate) unsafe fn f32_rows(
         for t in 0..n {
             let v = dot_f32(wr, &x[t * cols..(t + 1) * cols]);
             // SAFETY: (t, r) is in the range the caller guarantees writable.
-            unsafe { *out.add(t * out_stride + r) = v };
+            unsafe { *out.wrapping_add(t * out_stride + r) = v };
         }
     }
 }

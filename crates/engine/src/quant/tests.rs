@@ -24,7 +24,10 @@ fn available() -> Vec<Kernel> {
 
 /// max |a - b| / max |b|.
 fn rel_max_diff(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64)).max(1e-30);
+    let scale = b
+        .iter()
+        .fold(0.0f64, |m, &v| m.max(v.abs() as f64))
+        .max(1e-30);
     let d = a
         .iter()
         .zip(b)
@@ -116,9 +119,14 @@ fn simd_q4_matches_scalar_awkward_shapes_and_subranges() {
             let stride = rows + 3;
             let mut want = vec![f32::NAN; n * stride];
             q4_matmul(Kernel::Scalar, &w, &a, &mut want, stride, 0..rows);
-            let ranges = [0..rows, rows / 3..rows, 0..rows / 2 + 1, rows / 2..rows / 2 + 1];
+            let ranges = [
+                0..rows,
+                rows / 3..rows,
+                0..rows / 2 + 1,
+                rows / 2..rows / 2 + 1,
+            ];
             for &k in &ks {
-                for range in ranges.iter().cloned() {
+                for range in ranges.clone() {
                     let mut got = vec![f32::NAN; n * stride];
                     q4_matmul(k, &w, &a, &mut got, stride, range.clone());
                     for t in 0..n {

@@ -1,0 +1,65 @@
+//! Writes the seed corpora to `fuzz/seeds/<target>/`:
+//! `cargo run --manifest-path fuzz/Cargo.toml --example gen_seeds`.
+
+use std::fs;
+use std::path::Path;
+
+use colibri_fuzz::*;
+use safetensors::Dtype;
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("seeds");
+    let write = |target: &str, name: &str, bytes: &[u8]| {
+        let d = root.join(target);
+        fs::create_dir_all(&d).unwrap();
+        fs::write(d.join(name), bytes).unwrap();
+    };
+
+    // config_json: the tiny configs and the reference fixtures' configs.
+    for (i, c) in CONFIGS.iter().enumerate() {
+        write("config_json", &format!("tiny-{i}.json"), c.as_bytes());
+    }
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    for arch in ["olmoe", "qwen3_moe", "glm4_moe"] {
+        if let Ok(b) = fs::read(fixtures.join(arch).join("hf/config.json")) {
+            write("config_json", &format!("fixture-{arch}.json"), &b);
+        }
+    }
+
+    // checkpoint: [selector] + safetensors bytes, per arch, dtype and layout.
+    for arch in 0..3usize {
+        for (dt, dtype) in [("f32", Dtype::F32), ("bf16", Dtype::BF16), ("f16", Dtype::F16)] {
+            let mut b = vec![arch as u8];
+            b.extend(tiny_checkpoint(arch, dtype, false));
+            write("checkpoint", &format!("a{arch}-{dt}.bin"), &b);
+        }
+        let mut b = vec![arch as u8 | 4];
+        b.extend(tiny_checkpoint(arch, Dtype::F16, true));
+        write("checkpoint", &format!("a{arch}-fused-f32out.bin"), &b);
+        // Two shards: [selector | 8, len(first) u16 le, first, second].
+        let tensors = tiny_tensors(arch, Dtype::BF16, false);
+        let (x, y) = tensors.split_at(tensors.len() / 2);
+        let (x, y) = (serialize(x), serialize(y));
+        let mut b = vec![arch as u8 | 8];
+        b.extend((x.len() as u16).to_le_bytes());
+        b.extend(&x);
+        b.extend(&y);
+        write("checkpoint", &format!("a{arch}-sharded.bin"), &b);
+    }
+
+    // model_dir: [model, mode] + a whole manifest (mode 0) or patch ops (modes 1..3).
+    for (i, m) in base_models().iter().enumerate() {
+        let mut b = vec![i as u8, 0];
+        b.extend(&m.files[0].1);
+        write("model_dir", &format!("m{i}-manifest.bin"), &b);
+        for mode in 1..4u8 {
+            // Overwrite 4 bytes at offset 64, then write a NaN at offset 128.
+            let mut b = vec![i as u8, mode, 0, 64, 0, 0, 0, 4, 0xff, 0x7f, 0xff, 0x7f, 3, 128, 0, 0, 0, 0];
+            if mode == 2 {
+                b.extend([1, 0, 16, 0, 0, 0]); // and truncate experts.bin to 4096
+            }
+            write("model_dir", &format!("m{i}-patch{mode}.bin"), &b);
+        }
+    }
+    println!("seeds written to {}", root.display());
+}

@@ -1,0 +1,353 @@
+//! Fuzz harnesses for everything colibri reads from disk, shared by the cargo-fuzz targets in
+//! `fuzz_targets/`, the seed generator (`examples/gen_seeds.rs`) and the stable smoke tests
+//! (`tests/smoke.rs`).
+//!
+//! Each harness takes arbitrary bytes and must return without panicking, aborting or allocating
+//! without bound: an `Err` from the engine is a correct answer to a broken input.
+//!
+//! * [`config_json`]: bytes -> `serde_json` -> [`ModelConfig::from_hf`] (and the family plan).
+//! * [`checkpoint`]: byte 0 picks a tiny config (and quantization, sharding); the rest is the
+//!   `model.safetensors` written next to it, then [`convert::convert`] runs.
+//! * [`model_dir`]: byte 0 picks a converted tiny model, byte 1 which file to break (the manifest
+//!   replaced by the rest, or `resident.bin` / `experts.bin` / the manifest patched by the ops
+//!   that follow); then [`Model::load`] and a prefill + one decode step run.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use colibri_engine::config::{Arch, ModelConfig};
+use colibri_engine::convert;
+use colibri_engine::format::{Quant, EXPERTS_FILE, MANIFEST, RESIDENT_FILE};
+use colibri_engine::model::plan::MLP_PARTS;
+use colibri_engine::model::Model;
+use safetensors::{Dtype, View};
+
+/// OLMoE: full-width q/k norms, clip_qkv, all layers MoE, softmax top-k without renorm.
+pub const OLMOE: &str = r#"{
+  "architectures": ["OlmoeForCausalLM"], "hidden_size": 8, "intermediate_size": 8,
+  "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
+  "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 16, "max_position_embeddings": 32,
+  "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "clip_qkv": 8.0, "eos_token_id": 2,
+  "bos_token_id": 1, "tie_word_embeddings": false
+}"#;
+
+/// Qwen3-MoE: explicit head_dim (q_dim != hidden), a dense `mlp_only_layers` layer, tied
+/// embeddings, transformers-5 `rope_parameters`.
+pub const QWEN3_MOE: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 8, "intermediate_size": 12,
+  "moe_intermediate_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 6,
+  "num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts": 4, "num_experts_per_tok": 2,
+  "norm_topk_prob": true, "vocab_size": 16, "max_position_embeddings": 32,
+  "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+  "tie_word_embeddings": true, "eos_token_id": [2, 3]
+}"#;
+
+/// GLM-4.5-MoE: partial rotary, grouped sigmoid routing with correction bias, a shared expert,
+/// a leading dense layer, q/k/v biases and an MTP layer (`model.layers.2.*`) to skip.
+pub const GLM4_MOE: &str = r#"{
+  "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 8, "intermediate_size": 8,
+  "moe_intermediate_size": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+  "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4, "n_group": 2,
+  "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "use_qk_norm": true,
+  "routed_scaling_factor": 2.5, "norm_topk_prob": true, "vocab_size": 16,
+  "max_position_embeddings": 32, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1,
+  "tie_word_embeddings": false, "eos_token_id": 2
+}"#;
+
+pub const CONFIGS: [&str; 3] = [OLMOE, QWEN3_MOE, GLM4_MOE];
+
+/// A stand-in tokenizer: the converter only copies it.
+pub const TOKENIZER: &str = r#"{"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}"#;
+
+/// Tokens fed to a loaded model (all below the tiny vocab of 16).
+pub const PROMPT: [u32; 3] = [1, 7, 15];
+
+pub fn config(i: usize) -> ModelConfig {
+    let v: serde_json::Value = serde_json::from_str(CONFIGS[i % 3]).expect("tiny config parses");
+    ModelConfig::from_hf(&v).expect("tiny config is valid")
+}
+
+/// Deterministic values in about [-0.5, 0.5) (a 64-bit LCG; no RNG dependency).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+}
+
+fn encode(vals: &[f32], dtype: Dtype) -> Vec<u8> {
+    match dtype {
+        Dtype::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Dtype::BF16 => vals.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+        Dtype::F16 => vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        other => panic!("tiny checkpoints are f32/bf16/f16, not {other:?}"),
+    }
+}
+
+/// A tensor for `safetensors::serialize`.
+pub struct Tensor {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl View for &Tensor {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Every tensor of a valid checkpoint for tiny config `arch` (0 OLMoE, 1 Qwen3-MoE, 2 GLM),
+/// stored as `dtype`; experts per expert or (`fused`) as transformers 5's 3-D tensors.
+pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tensor)> {
+    let c = config(arch);
+    let plan = convert::family_plan(&c);
+    let mut rng = Lcg(arch as u64 * 1000 + fused as u64);
+    let mut out = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, norm: bool| {
+        let n: usize = shape.iter().product();
+        let vals: Vec<f32> = (0..n).map(|_| if norm { 1.0 + rng.next() * 0.2 } else { rng.next() }).collect();
+        out.push((name, Tensor { dtype, data: encode(&vals, dtype), shape }));
+    };
+    for spec in &plan.resident {
+        // GLM has attention biases on q/k/v (not o); the others have none.
+        let biased = c.arch == Arch::Glm4Moe && !spec.hf.contains("o_proj");
+        if spec.optional && !biased {
+            continue;
+        }
+        add(spec.hf.clone(), spec.shape.clone(), spec.hf.contains("norm"));
+    }
+    let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
+    for (_, src) in &plan.expert_layers {
+        if fused {
+            add(format!("{}.gate_up_proj", src.prefix), vec![e, 2 * i, h], false);
+            add(format!("{}.down_proj", src.prefix), vec![e, h, i], false);
+        } else {
+            for x in 0..e {
+                for part in MLP_PARTS {
+                    let shape = if part == "down" { vec![h, i] } else { vec![i, h] };
+                    add(format!("{}.{x}.{part}_proj.weight", src.prefix), shape, false);
+                }
+            }
+        }
+    }
+    if c.arch == Arch::Glm4Moe {
+        // The MTP layer past num_hidden_layers, and a rotary cache: both skipped by name.
+        let l = c.num_layers;
+        add(format!("model.layers.{l}.eh_proj.weight"), vec![h, 2 * h], false);
+        add(format!("model.layers.{l}.enorm.weight"), vec![h], true);
+        add("model.rotary_emb.inv_freq".into(), vec![2], false);
+    }
+    out
+}
+
+pub fn serialize(tensors: &[(String, Tensor)]) -> Vec<u8> {
+    safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None).expect("serializes")
+}
+
+/// A valid `model.safetensors` for tiny config `arch`.
+pub fn tiny_checkpoint(arch: usize, dtype: Dtype, fused: bool) -> Vec<u8> {
+    serialize(&tiny_tensors(arch, dtype, fused))
+}
+
+/// A fresh, empty scratch directory (unique per process and call site).
+pub fn scratch(tag: &str) -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    // Conversions fsync their outputs: RAM-backed /dev/shm keeps iterations fast.
+    let shm = Path::new("/dev/shm");
+    let base = std::env::var_os("COLIBRI_FUZZ_TMP").map(PathBuf::from).unwrap_or_else(|| {
+        if shm.is_dir() {
+            shm.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        }
+    });
+    let d = base.join(format!(
+        "colibri-fuzz-{}-{tag}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = fs::remove_dir_all(&d);
+    fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+/// Writes a checkpoint directory: tiny config `arch`, the tokenizer, and `shards` as
+/// `model.safetensors` (one) or `model-0000i-of-0000n.safetensors`.
+pub fn write_checkpoint(dir: &Path, arch: usize, shards: &[&[u8]]) {
+    fs::write(dir.join("config.json"), CONFIGS[arch % 3]).unwrap();
+    fs::write(dir.join("tokenizer.json"), TOKENIZER).unwrap();
+    for entry in fs::read_dir(dir).unwrap().flatten() {
+        if entry.path().extension().is_some_and(|x| x == "safetensors") {
+            fs::remove_file(entry.path()).unwrap();
+        }
+    }
+    if shards.len() == 1 {
+        fs::write(dir.join("model.safetensors"), shards[0]).unwrap();
+    } else {
+        for (i, s) in shards.iter().enumerate() {
+            fs::write(dir.join(format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len())), s).unwrap();
+        }
+    }
+}
+
+/// Harness (a): `config.json` bytes must parse to a config or an error, never a panic.
+pub fn config_json(data: &[u8]) {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else { return };
+    if let Ok(c) = ModelConfig::from_hf(&v) {
+        // A config that parses must also give a plan (shapes are computed there).
+        let plan = convert::family_plan(&c);
+        assert!(plan.resident.len() >= 2, "a plan has at least the embedding and the norm");
+        let _ = (c.q_dim(), c.kv_dim());
+    }
+}
+
+/// Per thread: a file mapped by one harness call must not be rewritten by another.
+fn checkpoint_dir() -> PathBuf {
+    thread_local! {
+        static DIR: PathBuf = scratch("checkpoint");
+    }
+    DIR.with(|d| d.clone())
+}
+
+/// Harness (b): byte 0 = `arch % 3`, bit 2 = f32 output instead of int4, bit 3 = split the rest
+/// into two shards at the position in bytes 1..3. The rest is the safetensors file(s).
+pub fn checkpoint(data: &[u8]) {
+    let Some((&sel, mut rest)) = data.split_first() else { return };
+    let arch = sel as usize % 3;
+    let quant = if sel & 4 != 0 { Quant::F32 } else { Quant::Int4 };
+    let dir = &checkpoint_dir();
+    let hf = dir.join("hf");
+    let out = dir.join("out");
+    fs::create_dir_all(&hf).unwrap();
+    let _ = fs::remove_dir_all(&out);
+    if sel & 8 != 0 && rest.len() >= 2 {
+        let at = u16::from_le_bytes([rest[0], rest[1]]) as usize;
+        rest = &rest[2..];
+        let (a, b) = rest.split_at(at.min(rest.len()));
+        write_checkpoint(&hf, arch, &[a, b]);
+    } else {
+        write_checkpoint(&hf, arch, &[rest]);
+    }
+    if let Ok(summary) = convert::convert(&hf, &out, quant, &mut |_, _, _| {}) {
+        // Whatever converts must load and run.
+        assert!(out.join(MANIFEST).is_file());
+        let model = Model::load(&out, Some(1)).unwrap_or_else(|e| panic!("converted model does not load: {e}"));
+        let mut kv = model.new_cache();
+        model.forward(&PROMPT, &mut kv, false).unwrap_or_else(|e| panic!("forward failed: {e}"));
+        let _ = summary;
+    }
+}
+
+/// A converted tiny model (arch `i % 3`, f32 if `i / 3 % 2 == 1`): its manifest, resident and
+/// experts bytes.
+pub struct BaseModel {
+    pub files: [(String, Vec<u8>); 3],
+}
+
+pub fn base_models() -> &'static [BaseModel] {
+    static MODELS: OnceLock<Vec<BaseModel>> = OnceLock::new();
+    MODELS.get_or_init(|| {
+        let root = scratch("base");
+        let models = (0..6)
+            .map(|i| {
+                let (arch, quant) = (i % 3, if i / 3 % 2 == 1 { Quant::F32 } else { Quant::Int4 });
+                let hf = root.join(format!("hf{i}"));
+                let out = root.join(format!("out{i}"));
+                fs::create_dir_all(&hf).unwrap();
+                write_checkpoint(&hf, arch, &[&tiny_checkpoint(arch, Dtype::BF16, i == 4)]);
+                convert::convert(&hf, &out, quant, &mut |_, _, _| {}).expect("tiny model converts");
+                let read = |n: &str| (n.to_string(), fs::read(out.join(n)).unwrap());
+                BaseModel { files: [read(MANIFEST), read(RESIDENT_FILE), read(EXPERTS_FILE)] }
+            })
+            .collect();
+        let _ = fs::remove_dir_all(&root);
+        models
+    })
+}
+
+/// Applies patch ops to `buf`: each op is `[kind, offset u32 le, len u8, bytes...]`;
+/// kind % 4: 0 overwrite at offset, 1 truncate to offset, 2 append, 3 write an extreme f32
+/// (NaN, inf, -inf, 1e38 by `len % 4`) at offset.
+pub fn apply_patches(buf: &mut Vec<u8>, mut ops: &[u8]) {
+    while ops.len() >= 6 {
+        let kind = ops[0] % 4;
+        let off = u32::from_le_bytes([ops[1], ops[2], ops[3], ops[4]]) as usize;
+        let len = ops[5] as usize;
+        ops = &ops[6..];
+        let take = if kind == 3 { 0 } else { len.min(ops.len()) };
+        let bytes = &ops[..take];
+        ops = &ops[take..];
+        match kind {
+            0 if !buf.is_empty() => {
+                let at = off % buf.len();
+                let end = (at + bytes.len()).min(buf.len());
+                buf[at..end].copy_from_slice(&bytes[..end - at]);
+            }
+            1 => buf.truncate(off % (buf.len() + 1)),
+            2 => buf.extend_from_slice(bytes),
+            3 if buf.len() >= 4 => {
+                let v = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e38][len % 4];
+                let at = (off % (buf.len() - 3)) & !3;
+                buf[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Per thread: a file mapped by one harness call must not be rewritten by another.
+fn model_dir_scratch() -> PathBuf {
+    thread_local! {
+        static DIR: PathBuf = scratch("model");
+    }
+    DIR.with(|d| d.clone())
+}
+
+/// Harness (c): byte 0 = base model (`% 6`), byte 1 = what to break (`% 4`): 0 the manifest is
+/// replaced by the rest; 1 `resident.bin`, 2 `experts.bin`, 3 the manifest are patched by the
+/// rest as [`apply_patches`] ops. Then load, prefill [`PROMPT`] and decode one more token.
+pub fn model_dir(data: &[u8]) {
+    if data.len() < 2 {
+        return;
+    }
+    let base = &base_models()[data[0] as usize % 6];
+    let rest = &data[2..];
+    let dir = &model_dir_scratch();
+    for (i, (name, bytes)) in base.files.iter().enumerate() {
+        let bytes = match (data[1] % 4, i) {
+            (0, 0) => rest.to_vec(),
+            (m, f) if (m as usize == f && m > 0) || (m == 3 && f == 0) => {
+                let mut b = bytes.clone();
+                apply_patches(&mut b, rest);
+                b
+            }
+            _ => bytes.clone(),
+        };
+        fs::write(dir.join(name), bytes).unwrap();
+    }
+    run_model(dir);
+}
+
+/// Loads a model directory and runs a prefill and one decode step; errors are fine.
+pub fn run_model(dir: &Path) {
+    let Ok(model) = Model::load(dir, Some(1)) else { return };
+    let mut kv = model.new_cache();
+    if let Ok(logits) = model.forward(&PROMPT, &mut kv, true) {
+        assert_eq!(logits.len(), PROMPT.len() * model.cfg.vocab_size);
+        let _ = model.forward(&[3], &mut kv, false);
+    }
+}

@@ -1,0 +1,125 @@
+//! Stable-toolchain smoke tests: every fuzz harness over its seeds plus a few hundred
+//! deterministic random mutations of them (no libFuzzer needed). A panic here is a bug in the
+//! engine, exactly as a fuzzer crash would be.
+//!
+//! `cargo test --release --manifest-path fuzz/Cargo.toml` (`COLIBRI_FUZZ_ITERS` to change the count).
+
+use std::path::Path;
+
+use colibri_fuzz::*;
+use safetensors::Dtype;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// A libFuzzer-like mutation: flip/set bytes, insert/delete runs, splice in interesting values.
+fn mutate(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
+    let mut b = input.to_vec();
+    for _ in 0..1 + rng.below(4) {
+        let at = rng.below(b.len() + 1);
+        let last = at.min(b.len().saturating_sub(1));
+        match rng.below(7) {
+            0 if !b.is_empty() => b[last] ^= 1 << rng.below(8),
+            1 if !b.is_empty() => b[last] = rng.next() as u8,
+            2 => b.truncate(at),
+            3 => {
+                let n = rng.below(16);
+                let ins: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                b.splice(at..at, ins);
+            }
+            4 if at < b.len() => {
+                let end = (at + rng.below(32)).min(b.len());
+                b.drain(at..end);
+            }
+            5 => {
+                let v: &[u8] = [&b"18446744073709551615"[..], b"-1", b"0", b"4294967297", b"1e308", b"null", b"[]"]
+                    [rng.below(7)];
+                b.splice(at..at, v.iter().copied());
+            }
+            _ if at + 8 <= b.len() => b[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes()),
+            _ => {}
+        }
+    }
+    b
+}
+
+fn seeds(target: &str) -> Vec<Vec<u8>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("seeds").join(target);
+    let mut out: Vec<Vec<u8>> = std::fs::read_dir(&dir)
+        .map(|d| d.flatten().map(|e| std::fs::read(e.path()).unwrap()).collect())
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+fn iters(default: usize) -> usize {
+    std::env::var("COLIBRI_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+fn run(target: &str, base: Vec<Vec<u8>>, n: usize, f: fn(&[u8])) {
+    assert!(!base.is_empty(), "no seeds for {target}");
+    for s in &base {
+        f(s);
+    }
+    let mut rng = Rng(0x9E3779B97F4A7C15 ^ target.len() as u64);
+    for i in 0..n {
+        let seed = &base[i % base.len()];
+        let input = mutate(&mut rng, seed);
+        f(&input);
+    }
+}
+
+#[test]
+fn config_json_survives_mutations() {
+    let mut base = seeds("config_json");
+    base.extend(CONFIGS.iter().map(|c| c.as_bytes().to_vec()));
+    run("config_json", base, iters(3000), config_json);
+}
+
+#[test]
+fn checkpoint_survives_mutations() {
+    let mut base = seeds("checkpoint");
+    for arch in 0..3u8 {
+        let mut b = vec![arch];
+        b.extend(tiny_checkpoint(arch as usize, Dtype::BF16, arch == 1));
+        base.push(b);
+    }
+    run("checkpoint", base, iters(300), checkpoint);
+}
+
+#[test]
+fn model_dir_survives_mutations() {
+    let mut base = seeds("model_dir");
+    for (i, m) in base_models().iter().enumerate() {
+        let mut b = vec![i as u8, 0];
+        b.extend(&m.files[0].1);
+        base.push(b);
+    }
+    run("model_dir", base, iters(400), model_dir);
+}
+
+#[test]
+fn tiny_models_convert_load_and_run() {
+    for arch in 0..3u8 {
+        for sel in [arch, arch | 4] {
+            let mut b = vec![sel];
+            b.extend(tiny_checkpoint(arch as usize, Dtype::F32, false));
+            checkpoint(&b); // asserts that the converted model loads and runs
+        }
+    }
+    for m in 0..6u8 {
+        model_dir(&[m, 1]); // unmodified files
+    }
+}

@@ -1,0 +1,84 @@
+"""The `colibri` command line, run as a user would (a subprocess of this interpreter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from .conftest import FIXTURES
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "colibri", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_generate_without_model_builds_and_uses_the_builtin_model(tmp_path):
+    env = {"COLI_CACHE_DIR": str(tmp_path / "cache"), "COLI_MODEL": ""}
+    first = run("generate", "--prompt", "Hello", "--max-tokens", "8", env=env)
+    assert first.returncode == 0, first.stderr
+    built = list((tmp_path / "cache" / "models").iterdir())
+    assert [p.name for p in built] == ["builtin-random-glm4moe-v1"]
+    assert (built[0] / "manifest.json").is_file()
+    again = run("generate", "--prompt", "Hello", "--max-tokens", "8", env=env)
+    assert again.returncode == 0 and again.stdout == first.stdout, "deterministic and cached"
+
+
+def test_builtin_model_is_reproducible_across_builds(tmp_path):
+    outs = []
+    for name in ("a", "b"):
+        env = {"COLI_CACHE_DIR": str(tmp_path / name), "COLI_MODEL": ""}
+        r = run("generate", "--prompt", "abc", "--max-tokens", "5", env=env)
+        assert r.returncode == 0, r.stderr
+        outs.append(
+            (tmp_path / name / "models" / "builtin-random-glm4moe-v1" / "resident.bin").read_bytes()
+        )
+    assert outs[0] == outs[1]
+
+
+def test_generate_prints_the_greedy_continuation(converted):
+    from colibri import Engine
+
+    model = converted("olmoe", "f32")
+    eng = Engine(model)
+    prompt = "Hello, world!"
+    ids = eng.tokenize(prompt)
+    want = eng.detokenize(t for t in eng.generate(ids, max_tokens=10) if t not in eng.eos_token_ids)
+    r = run("generate", "--model", str(model), "--prompt", prompt, "--max-tokens", "10")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
+
+
+def test_convert_then_bench_json(tmp_path):
+    out = tmp_path / "m"
+    r = run("convert", str(FIXTURES / "qwen3_moe" / "hf"), str(out))
+    assert r.returncode == 0, r.stderr
+    assert "Qwen3MoeForCausalLM" in r.stdout
+    b = run(
+        "bench",
+        "--model",
+        str(out),
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "4",
+        "--repeat",
+        "1",
+        "--json",
+    )
+    assert b.returncode == 0, b.stderr
+    res = json.loads(b.stdout)
+    assert res["prefill_tok_s"] > 0 and res["decode_tok_s"] > 0 and res["peak_rss_mb"] > 0
+
+
+def test_missing_model_directory_is_a_one_line_error(tmp_path):
+    r = run("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode != 0
+    assert r.stderr.startswith("colibri: ") and "Traceback" not in r.stderr

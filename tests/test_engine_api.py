@@ -1,0 +1,137 @@
+"""The Python API contract: Engine, tokenize/detokenize, logits, generate, info."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colibri import Engine
+
+from .conftest import FIXTURES
+
+
+@pytest.fixture(scope="module")
+def glm(converted) -> Engine:
+    return Engine(converted("glm4_moe", "int4"))
+
+
+def test_info_describes_the_model(glm):
+    info = glm.info
+    assert info["architecture"] == "Glm4MoeForCausalLM"
+    assert info["vocab_size"] == 509
+    assert info["context_length"] == 256
+    assert info["quantization"] == "int4"
+    assert info["kernel"] in ("scalar", "avx2", "avx512")
+
+
+def test_tokenize_matches_the_hf_tokenizer(glm):
+    import json
+
+    cases = json.loads((FIXTURES / "glm4_moe" / "tokenizer_cases.json").read_text())
+    for case in cases["encode"]:
+        assert glm.tokenize(case["text"]) == case["ids"], case["text"]
+        assert glm.detokenize(case["ids"]) == case["text"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=80))
+def test_detokenize_inverts_tokenize(glm, text):
+    assert glm.detokenize(glm.tokenize(text)) == text
+
+
+def test_logits_shape_and_dtype(glm):
+    out = glm.logits([1, 17, 42])
+    assert out.shape == (3, 509) and out.dtype == np.float32
+    assert np.isfinite(out).all()
+
+
+def test_logits_of_empty_or_out_of_vocab_input_is_refused(glm):
+    with pytest.raises(ValueError):
+        glm.logits([])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        glm.logits([1, 509])
+
+
+def test_generate_respects_max_tokens(glm):
+    assert len(list(glm.generate([1, 2, 3], max_tokens=7))) == 7
+    assert list(glm.generate([1, 2, 3], max_tokens=0)) == []
+
+
+def test_generate_stops_at_a_stop_token_and_yields_it(glm):
+    free = list(glm.generate([1, 30, 40], max_tokens=8))
+    stop = free[3]
+    first = free.index(stop)
+    got = list(glm.generate([1, 30, 40], max_tokens=8, stop_token_ids=[stop]))
+    assert got == free[: first + 1]
+
+
+def test_generate_is_deterministic_greedy_and_seeded(glm):
+    a = list(glm.generate([1, 5], max_tokens=6))
+    assert a == list(glm.generate([1, 5], max_tokens=6))
+    s1 = list(glm.generate([1, 5], max_tokens=12, temperature=1.0, seed=7))
+    s2 = list(glm.generate([1, 5], max_tokens=12, temperature=1.0, seed=7))
+    assert s1 == s2
+
+
+def test_generation_stops_at_the_context_length(glm):
+    ctx = glm.info["context_length"]
+    prompt = [7] * (ctx - 3)
+    assert len(list(glm.generate(prompt, max_tokens=50))) == 4
+
+
+def test_prompt_longer_than_the_context_is_refused(glm):
+    with pytest.raises(ValueError, match="context length"):
+        next(glm.generate([7] * 300, max_tokens=1))
+
+
+def test_bad_sampling_options_are_refused(glm):
+    with pytest.raises(ValueError):
+        glm.generate([1], max_tokens=1, top_p=0.0)
+    with pytest.raises(ValueError):
+        glm.generate([1], max_tokens=1, temperature=-1.0)
+
+
+def test_closed_generation_yields_nothing_more(glm):
+    it = glm.generate([1, 2], max_tokens=50)
+    next(it)
+    it.close()
+    assert list(it) == []
+
+
+def test_generation_releases_the_gil(converted):
+    """Another Python thread keeps running while tokens are computed."""
+    eng = Engine(converted("olmoe", "f32"), threads=1)
+    ticks = 0
+    done = threading.Event()
+
+    def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            time.sleep(0)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < 0.3:
+        list(eng.generate([1, 2, 3], max_tokens=20))
+        n += 1
+    done.set()
+    t.join()
+    assert n > 0 and ticks > 1000
+
+
+def test_engine_refuses_a_directory_that_is_not_a_model(tmp_path):
+    with pytest.raises(RuntimeError, match="not a colibri model directory"):
+        Engine(tmp_path)
+
+
+def test_unknown_kernel_is_refused(converted):
+    with pytest.raises(ValueError, match="unknown kernel"):
+        Engine(converted("olmoe", "int4"), kernel="neon9000")
