@@ -10,6 +10,7 @@ setup:
 # Every test: Rust unit tests, then the Python suite against the real engine.
 test: setup
     cargo test --release --workspace --quiet
+    cargo test --release --quiet --manifest-path fuzz/Cargo.toml --target-dir target
     {{py}} -m pytest -q tests
 
 # Formatting and lints (Rust and Python).

@@ -306,19 +306,33 @@ def setup_colibri_model(p: Paths, exe: Path, force: bool) -> None:
     log(f"[setup] colibri convert --quant int4 -> {p.colibri_model}")
     p.logs.mkdir(parents=True, exist_ok=True)
     tmp = p.colibri_model.with_name(p.colibri_model.name + ".partial")
-    for d in (tmp, p.colibri_model):
-        if d.is_dir():
-            shutil.rmtree(d)
-        elif d.exists():
-            d.unlink()
-    stamp.unlink(missing_ok=True)
+    remove_path(tmp)
     run(
         [exe, "convert", p.hf, tmp, "--quant", "int4"],
         nice=True,
         log_file=p.logs / "colibri-convert.log",
     )
+    # the previous conversion is only replaced once the new one is complete
+    stamp.unlink(missing_ok=True)
+    remove_path(p.colibri_model)
     os.replace(tmp, p.colibri_model)
     stamp.write_text(json.dumps(want, indent=2) + "\n")
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def colibri_runs(exe: Path) -> bool:
+    """Does the colibri executable start at all (e.g. not mid-rebuild)?"""
+    try:
+        r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+        return r.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 # ---------------------------------------------------------------- measurement
@@ -668,7 +682,7 @@ def build_report(
             "(llama.cpp's spinning thread pool especially). Re-run on an idle machine.",
         ]
     if colibri_note:
-        lines += ["", f"**colibri not measured:** {colibri_note}"]
+        lines += ["", f"**colibri:** {colibri_note}"]
     lines += [
         "",
         "<details><summary>per-round samples</summary>",
@@ -785,6 +799,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             exe = None
             log(f"[colibri] SKIPPED: {colibri_note}")
+        elif not colibri_runs(exe):
+            colibri_note = f"`{exe} --help` fails (broken or mid-rebuild?); fix it and re-run."
+            log(f"[colibri] SKIPPED: {colibri_note}")
+            exe = None
         else:
             colibri_ver = colibri_version(exe)
             try:
@@ -808,6 +826,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {a.prompt_tokens}, gen {a.gen_tokens}"
     )
     retried_convert = False
+    colibri_failures = 0
+    colibri_errors: list[str] = []
     for i in range(a.rounds):
         engines = ["llama", "colibri"] if i % 2 == 0 else ["colibri", "llama"]
         if exe is None:
@@ -822,20 +842,28 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 try:
                     r["colibri"] = measure_colibri(exe, p, a)
+                    colibri_failures = 0
                 except RuntimeError as e:
-                    if not retried_convert and not a.reconvert_colibri:
+                    err = e
+                    if not colibri_runs(exe):
+                        # colibri itself is broken (e.g. being rebuilt): not the model's fault
+                        log(f"[colibri] does not start; round {i + 1} without it:\n{e}")
+                    elif not retried_convert and not a.reconvert_colibri:
                         # a cached conversion may predate a format change: reconvert once, retry
                         retried_convert = True
                         log(f"[colibri] bench failed; reconverting once and retrying:\n{e}")
                         try:
                             setup_colibri_model(p, exe, True)
                             r["colibri"] = measure_colibri(exe, p, a)
+                            colibri_failures = 0
                         except (RuntimeError, SystemExit) as e2:
-                            e = e2
+                            err = e2
                     if "colibri" not in r:
-                        colibri_note = f"`colibri bench` failed: {str(e).strip()[-500:]}"
-                        log(f"[colibri] FAILED, continuing with llama.cpp only:\n{e}")
-                        exe = None
+                        colibri_failures += 1
+                        colibri_errors.append(f"round {i + 1}: {str(err).strip()[-500:]}")
+                        if colibri_failures >= 2:
+                            log("[colibri] failed twice in a row; continuing with llama.cpp only")
+                            exe = None
         rounds.append(r)
         parts = [f"bw {r['bw']['gb_s']:.1f} GB/s"]
         for eng in ("llama", "colibri"):
@@ -850,6 +878,11 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"other processes {max(busy):.0%} CPU")
         log(f"  round {i + 1}/{a.rounds} [{r['order']}]: " + "; ".join(parts))
 
+    if colibri_errors:
+        failed = "; ".join(colibri_errors)
+        colibri_note = (
+            colibri_note + " " if colibri_note else ""
+        ) + f"`colibri bench` failed: {failed}"
     report = build_report(a, rounds, bpt, colibri_note, colibri_ver)
     print()
     print(report)

@@ -82,3 +82,31 @@ def test_missing_model_directory_is_a_one_line_error(tmp_path):
     r = run("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert r.returncode != 0
     assert r.stderr.startswith("colibri: ") and "Traceback" not in r.stderr
+
+
+def test_coli_kernel_environment_override_selects_each_path():
+    from colibri._engine import available_kernels
+
+    for name in available_kernels():
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from colibri._engine import default_kernel; print(default_kernel())",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLI_KERNEL": name},
+        )
+        assert r.stdout.strip() == name, r.stderr
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from colibri._engine import default_kernel; print(default_kernel())",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLI_KERNEL": "bogus"},
+    )
+    assert bad.returncode == 0 and "COLI_KERNEL" in bad.stderr, "unknown value: one warning line"

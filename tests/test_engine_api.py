@@ -135,3 +135,13 @@ def test_engine_refuses_a_directory_that_is_not_a_model(tmp_path):
 def test_unknown_kernel_is_refused(converted):
     with pytest.raises(ValueError, match="unknown kernel"):
         Engine(converted("olmoe", "int4"), kernel="neon9000")
+
+
+def test_a_corrupt_tokenizer_is_named(converted, tmp_path):
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(converted("olmoe", "int4"), model)
+    (model / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(RuntimeError, match="tokenizer.json"):
+        Engine(model)

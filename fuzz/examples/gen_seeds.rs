@@ -19,6 +19,17 @@ fn main() {
     for (i, c) in CONFIGS.iter().enumerate() {
         write("config_json", &format!("tiny-{i}.json"), c.as_bytes());
     }
+    // ...and structured edits of them: [config, ops...] (see `edit_json`).
+    for (i, ops) in [
+        vec![0u8, 3, 0, 3, 8, 0, 0, 0, 0, 0, 0, 0],
+        vec![1u8, 40, 0, 6, 1, 0, 0, 0, 0, 0, 0, 0],
+        vec![2u8, 7, 0, 1, 3, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    .iter()
+    .enumerate()
+    {
+        write("config_json", &format!("edit-{i}.bin"), ops);
+    }
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
     for arch in ["olmoe", "qwen3_moe", "glm4_moe"] {
         if let Ok(b) = fs::read(fixtures.join(arch).join("hf/config.json")) {
@@ -28,7 +39,11 @@ fn main() {
 
     // checkpoint: [selector] + safetensors bytes, per arch, dtype and layout.
     for arch in 0..3usize {
-        for (dt, dtype) in [("f32", Dtype::F32), ("bf16", Dtype::BF16), ("f16", Dtype::F16)] {
+        for (dt, dtype) in [
+            ("f32", Dtype::F32),
+            ("bf16", Dtype::BF16),
+            ("f16", Dtype::F16),
+        ] {
             let mut b = vec![arch as u8];
             b.extend(tiny_checkpoint(arch, dtype, false));
             write("checkpoint", &format!("a{arch}-{dt}.bin"), &b);
@@ -45,6 +60,10 @@ fn main() {
         b.extend(&x);
         b.extend(&y);
         write("checkpoint", &format!("a{arch}-sharded.bin"), &b);
+        // A config edit (nudge one value) in front of a valid checkpoint.
+        let mut b = vec![arch as u8 | 16, 1, 9, 0, 6, 5, 0, 0, 0, 0, 0, 0, 0];
+        b.extend(tiny_checkpoint(arch, Dtype::BF16, false));
+        write("checkpoint", &format!("a{arch}-config-edit.bin"), &b);
     }
 
     // model_dir: [model, mode] + a whole manifest (mode 0) or patch ops (modes 1..3).
@@ -54,12 +73,19 @@ fn main() {
         write("model_dir", &format!("m{i}-manifest.bin"), &b);
         for mode in 1..4u8 {
             // Overwrite 4 bytes at offset 64, then write a NaN at offset 128.
-            let mut b = vec![i as u8, mode, 0, 64, 0, 0, 0, 4, 0xff, 0x7f, 0xff, 0x7f, 3, 128, 0, 0, 0, 0];
+            let mut b = vec![
+                i as u8, mode, 0, 64, 0, 0, 0, 4, 0xff, 0x7f, 0xff, 0x7f, 3, 128, 0, 0, 0, 0,
+            ];
             if mode == 2 {
                 b.extend([1, 0, 16, 0, 0, 0]); // and truncate experts.bin to 4096
             }
             write("model_dir", &format!("m{i}-patch{mode}.bin"), &b);
         }
+        // Two structured manifest edits: set leaf 5 to an edge value, nudge leaf 20.
+        let b = [
+            i as u8, 4, 5, 0, 3, 8, 0, 0, 0, 0, 0, 0, 0, 20, 0, 6, 1, 0, 0, 0, 0, 0, 0, 0,
+        ];
+        write("model_dir", &format!("m{i}-edit.bin"), &b);
     }
     println!("seeds written to {}", root.display());
 }

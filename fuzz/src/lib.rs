@@ -59,7 +59,8 @@ pub const GLM4_MOE: &str = r#"{
 pub const CONFIGS: [&str; 3] = [OLMOE, QWEN3_MOE, GLM4_MOE];
 
 /// A stand-in tokenizer: the converter only copies it.
-pub const TOKENIZER: &str = r#"{"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}"#;
+pub const TOKENIZER: &str =
+    r#"{"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}"#;
 
 /// Tokens fed to a loaded model (all below the tiny vocab of 16).
 pub const PROMPT: [u32; 3] = [1, 7, 15];
@@ -74,7 +75,10 @@ struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 }
@@ -82,8 +86,14 @@ impl Lcg {
 fn encode(vals: &[f32], dtype: Dtype) -> Vec<u8> {
     match dtype {
         Dtype::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        Dtype::BF16 => vals.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
-        Dtype::F16 => vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        Dtype::BF16 => vals
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        Dtype::F16 => vals
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
         other => panic!("tiny checkpoints are f32/bf16/f16, not {other:?}"),
     }
 }
@@ -119,8 +129,23 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
     let mut out = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, norm: bool| {
         let n: usize = shape.iter().product();
-        let vals: Vec<f32> = (0..n).map(|_| if norm { 1.0 + rng.next() * 0.2 } else { rng.next() }).collect();
-        out.push((name, Tensor { dtype, data: encode(&vals, dtype), shape }));
+        let vals: Vec<f32> = (0..n)
+            .map(|_| {
+                if norm {
+                    1.0 + rng.next() * 0.2
+                } else {
+                    rng.next()
+                }
+            })
+            .collect();
+        out.push((
+            name,
+            Tensor {
+                dtype,
+                data: encode(&vals, dtype),
+                shape,
+            },
+        ));
     };
     for spec in &plan.resident {
         // GLM has attention biases on q/k/v (not o); the others have none.
@@ -128,18 +153,34 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
         if spec.optional && !biased {
             continue;
         }
-        add(spec.hf.clone(), spec.shape.clone(), spec.hf.contains("norm"));
+        add(
+            spec.hf.clone(),
+            spec.shape.clone(),
+            spec.hf.contains("norm"),
+        );
     }
     let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
     for (_, src) in &plan.expert_layers {
         if fused {
-            add(format!("{}.gate_up_proj", src.prefix), vec![e, 2 * i, h], false);
+            add(
+                format!("{}.gate_up_proj", src.prefix),
+                vec![e, 2 * i, h],
+                false,
+            );
             add(format!("{}.down_proj", src.prefix), vec![e, h, i], false);
         } else {
             for x in 0..e {
                 for part in MLP_PARTS {
-                    let shape = if part == "down" { vec![h, i] } else { vec![i, h] };
-                    add(format!("{}.{x}.{part}_proj.weight", src.prefix), shape, false);
+                    let shape = if part == "down" {
+                        vec![h, i]
+                    } else {
+                        vec![i, h]
+                    };
+                    add(
+                        format!("{}.{x}.{part}_proj.weight", src.prefix),
+                        shape,
+                        false,
+                    );
                 }
             }
         }
@@ -147,7 +188,11 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
     if c.arch == Arch::Glm4Moe {
         // The MTP layer past num_hidden_layers, and a rotary cache: both skipped by name.
         let l = c.num_layers;
-        add(format!("model.layers.{l}.eh_proj.weight"), vec![h, 2 * h], false);
+        add(
+            format!("model.layers.{l}.eh_proj.weight"),
+            vec![h, 2 * h],
+            false,
+        );
         add(format!("model.layers.{l}.enorm.weight"), vec![h], true);
         add("model.rotary_emb.inv_freq".into(), vec![2], false);
     }
@@ -168,13 +213,15 @@ pub fn scratch(tag: &str) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
     // Conversions fsync their outputs: RAM-backed /dev/shm keeps iterations fast.
     let shm = Path::new("/dev/shm");
-    let base = std::env::var_os("COLIBRI_FUZZ_TMP").map(PathBuf::from).unwrap_or_else(|| {
-        if shm.is_dir() {
-            shm.to_path_buf()
-        } else {
-            std::env::temp_dir()
-        }
-    });
+    let base = std::env::var_os("COLIBRI_FUZZ_TMP")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            if shm.is_dir() {
+                shm.to_path_buf()
+            } else {
+                std::env::temp_dir()
+            }
+        });
     let d = base.join(format!(
         "colibri-fuzz-{}-{tag}-{}",
         std::process::id(),
@@ -199,18 +246,200 @@ pub fn write_checkpoint(dir: &Path, arch: usize, shards: &[&[u8]]) {
         fs::write(dir.join("model.safetensors"), shards[0]).unwrap();
     } else {
         for (i, s) in shards.iter().enumerate() {
-            fs::write(dir.join(format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len())), s).unwrap();
+            fs::write(
+                dir.join(format!(
+                    "model-{:05}-of-{:05}.safetensors",
+                    i + 1,
+                    shards.len()
+                )),
+                s,
+            )
+            .unwrap();
         }
     }
 }
 
-/// Harness (a): `config.json` bytes must parse to a config or an error, never a panic.
+/// Every key `ModelConfig::from_hf` reads, for structured edits.
+pub const CONFIG_KEYS: [&str; 33] = [
+    "architectures",
+    "hidden_act",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "partial_rotary_factor",
+    "rms_norm_eps",
+    "vocab_size",
+    "max_position_embeddings",
+    "intermediate_size",
+    "num_experts_per_tok",
+    "num_experts",
+    "norm_topk_prob",
+    "clip_qkv",
+    "use_sliding_window",
+    "num_local_experts",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "first_k_dense_replace",
+    "n_shared_experts",
+    "use_qk_norm",
+    "tie_word_embeddings",
+    "eos_token_id",
+];
+
+/// JSON pointers to every number and string in `v`.
+fn json_leaves(v: &serde_json::Value, path: &mut String, out: &mut Vec<String>) {
+    use serde_json::Value;
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                let len = path.len();
+                path.push('/');
+                path.push_str(&k.replace('~', "~0").replace('/', "~1"));
+                json_leaves(x, path, out);
+                path.truncate(len);
+            }
+        }
+        Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                let len = path.len();
+                path.push_str(&format!("/{i}"));
+                json_leaves(x, path, out);
+                path.truncate(len);
+            }
+        }
+        Value::Number(_) | Value::String(_) => out.push(path.clone()),
+        _ => {}
+    }
+}
+
+/// Structured JSON edits, 11 bytes each: `[target u16 le, kind u8, value u64 le]`. The target is
+/// one of `v`'s number/string leaves, or (past them) one of `extra_keys` set at the top level.
+/// Kinds set edge-case numbers, nudge a number by -4..=4, set a float, null, remove the member,
+/// or set one of a few telling strings, so offsets, sizes and names reach their corner cases
+/// far faster than byte mutations of JSON text do.
+pub fn edit_json(v: &mut serde_json::Value, mut ops: &[u8], extra_keys: &[&str]) {
+    use serde_json::{json, Value};
+    const EDGES: [u64; 10] = [
+        0,
+        1,
+        2,
+        4096,
+        1 << 20,
+        (1 << 20) + 1,
+        1 << 32,
+        1 << 63,
+        u64::MAX,
+        u64::MAX - 3,
+    ];
+    const STRINGS: [&str; 8] = [
+        "q4",
+        "f32",
+        "../x.bin",
+        "experts.bin",
+        "resident.bin",
+        "",
+        "yarn",
+        "LlamaForCausalLM",
+    ];
+    while ops.len() >= 11 {
+        let target = u16::from_le_bytes([ops[0], ops[1]]) as usize;
+        let kind = ops[2] % 8;
+        let val = u64::from_le_bytes(ops[3..11].try_into().unwrap());
+        ops = &ops[11..];
+        let mut leaves = Vec::new();
+        json_leaves(v, &mut String::new(), &mut leaves);
+        let n = leaves.len() + extra_keys.len();
+        if n == 0 {
+            return;
+        }
+        let t = target % n;
+        let pointer = if t < leaves.len() {
+            leaves[t].clone()
+        } else {
+            let key = extra_keys[t - leaves.len()];
+            if !v.is_object() {
+                continue;
+            }
+            v[key] = json!(0);
+            format!("/{key}")
+        };
+        if kind == 7 {
+            // Remove the member (or array element), or set a string.
+            let is_string = v.pointer(&pointer).is_some_and(Value::is_string);
+            if is_string || val % 2 == 0 {
+                *v.pointer_mut(&pointer).unwrap() = json!(STRINGS[(val / 2 % 8) as usize]);
+                continue;
+            }
+            let (parent, last) = pointer.rsplit_once('/').unwrap();
+            match v.pointer_mut(parent) {
+                Some(Value::Object(m)) => {
+                    m.remove(&last.replace("~1", "/").replace("~0", "~"));
+                }
+                Some(Value::Array(a)) => {
+                    if let Ok(i) = last.parse::<usize>() {
+                        if i < a.len() {
+                            a.remove(i);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            continue;
+        }
+        let slot = v.pointer_mut(&pointer).unwrap();
+        *slot = match kind {
+            0 => json!(val),
+            1 => json!(val % 16),
+            2 => json!(-((val % 1000) as i64) - 1),
+            3 => json!(EDGES[(val % 10) as usize]),
+            4 => {
+                let f = f64::from_bits(val);
+                json!(if f.is_finite() { f } else { 0.5 })
+            }
+            5 => Value::Null,
+            _ => match slot.as_u64() {
+                Some(x) => json!(x.wrapping_add(val % 9).wrapping_sub(4)),
+                None => json!(val % 9),
+            },
+        };
+    }
+}
+
+/// Harness (a): `config.json` bytes must parse to a config or an error, never a panic. Input
+/// starting with `{` (or whitespace) is JSON text; otherwise byte 0 picks a tiny config and the
+/// rest are [`edit_json`] ops on it.
 pub fn config_json(data: &[u8]) {
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else { return };
+    let v = match data.first() {
+        None => return,
+        Some(b'{' | b' ' | b'\n' | b'\t' | b'\r') => {
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else {
+                return;
+            };
+            v
+        }
+        Some(&sel) => {
+            let mut v: serde_json::Value = serde_json::from_str(CONFIGS[sel as usize % 3]).unwrap();
+            edit_json(&mut v, &data[1..], &CONFIG_KEYS);
+            v
+        }
+    };
     if let Ok(c) = ModelConfig::from_hf(&v) {
         // A config that parses must also give a plan (shapes are computed there).
         let plan = convert::family_plan(&c);
-        assert!(plan.resident.len() >= 2, "a plan has at least the embedding and the norm");
+        assert!(
+            plan.resident.len() >= 2,
+            "a plan has at least the embedding and the norm"
+        );
         let _ = (c.q_dim(), c.kv_dim());
     }
 }
@@ -223,17 +452,33 @@ fn checkpoint_dir() -> PathBuf {
     DIR.with(|d| d.clone())
 }
 
-/// Harness (b): byte 0 = `arch % 3`, bit 2 = f32 output instead of int4, bit 3 = split the rest
-/// into two shards at the position in bytes 1..3. The rest is the safetensors file(s).
+/// Harness (b): byte 0 = `arch % 3`, bit 2 = f32 output instead of int4, bit 3 = split the
+/// safetensors bytes into two shards at the position in the next 2 bytes, bit 4 = the next byte
+/// `k` then `11 * k` bytes of [`edit_json`] ops change the config (so it can disagree with the
+/// tensors). The rest is the safetensors file(s).
 pub fn checkpoint(data: &[u8]) {
-    let Some((&sel, mut rest)) = data.split_first() else { return };
+    let Some((&sel, mut rest)) = data.split_first() else {
+        return;
+    };
     let arch = sel as usize % 3;
-    let quant = if sel & 4 != 0 { Quant::F32 } else { Quant::Int4 };
+    let quant = if sel & 4 != 0 {
+        Quant::F32
+    } else {
+        Quant::Int4
+    };
     let dir = &checkpoint_dir();
     let hf = dir.join("hf");
     let out = dir.join("out");
     fs::create_dir_all(&hf).unwrap();
     let _ = fs::remove_dir_all(&out);
+    let mut config = None;
+    if sel & 16 != 0 && !rest.is_empty() {
+        let n = (11 * rest[0] as usize).min(rest.len() - 1);
+        let mut v: serde_json::Value = serde_json::from_str(CONFIGS[arch]).unwrap();
+        edit_json(&mut v, &rest[1..1 + n], &CONFIG_KEYS);
+        config = Some(v.to_string());
+        rest = &rest[1 + n..];
+    }
     if sel & 8 != 0 && rest.len() >= 2 {
         let at = u16::from_le_bytes([rest[0], rest[1]]) as usize;
         rest = &rest[2..];
@@ -242,12 +487,24 @@ pub fn checkpoint(data: &[u8]) {
     } else {
         write_checkpoint(&hf, arch, &[rest]);
     }
+    if let Some(c) = &config {
+        fs::write(hf.join("config.json"), c).unwrap();
+    }
     if let Ok(summary) = convert::convert(&hf, &out, quant, &mut |_, _, _| {}) {
+        if config.is_some() {
+            // An edited config may legitimately give a model that cannot run (e.g. a context
+            // of 0 positions): only "no panic" is asked of it.
+            run_model(&out);
+            return;
+        }
         // Whatever converts must load and run.
         assert!(out.join(MANIFEST).is_file());
-        let model = Model::load(&out, Some(1)).unwrap_or_else(|e| panic!("converted model does not load: {e}"));
+        let model = Model::load(&out, Some(1))
+            .unwrap_or_else(|e| panic!("converted model does not load: {e}"));
         let mut kv = model.new_cache();
-        model.forward(&PROMPT, &mut kv, false).unwrap_or_else(|e| panic!("forward failed: {e}"));
+        model
+            .forward(&PROMPT, &mut kv, false)
+            .unwrap_or_else(|e| panic!("forward failed: {e}"));
         let _ = summary;
     }
 }
@@ -264,14 +521,23 @@ pub fn base_models() -> &'static [BaseModel] {
         let root = scratch("base");
         let models = (0..6)
             .map(|i| {
-                let (arch, quant) = (i % 3, if i / 3 % 2 == 1 { Quant::F32 } else { Quant::Int4 });
+                let (arch, quant) = (
+                    i % 3,
+                    if i / 3 % 2 == 1 {
+                        Quant::F32
+                    } else {
+                        Quant::Int4
+                    },
+                );
                 let hf = root.join(format!("hf{i}"));
                 let out = root.join(format!("out{i}"));
                 fs::create_dir_all(&hf).unwrap();
                 write_checkpoint(&hf, arch, &[&tiny_checkpoint(arch, Dtype::BF16, i == 4)]);
                 convert::convert(&hf, &out, quant, &mut |_, _, _| {}).expect("tiny model converts");
                 let read = |n: &str| (n.to_string(), fs::read(out.join(n)).unwrap());
-                BaseModel { files: [read(MANIFEST), read(RESIDENT_FILE), read(EXPERTS_FILE)] }
+                BaseModel {
+                    files: [read(MANIFEST), read(RESIDENT_FILE), read(EXPERTS_FILE)],
+                }
             })
             .collect();
         let _ = fs::remove_dir_all(&root);
@@ -317,9 +583,16 @@ fn model_dir_scratch() -> PathBuf {
     DIR.with(|d| d.clone())
 }
 
-/// Harness (c): byte 0 = base model (`% 6`), byte 1 = what to break (`% 4`): 0 the manifest is
+/// Removes the calling thread's scratch directories (the stable tests call this when done).
+pub fn cleanup_thread_scratch() {
+    let _ = fs::remove_dir_all(checkpoint_dir());
+    let _ = fs::remove_dir_all(model_dir_scratch());
+}
+
+/// Harness (c): byte 0 = base model (`% 6`), byte 1 = what to break (`% 5`): 0 the manifest is
 /// replaced by the rest; 1 `resident.bin`, 2 `experts.bin`, 3 the manifest are patched by the
-/// rest as [`apply_patches`] ops. Then load, prefill [`PROMPT`] and decode one more token.
+/// rest as [`apply_patches`] ops; 4 the manifest gets [`edit_json`] ops (its numbers and names).
+/// Then load, prefill [`PROMPT`] and decode one more token.
 pub fn model_dir(data: &[u8]) {
     if data.len() < 2 {
         return;
@@ -328,8 +601,13 @@ pub fn model_dir(data: &[u8]) {
     let rest = &data[2..];
     let dir = &model_dir_scratch();
     for (i, (name, bytes)) in base.files.iter().enumerate() {
-        let bytes = match (data[1] % 4, i) {
+        let bytes = match (data[1] % 5, i) {
             (0, 0) => rest.to_vec(),
+            (4, 0) => {
+                let mut v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+                edit_json(&mut v, rest, &[]);
+                serde_json::to_vec(&v).unwrap()
+            }
             (m, f) if (m as usize == f && m > 0) || (m == 3 && f == 0) => {
                 let mut b = bytes.clone();
                 apply_patches(&mut b, rest);
@@ -344,7 +622,9 @@ pub fn model_dir(data: &[u8]) {
 
 /// Loads a model directory and runs a prefill and one decode step; errors are fine.
 pub fn run_model(dir: &Path) {
-    let Ok(model) = Model::load(dir, Some(1)) else { return };
+    let Ok(model) = Model::load(dir, Some(1)) else {
+        return;
+    };
     let mut kv = model.new_cache();
     if let Ok(logits) = model.forward(&PROMPT, &mut kv, true) {
         assert_eq!(logits.len(), PROMPT.len() * model.cfg.vocab_size);

@@ -44,8 +44,15 @@ fn mutate(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
                 b.drain(at..end);
             }
             5 => {
-                let v: &[u8] = [&b"18446744073709551615"[..], b"-1", b"0", b"4294967297", b"1e308", b"null", b"[]"]
-                    [rng.below(7)];
+                let v: &[u8] = [
+                    &b"18446744073709551615"[..],
+                    b"-1",
+                    b"0",
+                    b"4294967297",
+                    b"1e308",
+                    b"null",
+                    b"[]",
+                ][rng.below(7)];
                 b.splice(at..at, v.iter().copied());
             }
             _ if at + 8 <= b.len() => b[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes()),
@@ -56,16 +63,25 @@ fn mutate(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
 }
 
 fn seeds(target: &str) -> Vec<Vec<u8>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("seeds").join(target);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("seeds")
+        .join(target);
     let mut out: Vec<Vec<u8>> = std::fs::read_dir(&dir)
-        .map(|d| d.flatten().map(|e| std::fs::read(e.path()).unwrap()).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| std::fs::read(e.path()).unwrap())
+                .collect()
+        })
         .unwrap_or_default();
     out.sort();
     out
 }
 
 fn iters(default: usize) -> usize {
-    std::env::var("COLIBRI_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+    std::env::var("COLIBRI_FUZZ_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 fn run(target: &str, base: Vec<Vec<u8>>, n: usize, f: fn(&[u8])) {
@@ -79,12 +95,20 @@ fn run(target: &str, base: Vec<Vec<u8>>, n: usize, f: fn(&[u8])) {
         let input = mutate(&mut rng, seed);
         f(&input);
     }
+    cleanup_thread_scratch();
 }
 
 #[test]
 fn config_json_survives_mutations() {
     let mut base = seeds("config_json");
     base.extend(CONFIGS.iter().map(|c| c.as_bytes().to_vec()));
+    // Structured edits: random ops on each tiny config.
+    let mut rng = Rng(7);
+    for i in 0..60u8 {
+        let mut b = vec![i % 3 + 1];
+        b.extend((0..11 * (1 + rng.below(4))).map(|_| rng.next() as u8));
+        base.push(b);
+    }
     run("config_json", base, iters(3000), config_json);
 }
 
@@ -96,6 +120,15 @@ fn checkpoint_survives_mutations() {
         b.extend(tiny_checkpoint(arch as usize, Dtype::BF16, arch == 1));
         base.push(b);
     }
+    // Config edits in front of valid checkpoints.
+    let mut rng = Rng(13);
+    for i in 0..60u8 {
+        let k = 1 + rng.below(3);
+        let mut b = vec![(i % 3) | 16 | (i & 4), k as u8];
+        b.extend((0..11 * k).map(|_| rng.next() as u8));
+        b.extend(tiny_checkpoint((i % 3) as usize, Dtype::F16, i % 2 == 0));
+        base.push(b);
+    }
     run("checkpoint", base, iters(300), checkpoint);
 }
 
@@ -105,6 +138,12 @@ fn model_dir_survives_mutations() {
     for (i, m) in base_models().iter().enumerate() {
         let mut b = vec![i as u8, 0];
         b.extend(&m.files[0].1);
+        base.push(b);
+    }
+    let mut rng = Rng(11);
+    for i in 0..120u8 {
+        let mut b = vec![i % 6, 4];
+        b.extend((0..11 * (1 + rng.below(3))).map(|_| rng.next() as u8));
         base.push(b);
     }
     run("model_dir", base, iters(400), model_dir);
@@ -122,4 +161,5 @@ fn tiny_models_convert_load_and_run() {
     for m in 0..6u8 {
         model_dir(&[m, 1]); // unmodified files
     }
+    cleanup_thread_scratch();
 }

@@ -27,7 +27,11 @@ class Engine:
         self.path = Path(path)
         self._model = _engine.Model(str(self.path), threads, kernel)
         info = dict(self._model.info())
-        self._tokenizer = Tokenizer.from_file(str(self.path / info["tokenizer"]))
+        tok_path = self.path / info["tokenizer"]
+        try:
+            self._tokenizer = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # tokenizers raises a bare Exception
+            raise RuntimeError(f"{tok_path}: cannot load the tokenizer: {e}") from e
         self.tokenizer_config: dict[str, Any] = {}
         if info.get("tokenizer_config"):
             cfg_path = self.path / info["tokenizer_config"]
