@@ -520,3 +520,35 @@ def test_random_config_sizes_never_crash(glm_scratch, changes):
         Engine(out, threads=1).logits([1, 2])
     except ERRORS as e:
         assert str(e)
+
+
+def test_fused_expert_tensors_convert_like_per_expert_ones(tmp_path, converted):
+    """transformers 5 keeps experts fused ([E, 2I, H] gate-then-up, [E, H, I]); both layouts
+    must give the same model."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from colibri import Engine
+
+    src = FIXTURES / "olmoe" / "hf"
+    hf = tmp_path / "fused"
+    shutil.copytree(src, hf)
+    weights = load_file(str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = [], []
+        for e in range(cfg["num_experts"]):
+            g = weights.pop(f"{p}.{e}.gate_proj.weight")
+            u = weights.pop(f"{p}.{e}.up_proj.weight")
+            gate_up.append(np.concatenate([g, u], axis=0))
+            down.append(weights.pop(f"{p}.{e}.down_proj.weight"))
+        weights[f"{p}.gate_up_proj"] = np.stack(gate_up)
+        weights[f"{p}.down_proj"] = np.stack(down)
+    save_file(weights, str(hf / "model.safetensors"))
+    out = tmp_path / "out"
+    convert(hf, out, "int4")
+    ref = converted("olmoe", "int4")
+    assert (out / "experts.bin").read_bytes() == (ref / "experts.bin").read_bytes()
+    prompt = [1, 5, 9, 33]
+    assert np.array_equal(Engine(out).logits(prompt), Engine(ref).logits(prompt))

@@ -30,6 +30,8 @@ struct TensorMeta {
     shard: usize,
     dtype: Dtype,
     shape: Vec<usize>,
+    /// Byte range of the data inside the shard's map (the header is parsed once, at open).
+    data: std::ops::Range<usize>,
 }
 
 /// The checkpoint's tensors across all shards, by name.
@@ -63,10 +65,12 @@ impl Checkpoint {
                 ))
             })?;
             for (name, t) in st.iter() {
+                let start = t.data().as_ptr() as usize - map.as_ptr() as usize;
                 let meta = TensorMeta {
                     shard: i,
                     dtype: t.dtype(),
                     shape: t.shape().to_vec(),
+                    data: start..start + t.data().len(),
                 };
                 if index.insert(name.to_string(), meta).is_some() {
                     return Err(ck(format!(
@@ -112,15 +116,33 @@ impl Checkpoint {
     }
 
     fn read_any(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let m = self.meta(name)?;
+        let n = m.shape.iter().product();
+        Ok((self.read_elements(name, 0, n)?, m.shape.clone()))
+    }
+
+    fn meta(&self, name: &str) -> Result<&TensorMeta> {
         let m = self
             .index
             .get(name)
             .ok_or_else(|| ck(format!("missing tensor `{name}`")))?;
         check_dtype(name, m.dtype)?;
-        let st = SafeTensors::deserialize(&self.maps[m.shard]).map_err(|e| ck(e.to_string()))?;
-        let t = st.tensor(name).map_err(|e| ck(format!("{name}: {e}")))?;
-        let b = t.data();
-        let data: Vec<f32> = match t.dtype() {
+        Ok(m)
+    }
+
+    /// Elements `[first, first + count)` of the flattened tensor, as f32.
+    fn read_elements(&self, name: &str, first: usize, count: usize) -> Result<Vec<f32>> {
+        let m = self.meta(name)?;
+        let width = match m.dtype {
+            Dtype::F32 => 4,
+            _ => 2,
+        };
+        let all = &self.maps[m.shard][m.data.clone()];
+        let b = first
+            .checked_add(count)
+            .and_then(|end| all.get(first * width..end.checked_mul(width)?))
+            .ok_or_else(|| ck(format!("tensor `{name}`: data shorter than its shape")))?;
+        Ok(match m.dtype {
             Dtype::F32 => b
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -134,8 +156,7 @@ impl Checkpoint {
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
             other => return Err(check_dtype(name, other).unwrap_err()),
-        };
-        Ok((data, t.shape().to_vec()))
+        })
     }
 }
 
@@ -284,10 +305,9 @@ fn read_expert_part(
     match expert_part_source(ck, prefix, e, part, shape, n_experts)? {
         PartSource::Single(name) => ck.read(&name, shape),
         PartSource::Fused(fused, rows_per, offset, want) => {
-            let all = ck.read(&fused, &want)?;
-            let per = rows_per * shape[1];
-            let start = e * per + offset * shape[1];
-            Ok(all[start..start + shape[0] * shape[1]].to_vec())
+            ck.check(&fused, &want)?;
+            let start = e * rows_per * shape[1] + offset * shape[1];
+            ck.read_elements(&fused, start, shape[0] * shape[1])
         }
     }
 }
