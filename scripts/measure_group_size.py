@@ -31,13 +31,18 @@ Rows of very tall matrices (embeddings) are sub-sampled evenly to --max-rows.
 
 Aggregates per method and G: the median over matrices and the mean weighted by element count,
 for linear layers, for embeddings and for all matrices. `--json` writes everything, per matrix.
+
+Optional, and the one part that needs torch + transformers: `--e2e-sentence-model DIR` also
+quantizes a sentence-transformers (BERT-style) model end to end and reports the matvec error on
+each linear layer's real input activations and 1 - cos of the sentence embeddings. Results and
+commands: docs/group-size.md. At G = 32 the `search` and `rtn` ports give the same nibbles and
+f16 scales as quantize_q4 / quantize_q4_0_rtn, bit for bit (checked against the Rust code).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import struct
 import sys
@@ -83,10 +88,25 @@ def load_safetensors(path: Path):
 
 
 # GGML type ids and (block elements, block bytes).
-_GGML = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 8: ("Q8_0", 32, 34), 14: ("Q6_K", 256, 210),
-         30: ("BF16", 1, 2)}
-_GGML_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
-               12: "Q4_K", 13: "Q5_K", 15: "Q8_K"}
+_GGML = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    8: ("Q8_0", 32, 34),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+_GGML_NAMES = {
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    15: "Q8_K",
+}
 
 
 def _dequant_q8_0(raw: np.ndarray) -> np.ndarray:
@@ -130,12 +150,23 @@ def load_gguf(path: Path):
     def rstr():
         nonlocal pos
         n = rd("Q")
-        s = bytes(mv[pos:pos + n]).decode("utf-8", "replace")
+        s = bytes(mv[pos : pos + n]).decode("utf-8", "replace")
         pos += n
         return s
 
-    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-              12: "d"}
+    scalar = {
+        0: "B",
+        1: "b",
+        2: "H",
+        3: "h",
+        4: "I",
+        5: "i",
+        6: "f",
+        7: "?",
+        10: "Q",
+        11: "q",
+        12: "d",
+    }
 
     def rval(t):
         if t in scalar:
@@ -177,7 +208,7 @@ def load_gguf(path: Path):
             continue
         kind, be, bb = _GGML[t]
         n = shape[0] * shape[1]
-        raw = buf[data_start + off:data_start + off + n // be * bb]
+        raw = buf[data_start + off : data_start + off + n // be * bb]
         if kind == "F32":
             a = raw.view("<f4").astype(F32)
         elif kind == "F16":
@@ -190,9 +221,11 @@ def load_gguf(path: Path):
             a = _dequant_q6_k(np.asarray(raw))
         yield f"{name} [{kind}]", a.reshape(shape)
     for kind, names in skipped.items():
-        print(f"  skipped {len(names)} {kind} tensors (already <= 5-bit): "
-              f"{', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}",
-              file=sys.stderr)
+        print(
+            f"  skipped {len(names)} {kind} tensors (already <= 5-bit): "
+            f"{', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}",
+            file=sys.stderr,
+        )
 
 
 def load(path: Path):
@@ -208,8 +241,24 @@ def load(path: Path):
 # ---------------------------------------------------------------------------------------------
 
 # q4.rs CANDIDATES: target positions (in steps) of the largest-magnitude weight.
-CANDIDATES = [-8.75, -8.5, -8.25, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5,
-              6.5, 6.75, 7.0, 7.25, 7.5, 7.75, 8.0]
+CANDIDATES = [
+    -8.75,
+    -8.5,
+    -8.25,
+    -7.75,
+    -7.5,
+    -7.25,
+    -7.0,
+    -6.75,
+    -6.5,
+    6.5,
+    6.75,
+    7.0,
+    7.25,
+    7.5,
+    7.75,
+    8.0,
+]
 
 
 def _lane_sum(p: np.ndarray) -> np.ndarray:
@@ -341,11 +390,11 @@ def quantize_matrix(w: np.ndarray, g: int, fn, chunk_elems: int = 1 << 21) -> np
     out = np.empty((rows, cols), F32)
     step = max(1, chunk_elems // kp)
     for r0 in range(0, rows, step):
-        blk = w[r0:r0 + step]
+        blk = w[r0 : r0 + step]
         if kp != cols:
             blk = np.concatenate([blk, np.zeros((blk.shape[0], kp - cols), F32)], axis=1)
         deq = fn(np.ascontiguousarray(blk, dtype=F32).reshape(-1, g))
-        out[r0:r0 + step] = deq.reshape(blk.shape[0], kp)[:, :cols]
+        out[r0 : r0 + step] = deq.reshape(blk.shape[0], kp)[:, :cols]
     return out
 
 
@@ -364,8 +413,9 @@ def activations(cols: int, n: int, n_outliers: int, outlier_scale: float, seed: 
     return x, xo
 
 
-def e2e_sentence_model(model_dir: Path, groups, methods, max_sentences: int,
-                       text_files: list[Path]) -> int:
+def e2e_sentence_model(
+    model_dir: Path, groups, methods, max_sentences: int, text_files: list[Path]
+) -> int:
     """Optional end-to-end check on a sentence-transformers BERT-style model directory (needs
     torch + transformers, unlike the rest of this script): quantizes every nn.Linear weight and
     the word embeddings, and reports (a) the matvec error on the REAL inputs of each linear layer
@@ -403,6 +453,7 @@ def e2e_sentence_model(model_dir: Path, groups, methods, max_sentences: int,
     def hook(name):
         def f(_m, inp, _out):
             acts[name] = inp[0].detach()[mask].double()  # real tokens only
+
         return f
 
     def embed(capture=False):
@@ -423,11 +474,15 @@ def e2e_sentence_model(model_dir: Path, groups, methods, max_sentences: int,
 
     ref = embed(capture=True)
     ref_sim = ref @ ref.T
-    print(f"\n## end to end: {model_dir}, {len(sents)} sentences from "
-          f"{', '.join(p.name for p in srcs)}, "
-          f"{int(mask.sum())} tokens, {len(linears)} linear layers + word embeddings")
-    print("| method | G | bits/w | real-input matvec err (median) | (wmean) | 1 - cos (mean) |"
-          " 1 - cos (max) | sim Spearman |")
+    print(
+        f"\n## end to end: {model_dir}, {len(sents)} sentences from "
+        f"{', '.join(p.name for p in srcs)}, "
+        f"{int(mask.sum())} tokens, {len(linears)} linear layers + word embeddings"
+    )
+    print(
+        "| method | G | bits/w | real-input matvec err (median) | (wmean) | 1 - cos (mean) |"
+        " 1 - cos (max) | sim Spearman |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for meth in methods:
         fn, scale_bits = METHODS[meth]
@@ -446,9 +501,11 @@ def e2e_sentence_model(model_dir: Path, groups, methods, max_sentences: int,
             out = embed()
             cos = np.sum(out * ref, axis=1)
             bits = 4 + scale_bits / g
-            print(f"| {meth} | {g} | {bits:.2f} | {np.median(errs):.4f} | "
-                  f"{np.average(errs, weights=wts):.4f} | {np.mean(1 - cos):.5f} | "
-                  f"{np.max(1 - cos):.5f} | {spearman(out @ out.T, ref_sim):.4f} |")
+            print(
+                f"| {meth} | {g} | {bits:.2f} | {np.median(errs):.4f} | "
+                f"{np.average(errs, weights=wts):.4f} | {np.mean(1 - cos):.5f} | "
+                f"{np.max(1 - cos):.5f} | {spearman(out @ out.T, ref_sim):.4f} |"
+            )
             for n, lin in linears.items():
                 lin.weight.data = orig[n].clone()
             emb.weight.data = orig_emb.clone()
@@ -462,21 +519,46 @@ def is_embedding(name: str) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("weights", nargs="*", type=Path)
-    ap.add_argument("--e2e-sentence-model", type=Path, metavar="DIR",
-                    help="also run the end-to-end check on this sentence-transformers model "
-                         "directory (needs torch + transformers)")
-    ap.add_argument("--sentences", type=int, default=128,
-                    help="sentences for --e2e-sentence-model (default 128)")
-    ap.add_argument("--text", type=Path, metavar="FILE", action="append", default=[],
-                    help="text or HTML file to take those sentences from, repeatable "
-                         "(default: the model's README.md)")
-    ap.add_argument("--groups", default="16,32,64,128",
-                    help="comma-separated group sizes, multiples of 8 (default 16,32,64,128)")
+    ap.add_argument(
+        "--e2e-sentence-model",
+        type=Path,
+        metavar="DIR",
+        help="also run the end-to-end check on this sentence-transformers model "
+        "directory (needs torch + transformers)",
+    )
+    ap.add_argument(
+        "--sentences",
+        type=int,
+        default=128,
+        help="sentences for --e2e-sentence-model (default 128)",
+    )
+    ap.add_argument(
+        "--text",
+        type=Path,
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="text or HTML file to take those sentences from, repeatable "
+        "(default: the model's README.md)",
+    )
+    ap.add_argument(
+        "--groups",
+        default="16,32,64,128",
+        help="comma-separated group sizes, multiples of 8 (default 16,32,64,128)",
+    )
     ap.add_argument("--methods", default="search,rtn,asym")
-    ap.add_argument("--max-rows", type=int, default=16384,
-                    help="sub-sample taller matrices to this many evenly spaced rows")
-    ap.add_argument("--min-dim", type=int, default=64,
-                    help="skip matrices with a dimension below this (default 64)")
+    ap.add_argument(
+        "--max-rows",
+        type=int,
+        default=16384,
+        help="sub-sample taller matrices to this many evenly spaced rows",
+    )
+    ap.add_argument(
+        "--min-dim",
+        type=int,
+        default=64,
+        help="skip matrices with a dimension below this (default 64)",
+    )
     ap.add_argument("--vectors", type=int, default=8, help="activation vectors per kind")
     ap.add_argument("--outliers", type=int, default=4, help="outlier channels per matrix")
     ap.add_argument("--outlier-scale", type=float, default=20.0)
@@ -508,13 +590,21 @@ def main() -> int:
             wn = float(np.linalg.norm(w.astype(np.float64)))
             if wn == 0 or not np.isfinite(wn):
                 continue
-            x, xo = activations(cols, args.vectors, args.outliers, args.outlier_scale,
-                                args.seed + mi)
+            x, xo = activations(
+                cols, args.vectors, args.outliers, args.outlier_scale, args.seed + mi
+            )
             mi += 1
             y = w.astype(np.float64) @ x
             yo = w.astype(np.float64) @ xo
-            rec = {"file": str(path), "name": name, "rows": rows, "cols": cols,
-                   "rows_used": w.shape[0], "embedding": is_embedding(name), "results": {}}
+            rec = {
+                "file": str(path),
+                "name": name,
+                "rows": rows,
+                "cols": cols,
+                "rows_used": w.shape[0],
+                "embedding": is_embedding(name),
+                "results": {},
+            }
             for meth in methods:
                 fn, scale_bits = METHODS[meth]
                 for g in groups:
@@ -524,18 +614,24 @@ def main() -> int:
                     rec["results"][f"{meth}/{g}"] = {
                         "bits": (kp * 4 + kp // g * scale_bits) / cols,
                         "rel_err": float(np.linalg.norm(e)) / wn,
-                        "mv_gauss": float(np.mean(np.linalg.norm(e @ x, axis=0)
-                                                  / np.linalg.norm(y, axis=0))),
-                        "mv_outlier": float(np.mean(np.linalg.norm(e @ xo, axis=0)
-                                                    / np.linalg.norm(yo, axis=0))),
+                        "mv_gauss": float(
+                            np.mean(np.linalg.norm(e @ x, axis=0) / np.linalg.norm(y, axis=0))
+                        ),
+                        "mv_outlier": float(
+                            np.mean(np.linalg.norm(e @ xo, axis=0) / np.linalg.norm(yo, axis=0))
+                        ),
                     }
             r32 = rec["results"].get("search/32") or next(iter(rec["results"].values()))
-            print(f"  {name} {rows}x{cols}{sub}: rel_err@32 {r32['rel_err']:.4f} "
-                  f"[{time.time() - t0:.0f}s]", file=sys.stderr)
+            print(
+                f"  {name} {rows}x{cols}{sub}: rel_err@32 {r32['rel_err']:.4f} "
+                f"[{time.time() - t0:.0f}s]",
+                file=sys.stderr,
+            )
             per_matrix.append(rec)
     if not args.weights and args.e2e_sentence_model:
-        return e2e_sentence_model(args.e2e_sentence_model, groups, methods, args.sentences,
-                                  args.text)
+        return e2e_sentence_model(
+            args.e2e_sentence_model, groups, methods, args.sentences, args.text
+        )
     if not per_matrix:
         print("no usable 2-D matrices", file=sys.stderr)
         return 1
@@ -552,29 +648,41 @@ def main() -> int:
             out[key] = row
         return out
 
-    subsets = {"linear": [r for r in per_matrix if not r["embedding"]],
-               "embedding": [r for r in per_matrix if r["embedding"]],
-               "all": per_matrix}
+    subsets = {
+        "linear": [r for r in per_matrix if not r["embedding"]],
+        "embedding": [r for r in per_matrix if r["embedding"]],
+        "all": per_matrix,
+    }
     summary = {k: aggregate(v) for k, v in subsets.items() if v}
     for k, agg in summary.items():
         n = len(subsets[k])
         el = sum(r["rows_used"] * r["cols"] for r in subsets[k])
         print(f"\n## {k}: {n} matrices, {el / 1e6:.1f}M weights measured")
-        print("| method | G | bits/w | rel err median | rel err wmean | matvec gauss (wmean)"
-              " | matvec outlier (wmean) |")
+        print(
+            "| method | G | bits/w | rel err median | rel err wmean | matvec gauss (wmean)"
+            " | matvec outlier (wmean) |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|")
         for key, row in agg.items():
             meth, g = key.split("/")
-            print(f"| {meth} | {g} | {row['bits']:.2f} | {row['rel_err_median']:.4f} | "
-                  f"{row['rel_err_wmean']:.4f} | {row['mv_gauss_wmean']:.4f} | "
-                  f"{row['mv_outlier_wmean']:.4f} |")
+            print(
+                f"| {meth} | {g} | {row['bits']:.2f} | {row['rel_err_median']:.4f} | "
+                f"{row['rel_err_wmean']:.4f} | {row['mv_gauss_wmean']:.4f} | "
+                f"{row['mv_outlier_wmean']:.4f} |"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "summary": summary, "matrices": per_matrix},
-                                        indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "summary": summary,
+                    "matrices": per_matrix,
+                },
+                indent=1,
+            )
+        )
     if args.e2e_sentence_model:
-        e2e_sentence_model(args.e2e_sentence_model, groups, methods, args.sentences,
-                                  args.text)
+        e2e_sentence_model(args.e2e_sentence_model, groups, methods, args.sentences, args.text)
     print(f"\n[{time.time() - t0:.0f}s]", file=sys.stderr)
     return 0
 
