@@ -15,6 +15,7 @@ pub mod kv;
 pub mod linear;
 pub mod model;
 pub mod ops;
+pub mod pool;
 pub mod quant;
 pub mod sampler;
 

@@ -5,9 +5,10 @@
 //! threads take, so a layer costs one fork/join instead of one per matrix. Each output row is
 //! computed whole by one thread, so results do not depend on the thread count.
 
-use rayon::prelude::*;
+use std::sync::Mutex;
 
 use crate::format::DType;
+use crate::pool::Pool;
 use crate::quant::{self, Kernel, OutView, Q4Matrix, Q8Acts};
 
 /// A weight matrix `[rows, cols]` (a linear layer `y = W x`) inside some byte buffer.
@@ -129,25 +130,53 @@ fn rows_of(w: &WeightRef, x: &Acts) -> usize {
     }
 }
 
-/// Rows per work item: enough to amortise scheduling, small enough to balance the threads.
-const CHUNK_ROWS: usize = 64;
+/// Smallest piece of a product worth giving to a thread.
+const MIN_CHUNK_ROWS: usize = 16;
 
-/// Runs every job, splitting rows across the current rayon pool; outputs are written in place.
-pub fn matmul_many(k: Kernel, jobs: &mut [Job]) {
-    let mut items: Vec<(WeightRef, &Acts, OutView)> = Vec::new();
+/// Each thread gets one long contiguous run of rows per product (so the hardware prefetcher
+/// streams it), unless the product is too small to be worth splitting.
+fn chunk_rows(rows: usize, threads: usize) -> usize {
+    rows.div_ceil(threads.max(1))
+        .next_multiple_of(MIN_CHUNK_ROWS)
+        .max(MIN_CHUNK_ROWS)
+}
+
+/// A row range of one product, handed to whichever thread claims it.
+type WorkItem<'a> = (WeightRef<'a>, &'a Acts, OutView<'a>);
+
+/// Runs every job on `pool`, splitting rows across its threads; outputs are written in place.
+pub fn matmul_many(pool: &Pool, k: Kernel, jobs: &mut [Job]) {
+    let mut items: Vec<Mutex<Option<WorkItem>>> = Vec::new();
     for job in jobs.iter_mut() {
         let rows = rows_of(&job.w, job.x);
         debug_assert_eq!(job.out.len(), rows * job.x.n);
         let view = OutView::new(job.out, job.x.n, rows, rows);
-        for v in view.chunks(CHUNK_ROWS) {
-            items.push((job.w, job.x, v));
+        for v in view.chunks(chunk_rows(rows, pool.threads())) {
+            items.push(Mutex::new(Some((job.w, job.x, v))));
         }
     }
-    items.into_par_iter().for_each(|(w, x, out)| match w {
-        WeightRef::F32(d) => quant::f32_matmul_into(k, d, x.cols, &x.x, out),
-        WeightRef::Q4(m) => {
-            debug_assert!(x.q8_ready, "Acts::prepare must run before an int4 product");
-            quant::q4_matmul_into(k, &m, &x.q8, out)
+    pool.run(items.len(), |i| {
+        // Each index is run once, so the take always finds the item.
+        let item = items[i].lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some((w, x, out)) = item else { return };
+        match w {
+            WeightRef::F32(d) => quant::f32_matmul_into(k, d, x.cols, &x.x, out),
+            WeightRef::Q4(m) => {
+                debug_assert!(x.q8_ready, "Acts::prepare must run before an int4 product");
+                quant::q4_matmul_into(k, &m, &x.q8, out)
+            }
         }
+    });
+}
+
+/// Calls `f(i, chunk_i)` for each `chunk`-sized piece of `data`, spread over `pool`.
+pub fn for_each_chunk_mut<F>(pool: &Pool, data: &mut [f32], chunk: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    let pieces: Vec<Mutex<&mut [f32]>> = data.chunks_mut(chunk).map(Mutex::new).collect();
+    pool.run(pieces.len(), |i| {
+        let mut piece = pieces[i].lock().unwrap_or_else(|e| e.into_inner());
+        f(i, &mut piece)
     });
 }

@@ -16,14 +16,14 @@ use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use rayon::prelude::*;
 
 use crate::config::{FfnKind, ModelConfig, QkNorm};
 use crate::error::{io_err, Error, Result};
 use crate::format::*;
 use crate::kv::KvCache;
-use crate::linear::{matmul_many, Acts, Job, Linear, WeightRef};
+use crate::linear::{for_each_chunk_mut, matmul_many, Acts, Job, Linear, WeightRef};
 use crate::ops::{self, Rope};
+use crate::pool::Pool;
 use crate::quant::{self, Kernel};
 
 fn fmt_err(msg: impl Into<String>) -> Error {
@@ -79,7 +79,7 @@ pub struct Model {
     layers: Vec<Layer>,
     rope: Rope,
     kernel: Kernel,
-    pool: rayon::ThreadPool,
+    pool: Pool,
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
@@ -372,10 +372,7 @@ impl Model {
                 .map(|n| n.get())
                 .unwrap_or(1)
         });
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads.max(1))
-            .thread_name(|i| format!("colibri-worker-{i}"))
-            .build()
+        let pool = Pool::new(threads.max(1))
             .map_err(|e| Error::Input(format!("cannot start worker threads: {e}")))?;
         Ok(Model {
             rope: Rope::new(cfg.rotary_dim, cfg.rope_theta),
@@ -405,7 +402,7 @@ impl Model {
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.pool.threads()
     }
 
     pub fn new_cache(&self) -> KvCache {
@@ -452,8 +449,7 @@ impl Model {
                 self.cfg.vocab_size
             )));
         }
-        self.pool
-            .install(|| self.forward_inner(tokens, kv, all_logits))
+        self.forward_inner(tokens, kv, all_logits)
     }
 
     fn forward_inner(
@@ -528,7 +524,7 @@ impl Model {
                 out,
             })
             .collect();
-        matmul_many(self.kernel, &mut jobs);
+        matmul_many(&self.pool, self.kernel, &mut jobs);
         outs
     }
 
@@ -579,25 +575,24 @@ impl Model {
         let group = c.num_heads / c.num_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let mut att = vec![0.0f32; n * qd];
-        att.par_chunks_mut(hd).enumerate().for_each_init(
-            || vec![0.0f32; p0 + n],
-            |scores, (idx, out)| {
-                let (i, head) = (idx / c.num_heads, idx % c.num_heads);
-                let qh = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
-                let kv_off = (head / group) * hd;
-                ops::attend(
-                    qh,
-                    keys,
-                    values,
-                    p0 + i + 1,
-                    kvd,
-                    kv_off,
-                    scale,
-                    scores,
-                    out,
-                );
-            },
-        );
+        for_each_chunk_mut(&self.pool, &mut att, hd, |idx, out| {
+            let mut scores = vec![0.0f32; p0 + n];
+            let scores = &mut scores;
+            let (i, head) = (idx / c.num_heads, idx % c.num_heads);
+            let qh = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
+            let kv_off = (head / group) * hd;
+            ops::attend(
+                qh,
+                keys,
+                values,
+                p0 + i + 1,
+                kvd,
+                kv_off,
+                scale,
+                scores,
+                out,
+            );
+        });
         let mut acts = Acts::from_vec(att, n, qd);
         let mut o = self.project(&[layer.o], &mut acts).remove(0);
         if let Some(b) = &layer.biases[3] {
@@ -682,7 +677,7 @@ impl Model {
                     out: outs.next().unwrap(),
                 });
             }
-            matmul_many(self.kernel, &mut jobs);
+            matmul_many(&self.pool, self.kernel, &mut jobs);
         }
         let hidden: Vec<Acts> = gate_up
             .chunks_exact_mut(2)
@@ -710,7 +705,7 @@ impl Model {
                     out,
                 })
                 .collect();
-            matmul_many(self.kernel, &mut jobs);
+            matmul_many(&self.pool, self.kernel, &mut jobs);
         }
         let mut y = vec![0.0f32; n * h];
         for ((_, toks), d) in experts.iter().zip(&downs) {

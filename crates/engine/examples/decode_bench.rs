@@ -1,0 +1,36 @@
+//! Decode and prefill speed of a converted model, without Python:
+//! `cargo run --release --example decode_bench -- MODEL_DIR [THREADS] [TOKENS]`.
+
+use std::time::Instant;
+
+use colibri_engine::model::Model;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let dir = args
+        .get(1)
+        .expect("usage: decode_bench MODEL_DIR [THREADS] [TOKENS]");
+    let threads = args.get(2).and_then(|s| s.parse().ok());
+    let tokens: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(32);
+    let model = Model::load(std::path::Path::new(dir), threads).expect("load");
+    let vocab = model.cfg.vocab_size as u32;
+    let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    for round in 0..3 {
+        let mut kv = model.new_cache();
+        let t0 = Instant::now();
+        let logits = model.forward(&prompt, &mut kv, false).expect("prefill");
+        let prefill = t0.elapsed().as_secs_f64();
+        let mut tok = colibri_engine::sampler::argmax(&logits) as u32;
+        let t1 = Instant::now();
+        for _ in 0..tokens {
+            let l = model.forward(&[tok], &mut kv, false).expect("decode");
+            tok = colibri_engine::sampler::argmax(&l) as u32;
+        }
+        let decode = t1.elapsed().as_secs_f64();
+        println!(
+            "round {round}: prefill {:.1} tok/s, decode {:.1} tok/s",
+            prompt.len() as f64 / prefill,
+            tokens as f64 / decode
+        );
+    }
+}
