@@ -145,3 +145,19 @@ def test_a_corrupt_tokenizer_is_named(converted, tmp_path):
     (model / "tokenizer.json").write_text("{ not json")
     with pytest.raises(RuntimeError, match="tokenizer.json"):
         Engine(model)
+
+
+def test_concurrent_generations_on_one_engine_match_sequential_ones(glm):
+    prompts = [[1, 2, 3], [1, 40, 41, 42], [7], [1, 100, 200]]
+    want = [list(glm.generate(p, max_tokens=12)) for p in prompts]
+    got: list[list[int]] = [[] for _ in prompts]
+
+    def run(i: int) -> None:
+        got[i] = list(glm.generate(prompts[i], max_tokens=12))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
