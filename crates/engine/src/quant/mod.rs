@@ -23,12 +23,12 @@
 //! (exact) and differ from it only in the order of the f32 accumulation over groups.
 //! A group's dot is `dw * da * (sum q*a - 8 * sum a)` with `q` the unsigned nibbles and `a` the
 //! i8 activations; `-8 * sum a` comes precomputed with the activations ([`Q8Acts`]).
-//! The SIMD kernels work on tiles of rows x tokens (AVX2: 2 x 4; AVX-512: 2 x 4 for decode,
-//! 3 x 4 for prefill), so each unpacked weight vector serves up to 4 tokens and each activation
-//! vector several rows; tokens go in blocks whose activations stay in L2 while the weights
-//! stream past once per block. They software-prefetch the weights 8 KiB ahead (which doubled
-//! the DRAM throughput of decode on Zen 4). `f32_matmul` uses AVX2+FMA for [`Kernel::Avx2`]
-//! and AVX-512F for [`Kernel::Avx512Vnni`].
+//! The SIMD kernels work on tiles of rows x tokens (AVX2: 2 x 4; AVX-512: 1 x 1 for decode,
+//! i.e. n = 1, and 3 x 4 (2 x 4 for the last rows) for prefill), so each unpacked weight vector
+//! serves up to 4 tokens and each activation vector several rows; tokens go in blocks whose
+//! activations stay in L2 while the weights stream past once per block. They software-prefetch
+//! the weights 8 KiB ahead (which doubled the DRAM throughput of decode on Zen 4).
+//! `f32_matmul` uses AVX2+FMA for [`Kernel::Avx2`] and AVX-512F for [`Kernel::Avx512Vnni`].
 //!
 //! Asking a function here for a kernel the CPU lacks panics; [`kernel()`] never returns one.
 //!

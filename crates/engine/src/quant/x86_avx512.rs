@@ -4,7 +4,8 @@
 //! of 4 x 16 unsigned values) and multiplied with the matching activation halves by
 //! `_mm512_dpbusd_epi32` (u8 × i8 summed into 4 i32 lanes per group), starting from the
 //! precomputed `-8 * sum(a)` lanes; then converted to f32 and accumulated with FMA against
-//! `weight scale * activation scale`. Tiles of `R` rows × `T` tokens as in the AVX2 kernel.
+//! `weight scale * activation scale`. Tiles of `R` rows × `T` tokens as in the AVX2 kernel,
+//! except that decode (n = 1) goes one row at a time.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -212,7 +213,9 @@ pub(crate) unsafe fn q4_rows(
     while t0 < n {
         let t1 = (t0 + tb).min(n);
         let mut r = rows.start;
-        // Tiles of 2 rows for decode, 3 rows x 4 tokens for prefill (measured best on Zen 4).
+        // Single rows for decode (n = 1), 3 rows x 4 tokens for prefill (measured best on
+        // Zen 4): with one row at a time each thread reads its rows as one sequential stream,
+        // which gave ~15% more decode throughput than 2-row tiles at 1 and 2 threads.
         while r < rows.end {
             let left = rows.end - r;
             // SAFETY: rows r..r+R are inside `rows` (R <= left), tokens t0..t1 inside 0..n.
@@ -220,7 +223,7 @@ pub(crate) unsafe fn q4_rows(
                 if n > 1 && left >= 3 {
                     q4_rows_tokens::<3>(w, r, x, t0..t1, out, out_stride);
                     r += 3;
-                } else if left >= 2 {
+                } else if n > 1 && left >= 2 {
                     q4_rows_tokens::<2>(w, r, x, t0..t1, out, out_stride);
                     r += 2;
                 } else {
