@@ -81,8 +81,9 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Four partial sums: vectorises, and stays close to a pairwise-summed reference.
+    // Eight partial sums: vectorises, and stays close to a pairwise-summed reference.
     let mut acc = [0.0f32; 8];
     let chunks = a.len() / 8;
     for c in 0..chunks {
@@ -97,33 +98,65 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// One query head attending causally over `n` cached positions.
+/// What one query head needs to attend: its KV history and shape.
+pub struct AttendArgs<'a> {
+    /// `n` rows of `kv_stride` floats each.
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub n: usize,
+    pub kv_stride: usize,
+    /// Where this head's kv head starts inside a row.
+    pub kv_off: usize,
+    pub scale: f32,
+}
+
+/// One query head attending causally over `a.n` cached positions: `out` (`q.len()` values) is
+/// the softmax-weighted sum of the values. `scores` is scratch of at least `a.n`.
 ///
-/// `keys`/`values` hold `n` rows of `kv_stride` floats; this head's kv head starts at `kv_off`.
-/// `scores` is scratch of at least `n`; `out` receives `head_dim` values.
-#[allow(clippy::too_many_arguments)]
-pub fn attend(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    n: usize,
-    kv_stride: usize,
-    kv_off: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
+/// Compiled three times (plain x86-64, AVX2+FMA, AVX-512) and chosen at run time: the same
+/// arithmetic in the same order, so every path gives the same bits; the wide ones only let the
+/// compiler use wider registers for the dot products and the weighted sum.
+pub fn attend(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked just above).
+            return unsafe { attend_avx512(q, a, scores, out) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { attend_avx2(q, a, scores, out) };
+        }
+    }
+    attend_generic(q, a, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+unsafe fn attend_avx512(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
+    attend_generic(q, a, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
+    attend_generic(q, a, scores, out)
+}
+
+#[inline(always)]
+fn attend_generic(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
     let hd = q.len();
-    let scores = &mut scores[..n];
+    let scores = &mut scores[..a.n];
     for (p, s) in scores.iter_mut().enumerate() {
-        let k = &keys[p * kv_stride + kv_off..p * kv_stride + kv_off + hd];
-        *s = dot(q, k) * scale;
+        let start = p * a.kv_stride + a.kv_off;
+        *s = dot(q, &a.keys[start..start + hd]) * a.scale;
     }
     softmax(scores);
     out.fill(0.0);
     for (p, &w) in scores.iter().enumerate() {
-        let v = &values[p * kv_stride + kv_off..p * kv_stride + kv_off + hd];
-        for (o, &x) in out.iter_mut().zip(v) {
+        let start = p * a.kv_stride + a.kv_off;
+        for (o, &x) in out.iter_mut().zip(&a.values[start..start + hd]) {
             *o += w * x;
         }
     }

@@ -576,22 +576,18 @@ impl Model {
         let scale = 1.0 / (hd as f32).sqrt();
         let mut att = vec![0.0f32; n * qd];
         for_each_chunk_mut(&self.pool, &mut att, hd, |idx, out| {
-            let mut scores = vec![0.0f32; p0 + n];
-            let scores = &mut scores;
             let (i, head) = (idx / c.num_heads, idx % c.num_heads);
             let qh = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
-            let kv_off = (head / group) * hd;
-            ops::attend(
-                qh,
+            let args = ops::AttendArgs {
                 keys,
                 values,
-                p0 + i + 1,
-                kvd,
-                kv_off,
+                n: p0 + i + 1,
+                kv_stride: kvd,
+                kv_off: (head / group) * hd,
                 scale,
-                scores,
-                out,
-            );
+            };
+            let mut scores = vec![0.0f32; args.n];
+            ops::attend(qh, &args, &mut scores, out);
         });
         let mut acts = Acts::from_vec(att, n, qd);
         let mut o = self.project(&[layer.o], &mut acts).remove(0);
