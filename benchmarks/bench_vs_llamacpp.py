@@ -674,7 +674,7 @@ def build_report(
         f"`-t {a.threads} -p {a.prompt_tokens} -n {a.gen_tokens} -r {a.reps}`); "
         f"colibri: {colibri_ver or 'n/a'}, repo at {git_rev()}.",
     ]
-    if worst is not None and worst > 2 * a.idle_threshold:
+    if worst is not None and worst > a.max_others:
         lines += [
             "",
             f"**Noisy run:** other processes used up to {worst:.0%} of the CPUs during the "
@@ -735,6 +735,21 @@ def main(argv: list[str] | None = None) -> int:
         default=180,
         help="before each round, wait up to this many seconds for other processes to go "
         "quiet (default 180; 0 = never wait)",
+    )
+    ap.add_argument(
+        "--max-others",
+        type=float,
+        default=0.25,
+        help="re-measure an engine when other processes took more than this fraction of "
+        "the CPUs during its run (default 0.25)",
+    )
+    ap.add_argument("--retries", type=int, default=2, help="re-measurements per engine per round")
+    ap.add_argument(
+        "--max-wait-total",
+        type=float,
+        default=1200,
+        help="total seconds the whole run may spend waiting for quiet and re-measuring "
+        "(default 1200); after that it measures straight through and flags noisy rounds",
     )
     ap.add_argument(
         "--idle-threshold",
@@ -828,20 +843,55 @@ def main(argv: list[str] | None = None) -> int:
     retried_convert = False
     colibri_failures = 0
     colibri_errors: list[str] = []
+    wait_budget = [a.max_wait_total]  # seconds of waiting/re-measuring left for the whole run
+
+    def settle() -> float | None:
+        """Wait for an idle machine, within the per-wait and whole-run budgets."""
+        limit = min(a.wait_idle, wait_budget[0])
+        if limit <= 0:
+            return None
+        t0 = time.monotonic()
+        busy = wait_for_idle(limit, a.idle_threshold)
+        wait_budget[0] -= time.monotonic() - t0
+        return busy
+
+    def clean(measure, what: str) -> dict:
+        """Measure; while other processes took > --max-others of the CPUs meanwhile,
+        wait for quiet and measure again (--retries times), keeping the cleanest."""
+        best = None
+        for attempt in range(1 + a.retries):
+            t0 = time.monotonic()
+            res = measure()
+            if attempt:
+                wait_budget[0] -= time.monotonic() - t0
+            res["attempts"] = attempt + 1
+            busy = res.get("others_cpu")
+            if best is None or (busy or 0) < (best.get("others_cpu") or 0):
+                best = res
+            if busy is None or busy <= a.max_others or attempt == a.retries:
+                break
+            if wait_budget[0] <= 0:
+                log(f"  {what}: other processes took {busy:.0%} CPU (no waiting budget left)")
+                break
+            log(f"  {what}: other processes took {busy:.0%} CPU meanwhile; re-measuring")
+            settle()
+        return best
+
     for i in range(a.rounds):
         engines = ["llama", "colibri"] if i % 2 == 0 else ["colibri", "llama"]
         if exe is None:
             engines = ["llama"]
         r: dict = {"order": " → ".join("llama.cpp" if e == "llama" else e for e in engines)}
-        if a.wait_idle > 0:
-            r["idle_before"] = wait_for_idle(a.wait_idle, a.idle_threshold)
-        r["bw"] = measure_bandwidth(p, a.threads, a.bw_size_mib, a.bw_passes)
+        r["idle_before"] = settle()
+        r["bw"] = clean(
+            lambda: measure_bandwidth(p, a.threads, a.bw_size_mib, a.bw_passes), "bandwidth"
+        )
         for eng in engines:
             if eng == "llama":
-                r["llama"] = measure_llama(p, a)
+                r["llama"] = clean(lambda: measure_llama(p, a), "llama.cpp")
             else:
                 try:
-                    r["colibri"] = measure_colibri(exe, p, a)
+                    r["colibri"] = clean(lambda x=exe: measure_colibri(x, p, a), "colibri")
                     colibri_failures = 0
                 except RuntimeError as e:
                     err = e
@@ -854,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"[colibri] bench failed; reconverting once and retrying:\n{e}")
                         try:
                             setup_colibri_model(p, exe, True)
-                            r["colibri"] = measure_colibri(exe, p, a)
+                            r["colibri"] = clean(lambda x=exe: measure_colibri(x, p, a), "colibri")
                             colibri_failures = 0
                         except (RuntimeError, SystemExit) as e2:
                             err = e2

@@ -189,6 +189,30 @@ mod tests {
     }
 
     #[test]
+    fn attend_paths_give_identical_bits() {
+        let (n, kvd, hd) = (37, 48, 24);
+        let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+        let keys: Vec<f32> = (0..n * kvd).map(f).collect();
+        let values: Vec<f32> = (0..n * kvd).map(|i| f(i + 3)).collect();
+        let q: Vec<f32> = (0..hd).map(|i| f(i * 13)).collect();
+        let a = AttendArgs {
+            keys: &keys,
+            values: &values,
+            n,
+            kv_stride: kvd,
+            kv_off: hd,
+            scale: 0.2,
+        };
+        let (mut s1, mut s2) = (vec![0.0; n], vec![0.0; n]);
+        let (mut o1, mut o2) = (vec![0.0; hd], vec![0.0; hd]);
+        attend(&q, &a, &mut s1, &mut o1);
+        attend_generic(&q, &a, &mut s2, &mut o2);
+        assert_eq!(o1, o2);
+        let w: f32 = s2.iter().sum();
+        assert!((w - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
     fn softmax_sums_to_one() {
         let mut x = vec![1.0, 2.0, 3.0, -100.0];
         softmax(&mut x);
