@@ -10,7 +10,8 @@ setup:
 # Every test: Rust unit tests, then the Python suite against the real engine.
 test: setup
     cargo test --release --workspace --quiet
-    cargo test --release --quiet --manifest-path fuzz/Cargo.toml --target-dir target
+    # The fuzz crate is its own workspace: its own target dir, so the two builds never mix.
+    cargo test --release --quiet --manifest-path fuzz/Cargo.toml --target-dir target/fuzz-smoke
     {{py}} -m pytest -q tests
 
 # Formatting and lints (Rust and Python).

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from colibri.builtin import builtin_name
+
 from .conftest import FIXTURES
 
 
@@ -25,7 +27,7 @@ def test_generate_without_model_builds_and_uses_the_builtin_model(tmp_path):
     first = run("generate", "--prompt", "Hello", "--max-tokens", "8", env=env)
     assert first.returncode == 0, first.stderr
     built = list((tmp_path / "cache" / "models").iterdir())
-    assert [p.name for p in built] == ["builtin-random-glm4moe-v1"]
+    assert [p.name for p in built] == [builtin_name()]
     assert (built[0] / "manifest.json").is_file()
     again = run("generate", "--prompt", "Hello", "--max-tokens", "8", env=env)
     assert again.returncode == 0 and again.stdout == first.stdout, "deterministic and cached"
@@ -37,9 +39,7 @@ def test_builtin_model_is_reproducible_across_builds(tmp_path):
         env = {"COLI_CACHE_DIR": str(tmp_path / name), "COLI_MODEL": ""}
         r = run("generate", "--prompt", "abc", "--max-tokens", "5", env=env)
         assert r.returncode == 0, r.stderr
-        outs.append(
-            (tmp_path / name / "models" / "builtin-random-glm4moe-v1" / "resident.bin").read_bytes()
-        )
+        outs.append((tmp_path / name / "models" / builtin_name() / "resident.bin").read_bytes())
     assert outs[0] == outs[1]
 
 

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-BUILTIN_NAME = "builtin-random-glm4moe-v1"
+
+def builtin_name() -> str:
+    """Cache directory name: the recipe's version and the model-directory format it was built for,
+    so a colibri with a newer format builds its own copy instead of loading a stale one."""
+    from colibri._engine import FORMAT_VERSION
+
+    return f"builtin-random-glm4moe-v1-format{FORMAT_VERSION}"
+
+
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "[gMASK]",
@@ -148,7 +156,7 @@ def builtin_model_dir() -> Path:
     """The converted built-in model, building and caching it on first use."""
     from colibri.engine import convert
 
-    target = cache_dir() / "models" / BUILTIN_NAME
+    target = cache_dir() / "models" / builtin_name()
     if (target / "manifest.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -38,10 +38,13 @@ fn random_q4(rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
         let v = rng.next().to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
     }
-    let off = colibri_engine::quant::q4_scales_offset(rows, cols);
-    for s in b[off..].chunks_mut(2) {
-        let h = half::f16::from_f32(0.01 + (rng.next() % 100) as f32 * 1e-4);
-        s.copy_from_slice(&h.to_le_bytes());
+    // Each row: its f16 scales, then its nibbles.
+    let row = colibri_engine::quant::q4_row_bytes(cols);
+    for r in b.chunks_mut(row) {
+        for s in r[..row / 9].chunks_mut(2) {
+            let h = half::f16::from_f32(0.01 + (rng.next() % 100) as f32 * 1e-4);
+            s.copy_from_slice(&h.to_le_bytes());
+        }
     }
     b
 }

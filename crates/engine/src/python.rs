@@ -210,5 +210,6 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(default_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
+    m.add("FORMAT_VERSION", crate::format::FORMAT_VERSION)?;
     Ok(())
 }

@@ -209,7 +209,8 @@ impl Model {
             .map_err(|e| fmt_err(format!("{}: invalid manifest: {e}", mpath.display())))?;
         if manifest.format != FORMAT_NAME || manifest.version != FORMAT_VERSION {
             return Err(fmt_err(format!(
-                "{}: format {} v{} is not supported (expected {FORMAT_NAME} v{FORMAT_VERSION})",
+                "{}: format {} v{} is not supported (expected {FORMAT_NAME} v{FORMAT_VERSION}); \
+                 convert the checkpoint again with `colibri convert`",
                 mpath.display(),
                 manifest.format,
                 manifest.version

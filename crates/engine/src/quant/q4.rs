@@ -14,22 +14,22 @@ pub fn q4_padded_cols(cols: usize) -> usize {
     cols.div_ceil(GROUP) * GROUP
 }
 
-/// Byte offset of the scales: the nibbles rounded up to a multiple of 64 bytes.
-pub fn q4_scales_offset(rows: usize, cols: usize) -> usize {
-    (rows * q4_padded_cols(cols) / 2).next_multiple_of(64)
+/// Bytes of one row: its `q4_padded_cols(cols) / 32` f16 scales, then its nibbles (18 bytes
+/// per group of 32 weights). Row `r` of a matrix starts at `r * q4_row_bytes(cols)`.
+pub fn q4_row_bytes(cols: usize) -> usize {
+    q4_padded_cols(cols) / GROUP * 18
 }
 
 /// Total bytes of a `rows x cols` int4 matrix.
 pub fn q4_byte_len(rows: usize, cols: usize) -> usize {
-    q4_scales_offset(rows, cols) + rows * (q4_padded_cols(cols) / GROUP) * 2
+    rows * q4_row_bytes(cols)
 }
 
+/// `(row bytes, total bytes)`, or `None` on overflow.
 fn checked_layout(rows: usize, cols: usize) -> Option<(usize, usize)> {
     let kp = cols.checked_next_multiple_of(GROUP)?;
-    let nib = rows.checked_mul(kp / 2)?;
-    let off = nib.checked_next_multiple_of(64)?;
-    let len = off.checked_add(rows.checked_mul(kp / GROUP * 2)?)?;
-    Some((off, len))
+    let row = (kp / GROUP).checked_mul(18)?;
+    Some((row, rows.checked_mul(row)?))
 }
 
 #[inline(always)]
@@ -170,10 +170,11 @@ fn pack_group(q: &[u8; GROUP], out: &mut [u8]) {
     }
 }
 
-/// Quantizes one row (`wrow`: `cols` floats) into its nibbles and scales.
+/// Quantizes one row (`wrow`: `cols` floats) into its bytes (`out`: scales, then nibbles).
 #[inline(always)]
-fn quantize_row(wrow: &[f32], nrow: &mut [u8], srow: &mut [u8], search: bool) {
+fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool) {
     let cols = wrow.len();
+    let (srow, nrow) = out.split_at_mut(out.len() / 9);
     let mut x = [0.0f32; GROUP];
     let mut q = [0u8; GROUP];
     for g in 0..srow.len() / 2 {
@@ -195,8 +196,8 @@ fn quantize_row(wrow: &[f32], nrow: &mut [u8], srow: &mut [u8], search: bool) {
 /// never contracts or reorders float operations, so only the instruction selection differs.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn quantize_row_avx2(wrow: &[f32], nrow: &mut [u8], srow: &mut [u8], search: bool) {
-    quantize_row(wrow, nrow, srow, search)
+fn quantize_row_avx2(wrow: &[f32], out: &mut [u8], search: bool) {
+    quantize_row(wrow, out, search)
 }
 
 fn quantize_with(w: &[f32], rows: usize, cols: usize, search: bool) -> Vec<u8> {
@@ -206,29 +207,23 @@ fn quantize_with(w: &[f32], rows: usize, cols: usize, search: bool) -> Vec<u8> {
         "quantize_q4: w has {} floats, not {rows}x{cols}",
         w.len()
     );
-    let (off, len) = checked_layout(rows, cols).expect("quantize_q4: shape too large");
+    let (row, len) = checked_layout(rows, cols).expect("quantize_q4: shape too large");
     let mut out = vec![0u8; len];
     if rows == 0 || cols == 0 {
         return out;
     }
-    let kp = q4_padded_cols(cols);
-    let groups = kp / GROUP;
     #[cfg(target_arch = "x86_64")]
     let avx2 = is_x86_feature_detected!("avx2");
-    let (nib, rest) = out.split_at_mut(off);
-    let scales = &mut rest[..rows * groups * 2];
-    nib[..rows * kp / 2]
-        .par_chunks_mut(kp / 2)
-        .zip(scales.par_chunks_mut(groups * 2))
+    out.par_chunks_mut(row)
         .zip(w.par_chunks(cols))
-        .for_each(|((nrow, srow), wrow)| {
+        .for_each(|(orow, wrow)| {
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU has AVX2 (detected above).
-                unsafe { quantize_row_avx2(wrow, nrow, srow, search) };
+                unsafe { quantize_row_avx2(wrow, orow, search) };
                 return;
             }
-            quantize_row(wrow, nrow, srow, search);
+            quantize_row(wrow, orow, search);
         });
     out
 }
@@ -251,7 +246,7 @@ pub struct Q4Matrix<'a> {
     pub cols: usize,
     bytes: &'a [u8],
     kp: usize,
-    scales_off: usize,
+    row_bytes: usize,
 }
 
 impl std::fmt::Debug for Q4Matrix<'_> {
@@ -266,7 +261,7 @@ impl std::fmt::Debug for Q4Matrix<'_> {
 impl<'a> Q4Matrix<'a> {
     /// Checks that `bytes` has exactly `q4_byte_len(rows, cols)` bytes.
     pub fn new(bytes: &'a [u8], rows: usize, cols: usize) -> Result<Self, QuantError> {
-        let (off, len) = checked_layout(rows, cols).ok_or(QuantError::Shape { rows, cols })?;
+        let (row, len) = checked_layout(rows, cols).ok_or(QuantError::Shape { rows, cols })?;
         if bytes.len() != len {
             return Err(QuantError::Length {
                 rows,
@@ -280,7 +275,7 @@ impl<'a> Q4Matrix<'a> {
             cols,
             bytes,
             kp: q4_padded_cols(cols),
-            scales_off: off,
+            row_bytes: row,
         })
     }
 
@@ -294,15 +289,24 @@ impl<'a> Q4Matrix<'a> {
         self.kp / GROUP
     }
 
+    /// Bytes per row (`q4_row_bytes(cols)`): the row's scales, then its nibbles.
+    pub fn row_stride(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// All bytes of row `r`: `groups() * 2` bytes of scales, then `groups() * 16` of nibbles.
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
     /// Nibbles of row `r`: `groups() * 16` bytes.
     pub fn row_nibbles(&self, r: usize) -> &'a [u8] {
-        &self.bytes[r * self.kp / 2..(r + 1) * self.kp / 2]
+        &self.row(r)[self.groups() * 2..]
     }
 
     /// Scales of row `r`: `groups()` little-endian f16, as `groups() * 2` bytes.
     pub fn row_scales(&self, r: usize) -> &'a [u8] {
-        let g = self.groups();
-        &self.bytes[self.scales_off + r * g * 2..self.scales_off + (r + 1) * g * 2]
+        &self.row(r)[..self.groups() * 2]
     }
 
     /// Scale of group `g` of row `r`.
@@ -377,10 +381,11 @@ mod tests {
         assert_eq!(q4_padded_cols(1), 32);
         assert_eq!(q4_padded_cols(64), 64);
         assert_eq!(q4_padded_cols(72), 96);
-        // 3 rows x 72 cols: 3 * 48 = 144 nibble bytes -> 192, + 3 * 3 * 2 scales.
-        assert_eq!(q4_scales_offset(3, 72), 192);
-        assert_eq!(q4_byte_len(3, 72), 192 + 18);
+        // 72 cols: 3 groups, 3 * 2 scale bytes + 3 * 16 nibble bytes per row.
+        assert_eq!(q4_row_bytes(72), 54);
+        assert_eq!(q4_byte_len(3, 72), 3 * 54);
         assert_eq!(q4_byte_len(2048, 1024), 2048 * 512 + 2048 * 32 * 2);
+        assert_eq!(q4_row_bytes(2048), 64 * 18);
         assert_eq!(q4_byte_len(0, 100), 0);
         assert!(checked_layout(usize::MAX / 2, 64).is_none());
     }
@@ -499,9 +504,17 @@ mod tests {
                 assert_eq!(nib[2 * 16 + j] & 15, 8, "row {r} col {}", 64 + j);
             }
         }
-        // Bytes between the nibbles and the scales are zero.
-        let off = q4_scales_offset(rows, cols);
-        assert!(bytes[rows * 48..off].iter().all(|&b| b == 0));
+        // Each row is one stream: its scales, then its nibbles.
+        for r in 0..rows {
+            let row = &bytes[r * 54..(r + 1) * 54];
+            assert_eq!(m.row(r), row);
+            assert_eq!(m.row_scales(r), &row[..6]);
+            assert_eq!(m.row_nibbles(r), &row[6..]);
+            for g in 0..3 {
+                let d = f16::from_le_bytes([row[2 * g], row[2 * g + 1]]).to_f32();
+                assert_eq!(m.scale(r, g), d);
+            }
+        }
         // An all-zero matrix dequantizes to zeros.
         let z = quantize_q4(&vec![0.0; 17 * 40], 17, 40);
         assert!(Q4Matrix::new(&z, 17, 40)

@@ -14,7 +14,7 @@ use std::ops::Range;
 use super::q8::TokenActs;
 use super::{Q4Matrix, Q8Acts};
 
-/// Software prefetch distance in the nibble stream, bytes.
+/// Software prefetch distance in each row's byte stream, bytes.
 const PREFETCH: usize = 8192;
 
 /// Raw pointers to one activation vector's arrays (see `q8`'s layout).
@@ -54,18 +54,26 @@ fn hsum(v: __m256) -> f32 {
 /// Dots of `R` rows with `T` activation vectors.
 ///
 /// # Safety
-/// `wq[r]` points at `groups * 16` readable bytes of nibbles and `ws[r]` at `groups * 2` bytes
-/// of scales; each `a[t]` points at the arrays of one activation vector with at least
-/// `groups.next_multiple_of(8)` groups (`qs`: 32 bytes, `corr`/`dexp`: 4 values per group).
+/// `wr[r]` points at the `groups * 18` readable bytes of one row (`groups * 2` bytes of scales,
+/// then `groups * 16` bytes of nibbles); each `a[t]` points at the arrays of one activation
+/// vector with at least `groups.next_multiple_of(8)` groups (`qs`: 32 bytes, `corr`/`dexp`: 4
+/// values per group).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_tile<const R: usize, const T: usize>(
-    wq: [*const u8; R],
-    ws: [*const u8; R],
+    wr: [*const u8; R],
     groups: usize,
     a: [ActPtr; T],
 ) -> [[f32; T]; R] {
     let full = groups / 8;
     let nch = groups.div_ceil(8);
+    let row_bytes = groups * 18;
+    // Scales at the start of the row, nibbles after them.
+    let ws = wr;
+    let wq: [*const u8; R] = std::array::from_fn(|r| wr[r].wrapping_add(groups * 2));
+    // Offset from the row start of the next cache line to prefetch, per row (starting at the
+    // line holding byte PREFETCH).
+    let mut cursor: [usize; R] =
+        std::array::from_fn(|r| PREFETCH - (wr[r] as usize).wrapping_add(PREFETCH) % 64);
     // The last partial chunk of 8 groups is copied into zero-filled buffers (zero scales make
     // the padding groups contribute nothing; the activations are zero there as well).
     let mut tq = [[0u8; 128]; R];
@@ -86,14 +94,17 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for c in 0..nch {
-        // Software prefetch PREFETCH bytes ahead in the nibble stream (and the matching
-        // distance in the scale stream): the hardware prefetcher alone reaches about half of
-        // the DRAM bandwidth here. Prefetching past the end of the buffer is harmless.
+        // Software prefetch PREFETCH bytes ahead in the row's byte stream, each cache line
+        // once, keeping pace with the chunks (the hardware prefetcher alone reaches about half
+        // of the DRAM bandwidth here). The next row continues where this one ends, so
+        // consecutive rows see one sequential stream. Prefetching past the end of the buffer
+        // is harmless.
         for r in 0..R {
-            let p = wq[r].wrapping_add(c * 128 + PREFETCH);
-            _mm_prefetch::<_MM_HINT_T0>(p.cast());
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
-            _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(c * 16 + PREFETCH / 8).cast());
+            let target = (c + 1) * row_bytes / nch + PREFETCH;
+            while cursor[r] < target {
+                _mm_prefetch::<_MM_HINT_T0>(wr[r].wrapping_add(cursor[r]).cast());
+                cursor[r] += 64;
+            }
         }
         let mut q = [std::ptr::null::<u8>(); R];
         let mut dw = [_mm256_setzero_ps(); R];
@@ -173,12 +184,11 @@ unsafe fn q4_run<const R: usize, const T: usize>(
     out: *mut f32,
     out_stride: usize,
 ) {
-    let wq: [*const u8; R] = std::array::from_fn(|i| w.row_nibbles(r0 + i).as_ptr());
-    let ws: [*const u8; R] = std::array::from_fn(|i| w.row_scales(r0 + i).as_ptr());
+    let wr: [*const u8; R] = std::array::from_fn(|i| w.row(r0 + i).as_ptr());
     let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
-    // SAFETY: the pointers come from row slices of `w` (groups*16 / groups*2 bytes) and from
-    // activation vectors padded to a multiple of 8 groups >= w.groups() (cols agree).
-    let res = unsafe { q4_tile::<R, T>(wq, ws, w.groups(), a) };
+    // SAFETY: the pointers come from row slices of `w` (groups*18 bytes: scales, then nibbles)
+    // and from activation vectors padded to a multiple of 8 groups >= w.groups() (cols agree).
+    let res = unsafe { q4_tile::<R, T>(wr, w.groups(), a) };
     for (i, row) in res.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
             // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
