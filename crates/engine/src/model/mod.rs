@@ -83,12 +83,29 @@ pub struct Model {
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
-    let f = File::open(path).map_err(io_err(path))?;
-    // SAFETY: model files are written once by the converter and only read afterwards; the map is
-    // read-only. Truncating them while a server runs is outside what this program can guard.
-    // `populate` faults every page in at load (one sequential pass) instead of one fault per
-    // page on first use in the middle of a generation.
-    unsafe { memmap2::MmapOptions::new().populate().map(&f) }.map_err(io_err(path))
+    if std::env::var("COLI_LOAD").is_ok_and(|v| v == "mmap") {
+        let f = File::open(path).map_err(io_err(path))?;
+        // SAFETY: model files are written once by the converter and only read afterwards; the
+        // map is read-only. Truncating them while a server runs is outside what we can guard.
+        return unsafe { memmap2::MmapOptions::new().populate().map(&f) }.map_err(io_err(path));
+    }
+    read_into_huge_pages(path)
+}
+
+/// Reads a whole file into anonymous memory backed by transparent huge pages where the kernel
+/// allows (`madvise`). Streaming 0.7 GB of weights per token through 4 KiB pages costs a page
+/// walk every 4 KiB; 2 MiB pages remove nearly all of them, and the weights no longer depend on
+/// what the page cache kept of the file.
+fn read_into_huge_pages(path: &Path) -> Result<Mmap> {
+    use std::io::Read;
+    let mut f = File::open(path).map_err(io_err(path))?;
+    let len = f.metadata().map_err(io_err(path))?.len() as usize;
+    let mut mem = memmap2::MmapMut::map_anon(len.max(1)).map_err(io_err(path))?;
+    #[cfg(target_os = "linux")]
+    let _ = mem.advise(memmap2::Advice::HugePage);
+    f.read_exact(&mut mem[..len]).map_err(io_err(path))?;
+    let ro = mem.make_read_only().map_err(io_err(path))?;
+    Ok(ro)
 }
 
 struct Tensors<'a> {
