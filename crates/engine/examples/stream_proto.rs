@@ -5,16 +5,17 @@
 //! Several configurations run interleaved step by step, so machine drift hits them alike.
 //!
 //! `CONFIGS="layout,pf,hint,R,chunk,mode;..." cargo run --release --example stream_proto -- THREADS`
-//! * layout: `split` (the int4 layout: all nibbles, then all scales), `row` (per row: scales
-//!   then nibbles), `sb` (per 256 weights: 8 f16 scales then 128 nibble bytes);
+//! * layout: `split` (format v1: all nibbles, then all scales), `row` (per row: scales then
+//!   nibbles, format v2 since this measurement), `sb` (per 256 weights: 8 f16 scales then 128 nibble bytes);
 //! * pf: `cur` (2 nibble lines + 1 scale prefetch per 8 groups), `line` (scale prefetch once
 //!   per line), `none`; hint: `t0`, `t1`, `nta`; R: rows per tile (1, 2, 4);
 //! * chunk: rows per task (0 = one contiguous run per thread), mode: `kernel` or `read` (loads
 //!   only: the bandwidth ceiling of the same access pattern).
 //!
 //! Env: `PFD` prefetch distance (8192), `STEPS` (60), `PAGES=4k|huge` (anonymous memory page
-//! size), `MODEL=DIR` (take the experts of the `split` layout from `DIR/experts.bin`, i.e. the
-//! page cache of a converted OLMoE model, instead of anonymous memory).
+//! size), `MODEL=DIR` (take the bytes of the experts from `DIR/experts.bin`, i.e. the page
+//! cache of a converted OLMoE model, instead of anonymous memory; for streaming speed only —
+//! the bytes are read as whichever layout is configured).
 //!
 //! The kernels here skip every check: groups must be a multiple of 8 (true for OLMoE shapes).
 
