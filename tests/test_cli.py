@@ -110,3 +110,40 @@ def test_coli_kernel_environment_override_selects_each_path():
         env={**os.environ, "COLI_KERNEL": "bogus"},
     )
     assert bad.returncode == 0 and "COLI_KERNEL" in bad.stderr, "unknown value: one warning line"
+
+
+def test_convert_shows_progress_on_a_terminal(tmp_path):
+    """On a terminal the converter reports progress; piped, it prints only the summary."""
+    import pty
+
+    parent, child = pty.openpty()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colibri",
+            "convert",
+            str(FIXTURES / "glm4_moe" / "hf"),
+            str(tmp_path / "m"),
+        ],
+        stdin=child,
+        stdout=child,
+        stderr=child,
+        env=os.environ.copy(),
+    )
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            data = os.read(parent, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(parent)
+    out = b"".join(chunks).decode(errors="replace")
+    assert "converting 100%" in out and "converted Glm4MoeForCausalLM" in out
+    piped = run("convert", str(FIXTURES / "glm4_moe" / "hf"), str(tmp_path / "m2"))
+    assert piped.returncode == 0 and "converting" not in piped.stderr
