@@ -639,7 +639,13 @@ impl Model {
         let c = &self.cfg;
         let (n, h, e) = (x.n, c.hidden_size, c.num_experts);
         let mut logits = vec![0.0f32; n * e];
-        quant::f32_matmul(self.kernel, router, h, &x.x, n, &mut logits, e, 0..e);
+        // The router is small but f32 (8 MB a token for OLMoE-1B-7B): split it across threads.
+        debug_assert_eq!(router.len(), e * h);
+        matmul_many(
+            &self.pool,
+            self.kernel,
+            &mut [Job { w: WeightRef::F32(router), x, out: &mut logits }],
+        );
         // expert -> [(token, weight)], in expert order (the order the reference sums them).
         let mut by_expert: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
         for t in 0..n {
