@@ -21,7 +21,7 @@ def builtin_name() -> str:
     so a colibri with a newer format builds its own copy instead of loading a stale one."""
     from colibri._engine import FORMAT_VERSION
 
-    return f"builtin-random-glm4moe-v1-format{FORMAT_VERSION}"
+    return f"builtin-random-glm4moe-v2-format{FORMAT_VERSION}"
 
 
 SPECIAL_TOKENS = [
@@ -84,14 +84,26 @@ def cache_dir() -> Path:
 def _tokenizer_json(path: Path) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab = {ch: i for i, ch in enumerate(_alphabet())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.save(str(path))
     return tok.get_vocab_size()
+
+
+def _alphabet() -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    return sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def _printable_token_ids() -> list[int]:
+    """Ids of the byte tokens that print as plain ASCII: '!'..'~' map to themselves in the
+    byte-level alphabet, space and newline to 'Ġ' and 'Ċ'."""
+    keep = {chr(c) for c in range(0x21, 0x7F)} | {"\u0120", "\u010a"}
+    return [i for i, ch in enumerate(_alphabet()) if ch in keep]
 
 
 def _weights(cfg: dict) -> dict[str, np.ndarray]:
@@ -103,13 +115,20 @@ def _weights(cfg: dict) -> dict[str, np.ndarray]:
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
+    def _printable_head(head: np.ndarray) -> np.ndarray:
+        # Only printable ASCII gets a nonzero output row, so the noise it generates is readable.
+        out = np.zeros_like(head)
+        rows = _printable_token_ids()
+        out[rows] = head[rows] * 3.0
+        return out
+
     def vec(n: int, mean: float = 0.0, std: float = 0.1) -> np.ndarray:
         return (mean + std * rng.standard_normal(n)).astype(np.float32)
 
     w = {
         "model.embed_tokens.weight": mat(v, h),
         "model.norm.weight": vec(h, 1.0),
-        "lm_head.weight": mat(v, h),
+        "lm_head.weight": _printable_head(mat(v, h)),
     }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
