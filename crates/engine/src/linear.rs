@@ -42,19 +42,6 @@ impl Linear {
 }
 
 impl WeightRef<'_> {
-    pub fn rows(&self) -> usize {
-        match self {
-            WeightRef::F32(w) => w.len() / self.cols(),
-            WeightRef::Q4(m) => m.rows,
-        }
-    }
-    fn cols(&self) -> usize {
-        match self {
-            WeightRef::F32(_) => unreachable!("cols of an f32 view come from the job"),
-            WeightRef::Q4(m) => m.cols,
-        }
-    }
-
     /// Copies (dequantizes) row `r` into `out` (`cols` values): embedding lookup.
     pub fn row(&self, r: usize, cols: usize, out: &mut [f32]) {
         match self {

@@ -13,7 +13,7 @@ pub mod routing;
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use memmap2::Mmap;
 
@@ -69,7 +69,6 @@ struct ExpertLayout {
 pub struct Model {
     pub cfg: ModelConfig,
     pub manifest: Manifest,
-    pub dir: PathBuf,
     resident: Mmap,
     experts: Option<Mmap>,
     expert_layout: Option<ExpertLayout>,
@@ -396,7 +395,6 @@ impl Model {
             rope: Rope::new(cfg.rotary_dim, cfg.rope_theta),
             cfg,
             manifest,
-            dir: dir.to_path_buf(),
             resident,
             experts,
             expert_layout,
@@ -644,7 +642,11 @@ impl Model {
         matmul_many(
             &self.pool,
             self.kernel,
-            &mut [Job { w: WeightRef::F32(router), x, out: &mut logits }],
+            &mut [Job {
+                w: WeightRef::F32(router),
+                x,
+                out: &mut logits,
+            }],
         );
         // expert -> [(token, weight)], in expert order (the order the reference sums them).
         let mut by_expert: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();

@@ -38,42 +38,28 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn matrix(&mut self, name: String, hf: String, rows: usize, cols: usize) {
+    fn add(&mut self, name: String, hf: String, shape: Vec<usize>, matrix: bool, optional: bool) {
         self.resident.push(TensorSpec {
             name,
             hf,
-            shape: vec![rows, cols],
-            matrix: true,
-            optional: false,
+            shape,
+            matrix,
+            optional,
         });
+    }
+    /// A weight matrix, stored at the model's quantization.
+    pub fn matrix(&mut self, name: String, hf: String, rows: usize, cols: usize) {
+        self.add(name, hf, vec![rows, cols], true, false);
     }
     pub fn vector(&mut self, name: String, hf: String, n: usize) {
-        self.resident.push(TensorSpec {
-            name,
-            hf,
-            shape: vec![n],
-            matrix: false,
-            optional: false,
-        });
+        self.add(name, hf, vec![n], false, false);
     }
     pub fn optional_vector(&mut self, name: String, hf: String, n: usize) {
-        self.resident.push(TensorSpec {
-            name,
-            hf,
-            shape: vec![n],
-            matrix: false,
-            optional: true,
-        });
+        self.add(name, hf, vec![n], false, true);
     }
     /// A full-precision matrix (a router).
     pub fn f32_matrix(&mut self, name: String, hf: String, rows: usize, cols: usize) {
-        self.resident.push(TensorSpec {
-            name,
-            hf,
-            shape: vec![rows, cols],
-            matrix: false,
-            optional: false,
-        });
+        self.add(name, hf, vec![rows, cols], false, false);
     }
 }
 
