@@ -1,4 +1,4 @@
-"""`colibri` / `coli` command line: generate, convert, bench."""
+"""`colibri` / `coli` command line: serve, generate, convert, bench."""
 
 from __future__ import annotations
 
@@ -25,6 +25,41 @@ def _load(args: argparse.Namespace):
     from colibri.engine import Engine
 
     return Engine(_model_dir(args.model), threads=args.threads)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from colibri import server
+
+    api_key = args.api_key or os.environ.get("COLI_API_KEY") or None
+    try:
+        server.check_bind(args.host, api_key, args.allow_unauthenticated)
+    except server.StartupRefused as e:
+        print(f"colibri serve: {e}", file=sys.stderr)
+        return 2
+    sock = server.open_socket(args.host, args.port)
+
+    from colibri.api.app import create_app
+    from colibri.api.served import ServedModel, ServerConfig
+
+    builtin = not (args.model or os.environ.get("COLI_MODEL"))
+    model_dir = _model_dir(args.model)
+    engine = _load(args)
+    dir_id = server.default_model_id(model_dir, builtin)
+    alias = args.model_id or os.environ.get("COLI_MODEL_ID") or None
+    config = ServerConfig(
+        model_id=alias or dir_id,
+        aliases=(dir_id,) if alias else (),
+        api_key=api_key,
+        allowed_hosts=tuple(args.allowed_host or server.env_list("COLI_ALLOWED_HOSTS")),
+        cors_origins=tuple(args.cors_origin or ()),
+        max_tokens=args.max_tokens,
+        continue_assistant=os.environ.get("COLI_CONTINUE_ASSISTANT", "1") != "0",
+        chat_family=args.chat_family,
+    )
+    created = int((model_dir / "manifest.json").stat().st_mtime)
+    served = ServedModel(engine, config, created)
+    server.run(create_app(served), sock, config.model_id)
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -140,6 +175,38 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--threads", type=int, default=None, help="worker threads (default: all cores)"
         )
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free)")
+    s.add_argument("--model-id", help="name clients use for the model ($COLI_MODEL_ID)")
+    s.add_argument("--api-key", help="require this key from clients ($COLI_API_KEY)")
+    s.add_argument(
+        "--allowed-host",
+        action="append",
+        help="extra Host header name to accept, repeatable ($COLI_ALLOWED_HOSTS, comma-separated)",
+    )
+    s.add_argument(
+        "--cors-origin", action="append", help="extra exact CORS origin, repeatable ('*': any)"
+    )
+    s.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="default reply budget for chat requests without max_tokens (default: the context)",
+    )
+    s.add_argument(
+        "--chat-family",
+        choices=["glm", "qwen3", "olmoe"],
+        help="override the chat family detected from the model",
+    )
+    s.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="allow a non-loopback --host without an API key (trusted networks only)",
+    )
+    s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="print a completion of a prompt")
     model_args(g)

@@ -55,6 +55,10 @@ class Engine:
         """Token ids of ``text`` (special-token strings in it are recognised as such)."""
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token's exact text (e.g. a special marker), or None if it is not one."""
+        return self._tokenizer.token_to_id(token)
+
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 

@@ -1,0 +1,1 @@
+"""HTTP protocol layer: the Starlette app, protocol encoders, errors and security middleware."""

@@ -1,0 +1,92 @@
+"""Errors in each protocol's own envelope.
+
+OpenAI: ``{"error": {"message", "type", "param", "code"}}``. Anthropic (``/v1/messages``):
+``{"type": "error", "error": {"type", "message"}}``. Anything raised as :class:`ApiError` inside a
+route, or produced by the security middleware, goes through :func:`error_response`.
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.responses import Response
+
+# HTTP status -> OpenAI error type (what the official SDKs expect to see).
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+# HTTP status -> Anthropic error type.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class ApiError(Exception):
+    """A request refused with a status, a message a person can act on, and a stable code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_body(path: str, err: ApiError) -> bytes:
+    """The JSON error envelope of the protocol that ``path`` belongs to."""
+    if is_anthropic_path(path):
+        return orjson.dumps(
+            {
+                "type": "error",
+                "error": {
+                    "type": _ANTHROPIC_TYPES.get(err.status, "api_error"),
+                    "message": err.message,
+                },
+            }
+        )
+    return orjson.dumps(
+        {
+            "error": {
+                "message": err.message,
+                "type": _OPENAI_TYPES.get(err.status, "invalid_request_error"),
+                "param": err.param,
+                "code": err.code,
+            }
+        }
+    )
+
+
+def error_response(path: str, err: ApiError) -> Response:
+    return Response(
+        error_body(path, err),
+        status_code=err.status,
+        media_type="application/json",
+        headers=err.headers,
+    )

@@ -1,0 +1,316 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from colibri.api.errors import ApiError, error_body
+from colibri.api.openai_request import Sampling, parse_chat, parse_completion
+from colibri.api.served import ServedModel
+from colibri.chat.output import ReasoningState
+from colibri.chat.render import ContinuationRefused, render_chat
+from colibri.chat.template import TemplateRefused
+from colibri.generation import Finished, GenerationSpec
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def served(request: Request) -> ServedModel:
+    return request.app.state.served
+
+
+async def list_models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [served(request).model_card()]})
+
+
+async def get_model(request: Request) -> Response:
+    model = served(request)
+    model.check_model(request.path_params["model"])
+    return json_response(model.model_card())
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _Reply:
+    """Everything a response needs besides the generated pieces."""
+
+    def __init__(
+        self,
+        model: ServedModel,
+        spec: GenerationSpec,
+        sampling: Sampling,
+        prompt_tokens: int,
+        show_reasoning: bool,
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.sampling = sampling
+        self.prompt_tokens = prompt_tokens
+        self.show_reasoning = show_reasoning
+        self.created = int(time.time())
+
+
+async def chat_completions(request: Request) -> Response:
+    model = served(request)
+    req = parse_chat(await read_json(request), model.config.max_tokens)
+    model.check_model(req.model)
+    family = model.family
+    if model.template is None:
+        raise ApiError(
+            400,
+            "The served model has no chat template (tokenizer_config.json or "
+            "chat_template.jinja); use /v1/completions with a prompt string",
+            code="chat_template_missing",
+        )
+    if req.thinking and not family.reasoning:
+        raise ApiError(
+            400,
+            f"The served model (family '{family.name}') has no reasoning mode: drop "
+            "enable_thinking / reasoning_effort",
+            code="reasoning_not_supported",
+            param="reasoning_effort",
+        )
+    try:
+        rendered = render_chat(
+            model.template,
+            family,
+            req.messages,
+            enable_thinking=req.thinking,
+            continue_assistant=model.config.continue_assistant,
+        )
+    except ContinuationRefused as e:
+        raise ApiError(400, str(e), code="invalid_continuation", param="messages") from e
+    except TemplateRefused as e:
+        raise ApiError(
+            400, f"The model's chat template refused these messages: {e}", param="messages"
+        ) from e
+    ids = model.engine.tokenize(rendered.text)
+    max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "messages")
+    stops = list(req.sampling.stops)
+    ignore_leading = req.sampling.ignore_leading_stop
+    stop_ids = list(model.engine.eos_token_ids)
+    if not stops and family.implicit_stops:
+        # The template's role markers end a turn the model completed on its own; leading ones
+        # (a marker before any answer) are skipped, so they are text stops, not token stops.
+        stops, ignore_leading = list(family.implicit_stops), True
+        marker_ids = {model.engine.token_id(m) for m in family.implicit_stops}
+        stop_ids = [t for t in stop_ids if t not in marker_ids]
+    reasoning = (
+        ReasoningState(
+            rendered.in_reasoning, rendered.after_reasoning, family.open_think, family.close_think
+        )
+        if family.reasoning
+        else None
+    )
+    spec = GenerationSpec(
+        prompt_ids=ids,
+        max_tokens=max_tokens,
+        temperature=req.sampling.temperature,
+        top_p=req.sampling.top_p,
+        seed=req.sampling.seed,
+        stop_token_ids=stop_ids,
+        stops=stops,
+        ignore_leading_stop=ignore_leading,
+        reasoning=reasoning,
+    )
+    reply = _Reply(model, spec, req.sampling, len(ids), req.include_reasoning)
+    if req.sampling.stream:
+        return _stream(_chat_events(reply))
+    return json_response(await _chat_json(reply, thinking=req.thinking))
+
+
+async def _collect(reply: _Reply) -> tuple[dict[str, str], Finished]:
+    texts = {"content": "", "reasoning": ""}
+    async for event in reply.model.generator.stream(reply.spec):
+        pieces = event.pieces if isinstance(event, Finished) else event
+        for kind, text in pieces:
+            texts[kind] += text
+        if isinstance(event, Finished):
+            return texts, event
+    raise RuntimeError("generation ended without a finish event")
+
+
+async def _chat_json(reply: _Reply, thinking: bool) -> dict[str, Any]:
+    texts, fin = await _collect(reply)
+    message: dict[str, Any] = {"role": "assistant", "content": texts["content"]}
+    if reply.show_reasoning and (thinking or texts["reasoning"]):
+        message["reasoning"] = message["reasoning_content"] = texts["reasoning"]
+    return {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "object": "chat.completion",
+        "created": reply.created,
+        "model": reply.model.id,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": fin.reason}
+        ],
+        "usage": _usage(reply.prompt_tokens, fin.completion_tokens),
+    }
+
+
+def _stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _chat_events(reply: _Reply) -> AsyncIterator[bytes]:
+    cid = "chatcmpl-" + secrets.token_hex(12)
+    usage_key = {"usage": None} if reply.sampling.include_usage else {}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return _sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": reply.created,
+                "model": reply.model.id,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+                **usage_key,
+            }
+        )
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async for event in reply.model.generator.stream(reply.spec):
+            pieces = event.pieces if isinstance(event, Finished) else event
+            for kind, text in pieces:
+                if kind == "content":
+                    yield chunk({"content": text})
+                elif reply.show_reasoning:
+                    yield chunk({"reasoning": text, "reasoning_content": text})
+            if isinstance(event, Finished):
+                yield chunk({}, event.reason)
+                if reply.sampling.include_usage:
+                    yield _sse(
+                        {
+                            "id": cid,
+                            "object": "chat.completion.chunk",
+                            "created": reply.created,
+                            "model": reply.model.id,
+                            "choices": [],
+                            "usage": _usage(reply.prompt_tokens, event.completion_tokens),
+                        }
+                    )
+    except Exception as e:  # headers are sent: the error goes in the stream, then it ends
+        yield b"data: " + error_body("/v1/chat/completions", _internal(e)) + b"\n\n"
+    yield _DONE
+
+
+def _internal(e: Exception) -> ApiError:
+    return ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error")
+
+
+async def completions(request: Request) -> Response:
+    model = served(request)
+    req = parse_completion(await read_json(request), default_max_tokens=16)
+    model.check_model(req.model)
+    ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
+    if not ids:
+        raise ApiError(400, "'prompt' is empty", param="prompt")
+    max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "prompt")
+    spec = GenerationSpec(
+        prompt_ids=ids,
+        max_tokens=max_tokens,
+        temperature=req.sampling.temperature,
+        top_p=req.sampling.top_p,
+        seed=req.sampling.seed,
+        stop_token_ids=model.engine.eos_token_ids,
+        stops=req.sampling.stops,
+        ignore_leading_stop=req.sampling.ignore_leading_stop,
+    )
+    reply = _Reply(model, spec, req.sampling, len(ids), show_reasoning=False)
+    if req.sampling.stream:
+        return _stream(_completion_events(reply))
+    texts, fin = await _collect(reply)
+    return json_response(
+        {
+            "id": "cmpl-" + secrets.token_hex(12),
+            "object": "text_completion",
+            "created": reply.created,
+            "model": model.id,
+            "choices": [
+                {
+                    "text": texts["content"],
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": fin.reason,
+                }
+            ],
+            "usage": _usage(reply.prompt_tokens, fin.completion_tokens),
+        }
+    )
+
+
+async def _completion_events(reply: _Reply) -> AsyncIterator[bytes]:
+    cid = "cmpl-" + secrets.token_hex(12)
+    usage_key = {"usage": None} if reply.sampling.include_usage else {}
+
+    def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
+        choices = [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]
+        return _sse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": reply.created,
+                "model": reply.model.id,
+                "choices": choices,
+                **usage_key,
+                **extra,
+            }
+        )
+
+    try:
+        async for event in reply.model.generator.stream(reply.spec):
+            pieces = event.pieces if isinstance(event, Finished) else event
+            for _, text in pieces:
+                yield chunk(text)
+            if isinstance(event, Finished):
+                yield chunk("", event.reason)
+                if reply.sampling.include_usage:
+                    yield _sse(
+                        {
+                            "id": cid,
+                            "object": "text_completion",
+                            "created": reply.created,
+                            "model": reply.model.id,
+                            "choices": [],
+                            "usage": _usage(reply.prompt_tokens, event.completion_tokens),
+                        }
+                    )
+    except Exception as e:  # headers are sent: the error goes in the stream, then it ends
+        yield b"data: " + error_body("/v1/completions", _internal(e)) + b"\n\n"
+    yield _DONE

@@ -1,0 +1,85 @@
+"""The model a server serves: engine, names, chat family and template, limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colibri.api.errors import ApiError
+from colibri.chat.families import Family, detect_family, family_by_name
+from colibri.chat.template import ChatTemplate, special_tokens_of
+from colibri.engine import Engine
+from colibri.generation import Generator
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `colibri serve` was told (docs/API.md lists the flags and environment variables)."""
+
+    model_id: str
+    aliases: tuple[str, ...] = ()
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    # Default completion budget for chat requests that give none (None: what the context holds).
+    max_tokens: int | None = None
+    continue_assistant: bool = True
+    chat_family: str | None = None
+
+
+class ServedModel:
+    def __init__(self, engine: Engine, config: ServerConfig, created: int) -> None:
+        self.engine = engine
+        self.config = config
+        self.id = config.model_id
+        self.names = {config.model_id, *config.aliases}
+        self.created = created
+        self.context_length = int(engine.info["context_length"])
+        source = engine.info.get("chat_template")
+        self.family: Family = (
+            family_by_name(config.chat_family)
+            if config.chat_family
+            else detect_family(engine.info["architecture"], source)
+        )
+        self.template = (
+            ChatTemplate(source, special_tokens_of(engine.tokenizer_config)) if source else None
+        )
+        self.generator = Generator(engine)
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist: this server serves '{self.id}'",
+                code="model_not_found",
+                param="model",
+            )
+
+    def budget(self, prompt_tokens: int, requested: int | None, param: str) -> tuple[int, bool]:
+        """The completion budget: ``requested`` clamped to what the context still holds.
+
+        A prompt that leaves no room at all is refused; otherwise the ceiling is lowered and the
+        reply ends with ``finish_reason: "length"`` if it reaches it.
+        """
+        room = self.context_length - prompt_tokens
+        if room < 1:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.context_length} tokens. However, "
+                f"your {param} resulted in {prompt_tokens} tokens, which leaves no room for a "
+                "reply. Shorten the input.",
+                code="context_length_exceeded",
+                param=param,
+            )
+        if requested is None or requested > room:
+            return room, requested is not None
+        return requested, False
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "colibri",
+            "max_model_len": self.context_length,
+            "max_model_len_source": "resident",
+        }

@@ -1,0 +1,1 @@
+"""Prompt rendering and output post-processing: templates, families, stops, reasoning."""

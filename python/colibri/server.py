@@ -1,0 +1,74 @@
+"""`colibri serve`: load the model once, then serve the HTTP APIs with hypercorn."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from colibri.api.security import is_loopback_host
+
+
+class StartupRefused(RuntimeError):
+    """A configuration that must not start (said before anything is loaded)."""
+
+
+def env_list(name: str) -> list[str]:
+    return [v.strip() for v in os.environ.get(name, "").split(",") if v.strip()]
+
+
+def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    if not is_loopback_host(host) and not api_key and not allow_unauthenticated:
+        raise StartupRefused(
+            f"refusing to listen on {host} without an API key: anyone who can reach this "
+            "machine could use it. Set COLI_API_KEY (or --api-key), or pass "
+            "--allow-unauthenticated if the network is trusted"
+        )
+
+
+def open_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the server starts so port 0 gets a real port."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def display_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run(app, sock: socket.socket, model_id: str) -> None:
+    """Serves ``app`` on ``sock`` until SIGINT or SIGTERM."""
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    config.accesslog = None
+    config.errorlog = "-"
+    config.graceful_timeout = 2.0
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        url = display_url(sock)
+        print(f"colibri: serving {model_id} on {url} (OpenAI API at {url}/v1)", flush=True)
+        await serve(app, config, shutdown_trigger=stop.wait)
+
+    asyncio.run(main())
+    print("colibri: stopped", file=sys.stderr, flush=True)
+
+
+def default_model_id(model_dir: Path, builtin: bool) -> str:
+    return "colibri-builtin" if builtin else model_dir.resolve().name

@@ -1,0 +1,75 @@
+"""Starts the real `colibri serve` (real engine) on a loopback port for a test module."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+_READY = re.compile(r"colibri: serving (\S+) on (http://\S+) ")
+
+
+class RunningServer:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
+        full_env = dict(os.environ)
+        for key in ("COLI_API_KEY", "COLI_MODEL_ID", "COLI_ALLOWED_HOSTS", "COLI_MODEL"):
+            full_env.pop(key, None)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "colibri", "serve", "--port", "0", "--threads", "2", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+        )
+        self.log: list[str] = []
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited before it was ready:\n" + "".join(self.log))
+            self.log.append(line)
+            m = _READY.search(line)
+            if m:
+                self.model_id, self.url = m.group(1), m.group(2)
+                break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server not ready in time:\n" + "".join(self.log))
+        # Keep draining the output so the server never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def model_with_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of a converted model directory whose chat template is ``template``."""
+    import json
+
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["chat_template"] = template
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
