@@ -116,15 +116,12 @@ async def chat_completions(request: Request) -> Response:
         ) from e
     ids = model.engine.tokenize(rendered.text)
     max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "messages")
-    stops = list(req.sampling.stops)
-    ignore_leading = req.sampling.ignore_leading_stop
-    stop_ids = list(model.engine.eos_token_ids)
-    if not stops and family.implicit_stops:
-        # The template's role markers end a turn the model completed on its own; leading ones
-        # (a marker before any answer) are skipped, so they are text stops, not token stops.
-        stops, ignore_leading = list(family.implicit_stops), True
-        marker_ids = {model.engine.token_id(m) for m in family.implicit_stops}
-        stop_ids = [t for t in stop_ids if t not in marker_ids]
+    stops, ignore_leading, stop_ids = family.chat_stops(
+        req.sampling.stops,
+        req.sampling.ignore_leading_stop,
+        model.engine.eos_token_ids,
+        model.engine.token_id,
+    )
     reasoning = (
         ReasoningState(
             rendered.in_reasoning, rendered.after_reasoning, family.open_think, family.close_think

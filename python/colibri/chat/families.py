@@ -7,6 +7,7 @@ template says nothing recognisable.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -23,6 +24,24 @@ class Family:
     implicit_stops: tuple[str, ...] = ()
     open_think: str = "<think>"
     close_think: str = "</think>"
+
+    def chat_stops(
+        self,
+        client_stops: Sequence[str],
+        ignore_leading: bool,
+        eos_ids: Sequence[int],
+        token_id: Callable[[str], int | None],
+    ) -> tuple[list[str], bool, list[int]]:
+        """(text stops, ignore leading matches, stop token ids) for a chat request.
+
+        Without client stops, the family's role markers end a turn the model completed on its
+        own; leading ones (a marker before any answer) are skipped, so they become text stops
+        and leave the token stop set even when the config lists them as EOS.
+        """
+        if client_stops or not self.implicit_stops:
+            return list(client_stops), ignore_leading, list(eos_ids)
+        marker_ids = {token_id(m) for m in self.implicit_stops}
+        return list(self.implicit_stops), True, [t for t in eos_ids if t not in marker_ids]
 
 
 GLM = Family("glm", "<|assistant|>", reasoning=True, implicit_stops=("<|user|>", "<|observation|>"))
