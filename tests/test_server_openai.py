@@ -278,16 +278,60 @@ REFUSED = [
     ("five stops", {"stop": ["a", "b", "c", "d", "e"]}, "invalid_request"),
     ("empty stop", {"stop": [""]}, "invalid_request"),
     ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "invalid_role"),
+    ("tool_choice without tools", {"tool_choice": "required"}, "invalid_request"),
     (
-        "tools",
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        "tools_not_supported",
+        "tool_choice undeclared",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "invalid_request",
     ),
-    ("tool_choice", {"tool_choice": "required"}, "tools_not_supported"),
     (
-        "tool message",
-        {"messages": [*HELLO, {"role": "tool", "tool_call_id": "x", "content": "1"}]},
-        "tools_not_supported",
+        "duplicate tool",
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {}}},
+                {"type": "function", "function": {"name": "f", "parameters": {}}},
+            ]
+        },
+        "invalid_request",
+    ),
+    ("tool type", {"tools": [{"type": "retrieval"}]}, "unsupported_parameter"),
+    (
+        "tool name",
+        {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+        "invalid_request",
+    ),
+    (
+        "strict tool",
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+        "unsupported_parameter",
+    ),
+    ("functions", {"functions": [{"name": "f"}]}, "invalid_request"),
+    (
+        "tool_calls on a user turn",
+        {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]},
+        "invalid_request",
+    ),
+    (
+        "bad history arguments",
+        {
+            "messages": [
+                *HELLO,
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{x"},
+                        }
+                    ],
+                },
+            ]
+        },
+        "invalid_request",
     ),
     ("response_format", {"response_format": {"type": "json_object"}}, "unsupported_parameter"),
     ("unknown field", {"top_k": 5}, "unknown_parameter"),

@@ -47,67 +47,9 @@ SPECIAL_TOKENS = [
 # A GLM-4.5-style template (newline style; see docs/FORMATS.md "Chat families"): system, user,
 # assistant turns with their think blocks and tool calls, tool results after <|observation|>, and
 # thinking switched off by an empty think block in the generation prompt.
-CHAT_TEMPLATE = r"""[gMASK]<sop>
-{%- if tools -%}
-<|system|>
-# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{% for tool in tools %}
-{{ tool | tojson }}
-{% endfor %}
-</tools>
-
-For each function call, output the function name and arguments within the following XML format:
-<tool_call>{function-name}
-<arg_key>{arg-key-1}</arg_key>
-<arg_value>{arg-value-1}</arg_value>
-...
-</tool_call>
-{%- endif -%}
-{%- for m in messages -%}
-{%- if m.role == 'system' -%}
-<|system|>
-{{ m.content }}
-{%- elif m.role == 'user' -%}
-<|user|>
-{{ m.content }}
-{%- elif m.role == 'assistant' -%}
-<|assistant|>
-{%- if m.reasoning_content -%}
-{{ '\n<think>' + m.reasoning_content.strip() + '</think>' }}
-{%- else -%}
-{{ '\n<think></think>' }}
-{%- endif -%}
-{%- if m.content and m.content.strip() -%}
-{{ '\n' + m.content.strip() }}
-{%- endif -%}
-{%- for tc in m.tool_calls or [] -%}
-{%- set f = tc.function if tc.function is defined else tc -%}
-{{ '\n<tool_call>' + f.name }}
-{%- for k, v in (f.arguments if f.arguments is mapping else {}).items() -%}
-{{ '\n<arg_key>' + k + '</arg_key>\n<arg_value>' }}
-{{- v if v is string else v | tojson }}
-{{- '</arg_value>' }}
-{%- endfor -%}
-{{ '\n</tool_call>' }}
-{%- endfor -%}
-{%- elif m.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
-<|observation|>
-{%- endif -%}
-{{ '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-<|assistant|>
-{%- if enable_thinking is defined and not enable_thinking -%}
-{{ '\n<think></think>' }}
-{%- endif -%}
-{%- endif -%}"""
+CHAT_TEMPLATE = (Path(__file__).parent / "chat" / "templates" / "glm45.jinja").read_text(
+    encoding="utf-8"
+)
 CONFIG = {
     "architectures": ["Glm4MoeForCausalLM"],
     "model_type": "glm4_moe",

@@ -30,6 +30,9 @@ def _load(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from colibri import server
 
+    if args.api_key == "":
+        print("colibri serve: --api-key is empty; give a key or leave the flag out", file=sys.stderr)
+        return 2
     api_key = args.api_key or os.environ.get("COLI_API_KEY") or None
     try:
         server.check_bind(args.host, api_key, args.allow_unauthenticated)
@@ -50,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_id=alias or dir_id,
         aliases=(dir_id,) if alias else (),
         api_key=api_key,
-        allowed_hosts=tuple(args.allowed_host or server.env_list("COLI_ALLOWED_HOSTS")),
+        allowed_hosts=(*server.env_list("COLI_ALLOWED_HOSTS"), *(args.allowed_host or ())),
         cors_origins=tuple(args.cors_origin or ()),
         max_tokens=args.max_tokens,
         continue_assistant=os.environ.get("COLI_CONTINUE_ASSISTANT", "1") != "0",
@@ -164,6 +167,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -192,13 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-tokens",
-        type=int,
+        type=_positive_int,
         default=None,
         help="default reply budget for chat requests without max_tokens (default: the context)",
     )
     s.add_argument(
         "--chat-family",
-        choices=["glm", "qwen3", "olmoe"],
+        choices=["glm", "qwen3", "deepseek_v31", "deepseek_v32", "kimi_k2", "olmoe"],
         help="override the chat family detected from the model",
     )
     s.add_argument(

@@ -8,12 +8,13 @@ that went away) stops the computation after the token in flight.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from colibri.chat.output import OutputPipeline, Piece, ReasoningState
+from colibri.chat.toolcalls import ToolCallParser
 from colibri.engine import Engine
 
 
@@ -28,13 +29,15 @@ class GenerationSpec:
     stops: Sequence[str] = ()
     ignore_leading_stop: bool = False
     reasoning: ReasoningState | None = None
+    # Makes a fresh tool-call parser for each generation (None: no tools declared).
+    tool_parser: Callable[[], ToolCallParser] | None = None
 
 
 @dataclass
 class Finished:
     """The last event of a stream: why it ended and how many tokens the engine produced."""
 
-    reason: str  # "stop" | "length"
+    reason: str  # "stop" | "length" | "tool_calls"
     completion_tokens: int
     pieces: list[Piece] = field(default_factory=list)
 
@@ -59,7 +62,11 @@ class Generator:
         """Yields lists of pieces as they become final, then one :class:`Finished`."""
         loop = asyncio.get_running_loop()
         out = OutputPipeline(
-            self.engine.detokenize, spec.stops, spec.ignore_leading_stop, spec.reasoning
+            self.engine.detokenize,
+            spec.stops,
+            spec.ignore_leading_stop,
+            spec.reasoning,
+            spec.tool_parser() if spec.tool_parser is not None else None,
         )
         stop_ids = set(spec.stop_token_ids)
         async with self._lock:
@@ -90,7 +97,12 @@ class Generator:
                         break
             finally:
                 tokens.close()
-        yield Finished(reason, count, out.finish())
+        pieces = out.finish()
+        if out.stopped:  # a stop can complete only in what was held back at the end
+            reason = "stop"
+        if out.tool_calls:
+            reason = "tool_calls"
+        yield Finished(reason, count, pieces)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -14,9 +14,11 @@ from starlette.responses import Response, StreamingResponse
 from colibri.api.errors import ApiError, error_body
 from colibri.api.openai_request import Sampling, parse_chat, parse_completion
 from colibri.api.served import ServedModel
+from colibri.api.tooling import plan_tools
 from colibri.chat.output import ReasoningState
 from colibri.chat.render import ContinuationRefused, render_chat
 from colibri.chat.template import TemplateRefused
+from colibri.chat.tools import ToolCall
 from colibri.generation import Finished, GenerationSpec
 
 
@@ -100,19 +102,25 @@ async def chat_completions(request: Request) -> Response:
             code="reasoning_not_supported",
             param="reasoning_effort",
         )
+    tooling = plan_tools(req, family)
     try:
         rendered = render_chat(
             model.template,
             family,
-            req.messages,
+            tooling.messages,
             enable_thinking=req.thinking,
             continue_assistant=model.config.continue_assistant,
+            tools=tooling.prompt_tools,
+            declared_tools=bool(req.tools),
         )
     except ContinuationRefused as e:
         raise ApiError(400, str(e), code="invalid_continuation", param="messages") from e
     except TemplateRefused as e:
         raise ApiError(
-            400, f"The model's chat template refused these messages: {e}", param="messages"
+            400,
+            f"The model's chat template refused these messages: {e}",
+            code="template_refused",
+            param="messages",
         ) from e
     ids = model.engine.tokenize(rendered.text)
     max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "messages")
@@ -124,7 +132,11 @@ async def chat_completions(request: Request) -> Response:
     )
     reasoning = (
         ReasoningState(
-            rendered.in_reasoning, rendered.after_reasoning, family.open_think, family.close_think
+            rendered.in_reasoning,
+            rendered.after_reasoning,
+            family.open_think,
+            family.close_think,
+            end_markers=tooling.end_markers,
         )
         if family.reasoning
         else None
@@ -139,6 +151,7 @@ async def chat_completions(request: Request) -> Response:
         stops=stops,
         ignore_leading_stop=ignore_leading,
         reasoning=reasoning,
+        tool_parser=tooling.parser_factory,
     )
     reply = _Reply(model, spec, req.sampling, len(ids), req.include_reasoning)
     if req.sampling.stream:
@@ -146,20 +159,27 @@ async def chat_completions(request: Request) -> Response:
     return json_response(await _chat_json(reply, thinking=req.thinking))
 
 
-async def _collect(reply: _Reply) -> tuple[dict[str, str], Finished]:
+async def _collect(reply: _Reply) -> tuple[dict[str, str], list[ToolCall], Finished]:
     texts = {"content": "", "reasoning": ""}
+    calls: list[ToolCall] = []
     async for event in reply.model.generator.stream(reply.spec):
         pieces = event.pieces if isinstance(event, Finished) else event
-        for kind, text in pieces:
-            texts[kind] += text
+        for kind, value in pieces:
+            if isinstance(value, ToolCall):
+                calls.append(value)
+            else:
+                texts[kind] += value
         if isinstance(event, Finished):
-            return texts, event
+            return texts, calls, event
     raise RuntimeError("generation ended without a finish event")
 
 
 async def _chat_json(reply: _Reply, thinking: bool) -> dict[str, Any]:
-    texts, fin = await _collect(reply)
+    texts, calls, fin = await _collect(reply)
     message: dict[str, Any] = {"role": "assistant", "content": texts["content"]}
+    if calls:
+        message["content"] = texts["content"] or None
+        message["tool_calls"] = [c.to_openai() for c in calls]
     if reply.show_reasoning and (thinking or texts["reasoning"]):
         message["reasoning"] = message["reasoning_content"] = texts["reasoning"]
     return {
@@ -201,14 +221,19 @@ async def _chat_events(reply: _Reply) -> AsyncIterator[bytes]:
         )
 
     yield chunk({"role": "assistant", "content": ""})
+    calls = 0
     try:
         async for event in reply.model.generator.stream(reply.spec):
             pieces = event.pieces if isinstance(event, Finished) else event
-            for kind, text in pieces:
-                if kind == "content":
-                    yield chunk({"content": text})
+            for kind, value in pieces:
+                if isinstance(value, ToolCall):
+                    for delta in _tool_call_deltas(calls, value):
+                        yield chunk(delta)
+                    calls += 1
+                elif kind == "content":
+                    yield chunk({"content": value})
                 elif reply.show_reasoning:
-                    yield chunk({"reasoning": text, "reasoning_content": text})
+                    yield chunk({"reasoning": value, "reasoning_content": value})
             if isinstance(event, Finished):
                 yield chunk({}, event.reason)
                 if reply.sampling.include_usage:
@@ -227,6 +252,20 @@ async def _chat_events(reply: _Reply) -> AsyncIterator[bytes]:
     yield _DONE
 
 
+def _tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
+    """The id and name once, then the argument fragments (their concatenation is exact)."""
+    head = {
+        "index": index,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": ""},
+    }
+    deltas = [{"tool_calls": [head]}]
+    for fragment in call.fragments:
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+    return deltas
+
+
 def _internal(e: Exception) -> ApiError:
     return ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error")
 
@@ -237,7 +276,7 @@ async def completions(request: Request) -> Response:
     model.check_model(req.model)
     ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
     if not ids:
-        raise ApiError(400, "'prompt' is empty", param="prompt")
+        raise ApiError(400, "'prompt' is empty", code="empty_prompt", param="prompt")
     max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "prompt")
     spec = GenerationSpec(
         prompt_ids=ids,
@@ -252,7 +291,7 @@ async def completions(request: Request) -> Response:
     reply = _Reply(model, spec, req.sampling, len(ids), show_reasoning=False)
     if req.sampling.stream:
         return _stream(_completion_events(reply))
-    texts, fin = await _collect(reply)
+    texts, _, fin = await _collect(reply)
     return json_response(
         {
             "id": "cmpl-" + secrets.token_hex(12),

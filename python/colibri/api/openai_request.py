@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from colibri.api.validate import Body, bad, refuse_unless
@@ -31,6 +33,19 @@ class ChatRequest:
     sampling: Sampling
     thinking: bool
     include_reasoning: bool
+    # Declared tools as the template receives them (OpenAI shape), and how they may be used.
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str = "auto"  # "auto" | "none" | "required" | "function"
+    tool_choice_name: str | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tools_active(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def has_tool_history(self) -> bool:
+        return any(m.get("tool_calls") or m["role"] == "tool" for m in self.messages)
 
 
 @dataclass
@@ -66,6 +81,8 @@ def _sampling(body: Body, default_max_tokens: int | None) -> Sampling:
     temperature = body.number("temperature", 0.0, 2.0)
     top_p = body.number("top_p", 0.0, 1.0, exclusive_min=True)
     seed = body.integer("seed")
+    if seed is not None:
+        seed &= (1 << 64) - 1  # any integer is a valid seed; the sampler takes 64 bits
     n = body.integer("n")
     refuse_unless(n in (None, 1), "only n=1 is supported (one choice per request)", "n")
     stream = bool(body.boolean("stream"))
@@ -128,6 +145,34 @@ def _text_content(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _history_call(raw: Any, param: str) -> dict[str, Any]:
+    """An assistant ``tool_calls`` entry; its arguments string must be a JSON object."""
+    call = Body(raw, where=param)
+    call_id = call.string("id", required=True)
+    kind = call.string("type") or "function"
+    refuse_unless(kind == "function", f"'{param}.type' must be 'function'", "messages")
+    fn = call.obj("function")
+    if fn is None:
+        raise bad(f"'{param}.function' is required", param="messages")
+    name = fn.string("name", required=True) or ""
+    arguments = fn.raw("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise bad(f"'{param}.function.arguments' is not valid JSON", param="messages") from None
+    else:
+        parsed = arguments
+    if not isinstance(parsed, dict):
+        raise bad(f"'{param}.function.arguments' must be a JSON object", param="messages")
+    fn.finish()
+    call.finish()
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
 def _message(raw: Any, i: int) -> dict[str, Any]:
     param = f"messages[{i}]"
     msg = Body(raw, where=param)
@@ -138,24 +183,33 @@ def _message(raw: Any, i: int) -> dict[str, Any]:
             param="messages",
             code="invalid_role",
         )
-    if role == "tool" or msg.present("tool_calls") or msg.present("function_call"):
+    if msg.present("function_call"):
         raise bad(
-            "tool messages and tool_calls are not supported yet by this server",
+            f"'{param}.function_call' is the deprecated functions API; use tool_calls",
             param="messages",
-            code="tools_not_supported",
         )
-    content = msg.raw("content")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role}
-    if content is None:
+    content = msg.raw("content")
+    calls = msg.array("tool_calls")
+    if calls and role != "assistant":
+        raise bad(f"'{param}.tool_calls' is only allowed on assistant messages", param="messages")
+    if calls:
+        out["tool_calls"] = [
+            _history_call(c, f"{param}.tool_calls[{j}]") for j, c in enumerate(calls)
+        ]
+    if content is None and not calls:
         raise bad(f"'{param}.content' is required", param="messages")
-    out["content"] = _text_content(content, f"{param}.content")
+    out["content"] = _text_content(content, f"{param}.content") if content is not None else ""
     name = msg.string("name")
     if name is not None:
         out["name"] = name
+    if role == "tool":
+        out["tool_call_id"] = msg.string("tool_call_id", required=True)
     if role == "assistant":
         # Reasoning of an earlier turn, under either name; the template decides what to keep.
-        reasoning = msg.string("reasoning_content")
-        reasoning = msg.string("reasoning") if reasoning is None else reasoning
+        # colibri's own replies carry both names with the same text; either is accepted.
+        reasoning_content, reasoning = msg.string("reasoning_content"), msg.string("reasoning")
+        reasoning = reasoning_content if reasoning_content is not None else reasoning
         if reasoning is not None:
             out["reasoning_content"] = reasoning
         refusal = msg.raw("refusal")
@@ -165,18 +219,77 @@ def _message(raw: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _refuse_tools(body: Body) -> None:
-    tools = body.array("tools")
-    choice = body.raw("tool_choice")
-    body.boolean("parallel_tool_calls")  # meaningful only with tools, which are refused below
+def _tool(raw: Any, i: int) -> dict[str, Any]:
+    param = f"tools[{i}]"
+    tool = Body(raw, where=param)
+    kind = tool.string("type", required=True)
+    refuse_unless(kind == "function", f"'{param}.type' must be 'function', got '{kind}'", "tools")
+    fn = tool.obj("function")
+    if fn is None:
+        raise bad(f"'{param}.function' is required", param="tools")
+    name = fn.string("name", required=True) or ""
+    if not _TOOL_NAME.match(name):
+        raise bad(
+            f"'{param}.function.name' must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+            param="tools",
+        )
+    out: dict[str, Any] = {"name": name}
+    description = fn.string("description")
+    if description is not None:
+        out["description"] = description
+    parameters = fn.obj("parameters")
+    out["parameters"] = parameters.raw_dict() if parameters is not None else {}
+    strict = fn.boolean("strict")
+    refuse_unless(
+        not strict, "'strict' tool schemas need constrained decoding, not supported yet", "tools"
+    )
+    fn.finish()
+    tool.finish()
+    return {"type": "function", "function": out}
+
+
+def _tool_choice(body: Body, names: list[str]) -> tuple[str, str | None]:
+    raw = body.raw("tool_choice")
+    if raw is None:
+        return "auto", None
+    if raw in ("auto", "none", "required"):
+        if raw == "required" and not names:
+            raise bad("tool_choice 'required' needs tools", param="tool_choice")
+        return raw, None
+    choice = Body(raw, where="'tool_choice'")
+    kind = choice.string("type", required=True)
+    fn = choice.obj("function")
+    if kind != "function" or fn is None:
+        raise bad(
+            "'tool_choice' must be 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    name = fn.string("name", required=True) or ""
+    fn.finish()
+    choice.finish()
+    if name not in names:
+        raise bad(f"tool_choice names '{name}', which is not in 'tools'", param="tool_choice")
+    return "function", name
+
+
+def _tools(body: Body) -> tuple[list[dict[str, Any]], str, str | None, bool]:
     functions = body.array("functions")
     function_call = body.raw("function_call")
-    if tools or functions or function_call is not None or choice not in (None, "none"):
+    if functions or function_call is not None:
         raise bad(
-            "tool calling is not supported yet by this server (tools, tool_choice, functions)",
-            param="tools",
-            code="tools_not_supported",
+            "'functions' and 'function_call' are the deprecated functions API; use 'tools' "
+            "and 'tool_choice'",
+            param="functions",
         )
+    tools = [_tool(t, i) for i, t in enumerate(body.array("tools") or [])]
+    names = [t["function"]["name"] for t in tools]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise bad(f"tool '{duplicate}' is declared twice", param="tools")
+    choice, name = _tool_choice(body, names)
+    parallel = body.boolean("parallel_tool_calls")
+    return tools, choice, name, parallel is not False
 
 
 def _response_format(body: Body) -> None:
@@ -200,7 +313,7 @@ def parse_chat(data: Any, default_max_tokens: int | None) -> ChatRequest:
         raise bad("'messages' must be a non-empty array", param="messages")
     messages = [_message(m, i) for i, m in enumerate(raw_messages)]
     sampling = _sampling(body, default_max_tokens)
-    _refuse_tools(body)
+    tools, tool_choice, tool_choice_name, parallel = _tools(body)
     _response_format(body)
     logprobs = body.boolean("logprobs")
     refuse_unless(not logprobs, "'logprobs' is not supported", "logprobs")
@@ -228,6 +341,10 @@ def parse_chat(data: Any, default_max_tokens: int | None) -> ChatRequest:
         sampling=sampling,
         thinking=thinking,
         include_reasoning=include_reasoning is not False,
+        tools=tools,
+        tool_choice=tool_choice,
+        tool_choice_name=tool_choice_name,
+        parallel_tool_calls=parallel,
     )
 
 

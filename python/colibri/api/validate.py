@@ -41,6 +41,11 @@ class Body:
         self._unread.discard(key)
         return self._data.get(key)
 
+    def raw_dict(self) -> dict[str, Any]:
+        """The whole object, taken as is (e.g. a JSON schema): nothing in it is unknown."""
+        self._unread.clear()
+        return self._data
+
     def is_empty(self) -> bool:
         return not self._data
 
@@ -116,9 +121,11 @@ class Body:
         return v
 
     def finish(self) -> None:
-        """Refuses whatever field was not read: an unknown or unsupported parameter."""
-        if self._unread:
-            key = sorted(self._unread)[0]
+        """Refuses whatever field was not read: an unknown or unsupported parameter. A field
+        sent as null counts as absent (SDKs often serialise unset fields that way)."""
+        unread = sorted(k for k in self._unread if self._data[k] is not None)
+        if unread:
+            key = unread[0]
             scope = "" if self._where == "body" else f" in {self._where}"
             raise bad(
                 f"unknown or unsupported parameter '{key}'{scope}; see docs/API.md for what "

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from colibri.chat.toolformats import DEEPSEEK_V31, DSML, GLM_XML, KIMI_K2, QWEN3_CALLS, ToolFormat
+
 
 @dataclass(frozen=True)
 class Family:
@@ -24,6 +26,10 @@ class Family:
     implicit_stops: tuple[str, ...] = ()
     open_think: str = "<think>"
     close_think: str = "</think>"
+    # How the family writes tool calls (None: no tool calling).
+    tool_format: ToolFormat | None = None
+    # Whether the template wants history `arguments` as a mapping (else the JSON string).
+    arguments_as_mapping: bool = True
 
     def chat_stops(
         self,
@@ -44,18 +50,47 @@ class Family:
         return list(self.implicit_stops), True, [t for t in eos_ids if t not in marker_ids]
 
 
-GLM = Family("glm", "<|assistant|>", reasoning=True, implicit_stops=("<|user|>", "<|observation|>"))
-QWEN3 = Family("qwen3", "<|im_start|>assistant", reasoning=True)
+GLM = Family(
+    "glm",
+    "<|assistant|>",
+    reasoning=True,
+    implicit_stops=("<|user|>", "<|observation|>"),
+    tool_format=GLM_XML,
+)
+QWEN3 = Family("qwen3", "<|im_start|>assistant", reasoning=True, tool_format=QWEN3_CALLS)
+DEEPSEEK_V3_1 = Family(
+    "deepseek_v31",
+    "<｜Assistant｜>",
+    reasoning=True,
+    tool_format=DEEPSEEK_V31,
+    arguments_as_mapping=False,
+)
+DEEPSEEK_V3_2 = Family(
+    "deepseek_v32", "<｜Assistant｜>", reasoning=True, tool_format=DSML, arguments_as_mapping=True
+)
+KIMI = Family(
+    "kimi_k2",
+    "<|im_assistant|>",
+    reasoning=True,
+    tool_format=KIMI_K2,
+    arguments_as_mapping=False,
+)
 OLMOE = Family("olmoe", "<|assistant|>", reasoning=False)
-FAMILIES = {f.name: f for f in (GLM, QWEN3, OLMOE)}
+FAMILIES = {f.name: f for f in (GLM, QWEN3, DEEPSEEK_V3_1, DEEPSEEK_V3_2, KIMI, OLMOE)}
 
 
 def detect_family(architecture: str, chat_template: str | None) -> Family:
     """The family of a model: its template's markers first, then its architecture."""
     t = chat_template or ""
+    if "DSML" in t:
+        return DEEPSEEK_V3_2
+    if "tool▁calls▁begin" in t or "<｜Assistant｜>" in t:
+        return DEEPSEEK_V3_1
+    if "tool_calls_section_begin" in t or "<|im_middle|>" in t:
+        return KIMI
     if "<|observation|>" in t or "[gMASK]" in t:
         return GLM
-    if "<|im_start|>" in t and "<think>" in t:
+    if "<|im_start|>" in t and ("<think>" in t or "<tool_call>" in t):
         return QWEN3
     if architecture == "Glm4MoeForCausalLM":
         return GLM

@@ -6,6 +6,7 @@ of chunks, where tags may be split anywhere, and gives the same result whatever 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum, auto
 
 REASONING = "reasoning"
@@ -23,11 +24,14 @@ def split_reasoning(
     strip_content_start: bool = False,
     open_tag: str = "<think>",
     close_tag: str = "</think>",
+    end_markers: Sequence[str] = (),
 ) -> tuple[str, str]:
     """Non-streaming reference: (reasoning, content).
 
     ``in_reasoning`` means the prompt already opened the think block. Otherwise reasoning only
-    happens when the output opens with ``open_tag`` (after optional whitespace).
+    happens when the output opens with ``open_tag`` (after optional whitespace). An
+    ``end_markers`` string (a tool-call marker) inside reasoning ends it too, and stays in the
+    content: models do start calls without closing their thoughts.
     """
     _check_tags(open_tag, close_tag)
     if not in_reasoning:
@@ -35,10 +39,22 @@ def split_reasoning(
         if not head.startswith(open_tag):
             return "", head if strip_content_start else text
         text = head[len(open_tag) :]
-    end = text.find(close_tag)
-    if end < 0:
+    found = _reasoning_end(text, close_tag, end_markers)
+    if found is None:
         return text.strip(), ""
-    return text[:end].strip(), text[end + len(close_tag) :].lstrip()
+    end, skip = found
+    return text[:end].strip(), text[end + skip :].lstrip()
+
+
+def _reasoning_end(text: str, close_tag: str, end_markers: Sequence[str]) -> tuple[int, int] | None:
+    """(index, length to drop) of what ends reasoning first: the close tag (dropped) or an end
+    marker (kept, so the tool parser sees it)."""
+    best: tuple[int, int] | None = None
+    for tag, skip in ((close_tag, len(close_tag)), *((m, 0) for m in end_markers)):
+        i = text.find(tag)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, skip)
+    return best
 
 
 def _partial_tag_len(text: str, tag: str) -> int:
@@ -84,10 +100,12 @@ class ReasoningSplitter:
         strip_content_start: bool = False,
         open_tag: str = "<think>",
         close_tag: str = "</think>",
+        end_markers: Sequence[str] = (),
     ) -> None:
         _check_tags(open_tag, close_tag)
         self._open_tag = open_tag
         self._close_tag = close_tag
+        self._end_markers = tuple(m for m in end_markers if m)
         self._phase = _Phase.REASONING if in_reasoning else _Phase.START
         self._pending = ""
         self._reasoning_started = False  # leading whitespace of reasoning is dropped until then
@@ -137,10 +155,11 @@ class ReasoningSplitter:
     def _reasoning(self, pieces: _Pieces, final: bool) -> bool:
         """Emit settled reasoning; True once the close tag was consumed."""
         pending = self._pending
-        end = pending.find(self._close_tag)
-        if end >= 0:
+        found = _reasoning_end(pending, self._close_tag, self._end_markers)
+        if found is not None:
+            end, skip = found
             self._emit_reasoning(pieces, pending[:end])
-            self._pending = pending[end + len(self._close_tag) :]
+            self._pending = pending[end + skip :]
             self._phase = _Phase.CONTENT
             self._strip_content = True
             return True
@@ -148,7 +167,8 @@ class ReasoningSplitter:
             self._emit_reasoning(pieces, pending)
             self._pending = ""
             return False
-        partial = len(pending) - _partial_tag_len(pending, self._close_tag)
+        held = max(_partial_tag_len(pending, t) for t in (self._close_tag, *self._end_markers))
+        partial = len(pending) - held
         settled = pending[:partial]
         body = settled.rstrip()
         self._emit_reasoning(pieces, body)

@@ -36,14 +36,17 @@ def render_chat(
     enable_thinking: bool,
     continue_assistant: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    declared_tools: bool = False,
 ) -> RenderedPrompt:
     """Renders ``messages`` (contents already plain strings or None).
 
     A list ending in a non-empty assistant turn continues that turn when ``continue_assistant``;
     otherwise (or when the template cannot express an open turn) the turn is kept as a completed
-    one and a fresh generation cue follows.
+    one and a fresh generation cue follows. ``tools`` go into the prompt; ``declared_tools`` says
+    the request declared some even if they are left out (``tool_choice: "none"``).
     """
-    extra = {"enable_thinking": enable_thinking}
+    # Templates name the switch differently: GLM/Qwen `enable_thinking`, DeepSeek `thinking`.
+    extra = {"enable_thinking": enable_thinking, "thinking": enable_thinking}
     last = messages[-1] if messages else None
     if (
         continue_assistant
@@ -53,7 +56,7 @@ def render_chat(
         and last["content"]
     ):
         text = last["content"]
-        if tools or any(m.get("tool_calls") for m in messages):
+        if tools or declared_tools or any(m.get("tool_calls") for m in messages):
             raise ContinuationRefused(
                 "a trailing assistant message is continued, which cannot be combined with tools "
                 "or tool_calls; end the conversation with a user or tool message instead"

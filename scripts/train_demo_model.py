@@ -1,0 +1,537 @@
+"""Builds colibri's built-in demo model: a tiny GLM-4.5-format MoE trained on synthetic chats.
+
+Development only: needs torch and transformers, which are not colibri dependencies. Run it with a
+Python that has them (the package's own pure-Python pieces, the chat template and
+``colibri/demo_data.py``, are loaded straight from their files, so the compiled engine is not
+needed here); the conversion and the evaluation run the real engine through ``colibri`` of
+``.venv`` as subprocesses.
+
+    python scripts/train_demo_model.py --work /tmp/demo            # tokenizer, data, train, save
+    python scripts/train_demo_model.py --work /tmp/demo --steps 50 --no-convert   # a quick try
+
+Steps: (1) a byte-level BPE tokenizer trained on the synthetic corpus, digits one per token, the
+GLM special tokens each one token; (2) a ``Glm4MoeForCausalLM`` config (``CONFIG``); (3) training
+on freshly sampled conversations, loss only on what the model must generate (the text after each
+generation prompt, through the ``<|user|>`` / ``<|observation|>`` that ends the turn), with
+GLM's bias-based expert balancing (``e_score_correction_bias``, no auxiliary loss); (4) the HF
+checkpoint in WORK/hf; (5) ``colibri convert`` to f32 and int4, evaluation of both, the int4
+model plus CARD.md and loss.png copied to ``python/colibri/demo_model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "python" / "colibri"
+TEMPLATE_PATH = PKG / "chat" / "templates" / "glm45.jinja"
+SHIP_DIR = PKG / "demo_model"
+COLIBRI = ROOT / ".venv" / "bin" / "colibri"
+VENV_PY = ROOT / ".venv" / "bin" / "python"
+
+
+def _load(name: str, path: Path):
+    """Imports one pure-Python module of the package from its file (no package __init__)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+demo_data = _load("colibri_demo_data", PKG / "demo_data.py")
+chat_template = _load("colibri_chat_template", PKG / "chat" / "template.py")
+
+SEED = 1234
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+    "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
+    "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>",
+]
+EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+VOCAB_SIZE = 1536
+# Whitespace runs, letter runs, single digits and punctuation runs are separate pre-tokens, so a
+# word is the same tokens after a space as after a '>' (a city copied into <arg_value> keeps its
+# tokens) and every number is spelled one digit per token.
+PRETOKEN_PATTERN = r"\s+|\p{L}+|\p{N}|[^\s\p{L}\p{N}]+"
+
+CONFIG = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "hidden_size": 192,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "attention_bias": True,
+    "use_qk_norm": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 512,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.5},
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "num_mtp_layers": 0,
+}
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+
+def _split_specials(text: str) -> list[str]:
+    parts = [text]
+    for tok in SPECIAL_TOKENS:
+        parts = [p for chunk in parts for p in chunk.split(tok)]
+    return [p for p in parts if p]
+
+
+def build_tokenizer(template, seed: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKEN_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=20,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    rng = random.Random(seed + 1)
+    texts = []
+    for _ in range(20000):
+        conv = demo_data.train_conversation(rng)
+        full = template.render(conv["messages"], add_generation_prompt=False,
+                               tools=conv["tools"], enable_thinking=True)
+        texts += _split_specials(full)
+    # The digits are pre-tokens of their own, so no merge ever joins them.
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)  # matched before BPE, never split or merged
+    for t in SPECIAL_TOKENS:
+        assert tok.encode(t).ids == [tok.token_to_id(t)], t
+    return tok
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered conversation and a parallel 0/1 mask of what the model generates:
+    for each assistant message, the text after the generation prompt (thinking on or off as that
+    turn had it) up to and including the marker that ends the turn."""
+    msgs, tools = conv["messages"], conv["tools"]
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    turn = 0
+
+    def add(text: str, m: int) -> None:
+        nonlocal done
+        if text:
+            t = tok.encode(text).ids
+            ids.extend(t)
+            mask.extend([m] * len(t))
+            done += text
+
+    for i, msg in enumerate(msgs):
+        if msg["role"] != "assistant":
+            continue
+        think = conv["thinking"][turn]
+        turn += 1
+        prompt = template.render(msgs[:i], add_generation_prompt=True, tools=tools,
+                                 enable_thinking=think)
+        upto = template.render(msgs[: i + 1], add_generation_prompt=False, tools=tools,
+                               enable_thinking=think)
+        assert prompt.startswith(done) and upto.startswith(prompt), (prompt, upto)
+        add(prompt[len(done):], 0)
+        nxt = msgs[i + 1]["role"] if i + 1 < len(msgs) else "user"
+        end = "<|observation|>" if nxt == "tool" else "<|user|>"
+        # The marker that ends the turn is where the next message's render starts.
+        add(upto[len(prompt):] + end, 1)
+    return ids, mask
+
+
+def sample_batch(rng: random.Random, tok, template, tokens: int, max_len: int):
+    """Conversations until about ``tokens`` tokens (padded), as (input ids, mask) lists."""
+    seqs = []
+    longest = 0
+    while True:
+        ids, mask = encode_conversation(tok, template, demo_data.train_conversation(rng))
+        if len(ids) > max_len:
+            continue
+        if seqs and max(longest, len(ids)) * (len(seqs) + 1) > tokens:
+            break
+        seqs.append((ids, mask))
+        longest = max(longest, len(ids))
+    return seqs
+
+
+# --- training -----------------------------------------------------------------------------------
+
+def build_model(vocab_size: int, eos_ids: list[int], pad_id: int):
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    cfg = dict(CONFIG, vocab_size=vocab_size, eos_token_id=eos_ids, pad_token_id=pad_id)
+    cfg.pop("architectures")
+    cfg.pop("model_type")
+    config = Glm4MoeConfig(**cfg)
+    config.architectures = ["Glm4MoeForCausalLM"]
+    torch.manual_seed(SEED)
+    model = Glm4MoeForCausalLM(config)
+    return model
+
+
+def train(args, tok, template, work: Path) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    eos_ids = [tok.token_to_id(t) for t in EOS_TOKENS]
+    pad_id = tok.token_to_id("<|endoftext|>")
+    model = build_model(tok.get_vocab_size(), eos_ids, pad_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params: {n_params:,}", flush=True)
+
+    routers = [m for m in model.modules() if type(m).__name__ == "Glm4MoeTopkRouter"]
+    loads = [None] * len(routers)
+
+    def hook(i):
+        def f(_mod, _inp, out):
+            loads[i] = torch.bincount(out[2].flatten(), minlength=_mod.num_experts)
+        return f
+
+    for i, r in enumerate(routers):
+        r.register_forward_hook(hook(i))
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and
+                                                                "gate.weight" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    warm = min(200, args.steps // 10 + 1)
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return args.lr * (step + 1) / warm
+        p = (step - warm) / max(1, args.steps - warm)
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+
+    rng = random.Random(SEED)
+    log = []
+    t0 = time.time()
+    ntok = 0
+    model.train()
+    for step in range(args.steps):
+        seqs = sample_batch(rng, tok, template, args.batch_tokens, args.max_len)
+        L = max(len(s[0]) for s in seqs)
+        x = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+        y = torch.full((len(seqs), L), -100, dtype=torch.long)
+        for j, (ids, mask) in enumerate(seqs):
+            x[j, : len(ids)] = torch.tensor(ids)
+            tgt = torch.tensor(ids[1:] + [pad_id])
+            m = torch.tensor(mask[1:] + [0], dtype=torch.bool)
+            y[j, : len(ids)] = torch.where(m, tgt, torch.full_like(tgt, -100))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1),
+                               ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        # GLM/DeepSeek-V3 balancing: nudge each expert's selection bias toward an even load.
+        with torch.no_grad():
+            for r, load in zip(routers, loads, strict=True):
+                if load is not None:
+                    lf = load.float()
+                    r.e_score_correction_bias += args.bias_rate * torch.sign(lf.mean() - lf)
+        ntok += x.numel()
+        log.append({"step": step + 1, "loss": float(loss), "time": time.time() - t0,
+                    "lr": lr_at(step)})
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+            el = time.time() - t0
+            spread = [
+                round(float(ld.max()) / max(1.0, float(ld.float().mean())), 2)
+                for ld in loads if ld is not None
+            ]
+            print(f"step {step + 1}/{args.steps} loss {float(loss):.4f} "
+                  f"lr {lr_at(step):.2e} {ntok / el:.0f} tok/s elapsed {el:.0f}s "
+                  f"max/mean expert load {spread}", flush=True)
+    train_time = time.time() - t0
+    model.eval()
+    return {"model": model, "log": log, "train_time": train_time, "n_params": n_params,
+            "tokens": ntok}
+
+
+def save_checkpoint(model, tok, hf: Path) -> None:
+    if hf.exists():
+        shutil.rmtree(hf)
+    hf.mkdir(parents=True)
+    model.save_pretrained(hf, safe_serialization=True)
+    tok.save(str(hf / "tokenizer.json"))
+    template = TEMPLATE_PATH.read_text(encoding="utf-8")
+    (hf / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": template,
+        "additional_special_tokens": SPECIAL_TOKENS[1:],
+    }, indent=2, ensure_ascii=False))
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["architectures"] == ["Glm4MoeForCausalLM"], cfg["architectures"]
+
+
+def f32_sanity(model, tok, template) -> None:
+    """Greedy HF generation on a few prompts, printed (a check before converting)."""
+    import torch
+
+    eos = {tok.token_to_id(t) for t in EOS_TOKENS}
+    for item in [demo_data.eval_items(t, 2, 99)[k] for t in ("arith", "tool_call", "capital")
+                 for k in (0, 1)]:
+        prompt = template.render(item["messages"], add_generation_prompt=True,
+                                 tools=item["tools"], enable_thinking=item["thinking"])
+        ids = tok.encode(prompt).ids
+        out = []
+        with torch.no_grad():
+            for _ in range(60):
+                nxt = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+                out.append(nxt)
+                if nxt in eos:
+                    break
+        print(repr(item["messages"][-1]["content"]), "->", repr(tok.decode(out,
+              skip_special_tokens=False)), "| expect", item["expect"], flush=True)
+
+
+def plot_loss(log: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in log]
+    loss = [r["loss"] for r in log]
+    k = 25
+    smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1])
+              for i in range(len(loss))]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, loss, color="#bbb", lw=0.6, label="per step")
+    ax.plot(steps, smooth, color="#1f6feb", lw=1.5, label=f"mean of {k}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss on generated tokens")
+    ax.set_title("colibri demo model: training loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def convert_and_eval(work: Path, n_per_task: int, eval_seed: int) -> dict:
+    results = {}
+    for quant in ("f32", "int4"):
+        out = work / f"model-{quant}"
+        if out.exists():
+            shutil.rmtree(out)
+        subprocess.run([str(COLIBRI), "convert", str(work / "hf"), str(out), "--quant", quant],
+                       check=True)
+        res = subprocess.run(
+            [str(VENV_PY), "-m", "colibri.demo_eval", "--model", str(out), "--n", str(n_per_task),
+             "--seed", str(eval_seed), "--json", str(work / f"eval-{quant}.json")],
+            check=True,
+        )
+        del res
+        results[quant] = json.loads((work / f"eval-{quant}.json").read_text())
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/colibri-demo"))
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch-tokens", type=int, default=6144)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--bias-rate", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--n-eval", type=int, default=200)
+    ap.add_argument("--eval-seed", type=int, default=7)
+    ap.add_argument("--no-convert", action="store_true", help="stop after the HF checkpoint")
+    ap.add_argument("--ship", action="store_true", help="copy the int4 model into the package")
+    ap.add_argument("--only-convert", action="store_true",
+                    help="reuse WORK/hf and WORK/train.json: convert, evaluate, write the card")
+    args = ap.parse_args()
+
+    random.seed(SEED)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    template = chat_template.ChatTemplate(TEMPLATE_PATH.read_text(encoding="utf-8"))
+
+    if not args.only_convert:
+        t0 = time.time()
+        tok = build_tokenizer(template, SEED)
+        print(f"tokenizer: {tok.get_vocab_size()} tokens in {time.time() - t0:.0f}s", flush=True)
+        lens = [len(encode_conversation(tok, template,
+                                        demo_data.train_conversation(random.Random(i)))[0])
+                for i in range(300)]
+        print(f"conversation tokens: mean {sum(lens) / len(lens):.0f} max {max(lens)}",
+              flush=True)
+        res = train(args, tok, template, work)
+        save_checkpoint(res["model"], tok, work / "hf")
+        f32_sanity(res["model"], tok, template)
+        summary = {k: res[k] for k in ("log", "train_time", "n_params", "tokens")}
+        summary["args"] = {k: str(v) for k, v in vars(args).items()}
+        summary["vocab_size"] = tok.get_vocab_size()
+        (work / "train.json").write_text(json.dumps(summary))
+        plot_loss(res["log"], work / "loss.png")
+        print(f"trained in {res['train_time']:.0f}s", flush=True)
+    if args.no_convert:
+        return
+    summary = json.loads((work / "train.json").read_text())
+    results = convert_and_eval(work, args.n_eval, args.eval_seed)
+    (work / "eval.json").write_text(json.dumps(results, indent=2))
+    if args.ship:
+        ship(work, summary, results, args)
+
+
+def ship(work: Path, summary: dict, results: dict, args) -> None:
+    if SHIP_DIR.exists():
+        shutil.rmtree(SHIP_DIR)
+    shutil.copytree(work / "model-int4", SHIP_DIR)
+    shutil.copy(work / "loss.png", SHIP_DIR / "loss.png")
+    (SHIP_DIR / "CARD.md").write_text(card(summary, results, args), encoding="utf-8")
+    size = sum(p.stat().st_size for p in SHIP_DIR.iterdir())
+    print(f"shipped {SHIP_DIR} ({size / 1e6:.2f} MB)")
+
+
+def card(summary: dict, results: dict, args) -> str:
+    cfg = dict(CONFIG)
+    log = summary["log"]
+    last = log[-100:]
+    final_loss = sum(r["loss"] for r in last) / len(last)
+    tasks = list(results["f32"]["tasks"])
+    rows = "\n".join(
+        f"| {t} | {results['f32']['tasks'][t]['accuracy'] * 100:.1f} | "
+        f"{results['int4']['tasks'][t]['accuracy'] * 100:.1f} | "
+        f"{results['int4']['tasks'][t]['n']} |"
+        for t in tasks
+    )
+    shape = (f"{cfg['num_hidden_layers']} layers (layer 0 dense SwiGLU "
+             f"{cfg['intermediate_size']}, layers 1-{cfg['num_hidden_layers'] - 1} MoE), hidden "
+             f"{cfg['hidden_size']}, {cfg['num_attention_heads']} query heads / "
+             f"{cfg['num_key_value_heads']} KV heads of {cfg['head_dim']} (RoPE on half, "
+             f"q/k/v biases), {cfg['n_routed_experts']} routed experts of "
+             f"{cfg['moe_intermediate_size']} (top-{cfg['num_experts_per_tok']}, sigmoid "
+             f"routing with correction bias, normalised) + {cfg['n_shared_experts']} shared, "
+             f"vocabulary {summary['vocab_size']}, untied embeddings, context "
+             f"{cfg['max_position_embeddings']}")
+    return f"""# colibri demo model
+
+A tiny GLM-4.5-format Mixture-of-Experts (`Glm4MoeForCausalLM`) trained from scratch by
+`scripts/train_demo_model.py` on synthetic conversations (`colibri/demo_data.py`), converted to
+colibri int4. It is the model `colibri serve` runs when no model is given. It knows exactly what it
+was trained on and nothing else.
+
+## Model
+
+- Shape: {shape}.
+- Parameters: {summary['n_params']:,} (all experts counted).
+- Tokenizer: byte-level BPE ({summary['vocab_size']} tokens) trained on the synthetic corpus;
+  whitespace, letter runs, punctuation runs and single digits are separate pre-tokens (a number is
+  one token per digit; any Unicode text encodes). The GLM special tokens are single tokens.
+- Chat template: `colibri/chat/templates/glm45.jinja` (GLM-4.5 newline style), in
+  `tokenizer_config.json`. EOS ids: `<|endoftext|>`, `<|user|>`, `<|observation|>`.
+
+## Data recipe (seeded, sampled fresh every step)
+
+Conversations of 1-3 episodes, tools declared in about a third, a system prompt in 15%, thinking
+on or off per assistant turn (50/50). Episode mix: 2-digit addition 34%, capitals of 50
+countries 14% (+3% the reverse question), tool requests 24% (`get_weather(city)`,
+`get_time(city)`, `convert_currency(amount, from_currency, to_currency)`; three quarters go on
+with a tool result and an answer that uses it), a tool request whose tool is not declared 2%, plain
+chat 7%, multi-turn memory (remember a number, 0-2 other turns, recall it) 8%, a question that
+needs no tool while tools are declared 8%. Cities in tool calls: 6,000 generated city-like names
+(some accented, some two words), ~90 real cities and the capitals. Loss only on the generated
+tokens: the text after each generation prompt, through the `<|user|>` or `<|observation|>` that
+ends the turn.
+
+Held out of training: 10% of the unordered pairs of 2-digit numbers, four capital phrasings, all
+evaluation cities (60 real ones and freshly generated names), a few tool phrasings.
+
+## Outputs as trained (the text after the rendered generation prompt)
+
+- thinking off (prompt ends `<|assistant|>\\n<think></think>`): `\\nANSWER<|user|>`
+- thinking on (prompt ends `<|assistant|>`): `\\n<think>SHORT TRACE</think>\\nANSWER<|user|>`
+- addition: `85`; trace `7 + 8 = 15, carry 1. 3 + 4 + 1 = 8. 37 + 48 = 85.`
+- capital: `The capital of Portugal is Lisbon.`
+- tool call: `\\n<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Lisbon</arg_value>\\n</tool_call><|observation|>`
+  (with thinking on, `\\n<think>…</think>` first)
+- after a tool result: e.g. `\\nIt is 21 degrees and sunny in Lisbon.<|user|>`
+
+## Training
+
+- Seed {SEED}; {len(log)} steps of about {args.batch_tokens} padded tokens
+  ({summary['tokens']:,} tokens in all); AdamW lr {args.lr} (warmup, cosine to 5%), betas
+  (0.9, 0.95), weight decay 0.05, gradient clip 1.0; expert bias step {args.bias_rate}.
+- CPU, 2 threads (torch {_torch_version()}, transformers {_tf_version()}):
+  {summary['train_time'] / 60:.1f} minutes. Final loss (mean of the last 100 steps):
+  {final_loss:.4f}.
+
+![training loss](loss.png)
+
+## Evaluation (greedy, through the colibri engine, held-out prompts)
+
+`python -m colibri.demo_eval --model DIR --n {args.n_eval} --seed {args.eval_seed}`; half of each
+task's prompts with thinking on. Exact match of the answer (after the reasoning) for arith,
+capital, tool_unneeded, chat, memory; tool_call: a well-formed call of the right tool with exactly
+the right arguments, ended by `<|observation|>`; tool_answer: the answer contains the tool's
+number and the city (or the converted amount and currency).
+
+| task | f32 % | int4 % | prompts |
+|---|---|---|---|
+{rows}
+"""
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+if __name__ == "__main__":
+    main()
