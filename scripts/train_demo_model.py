@@ -273,7 +273,7 @@ def train(args, tok, template, work: Path) -> dict:
                     lf = load.float()
                     r.e_score_correction_bias += args.bias_rate * torch.sign(lf.mean() - lf)
         ntok += x.numel()
-        log.append({"step": step + 1, "loss": float(loss), "time": time.time() - t0,
+        log.append({"step": step + 1, "loss": float(loss.detach()), "time": time.time() - t0,
                     "lr": lr_at(step)})
         if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
             el = time.time() - t0

@@ -31,7 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from colibri import server
 
     if args.api_key == "":
-        print("colibri serve: --api-key is empty; give a key or leave the flag out", file=sys.stderr)
+        print(
+            "colibri serve: --api-key is empty; give a key or leave the flag out", file=sys.stderr
+        )
         return 2
     api_key = args.api_key or os.environ.get("COLI_API_KEY") or None
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colibri.chat.toolformats import ToolFormat
-from colibri.chat.tools import ToolCall, ToolSet, finish_call
+from colibri.chat.tools import ParsedCall, ToolCall, ToolSet, finish_call
 
 Event = tuple[str, "str | ToolCall"]  # ("content", text) | ("tool_call", ToolCall)
 
@@ -33,6 +33,8 @@ class _State:
     in_block: bool = False
     # Whitespace right after a call belongs to the format, not to the content.
     after_call: bool = False
+    # Whitespace trimmed before the open block: given back if the block turns out to be text.
+    gap: str = ""
 
 
 class ToolCallParser:
@@ -85,7 +87,9 @@ class ToolCallParser:
                 if found:
                     start = min(found)[0]
                     before = s.buf[:start]
-                    self._content(out, before.rstrip() if fmt.trim_before else before)
+                    kept = before.rstrip() if fmt.trim_before else before
+                    self._content(out, kept)
+                    s.gap = before[len(kept) :]
                     s.buf, s.in_block = s.buf[start:], True
                     continue
                 if final:
@@ -103,20 +107,30 @@ class ToolCallParser:
             if end is None:
                 if final:
                     parsed = fmt.recover(s.buf, self._tools, self._salvage)
-                    self._emit(out, parsed if parsed is not None else [(s.buf, None)])
+                    self._emit(out, s.buf, parsed)
                     s.buf, s.in_block = "", False
                 return
             block, s.buf = s.buf[:end], s.buf[end:]
             s.in_block = False
-            parsed = fmt.parse(block, self._tools, self._salvage)
-            self._emit(out, parsed if parsed is not None else [(block, None)])
+            self._emit(out, block, fmt.parse(block, self._tools, self._salvage))
 
-    def _emit(self, out: list[Event], parsed: list) -> None:
+    def _usable(self, call: ParsedCall | None) -> bool:
+        return call is not None and self._tools.get(call.name) is not None
+
+    def _emit(self, out: list[Event], block: str, parsed: list | None) -> None:
+        """Calls of a finished block; a block with no usable call is returned whole as text."""
+        s = self._state
+        if parsed is None or not any(self._usable(call) for _, call in parsed) or self.done:
+            self._content(out, s.gap + block)
+            s.gap = ""
+            return
         for raw, call in parsed:
-            if call is not None and self._tools.get(call.name) is not None and not self.done:
+            if self._usable(call) and not self.done:
                 tool_call = finish_call(call)
                 self.calls.append(tool_call)
                 out.append(("tool_call", tool_call))
-                self._state.after_call = True
+                s.after_call, s.gap = True, ""
             else:
-                self._content(out, raw)
+                self._content(out, s.gap + raw)
+                s.gap = ""
+        s.gap = ""

@@ -1,0 +1,178 @@
+"""Evaluation of the demo model through the real engine: exact-match accuracy per task.
+
+    python -m colibri.demo_eval --model DIR [--n 200] [--seed 7] [--json OUT]
+
+Prompts are held-out items of :mod:`colibri.demo_data` (numbers, phrasings and cities training
+never saw), rendered with the model's own chat template and decoded greedily until one of the
+model's EOS ids. An output counts only if its whole shape is right: with thinking on it must open
+with ``\\n<think>…</think>``, an answer must end with ``<|user|>`` (or ``<|endoftext|>``), a tool
+call with ``<|observation|>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from colibri import demo_data
+from colibri.chat.template import ChatTemplate
+
+DEFAULT_MODEL = Path(__file__).parent / "demo_model"
+ANSWER_ENDS = ("<|user|>", "<|endoftext|>")
+_CALL = re.compile(
+    r"<tool_call>(?P<name>[^\n<]+)(?P<args>(?:\n<arg_key>[^<]*</arg_key>\n<arg_value>.*?</arg_value>)*)"
+    r"\n</tool_call>",
+    re.DOTALL,
+)
+_ARG = re.compile(r"\n<arg_key>([^<]*)</arg_key>\n<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def split_output(text: str, thinking: bool) -> tuple[str | None, str] | None:
+    """(reasoning, rest) of a generated text, or None if the think block is malformed.
+    With thinking off the prompt already closed the think block, so there is no reasoning."""
+    if not thinking:
+        return None, text
+    if not text.startswith("\n<think>") or "</think>" not in text:
+        return None
+    reasoning, rest = text[len("\n<think>") :].split("</think>", 1)
+    return reasoning, rest
+
+
+def parse_call(rest: str) -> dict[str, Any] | None:
+    """The single tool call ``rest`` consists of (GLM-4.5 newline style), or None."""
+    if not rest.endswith("<|observation|>"):
+        return None
+    body = rest[: -len("<|observation|>")]
+    m = _CALL.fullmatch(body.removeprefix("\n"))
+    if m is None or not body.startswith("\n"):
+        return None
+    return {"name": m.group("name"), "arguments": dict(_ARG.findall(m.group("args")))}
+
+
+def parse_answer(rest: str) -> str | None:
+    """The plain answer ``rest`` consists of (leading newline, then text, then an end marker)."""
+    for end in ANSWER_ENDS:
+        if rest.endswith(end):
+            body = rest[: -len(end)]
+            if not body.startswith("\n"):
+                return None
+            body = body[1:]
+            if "<" in body and re.search(r"<\|?/?[a-z_]+\|?>", body):
+                return None  # a stray marker inside the answer
+            return body.strip()
+    return None
+
+
+def score(item: dict, text: str) -> bool:
+    parts = split_output(text, item["thinking"])
+    if parts is None:
+        return False
+    _, rest = parts
+    expect = item["expect"]
+    if "call" in expect:
+        return parse_call(rest) == expect["call"]
+    answer = parse_answer(rest)
+    if answer is None:
+        return False
+    if "answer" in expect:
+        return answer == expect["answer"]
+    return all(s in answer for s in expect["contains"])
+
+
+def evaluate(
+    model_dir: str | Path = DEFAULT_MODEL,
+    n_per_task: int = 200,
+    seed: int = 7,
+    tasks: list[str] | None = None,
+    threads: int | None = None,
+    max_tokens: int = 96,
+) -> dict:
+    """Accuracy per task on ``n_per_task`` held-out prompts (half with thinking on).
+
+    Returns ``{"model": dir, "quantization": ..., "tasks": {task: {"accuracy", "n", "correct",
+    "failures": [first few {"prompt", "output", "expect"}]}}, "seconds": ...}``.
+    """
+    from colibri.engine import Engine
+
+    engine = Engine(model_dir, threads=threads)
+    source = engine.info.get("chat_template")
+    if not source:
+        raise RuntimeError(f"{model_dir}: the model has no chat template")
+    template = ChatTemplate(source)
+    stops = engine.eos_token_ids
+    t0 = time.time()
+    out: dict[str, Any] = {
+        "model": str(model_dir),
+        "quantization": engine.info["quantization"],
+        "tasks": {},
+    }
+    for task in tasks or demo_data.EVAL_TASKS:
+        items = demo_data.eval_items(task, n_per_task, seed)
+        correct = 0
+        failures = []
+        for item in items:
+            prompt = template.render(
+                item["messages"],
+                add_generation_prompt=True,
+                tools=item["tools"],
+                enable_thinking=item["thinking"],
+            )
+            ids = engine.tokenize(prompt)
+            gen = list(engine.generate(ids, max_tokens, stop_token_ids=stops))
+            text = engine.detokenize(gen)
+            if score(item, text):
+                correct += 1
+            elif len(failures) < 10:
+                failures.append(
+                    {
+                        "prompt": item["messages"][-1]["content"],
+                        "output": text,
+                        "thinking": item["thinking"],
+                        "expect": item["expect"],
+                    }
+                )
+        out["tasks"][task] = {
+            "accuracy": correct / max(1, len(items)),
+            "n": len(items),
+            "correct": correct,
+            "failures": failures,
+        }
+    out["seconds"] = time.time() - t0
+    return out
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{result['model']} ({result['quantization']})", "task            accuracy     n"]
+    for task, r in result["tasks"].items():
+        lines.append(f"{task:<15} {r['accuracy'] * 100:7.1f}% {r['n']:5d}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m colibri.demo_eval", description=__doc__)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="colibri model directory")
+    ap.add_argument("--n", type=int, default=200, help="prompts per task")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--tasks", nargs="*", choices=demo_data.EVAL_TASKS)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--json", help="also write the full result (with failures) here")
+    ap.add_argument("--show-failures", action="store_true")
+    args = ap.parse_args(argv)
+    result = evaluate(args.model, args.n, args.seed, args.tasks, args.threads)
+    print(format_table(result))
+    if args.show_failures:
+        for task, r in result["tasks"].items():
+            for f in r["failures"]:
+                print(task, json.dumps(f, ensure_ascii=False))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
