@@ -24,6 +24,11 @@ lint: setup
 # colibri vs llama.cpp on an OLMoE-1B-7B-shaped model (slow: builds llama.cpp once).
 bench: setup
     {{py}} benchmarks/bench_vs_llamacpp.py
+    {{py}} benchmarks/bench_server_overhead.py
+
+# Only the gateway's cost per token (server vs engine alone; a minute).
+bench-server: setup
+    {{py}} benchmarks/bench_server_overhead.py
 
 # Print a completion from the built-in model.
 generate prompt="Hello": setup

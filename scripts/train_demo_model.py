@@ -60,10 +60,10 @@ SPECIAL_TOKENS = [
 ]
 EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
 VOCAB_SIZE = 1536
-# Whitespace runs, letter runs, single digits and punctuation runs are separate pre-tokens, so a
-# word is the same tokens after a space as after a '>' (a city copied into <arg_value> keeps its
-# tokens) and every number is spelled one digit per token.
-PRETOKEN_PATTERN = r"\s+|\p{L}+|\p{N}|[^\s\p{L}\p{N}]+"
+# Letter runs, single digits and runs of anything else (spaces, punctuation) are separate
+# pre-tokens, so a word is the same tokens after a space as after a '>' (a city copied into
+# <arg_value> keeps its tokens) and every number is spelled one digit per token.
+PRETOKEN_PATTERN = r"\p{L}+|\p{N}|[^\p{L}\p{N}]+"
 
 CONFIG = {
     "architectures": ["Glm4MoeForCausalLM"],
@@ -86,7 +86,7 @@ CONFIG = {
     "attention_bias": True,
     "use_qk_norm": False,
     "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 2048,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                         "partial_rotary_factor": 0.5},
     "hidden_act": "silu",
@@ -174,19 +174,26 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
     return ids, mask
 
 
-def sample_batch(rng: random.Random, tok, template, tokens: int, max_len: int):
-    """Conversations until about ``tokens`` tokens (padded), as (input ids, mask) lists."""
-    seqs = []
-    longest = 0
+def batches(rng: random.Random, tok, template, tokens: int, max_len: int):
+    """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
+    conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
+    and the batches shuffled."""
     while True:
-        ids, mask = encode_conversation(tok, template, demo_data.train_conversation(rng))
-        if len(ids) > max_len:
-            continue
-        if seqs and max(longest, len(ids)) * (len(seqs) + 1) > tokens:
-            break
-        seqs.append((ids, mask))
-        longest = max(longest, len(ids))
-    return seqs
+        pool = []
+        while len(pool) < 512:
+            ids, mask = encode_conversation(tok, template, demo_data.train_conversation(rng))
+            if len(ids) <= max_len:
+                pool.append((ids, mask))
+        pool.sort(key=lambda s: len(s[0]))
+        chunks, cur = [], []
+        for s in pool:
+            if cur and len(s[0]) * (len(cur) + 1) > tokens:
+                chunks.append(cur)
+                cur = []
+            cur.append(s)
+        chunks.append(cur)
+        rng.shuffle(chunks)
+        yield from chunks
 
 
 # --- training -----------------------------------------------------------------------------------
@@ -246,9 +253,11 @@ def train(args, tok, template, work: Path) -> dict:
     log = []
     t0 = time.time()
     ntok = 0
+    nreal = 0
     model.train()
+    stream = batches(rng, tok, template, args.batch_tokens, args.max_len)
     for step in range(args.steps):
-        seqs = sample_batch(rng, tok, template, args.batch_tokens, args.max_len)
+        seqs = next(stream)
         L = max(len(s[0]) for s in seqs)
         x = torch.full((len(seqs), L), pad_id, dtype=torch.long)
         y = torch.full((len(seqs), L), -100, dtype=torch.long)
@@ -273,6 +282,7 @@ def train(args, tok, template, work: Path) -> dict:
                     lf = load.float()
                     r.e_score_correction_bias += args.bias_rate * torch.sign(lf.mean() - lf)
         ntok += x.numel()
+        nreal += sum(len(q[0]) for q in seqs)
         log.append({"step": step + 1, "loss": float(loss.detach()), "time": time.time() - t0,
                     "lr": lr_at(step)})
         if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
@@ -282,7 +292,7 @@ def train(args, tok, template, work: Path) -> dict:
                 for ld in loads if ld is not None
             ]
             print(f"step {step + 1}/{args.steps} loss {float(loss):.4f} "
-                  f"lr {lr_at(step):.2e} {ntok / el:.0f} tok/s elapsed {el:.0f}s "
+                  f"lr {lr_at(step):.2e} {ntok / el:.0f} tok/s ({nreal / el:.0f} unpadded) elapsed {el:.0f}s "
                   f"max/mean expert load {spread}", flush=True)
     train_time = time.time() - t0
     model.eval()
@@ -376,9 +386,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/colibri-demo"))
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch-tokens", type=int, default=6144)
-    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--bias-rate", type=float, default=1e-3)
+    ap.add_argument("--bias-rate", type=float, default=5e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--n-eval", type=int, default=200)

@@ -238,3 +238,28 @@ def test_continuation_inside_reasoning_and_after_it(thinking_server):
     r = client.chat.completions.create(model="glm", messages=after, max_tokens=10)
     assert r.choices[0].message.content != ""
     assert not (r.choices[0].message.model_extra or {}).get("reasoning")
+
+
+def test_bad_serve_flags_fail_fast():
+    for extra, message in (
+        (["--api-key", ""], "--api-key is empty"),
+        (["--max-tokens", "0"], "must be at least 1"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "colibri", "serve", "--port", "0", *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr
+
+
+def test_allowed_hosts_from_flag_and_environment_add_up():
+    srv = RunningServer("--allowed-host", "a.example", env={"COLI_ALLOWED_HOSTS": "b.example"})
+    try:
+        for host, status in (("a.example", 200), ("b.example", 200), ("c.example", 403)):
+            r = httpx.get(srv.url + "/v1/models", headers={"host": host})
+            assert r.status_code == status, host
+    finally:
+        srv.stop()

@@ -178,6 +178,19 @@ CASES = [
         salvage=True,
     ),
     Case(
+        "glm salvage drops a cut-off closing tag",
+        GLM,
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Lisbon</arg_v",
+        calls=[("get_weather", {"city": "Lisbon"})],
+        salvage=True,
+    ),
+    Case(
+        "glm a string-or-null property keeps its text",
+        GLM,
+        glm_call("write_file", path="a", code="123", mode="0644"),
+        calls=[("write_file", {"path": "a", "code": "123", "mode": "0644"})],
+    ),
+    Case(
         "glm look-alikes stay text",
         GLM,
         "Use <tool-call> or <tool_calls> tags; <arg_key>x</arg_key> <tool_call",
@@ -291,6 +304,12 @@ CASES = [
         calls=[("write_file", {"path": " a b ", "code": "x\n"})],
     ),
     Case(
+        "dsml a value that mentions the marker keeps its text",
+        DEEPSEEK_V3_2,
+        dsml(invoke("write_file", ("path", "true", "|DSML| notes.md"))),
+        calls=[("write_file", {"path": "|DSML| notes.md"})],
+    ),
+    Case(
         "dsml ASCII look-alike does not leak",
         DEEPSEEK_V3_2,
         "Ok.\n\n" + dsml(invoke("get_weather", ("location", "true", "Hanoi"), bar="|"), bar="|"),
@@ -394,6 +413,13 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     events += parser.finish()
     calls = [v for k, v in events if k == "tool_call"]
     assert [c.name for c in calls] == ["get_current_date"] and parser.done
+
+
+def test_parallel_tool_calls_false_drops_later_calls_of_a_section():
+    text = V31_BEGIN + v31_call("get_current_date", "{}") + v31_call("calculate", "{}") + V31_END
+    parser = ToolCallParser(DEEPSEEK_V3_1.tool_format, TOOLS, max_calls=1)
+    events = parser.push(text) + parser.finish()
+    assert [(k, getattr(v, "name", v)) for k, v in events] == [("tool_call", "get_current_date")]
 
 
 def test_a_section_keeps_its_usable_calls_and_returns_the_rest_as_text():

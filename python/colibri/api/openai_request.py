@@ -256,6 +256,12 @@ def _tool_choice(body: Body, names: list[str]) -> tuple[str, str | None]:
         if raw == "required" and not names:
             raise bad("tool_choice 'required' needs tools", param="tool_choice")
         return raw, None
+    if not isinstance(raw, dict):
+        raise bad(
+            f"'tool_choice' must be 'auto', 'none', 'required' or "
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {raw!r}',
+            param="tool_choice",
+        )
     choice = Body(raw, where="'tool_choice'")
     kind = choice.string("type", required=True)
     fn = choice.obj("function")

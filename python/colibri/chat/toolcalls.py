@@ -125,7 +125,11 @@ class ToolCallParser:
             s.gap = ""
             return
         for raw, call in parsed:
-            if self._usable(call) and not self.done:
+            if self.done:
+                # parallel_tool_calls: false — the client takes one call; more calls written in
+                # the same block are dropped rather than leaked into content as markup.
+                break
+            if self._usable(call):
                 tool_call = finish_call(call)
                 self.calls.append(tool_call)
                 out.append(("tool_call", tool_call))

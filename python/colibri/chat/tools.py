@@ -38,7 +38,9 @@ class ToolSet:
         unstripped; anything else is JSON if it parses, else the text."""
         declared = self._tools.get(tool)
         kind = declared.property_type(key) if declared else None
-        if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+        # A union that allows a string (["string", "null"]) keeps the text too: parsing it
+        # could turn the string "123" into a number the caller did not ask for.
+        if kind == "string" or (isinstance(kind, list) and "string" in kind):
             return raw
         try:
             return json.loads(raw.strip())

@@ -54,7 +54,9 @@ _PARAM = re.compile(
 
 
 def _fullwidth(text: str) -> str:
-    return text.replace("|DSML|", f"{_BAR}DSML{_BAR}")
+    """ASCII look-alike markers in their real form; only tag openings are rewritten, so a
+    parameter value that mentions |DSML| keeps its text."""
+    return text.replace("<|DSML|", f"<{_BAR}DSML{_BAR}").replace("</|DSML|", f"</{_BAR}DSML{_BAR}")
 
 
 class Dsml(ToolFormat):

@@ -49,6 +49,12 @@ class GlmXml(ToolFormat):
         if not salvage:
             return None
         fixed = block.rstrip()
+        # A closing tag cut off mid-way ("</arg_v") is dropped before the tags are completed.
+        for tag in ("</arg_value>", "</tool_call>"):
+            for size in range(len(tag) - 1, 0, -1):
+                if fixed.endswith(tag[:size]):
+                    fixed = fixed[:-size]
+                    break
         if fixed.count("<arg_value>") > fixed.count("</arg_value>"):
             fixed += "</arg_value>"
         parsed = self.parse(fixed + _END, tools, salvage)

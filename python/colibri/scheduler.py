@@ -1,0 +1,268 @@
+"""Admission to KV slots: a bounded FIFO queue with slot priority, deadlines and cancellation.
+
+The engine runs one generation per KV slot, so requests wait for a slot instead of running
+unsafely side by side. Rules (docs/API.md, "Admission"):
+
+- A request for any slot takes a free slot; a pinned request (``cache_slot``) takes its slot.
+  When a slot frees, the earliest waiter that can use it gets it: an earlier pinned request keeps
+  priority for its target, an earlier any-slot request keeps priority across all slots.
+- A request that can take a free slot now is admitted at once, even when the queue is full: the
+  queue limit bounds waiting requests only. Otherwise it waits if the queue has room, or is
+  rejected (``QueueFull``). With ``max_queue == 0`` nothing ever waits.
+- A waiter whose deadline passed is timed out (``QueueTimeout``), even if a slot has just freed:
+  deadlines are checked before slot assignment. Cancellation (a client gone) is checked before a
+  slot is taken, including when a waiter wakes up.
+
+Everything runs on the event loop's thread; no locks are needed, and every state change is one
+synchronous step, so the counters always add up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class AdmissionError(Exception):
+    code = "admission_error"
+
+
+class QueueFull(AdmissionError):
+    code = "queue_full"
+
+
+class QueueTimeout(AdmissionError):
+    code = "queue_timeout"
+
+
+class Cancelled(AdmissionError):
+    """The client went away before it was admitted."""
+
+    code = "cancelled"
+
+
+class SchedulerClosed(AdmissionError):
+    code = "server_shutting_down"
+
+
+@dataclass(eq=False)
+class _Waiter:
+    slot: int | None
+    deadline: float
+    is_cancelled: Callable[[], bool]
+    future: asyncio.Future[int]
+
+
+@dataclass
+class Lease:
+    """A held slot. Give it back with :meth:`Scheduler.release` exactly once."""
+
+    slot: int
+    queue_wait_s: float
+    admitted_at: float
+    released: bool = field(default=False, repr=False)
+
+
+@dataclass
+class Counters:
+    admitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    rejected: int = 0
+    timed_out: int = 0
+    cancelled: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        slots: int,
+        max_queue: int,
+        queue_timeout: float,
+        on_admit: Callable[[Lease], None] | None = None,
+        on_release: Callable[[Lease, str, float], None] | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not 1 <= slots <= 16:
+            raise ValueError(f"kv slots must be 1..16, got {slots}")
+        if max_queue < 0 or queue_timeout <= 0:
+            raise ValueError("max_queue must be >= 0 and queue_timeout > 0")
+        self.capacity = slots
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.counters = Counters()
+        self._busy = [False] * slots
+        self._waiters: deque[_Waiter] = deque()
+        self._closed = False
+        # The event loop's clock by default, so deadlines and the loop's timers agree.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._clock = clock or self._loop_time
+        self._on_admit = on_admit
+        self._on_release = on_release
+
+    def _loop_time(self) -> float:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop.time()
+
+    # --- state --------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return sum(self._busy)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def snapshot(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "active": self.active,
+            "queued": self.queued,
+            "capacity": self.capacity,
+            "max_queue": self.max_queue,
+            "admitted": c.admitted,
+            "completed": c.completed,
+            "failed": c.failed,
+            "rejected": c.rejected,
+            "timed_out": c.timed_out,
+            "cancelled": c.cancelled,
+        }
+
+    def busy_slots(self) -> list[int]:
+        return [i for i, b in enumerate(self._busy) if b]
+
+    # --- admission ----------------------------------------------------------------------------
+
+    def _free_slot(self, slot: int | None) -> int | None:
+        if slot is not None:
+            return None if self._busy[slot] else slot
+        return next((i for i, b in enumerate(self._busy) if not b), None)
+
+    def check_slot(self, slot: int | None) -> None:
+        if slot is not None and not 0 <= slot < self.capacity:
+            raise ValueError(f"cache_slot must be in 0..{self.capacity - 1}, got {slot}")
+
+    async def acquire(
+        self, slot: int | None = None, is_cancelled: Callable[[], bool] = lambda: False
+    ) -> Lease:
+        """Waits for a slot. Raises QueueFull, QueueTimeout, Cancelled or SchedulerClosed.
+
+        Cancelling the awaiting task (a client that disconnected) counts as a cancellation and
+        leaves no trace in the queue or the slots.
+        """
+        self.check_slot(slot)
+        if self._closed:
+            raise SchedulerClosed("the server is shutting down")
+        start = self._clock()
+        if is_cancelled():
+            self.counters.cancelled += 1
+            raise Cancelled("client disconnected before admission")
+        free = self._free_slot(slot)
+        if free is not None:
+            return self._admit(free, start)
+        if len(self._waiters) >= self.max_queue:
+            self.counters.rejected += 1
+            raise QueueFull(
+                f"the admission queue is full ({self.max_queue} waiting, "
+                f"{self.capacity} slot(s) busy); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(slot, start + self.queue_timeout, is_cancelled, loop.create_future())
+        self._waiters.append(waiter)
+        timer = loop.call_at(waiter.deadline, self._expire, waiter)
+        try:
+            assigned = await waiter.future
+        except asyncio.CancelledError:
+            self._abandon(waiter)
+            raise
+        finally:
+            timer.cancel()
+        # The slot was reserved for us by _dispatch; check the client once more on waking.
+        if is_cancelled():
+            self._busy[assigned] = False
+            self.counters.cancelled += 1
+            self._dispatch()
+            raise Cancelled("client disconnected while queued")
+        return self._admit(assigned, start)
+
+    def _admit(self, slot: int, start: float) -> Lease:
+        self._busy[slot] = True
+        self.counters.admitted += 1
+        now = self._clock()
+        lease = Lease(slot, now - start, now)
+        if self._on_admit is not None:
+            self._on_admit(lease)
+        return lease
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """The waiting task was cancelled: forget it, and free a slot reserved for it."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        elif waiter.future.done():
+            if waiter.future.exception() is not None:
+                return  # already timed out, cancelled or closed: counted there
+            self._busy[waiter.future.result()] = False
+            self._dispatch()
+        self.counters.cancelled += 1
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+            self.counters.timed_out += 1
+            waiter.future.set_exception(
+                QueueTimeout(f"no slot became free within {self.queue_timeout:g} s; retry later")
+            )
+
+    def _dispatch(self) -> None:
+        """Hands free slots to waiters in FIFO order (deadline, then cancellation, first)."""
+        now = self._clock()
+        for waiter in list(self._waiters):
+            if not any(not b for b in self._busy):
+                return
+            if waiter.future.done():
+                self._waiters.remove(waiter)
+                continue
+            if now >= waiter.deadline:
+                self._expire(waiter)
+                continue
+            if waiter.is_cancelled():
+                self._waiters.remove(waiter)
+                self.counters.cancelled += 1
+                waiter.future.set_exception(Cancelled("client disconnected while queued"))
+                continue
+            free = self._free_slot(waiter.slot)
+            if free is None:
+                continue
+            self._waiters.remove(waiter)
+            self._busy[free] = True  # reserved until the waiter wakes and is admitted
+            waiter.future.set_result(free)
+
+    def release(self, lease: Lease, outcome: str) -> None:
+        """``outcome``: "completed", "failed" (an error after admission) or "cancelled"."""
+        if lease.released:
+            raise RuntimeError("lease released twice")
+        lease.released = True
+        self._busy[lease.slot] = False
+        if outcome == "completed":
+            self.counters.completed += 1
+        elif outcome == "failed":
+            self.counters.failed += 1
+        elif outcome == "cancelled":
+            self.counters.cancelled += 1
+        else:
+            raise ValueError(f"unknown outcome {outcome!r}")
+        if self._on_release is not None:
+            self._on_release(lease, outcome, self._clock() - lease.admitted_at)
+        self._dispatch()
+
+    def close(self) -> None:
+        """Refuses new requests and fails every waiter (server shutdown)."""
+        self._closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(SchedulerClosed("the server is shutting down"))
