@@ -54,9 +54,23 @@ chat_template = _load("colibri_chat_template", PKG / "chat" / "template.py")
 
 SEED = 1234
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-    "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
-    "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>",
+    "<|endoftext|>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
 ]
 EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
 VOCAB_SIZE = 1536
@@ -87,8 +101,11 @@ CONFIG = {
     "use_qk_norm": False,
     "rms_norm_eps": 1e-5,
     "max_position_embeddings": 2048,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                        "partial_rotary_factor": 0.5},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+    },
     "hidden_act": "silu",
     "tie_word_embeddings": False,
     "initializer_range": 0.02,
@@ -97,6 +114,7 @@ CONFIG = {
 
 
 # --- tokenizer ----------------------------------------------------------------------------------
+
 
 def _split_specials(text: str) -> list[str]:
     parts = [text]
@@ -109,10 +127,12 @@ def build_tokenizer(template, seed: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKEN_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKEN_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -125,8 +145,9 @@ def build_tokenizer(template, seed: int):
     texts = []
     for _ in range(20000):
         conv = demo_data.train_conversation(rng)
-        full = template.render(conv["messages"], add_generation_prompt=False,
-                               tools=conv["tools"], enable_thinking=True)
+        full = template.render(
+            conv["messages"], add_generation_prompt=False, tools=conv["tools"], enable_thinking=True
+        )
         texts += _split_specials(full)
     # The digits are pre-tokens of their own, so no merge ever joins them.
     tok.train_from_iterator(texts, trainer=trainer)
@@ -137,6 +158,7 @@ def build_tokenizer(template, seed: int):
 
 
 # --- data ---------------------------------------------------------------------------------------
+
 
 def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]]:
     """Token ids of a rendered conversation and a parallel 0/1 mask of what the model generates:
@@ -161,16 +183,18 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
             continue
         think = conv["thinking"][turn]
         turn += 1
-        prompt = template.render(msgs[:i], add_generation_prompt=True, tools=tools,
-                                 enable_thinking=think)
-        upto = template.render(msgs[: i + 1], add_generation_prompt=False, tools=tools,
-                               enable_thinking=think)
+        prompt = template.render(
+            msgs[:i], add_generation_prompt=True, tools=tools, enable_thinking=think
+        )
+        upto = template.render(
+            msgs[: i + 1], add_generation_prompt=False, tools=tools, enable_thinking=think
+        )
         assert prompt.startswith(done) and upto.startswith(prompt), (prompt, upto)
-        add(prompt[len(done):], 0)
+        add(prompt[len(done) :], 0)
         nxt = msgs[i + 1]["role"] if i + 1 < len(msgs) else "user"
         end = "<|observation|>" if nxt == "tool" else "<|user|>"
         # The marker that ends the turn is where the next message's render starts.
-        add(upto[len(prompt):] + end, 1)
+        add(upto[len(prompt) :] + end, 1)
     return ids, mask
 
 
@@ -197,6 +221,7 @@ def batches(rng: random.Random, tok, template, tokens: int, max_len: int):
 
 
 # --- training -----------------------------------------------------------------------------------
+
 
 def build_model(vocab_size: int, eos_ids: list[int], pad_id: int):
     import torch
@@ -230,17 +255,22 @@ def train(args, tok, template, work: Path) -> dict:
     def hook(i):
         def f(_mod, _inp, out):
             loads[i] = torch.bincount(out[2].flatten(), minlength=_mod.num_experts)
+
         return f
 
     for i, r in enumerate(routers):
         r.register_forward_hook(hook(i))
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and
-                                                                "gate.weight" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    no_decay = [
+        p for n, p in model.named_parameters() if not (p.ndim >= 2 and "gate.weight" not in n)
+    ]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     warm = min(200, args.steps // 10 + 1)
 
     def lr_at(step: int) -> float:
@@ -269,8 +299,9 @@ def train(args, tok, template, work: Path) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1),
-                               ignore_index=-100)
+        loss = F.cross_entropy(
+            logits.view(-1, logits.size(-1)).float(), y.view(-1), ignore_index=-100
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -283,21 +314,37 @@ def train(args, tok, template, work: Path) -> dict:
                     r.e_score_correction_bias += args.bias_rate * torch.sign(lf.mean() - lf)
         ntok += x.numel()
         nreal += sum(len(q[0]) for q in seqs)
-        log.append({"step": step + 1, "loss": float(loss.detach()), "time": time.time() - t0,
-                    "lr": lr_at(step)})
+        log.append(
+            {
+                "step": step + 1,
+                "loss": float(loss.detach()),
+                "time": time.time() - t0,
+                "lr": lr_at(step),
+            }
+        )
         if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
             el = time.time() - t0
             spread = [
                 round(float(ld.max()) / max(1.0, float(ld.float().mean())), 2)
-                for ld in loads if ld is not None
+                for ld in loads
+                if ld is not None
             ]
-            print(f"step {step + 1}/{args.steps} loss {float(loss):.4f} "
-                  f"lr {lr_at(step):.2e} {ntok / el:.0f} tok/s ({nreal / el:.0f} unpadded) elapsed {el:.0f}s "
-                  f"max/mean expert load {spread}", flush=True)
+            print(
+                f"step {step + 1}/{args.steps} loss {float(loss):.4f} "
+                f"lr {lr_at(step):.2e} {ntok / el:.0f} tok/s ({nreal / el:.0f} unpadded) "
+                f"elapsed {el:.0f}s "
+                f"max/mean expert load {spread}",
+                flush=True,
+            )
     train_time = time.time() - t0
     model.eval()
-    return {"model": model, "log": log, "train_time": train_time, "n_params": n_params,
-            "tokens": ntok}
+    return {
+        "model": model,
+        "log": log,
+        "train_time": train_time,
+        "n_params": n_params,
+        "tokens": ntok,
+    }
 
 
 def save_checkpoint(model, tok, hf: Path) -> None:
@@ -307,13 +354,19 @@ def save_checkpoint(model, tok, hf: Path) -> None:
     model.save_pretrained(hf, safe_serialization=True)
     tok.save(str(hf / "tokenizer.json"))
     template = TEMPLATE_PATH.read_text(encoding="utf-8")
-    (hf / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": template,
-        "additional_special_tokens": SPECIAL_TOKENS[1:],
-    }, indent=2, ensure_ascii=False))
+    (hf / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": template,
+                "additional_special_tokens": SPECIAL_TOKENS[1:],
+            },
+            indent=2,
+            ensure_ascii=False,
+        )
+    )
     cfg = json.loads((hf / "config.json").read_text())
     assert cfg["architectures"] == ["Glm4MoeForCausalLM"], cfg["architectures"]
 
@@ -323,10 +376,15 @@ def f32_sanity(model, tok, template) -> None:
     import torch
 
     eos = {tok.token_to_id(t) for t in EOS_TOKENS}
-    for item in [demo_data.eval_items(t, 2, 99)[k] for t in ("arith", "tool_call", "capital")
-                 for k in (0, 1)]:
-        prompt = template.render(item["messages"], add_generation_prompt=True,
-                                 tools=item["tools"], enable_thinking=item["thinking"])
+    for item in [
+        demo_data.eval_items(t, 2, 99)[k] for t in ("arith", "tool_call", "capital") for k in (0, 1)
+    ]:
+        prompt = template.render(
+            item["messages"],
+            add_generation_prompt=True,
+            tools=item["tools"],
+            enable_thinking=item["thinking"],
+        )
         ids = tok.encode(prompt).ids
         out = []
         with torch.no_grad():
@@ -335,8 +393,14 @@ def f32_sanity(model, tok, template) -> None:
                 out.append(nxt)
                 if nxt in eos:
                     break
-        print(repr(item["messages"][-1]["content"]), "->", repr(tok.decode(out,
-              skip_special_tokens=False)), "| expect", item["expect"], flush=True)
+        print(
+            repr(item["messages"][-1]["content"]),
+            "->",
+            repr(tok.decode(out, skip_special_tokens=False)),
+            "| expect",
+            item["expect"],
+            flush=True,
+        )
 
 
 def plot_loss(log: list[dict], path: Path) -> None:
@@ -348,8 +412,10 @@ def plot_loss(log: list[dict], path: Path) -> None:
     steps = [r["step"] for r in log]
     loss = [r["loss"] for r in log]
     k = 25
-    smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1])
-              for i in range(len(loss))]
+    smooth = [
+        sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1])
+        for i in range(len(loss))
+    ]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, loss, color="#bbb", lw=0.6, label="per step")
     ax.plot(steps, smooth, color="#1f6feb", lw=1.5, label=f"mean of {k}")
@@ -369,11 +435,23 @@ def convert_and_eval(work: Path, n_per_task: int, eval_seed: int) -> dict:
         out = work / f"model-{quant}"
         if out.exists():
             shutil.rmtree(out)
-        subprocess.run([str(COLIBRI), "convert", str(work / "hf"), str(out), "--quant", quant],
-                       check=True)
+        subprocess.run(
+            [str(COLIBRI), "convert", str(work / "hf"), str(out), "--quant", quant], check=True
+        )
         res = subprocess.run(
-            [str(VENV_PY), "-m", "colibri.demo_eval", "--model", str(out), "--n", str(n_per_task),
-             "--seed", str(eval_seed), "--json", str(work / f"eval-{quant}.json")],
+            [
+                str(VENV_PY),
+                "-m",
+                "colibri.demo_eval",
+                "--model",
+                str(out),
+                "--n",
+                str(n_per_task),
+                "--seed",
+                str(eval_seed),
+                "--json",
+                str(work / f"eval-{quant}.json"),
+            ],
             check=True,
         )
         del res
@@ -395,8 +473,11 @@ def main() -> None:
     ap.add_argument("--eval-seed", type=int, default=7)
     ap.add_argument("--no-convert", action="store_true", help="stop after the HF checkpoint")
     ap.add_argument("--ship", action="store_true", help="copy the int4 model into the package")
-    ap.add_argument("--only-convert", action="store_true",
-                    help="reuse WORK/hf and WORK/train.json: convert, evaluate, write the card")
+    ap.add_argument(
+        "--only-convert",
+        action="store_true",
+        help="reuse WORK/hf and WORK/train.json: convert, evaluate, write the card",
+    )
     args = ap.parse_args()
 
     random.seed(SEED)
@@ -409,11 +490,15 @@ def main() -> None:
         t0 = time.time()
         tok = build_tokenizer(template, SEED)
         print(f"tokenizer: {tok.get_vocab_size()} tokens in {time.time() - t0:.0f}s", flush=True)
-        lens = [len(encode_conversation(tok, template,
-                                        demo_data.train_conversation(random.Random(i)))[0])
-                for i in range(300)]
-        print(f"conversation tokens: mean {sum(lens) / len(lens):.0f} max {max(lens)}",
-              flush=True)
+        lens = [
+            len(
+                encode_conversation(tok, template, demo_data.train_conversation(random.Random(i)))[
+                    0
+                ]
+            )
+            for i in range(300)
+        ]
+        print(f"conversation tokens: mean {sum(lens) / len(lens):.0f} max {max(lens)}", flush=True)
         res = train(args, tok, template, work)
         save_checkpoint(res["model"], tok, work / "hf")
         f32_sanity(res["model"], tok, template)
@@ -454,15 +539,17 @@ def card(summary: dict, results: dict, args) -> str:
         f"{results['int4']['tasks'][t]['n']} |"
         for t in tasks
     )
-    shape = (f"{cfg['num_hidden_layers']} layers (layer 0 dense SwiGLU "
-             f"{cfg['intermediate_size']}, layers 1-{cfg['num_hidden_layers'] - 1} MoE), hidden "
-             f"{cfg['hidden_size']}, {cfg['num_attention_heads']} query heads / "
-             f"{cfg['num_key_value_heads']} KV heads of {cfg['head_dim']} (RoPE on half, "
-             f"q/k/v biases), {cfg['n_routed_experts']} routed experts of "
-             f"{cfg['moe_intermediate_size']} (top-{cfg['num_experts_per_tok']}, sigmoid "
-             f"routing with correction bias, normalised) + {cfg['n_shared_experts']} shared, "
-             f"vocabulary {summary['vocab_size']}, untied embeddings, context "
-             f"{cfg['max_position_embeddings']}")
+    shape = (
+        f"{cfg['num_hidden_layers']} layers (layer 0 dense SwiGLU "
+        f"{cfg['intermediate_size']}, layers 1-{cfg['num_hidden_layers'] - 1} MoE), hidden "
+        f"{cfg['hidden_size']}, {cfg['num_attention_heads']} query heads / "
+        f"{cfg['num_key_value_heads']} KV heads of {cfg['head_dim']} (RoPE on half, "
+        f"q/k/v biases), {cfg['n_routed_experts']} routed experts of "
+        f"{cfg['moe_intermediate_size']} (top-{cfg['num_experts_per_tok']}, sigmoid "
+        f"routing with correction bias, normalised) + {cfg['n_shared_experts']} shared, "
+        f"vocabulary {summary['vocab_size']}, untied embeddings, context "
+        f"{cfg['max_position_embeddings']}"
+    )
     return f"""# colibri demo model
 
 A tiny GLM-4.5-format Mixture-of-Experts (`Glm4MoeForCausalLM`) trained from scratch by
@@ -473,8 +560,8 @@ was trained on and nothing else.
 ## Model
 
 - Shape: {shape}.
-- Parameters: {summary['n_params']:,} (all experts counted).
-- Tokenizer: byte-level BPE ({summary['vocab_size']} tokens) trained on the synthetic corpus;
+- Parameters: {summary["n_params"]:,} (all experts counted).
+- Tokenizer: byte-level BPE ({summary["vocab_size"]} tokens) trained on the synthetic corpus;
   whitespace, letter runs, punctuation runs and single digits are separate pre-tokens (a number is
   one token per digit; any Unicode text encodes). The GLM special tokens are single tokens.
 - Chat template: `colibri/chat/templates/glm45.jinja` (GLM-4.5 newline style), in
@@ -502,17 +589,19 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 - thinking on (prompt ends `<|assistant|>`): `\\n<think>SHORT TRACE</think>\\nANSWER<|user|>`
 - addition: `85`; trace `7 + 8 = 15, carry 1. 3 + 4 + 1 = 8. 37 + 48 = 85.`
 - capital: `The capital of Portugal is Lisbon.`
-- tool call: `\\n<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Lisbon</arg_value>\\n</tool_call><|observation|>`
+- tool call:
+  `\\n<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Lisbon</arg_value>`
+  `\\n</tool_call><|observation|>`
   (with thinking on, `\\n<think>…</think>` first)
 - after a tool result: e.g. `\\nIt is 21 degrees and sunny in Lisbon.<|user|>`
 
 ## Training
 
 - Seed {SEED}; {len(log)} steps of about {args.batch_tokens} padded tokens
-  ({summary['tokens']:,} tokens in all); AdamW lr {args.lr} (warmup, cosine to 5%), betas
+  ({summary["tokens"]:,} tokens in all); AdamW lr {args.lr} (warmup, cosine to 5%), betas
   (0.9, 0.95), weight decay 0.05, gradient clip 1.0; expert bias step {args.bias_rate}.
 - CPU, 2 threads (torch {_torch_version()}, transformers {_tf_version()}):
-  {summary['train_time'] / 60:.1f} minutes. Final loss (mean of the last 100 steps):
+  {summary["train_time"] / 60:.1f} minutes. Final loss (mean of the last 100 steps):
   {final_loss:.4f}.
 
 ![training loss](loss.png)

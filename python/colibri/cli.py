@@ -60,6 +60,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         continue_assistant=os.environ.get("COLI_CONTINUE_ASSISTANT", "1") != "0",
         chat_family=args.chat_family,
+        kv_slots=args.kv_slots,
+        max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout,
     )
     created = int((model_dir / "manifest.json").stat().st_mtime)
     served = ServedModel(engine, config, created)
@@ -169,6 +172,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_number(name: str, kind: type, default: float) -> str:
+    """The default of a numeric flag from the environment, checked by the flag's own type."""
+    return os.environ.get(name, str(kind(default)))
+
+
+def _slots(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"must be 1..16, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -212,6 +241,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-family",
         choices=["glm", "qwen3", "deepseek_v31", "deepseek_v32", "kimi_k2", "olmoe"],
         help="override the chat family detected from the model",
+    )
+    s.add_argument(
+        "--kv-slots",
+        type=_slots,
+        default=_env_number("COLI_KV_SLOTS", int, 1),
+        help="KV slots: generations that run side by side, 1..16 ($COLI_KV_SLOTS, default 1)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=_non_negative_int,
+        default=_env_number("COLI_MAX_QUEUE", int, 8),
+        help="requests that may wait for a slot ($COLI_MAX_QUEUE, default 8; 0: none wait)",
+    )
+    s.add_argument(
+        "--queue-timeout",
+        type=_positive_float,
+        default=_env_number("COLI_QUEUE_TIMEOUT", float, 300.0),
+        help="seconds a request may wait for a slot ($COLI_QUEUE_TIMEOUT, default 300)",
     )
     s.add_argument(
         "--allow-unauthenticated",

@@ -1,8 +1,10 @@
-"""Runs generations on the engine, one at a time, as async streams of output pieces.
+"""Runs generations on the engine as async streams of output pieces.
 
 The engine computes each token with the GIL released, on one dedicated thread; the event loop
-stays free to serve other requests (health, listing, queued clients). Closing a stream (a client
-that went away) stops the computation after the token in flight.
+stays free to serve other requests (health, listing, queued clients). Admission (which requests
+run, in which KV slot) is the scheduler's job; generations admitted to different slots take
+turns token by token on the engine thread. Closing a stream (a client that went away) stops the
+computation after the token in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from colibri.chat.output import OutputPipeline, Piece, ReasoningState
 from colibri.chat.toolcalls import ToolCallParser
 from colibri.engine import Engine
+from colibri.observability import RequestObserver
 
 
 @dataclass(frozen=True)
@@ -47,18 +50,17 @@ def _next_token(stream: Any) -> int | None:
 
 
 class Generator:
-    """The one engine of the server and the serial queue in front of it."""
+    """The one engine of the server and the thread it computes on."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-engine")
-        self._lock = asyncio.Lock()
+        # Set when the engine failed in a way no request explains (health reports it).
+        self.dead: str | None = None
 
-    @property
-    def busy(self) -> bool:
-        return self._lock.locked()
-
-    async def stream(self, spec: GenerationSpec) -> AsyncIterator[list[Piece] | Finished]:
+    async def stream(
+        self, spec: GenerationSpec, observer: RequestObserver | None = None
+    ) -> AsyncIterator[list[Piece] | Finished]:
         """Yields lists of pieces as they become final, then one :class:`Finished`."""
         loop = asyncio.get_running_loop()
         out = OutputPipeline(
@@ -69,39 +71,57 @@ class Generator:
             spec.tool_parser() if spec.tool_parser is not None else None,
         )
         stop_ids = set(spec.stop_token_ids)
-        async with self._lock:
-            tokens = self.engine.generate(
-                spec.prompt_ids,
-                spec.max_tokens,
-                spec.temperature,
-                spec.top_p,
-                sorted(stop_ids),
-                spec.seed,
-            )
-            count = 0
-            reason = "length"
-            try:
-                while True:
+        tokens = self.engine.generate(
+            spec.prompt_ids,
+            spec.max_tokens,
+            spec.temperature,
+            spec.top_p,
+            sorted(stop_ids),
+            spec.seed,
+        )
+        if observer is not None:
+            observer.engine_started(len(spec.prompt_ids))
+        count = 0
+        reason = "length"
+        error: str | None = None
+        try:
+            while True:
+                try:
                     token = await loop.run_in_executor(self._thread, _next_token, tokens)
-                    if token is None:
-                        break
-                    count += 1
-                    if token in stop_ids:
-                        reason = "stop"
-                        break
-                    pieces = out.push_token(token)
-                    if pieces:
-                        yield pieces
-                    if out.stopped:
-                        reason = "stop"
-                        break
-            finally:
-                tokens.close()
-        pieces = out.finish()
-        if out.stopped:  # a stop can complete only in what was held back at the end
-            reason = "stop"
-        if out.tool_calls:
-            reason = "tool_calls"
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+                    self.dead = error
+                    raise
+                if token is None:
+                    break
+                count += 1
+                if observer is not None:
+                    observer.token()
+                if token in stop_ids:
+                    reason = "stop"
+                    break
+                pieces = out.push_token(token)
+                if pieces:
+                    if observer is not None:
+                        observer.output()
+                    yield pieces
+                if out.stopped:
+                    reason = "stop"
+                    break
+            pieces = out.finish()
+            if out.stopped:  # a stop can complete only in what was held back at the end
+                reason = "stop"
+            if out.tool_calls:
+                reason = "tool_calls"
+            if pieces and observer is not None:
+                observer.output()
+        except BaseException:
+            reason = "cancelled" if error is None else "error"
+            raise
+        finally:
+            tokens.close()
+            if observer is not None:
+                observer.engine_finished(reason, count, error)
         yield Finished(reason, count, pieces)
 
     def close(self) -> None:

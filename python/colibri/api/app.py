@@ -2,29 +2,54 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from colibri.api import openai
+from colibri.api.admission import ClientGone, client_gone_response
 from colibri.api.errors import ApiError, error_response
+from colibri.api.request_id import RequestIdMiddleware
 from colibri.api.security import security_middleware
 from colibri.api.served import ServedModel
+from colibri.observability import CONTENT_TYPE
 
 log = logging.getLogger("colibri.server")
 
 
+def _authenticated(request: Request) -> bool:
+    return bool(request.scope.get("state", {}).get("authenticated", False))
+
+
 async def health(request: Request) -> Response:
-    """Public liveness; details only for an authenticated caller (or when no key is set)."""
-    body: dict = {"status": "ok"}
-    if request.scope.get("state", {}).get("authenticated", False):
-        model: ServedModel = request.app.state.served
-        body.update(model=model.id, busy=model.generator.busy)
-    return openai.json_response(body)
+    """Public liveness; the scheduler snapshot only for an authenticated caller (or when no key
+    is set). 503 once the engine has failed."""
+    model: ServedModel = request.app.state.served
+    dead = model.generator.dead
+    body: dict = {"status": "error" if dead else "ok"}
+    if _authenticated(request):
+        body.update(model=model.id, **model.scheduler.snapshot())
+        body["kv_bytes_per_token"] = model.engine.info.get("kv_bytes_per_token")
+        if dead:
+            body["error"] = dead
+    return openai.json_response(body, status=503 if dead else 200)
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition 0.0.4 (the API key middleware guards it like generation)."""
+    model: ServedModel = request.app.state.served
+    return Response(model.metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return client_gone_response()
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -52,20 +77,32 @@ def create_app(served: ServedModel) -> Starlette:
     config = served.config
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", openai.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", openai.get_model, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
     ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        served.scheduler.close()  # waiters get a clear 503 instead of hanging at shutdown
+
     app = Starlette(
+        lifespan=lifespan,
         routes=routes,
-        middleware=security_middleware(
-            api_key=config.api_key,
-            allowed_hosts=config.allowed_hosts,
-            cors_origins=config.cors_origins,
-        ),
+        middleware=[
+            Middleware(RequestIdMiddleware),
+            *security_middleware(
+                api_key=config.api_key,
+                allowed_hosts=config.allowed_hosts,
+                cors_origins=config.cors_origins,
+            ),
+        ],
         exception_handlers={
             ApiError: _api_error,
+            ClientGone: _client_gone,
             HTTPException: _http_error,
             Exception: _unexpected,
         },

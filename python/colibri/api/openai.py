@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from colibri.api.admission import admit, until_disconnect
 from colibri.api.errors import ApiError, error_body
-from colibri.api.openai_request import Sampling, parse_chat, parse_completion
+from colibri.api.openai_request import ChatRequest, Sampling, parse_chat, parse_completion
 from colibri.api.served import ServedModel
 from colibri.api.tooling import plan_tools
-from colibri.chat.output import ReasoningState
+from colibri.chat.output import Piece, ReasoningState
 from colibri.chat.render import ContinuationRefused, render_chat
 from colibri.chat.template import TemplateRefused
 from colibri.chat.tools import ToolCall
 from colibri.generation import Finished, GenerationSpec
+from colibri.observability import RequestObserver
+from colibri.scheduler import Lease
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -64,7 +68,7 @@ _DONE = b"data: [DONE]\n\n"
 
 
 class _Reply:
-    """Everything a response needs besides the generated pieces."""
+    """Everything a response needs besides the generated pieces, and the held slot."""
 
     def __init__(
         self,
@@ -73,19 +77,84 @@ class _Reply:
         sampling: Sampling,
         prompt_tokens: int,
         show_reasoning: bool,
+        lease: Lease,
+        observer: RequestObserver,
     ) -> None:
         self.model = model
         self.spec = spec
         self.sampling = sampling
         self.prompt_tokens = prompt_tokens
         self.show_reasoning = show_reasoning
+        self.lease = lease
+        self.observer = observer
         self.created = int(time.time())
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"x-colibri-queue-wait-ms": f"{self.lease.queue_wait_s * 1e3:.1f}"}
+
+    async def events(self) -> AsyncIterator[list[Piece] | Finished]:
+        """The engine's events; the slot is given back however this ends."""
+        outcome = "failed"
+        try:
+            async for event in self.model.generator.stream(self.spec, self.observer):
+                yield event
+            outcome = "completed"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            self.model.scheduler.release(self.lease, outcome)
+            self.observer.end()
+
+
+async def _generate(
+    request: Request,
+    model: ServedModel,
+    observer: RequestObserver,
+    spec: GenerationSpec,
+    sampling: Sampling,
+    show_reasoning: bool,
+    stream_events: Callable[[_Reply], AsyncIterator[bytes]],
+    json_body: Callable[[_Reply], Awaitable[dict[str, Any]]],
+) -> Response:
+    """Admission, then the reply as SSE or JSON; refusals happen before any header is sent."""
+    try:
+        lease = await admit(request, model, sampling.cache_slot, observer)
+    except BaseException:
+        observer.end()
+        raise
+    reply = _Reply(model, spec, sampling, len(spec.prompt_ids), show_reasoning, lease, observer)
+    if sampling.stream:
+        return _stream(stream_events(reply), reply.headers)
+    body = await until_disconnect(request, json_body(reply))
+    return Response(orjson.dumps(body), media_type="application/json", headers=reply.headers)
 
 
 async def chat_completions(request: Request) -> Response:
     model = served(request)
     req = parse_chat(await read_json(request), model.config.max_tokens)
     model.check_model(req.model)
+    observer = model.observe("chat.completions")
+    try:
+        spec = _chat_spec(model, req, observer)
+    except BaseException:
+        observer.end()
+        raise
+    return await _generate(
+        request,
+        model,
+        observer,
+        spec,
+        req.sampling,
+        req.include_reasoning,
+        _chat_events,
+        lambda reply: _chat_json(reply, thinking=req.thinking),
+    )
+
+
+def _chat_spec(model: ServedModel, req: ChatRequest, observer: RequestObserver) -> GenerationSpec:
+    """Renders and tokenizes the conversation and plans stops, reasoning and tools."""
     family = model.family
     if model.template is None:
         raise ApiError(
@@ -104,15 +173,16 @@ async def chat_completions(request: Request) -> Response:
         )
     tooling = plan_tools(req, family)
     try:
-        rendered = render_chat(
-            model.template,
-            family,
-            tooling.messages,
-            enable_thinking=req.thinking,
-            continue_assistant=model.config.continue_assistant,
-            tools=tooling.prompt_tools,
-            declared_tools=bool(req.tools),
-        )
+        with observer.span("render"):
+            rendered = render_chat(
+                model.template,
+                family,
+                tooling.messages,
+                enable_thinking=req.thinking,
+                continue_assistant=model.config.continue_assistant,
+                tools=tooling.prompt_tools,
+                declared_tools=bool(req.tools),
+            )
     except ContinuationRefused as e:
         raise ApiError(400, str(e), code="invalid_continuation", param="messages") from e
     except TemplateRefused as e:
@@ -141,7 +211,7 @@ async def chat_completions(request: Request) -> Response:
         if family.reasoning
         else None
     )
-    spec = GenerationSpec(
+    return GenerationSpec(
         prompt_ids=ids,
         max_tokens=max_tokens,
         temperature=req.sampling.temperature,
@@ -153,16 +223,15 @@ async def chat_completions(request: Request) -> Response:
         reasoning=reasoning,
         tool_parser=tooling.parser_factory,
     )
-    reply = _Reply(model, spec, req.sampling, len(ids), req.include_reasoning)
-    if req.sampling.stream:
-        return _stream(_chat_events(reply))
-    return json_response(await _chat_json(reply, thinking=req.thinking))
 
 
 async def _collect(reply: _Reply) -> tuple[dict[str, str], list[ToolCall], Finished]:
     texts = {"content": "", "reasoning": ""}
     calls: list[ToolCall] = []
-    async for event in reply.model.generator.stream(reply.spec):
+    finished: Finished | None = None
+    # Run the stream to its end (not just to the Finished event) so the slot is released as
+    # a completed request.
+    async for event in reply.events():
         pieces = event.pieces if isinstance(event, Finished) else event
         for kind, value in pieces:
             if isinstance(value, ToolCall):
@@ -170,8 +239,10 @@ async def _collect(reply: _Reply) -> tuple[dict[str, str], list[ToolCall], Finis
             else:
                 texts[kind] += value
         if isinstance(event, Finished):
-            return texts, calls, event
-    raise RuntimeError("generation ended without a finish event")
+            finished = event
+    if finished is None:
+        raise RuntimeError("generation ended without a finish event")
+    return texts, calls, finished
 
 
 async def _chat_json(reply: _Reply, thinking: bool) -> dict[str, Any]:
@@ -194,11 +265,11 @@ async def _chat_json(reply: _Reply, thinking: bool) -> dict[str, Any]:
     }
 
 
-def _stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+def _stream(events: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
     return StreamingResponse(
         events,
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
     )
 
 
@@ -223,7 +294,7 @@ async def _chat_events(reply: _Reply) -> AsyncIterator[bytes]:
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
     try:
-        async for event in reply.model.generator.stream(reply.spec):
+        async for event in reply.events():
             pieces = event.pieces if isinstance(event, Finished) else event
             for kind, value in pieces:
                 if isinstance(value, ToolCall):
@@ -274,10 +345,15 @@ async def completions(request: Request) -> Response:
     model = served(request)
     req = parse_completion(await read_json(request), default_max_tokens=16)
     model.check_model(req.model)
-    ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
-    if not ids:
-        raise ApiError(400, "'prompt' is empty", code="empty_prompt", param="prompt")
-    max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "prompt")
+    observer = model.observe("completions")
+    try:
+        ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
+        if not ids:
+            raise ApiError(400, "'prompt' is empty", code="empty_prompt", param="prompt")
+        max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "prompt")
+    except BaseException:
+        observer.end()
+        raise
     spec = GenerationSpec(
         prompt_ids=ids,
         max_tokens=max_tokens,
@@ -288,27 +364,30 @@ async def completions(request: Request) -> Response:
         stops=req.sampling.stops,
         ignore_leading_stop=req.sampling.ignore_leading_stop,
     )
-    reply = _Reply(model, spec, req.sampling, len(ids), show_reasoning=False)
-    if req.sampling.stream:
-        return _stream(_completion_events(reply))
-    texts, _, fin = await _collect(reply)
-    return json_response(
-        {
-            "id": "cmpl-" + secrets.token_hex(12),
-            "object": "text_completion",
-            "created": reply.created,
-            "model": model.id,
-            "choices": [
-                {
-                    "text": texts["content"],
-                    "index": 0,
-                    "logprobs": None,
-                    "finish_reason": fin.reason,
-                }
-            ],
-            "usage": _usage(reply.prompt_tokens, fin.completion_tokens),
-        }
+    return await _generate(
+        request,
+        model,
+        observer,
+        spec,
+        req.sampling,
+        False,
+        _completion_events,
+        _completion_json,
     )
+
+
+async def _completion_json(reply: _Reply) -> dict[str, Any]:
+    texts, _, fin = await _collect(reply)
+    return {
+        "id": "cmpl-" + secrets.token_hex(12),
+        "object": "text_completion",
+        "created": reply.created,
+        "model": reply.model.id,
+        "choices": [
+            {"text": texts["content"], "index": 0, "logprobs": None, "finish_reason": fin.reason}
+        ],
+        "usage": _usage(reply.prompt_tokens, fin.completion_tokens),
+    }
 
 
 async def _completion_events(reply: _Reply) -> AsyncIterator[bytes]:
@@ -330,7 +409,7 @@ async def _completion_events(reply: _Reply) -> AsyncIterator[bytes]:
         )
 
     try:
-        async for event in reply.model.generator.stream(reply.spec):
+        async for event in reply.events():
             pieces = event.pieces if isinstance(event, Finished) else event
             for _, text in pieces:
                 yield chunk(text)

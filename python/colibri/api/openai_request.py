@@ -24,6 +24,7 @@ class Sampling:
     ignore_leading_stop: bool
     stream: bool
     include_usage: bool
+    cache_slot: int | None = None
 
 
 @dataclass
@@ -106,6 +107,7 @@ def _sampling(body: Body, default_max_tokens: int | None) -> Sampling:
     stops = _stops(body)
     ignore_leading = bool(body.boolean("x_colibri_ignore_leading_stop"))
     body.string("user")  # an end-user id for abuse tracking: accepted, nothing to do locally
+    cache_slot = body.integer("cache_slot")
     return Sampling(
         max_tokens=max_tokens,
         temperature=0.0 if temperature is None else temperature,
@@ -115,6 +117,7 @@ def _sampling(body: Body, default_max_tokens: int | None) -> Sampling:
         ignore_leading_stop=ignore_leading,
         stream=stream,
         include_usage=include_usage,
+        cache_slot=cache_slot,
     )
 
 

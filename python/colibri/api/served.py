@@ -9,6 +9,8 @@ from colibri.chat.families import Family, detect_family, family_by_name
 from colibri.chat.template import ChatTemplate, special_tokens_of
 from colibri.engine import Engine
 from colibri.generation import Generator
+from colibri.observability import Metrics, RequestObserver, make_tracer
+from colibri.scheduler import Lease, Scheduler
 
 
 @dataclass(frozen=True)
@@ -24,10 +26,15 @@ class ServerConfig:
     max_tokens: int | None = None
     continue_assistant: bool = True
     chat_family: str | None = None
+    kv_slots: int = 1
+    max_queue: int = 8
+    queue_timeout: float = 300.0
 
 
 class ServedModel:
-    def __init__(self, engine: Engine, config: ServerConfig, created: int) -> None:
+    def __init__(
+        self, engine: Engine, config: ServerConfig, created: int, span_exporter: object = None
+    ) -> None:
         self.engine = engine
         self.config = config
         self.id = config.model_id
@@ -44,6 +51,21 @@ class ServedModel:
             ChatTemplate(source, special_tokens_of(engine.tokenizer_config)) if source else None
         )
         self.generator = Generator(engine)
+        self.scheduler = Scheduler(
+            config.kv_slots,
+            config.max_queue,
+            config.queue_timeout,
+            on_release=self._released,
+        )
+        self.metrics = Metrics(self.scheduler)
+        self.metrics.kv_bytes_per_token.set(float(engine.info.get("kv_bytes_per_token", 0)))
+        self.tracer = make_tracer(span_exporter)
+
+    def _released(self, lease: Lease, outcome: str, held_s: float) -> None:
+        self.metrics.slot_duration.observe(held_s)
+
+    def observe(self, name: str) -> RequestObserver:
+        return RequestObserver(self.tracer, self.metrics, name, self.id)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:

@@ -1,0 +1,81 @@
+"""Admission of a generation request: a KV slot from the scheduler, refusals as HTTP 429 before
+any response header, and a client that disconnects while waiting or generating."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from colibri.api.errors import ApiError
+from colibri.api.served import ServedModel
+from colibri.observability import RequestObserver
+from colibri.scheduler import Cancelled, Lease, QueueFull, QueueTimeout, SchedulerClosed
+
+T = TypeVar("T")
+RETRY_AFTER_S = 2
+
+
+class ClientGone(Exception):
+    """The client disconnected; nobody will read a response."""
+
+
+def client_gone_response() -> Response:
+    # Nobody reads it; 499 is the conventional "client closed request" status in access logs.
+    return Response(status_code=499)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body was already read, so only
+    ``http.disconnect`` can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Runs ``work``; if the client disconnects first, cancels it and raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientGone()
+
+
+async def admit(
+    request: Request, model: ServedModel, slot: int | None, observer: RequestObserver
+) -> Lease:
+    scheduler = model.scheduler
+    try:
+        scheduler.check_slot(slot)
+    except ValueError as e:
+        raise ApiError(400, str(e), code="invalid_cache_slot", param="cache_slot") from e
+    with observer.span("admission"):
+        try:
+            lease = await until_disconnect(request, scheduler.acquire(slot))
+        except (QueueFull, QueueTimeout) as e:
+            raise ApiError(
+                429, str(e), code=e.code, headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from e
+        except SchedulerClosed as e:
+            raise ApiError(503, str(e), code=e.code) from e
+        except Cancelled as e:
+            raise ClientGone() from e
+    observer.admitted(lease.slot, lease.queue_wait_s)
+    return lease

@@ -1,0 +1,204 @@
+"""Prometheus metrics and OpenTelemetry traces.
+
+Metrics: scheduler gauges and counters are read from the scheduler's own numbers at scrape time
+(collection never touches the engine or a slot); histograms and engine figures are observed as
+requests run. Labels never carry prompts, paths or request ids.
+
+Traces: one span per request with children for admission, render, prefill and decode, exported
+over OTLP when the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``…_TRACES_ENDPOINT``) is set;
+otherwise the no-op tracer, whose spans cost next to nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
+
+from colibri.scheduler import Scheduler
+
+BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+_GAUGES = {
+    "active": "Requests admitted to a KV slot and not finished",
+    "queued": "Requests waiting for a KV slot",
+    "capacity": "KV slots",
+    "max_queue": "Limit of waiting requests",
+}
+_COUNTERS = {
+    "admitted": "Requests admitted to a KV slot",
+    "completed": "Admitted requests that returned normally",
+    "failed": "Admitted requests that raised an error (cancellations excluded)",
+    "rejected": "Requests refused because the queue was full",
+    "timed_out": "Requests that waited longer than the queue timeout",
+    "cancelled": "Requests whose client went away, before admission or while generating",
+}
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[Any]:
+        snap = self._scheduler.snapshot()
+        for name, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"colibri_scheduler_{name}", doc, value=snap[name])
+        for name, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"colibri_scheduler_{name}", doc, value=snap[name])
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # nothing to check at registration; collect() is cheap anyway
+
+
+class Metrics:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_SchedulerCollector(scheduler))
+        r = self.registry
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"colibri_scheduler_{name}", doc, buckets=BUCKETS, registry=r)
+
+        self.queue_wait = hist("queue_wait_seconds", "Wait until admission (admitted requests)")
+        self.slot_duration = hist("slot_duration_seconds", "Slot occupancy until release")
+        self.first_output = hist(
+            "first_output_seconds", "Engine-call start to the first non-empty text or tool output"
+        )
+        self.engine_call = hist("engine_call_seconds", "Duration of each finished engine call")
+        self.prompt_tokens = Counter(
+            "colibri_engine_prompt_tokens", "Prompt tokens given to the engine", registry=r
+        )
+        self.generated_tokens = Counter(
+            "colibri_engine_generated_tokens", "Tokens the engine generated", registry=r
+        )
+        self.prefill_rate = Gauge(
+            "colibri_engine_last_prefill_tokens_per_second",
+            "Prefill speed of the last engine call",
+            registry=r,
+        )
+        self.decode_rate = Gauge(
+            "colibri_engine_last_decode_tokens_per_second",
+            "Decode speed of the last engine call",
+            registry=r,
+        )
+        self.kv_tokens = Gauge(
+            "colibri_engine_kv_tokens", "Tokens in each KV slot's context", ["slot"], registry=r
+        )
+        self.kv_bytes_per_token = Gauge(
+            "colibri_engine_kv_bytes_per_token", "KV memory per token of context", registry=r
+        )
+        for slot in range(scheduler.capacity):
+            self.kv_tokens.labels(slot=str(slot)).set(0)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def make_tracer(exporter: Any | None = None) -> Tracer:
+    """The OTLP-exporting tracer when OTEL env vars (or ``exporter``) say so, else a no-op one."""
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if exporter is None and not endpoint:
+        return trace.NoOpTracer()
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "colibri")})
+    )
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    else:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("colibri")
+
+
+class RequestObserver:
+    """Spans and metric observations of one generation request."""
+
+    def __init__(self, tracer: Tracer, metrics: Metrics, name: str, model: str) -> None:
+        self._tracer = tracer
+        self._metrics = metrics
+        self.root: Span = tracer.start_span(name, attributes={"colibri.model": model})
+        self._ctx = trace.set_span_in_context(self.root)
+        self._engine_start = 0.0
+        self._first_token: float | None = None
+        self._first_output = False
+        self._prefill: Span | None = None
+        self._decode: Span | None = None
+        self._prompt_tokens = 0
+        self._slot = 0
+
+    @contextmanager
+    def span(self, name: str, **attributes: Any) -> Iterator[Span]:
+        span = self._tracer.start_span(name, context=self._ctx, attributes=attributes)
+        try:
+            yield span
+        finally:
+            span.end()
+
+    def admitted(self, slot: int, wait_s: float) -> None:
+        self._slot = slot
+        self.root.set_attribute("colibri.slot", slot)
+        self.root.set_attribute("colibri.queue_wait_ms", round(wait_s * 1e3, 3))
+        self._metrics.queue_wait.observe(wait_s)
+
+    def engine_started(self, prompt_tokens: int) -> None:
+        self._engine_start = time.perf_counter()
+        self._prompt_tokens = prompt_tokens
+        self.root.set_attribute("colibri.prompt_tokens", prompt_tokens)
+        self._prefill = self._tracer.start_span(
+            "prefill", context=self._ctx, attributes={"colibri.prompt_tokens": prompt_tokens}
+        )
+        self._metrics.prompt_tokens.inc(prompt_tokens)
+
+    def token(self) -> None:
+        if self._first_token is None:
+            self._first_token = time.perf_counter()
+            if self._prefill is not None:
+                self._prefill.end()
+            self._decode = self._tracer.start_span("decode", context=self._ctx)
+        self._metrics.generated_tokens.inc()
+
+    def output(self) -> None:
+        """A non-empty piece of text or a tool call reached the response."""
+        if not self._first_output:
+            self._first_output = True
+            self._metrics.first_output.observe(time.perf_counter() - self._engine_start)
+
+    def engine_finished(self, reason: str, completion_tokens: int, error: str | None) -> None:
+        end = time.perf_counter()
+        self._metrics.engine_call.observe(end - self._engine_start)
+        self._metrics.kv_tokens.labels(slot=str(self._slot)).set(
+            self._prompt_tokens + completion_tokens
+        )
+        if self._first_token is not None:
+            prefill_s = self._first_token - self._engine_start
+            if prefill_s > 0:
+                self._metrics.prefill_rate.set(self._prompt_tokens / prefill_s)
+            if completion_tokens > 1 and end > self._first_token:
+                self._metrics.decode_rate.set((completion_tokens - 1) / (end - self._first_token))
+        for span in (self._prefill, self._decode):
+            if span is not None and span.is_recording():
+                span.end()
+        self.root.set_attribute("colibri.completion_tokens", completion_tokens)
+        self.root.set_attribute("colibri.finish_reason", reason)
+        if error is not None:
+            self.root.set_status(Status(StatusCode.ERROR, error))
+
+    def end(self) -> None:
+        self.root.end()

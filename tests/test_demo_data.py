@@ -1,0 +1,193 @@
+"""The demo model's synthetic data: deterministic, held-out parts disjoint, formats as trained."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from colibri import demo_data
+from colibri.chat.template import ChatTemplate
+from colibri.demo_eval import parse_answer, parse_call, score, split_output
+
+TEMPLATE = ChatTemplate(
+    (Path(demo_data.__file__).parent / "chat" / "templates" / "glm45.jinja").read_text("utf-8")
+)
+
+
+def _convs(seed: int, n: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [demo_data.train_conversation(rng) for _ in range(n)]
+
+
+def test_training_conversations_are_deterministic_for_a_seed():
+    assert _convs(3, 50) == _convs(3, 50)
+    assert _convs(3, 50) != _convs(4, 50)
+
+
+def test_eval_items_are_deterministic_for_a_seed():
+    for task in demo_data.EVAL_TASKS:
+        assert demo_data.eval_items(task, 20, 7) == demo_data.eval_items(task, 20, 7)
+    assert demo_data.eval_items("arith", 20, 7) != demo_data.eval_items("arith", 20, 8)
+
+
+def test_unknown_task_is_refused():
+    with pytest.raises(ValueError, match="unknown task"):
+        demo_data.eval_items("poetry", 1, 0)
+
+
+def _user_texts(conv: dict) -> list[str]:
+    return [m["content"] for m in conv["messages"] if m["role"] == "user"]
+
+
+def test_training_never_adds_an_eval_pair():
+    seen = 0
+    for conv in _convs(11, 1500):
+        for m in conv["messages"]:
+            if m["role"] == "assistant" and m.get("reasoning_content", "").count(" + ") >= 3:
+                # the trace ends "A + B = S."; the pair is in it
+                last = m["reasoning_content"].rsplit(". ", 1)[-1]
+                a, b = (int(x) for x in last.split(" = ")[0].split(" + "))
+                assert not demo_data.is_eval_pair(a, b)
+                seen += 1
+    assert seen > 50
+    # About a tenth of the pairs of 2-digit numbers are held out.
+    assert 350 < len(demo_data.EVAL_PAIRS) < 450
+
+
+def test_eval_arithmetic_uses_only_held_out_pairs():
+    for item in demo_data.eval_items("arith", 100, 7):
+        q = item["messages"][-1]["content"]
+        nums = [int(x) for x in "".join(c if c.isdigit() else " " for c in q).split()]
+        assert len(nums) == 2 and demo_data.is_eval_pair(*nums)
+        assert item["expect"] == {"answer": str(sum(nums))}
+
+
+def test_capital_eval_phrasings_are_held_out():
+    assert not set(demo_data.CAPITAL_EVAL_QUESTIONS) & set(demo_data.CAPITAL_TRAIN_QUESTIONS)
+    train_questions = {q for c in _convs(5, 1500) for q in _user_texts(c)}
+    for item in demo_data.eval_items("capital", 50, 7):
+        assert item["messages"][-1]["content"] not in train_questions
+    assert len(demo_data.CAPITALS) == 50
+
+
+def test_eval_cities_never_occur_in_training():
+    train = demo_data.all_train_cities()
+    assert not set(demo_data.EVAL_CITIES) & train
+    generated = demo_data.eval_city_names(200, 7)
+    assert len(set(generated)) == 200 and not set(generated) & train
+    text = json.dumps(_convs(9, 1500), ensure_ascii=False)
+    for item in demo_data.eval_items("tool_call", 100, 7):
+        args = item["expect"]["call"]["arguments"]
+        if "city" in args:
+            assert f'"{args["city"]}"' not in text, args["city"]
+
+
+def test_some_eval_cities_are_not_ascii():
+    cities = [
+        item["expect"]["call"]["arguments"].get("city", "")
+        for item in demo_data.eval_items("tool_call", 200, 7)
+    ]
+    assert any(not c.isascii() for c in cities)
+
+
+def test_tool_calls_render_in_the_trained_glm45_shape():
+    msgs = [
+        {"role": "user", "content": "What's the weather in Lisbon?"},
+        demo_data.tool_call_message("get_weather", {"city": "Lisbon"}, None),
+    ]
+    tools = [demo_data.TOOLS["get_weather"]]
+    prompt = TEMPLATE.render(
+        msgs[:1], add_generation_prompt=True, tools=tools, enable_thinking=False
+    )
+    full = TEMPLATE.render(msgs, add_generation_prompt=False, tools=tools)
+    assert prompt.endswith("<|assistant|>\n<think></think>")
+    assert full == prompt + (
+        "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Lisbon</arg_value>"
+        "\n</tool_call>"
+    )
+    assert '{"type": "function", "function": {"name": "get_weather"' in prompt
+
+
+def test_numbers_render_as_json_arguments():
+    msg = demo_data.tool_call_message(
+        "convert_currency", {"amount": 12.5, "from_currency": "USD", "to_currency": "EUR"}, None
+    )
+    text = TEMPLATE.render([{"role": "user", "content": "x"}, msg], add_generation_prompt=False)
+    assert "<arg_key>amount</arg_key>\n<arg_value>12.5</arg_value>" in text
+    assert demo_data.arg_text(12.5) == "12.5" and demo_data.arg_text("USD") == "USD"
+
+
+def test_every_training_turn_has_a_generation_prompt_prefix():
+    """Each assistant turn renders in history exactly as the generation prompt plus the output
+    the model is trained to produce (thinking on or off as flagged)."""
+    for conv in _convs(21, 300):
+        msgs, turn = conv["messages"], 0
+        assert len(conv["thinking"]) == sum(m["role"] == "assistant" for m in msgs)
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            think = conv["thinking"][turn]
+            turn += 1
+            assert bool(m.get("reasoning_content")) == think
+            prompt = TEMPLATE.render(
+                msgs[:i], add_generation_prompt=True, tools=conv["tools"], enable_thinking=think
+            )
+            upto = TEMPLATE.render(msgs[: i + 1], add_generation_prompt=False, tools=conv["tools"])
+            assert upto.startswith(prompt)
+            out = upto[len(prompt) :]
+            if think:
+                assert prompt.endswith("<|assistant|>") and out.startswith("\n<think>")
+            else:
+                assert prompt.endswith("<|assistant|>\n<think></think>")
+            assert out.split("</think>")[-1].startswith("\n")
+            if m.get("tool_calls"):
+                name = m["tool_calls"][0]["function"]["name"]
+                assert conv["tools"] and name in [t["function"]["name"] for t in conv["tools"]]
+                assert i + 1 == len(msgs) or msgs[i + 1]["role"] == "tool"
+
+
+def test_the_task_mix_covers_every_kind():
+    convs = _convs(2, 600)
+    assert any(c["tools"] for c in convs) and any(not c["tools"] for c in convs)
+    assert any(any(c["thinking"]) for c in convs) and any(not all(c["thinking"]) for c in convs)
+    roles = {m["role"] for c in convs for m in c["messages"]}
+    assert roles == {"system", "user", "assistant", "tool"}
+    assert any(len(c["thinking"]) >= 3 for c in convs)
+
+
+def test_addition_trace_carries():
+    assert demo_data.addition_trace(37, 48) == ("7 + 8 = 15, carry 1. 3 + 4 + 1 = 8. 37 + 48 = 85.")
+    assert demo_data.addition_trace(99, 99).endswith("9 + 9 + 1 = 19. 99 + 99 = 198.")
+
+
+def test_scoring_accepts_the_trained_shapes_only():
+    call = {
+        "task": "tool_call",
+        "thinking": False,
+        "expect": {"call": {"name": "get_weather", "arguments": {"city": "Łódź"}}},
+    }
+    good = (
+        "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Łódź</arg_value>"
+        "\n</tool_call><|observation|>"
+    )
+    assert score(call, good)
+    assert not score(call, good.replace("Łódź", "Lodz"))
+    assert not score(call, good.replace("<|observation|>", "<|user|>"))
+    assert score(dict(call, thinking=True), "\n<think>I will call it.</think>" + good)
+    assert not score(dict(call, thinking=True), good)
+    ans = {"task": "arith", "thinking": False, "expect": {"answer": "85"}}
+    assert score(ans, "\n85<|user|>") and score(ans, "\n85<|endoftext|>")
+    assert not score(ans, "\n85") and not score(ans, "\n850<|user|>")
+    assert not score(ans, "\n85\n<tool_call>x<|user|>")
+    assert split_output("\n<think>a</think>\nb", True) == ("a", "\nb")
+    assert parse_answer("\nIt is 21.<|user|>") == "It is 21."
+    assert parse_call("\n<tool_call>f\n</tool_call><|observation|>") == {
+        "name": "f",
+        "arguments": {},
+    }
+    contains = {"task": "tool_answer", "thinking": False, "expect": {"contains": ["21", "Lisbon"]}}
+    assert score(contains, "\nIn Lisbon it is 21 degrees and sunny.<|user|>")
+    assert not score(contains, "\nIn Lisbon it is 12 degrees.<|user|>")
