@@ -263,3 +263,11 @@ def test_allowed_hosts_from_flag_and_environment_add_up():
             assert r.status_code == status, host
     finally:
         srv.stop()
+
+
+def test_kv_slots_that_cannot_fit_memory_are_refused():
+    from colibri.server import StartupRefused, check_kv_memory
+
+    check_kv_memory(2, 2048, 512)  # a few MB: fits
+    with pytest.raises(StartupRefused, match="--kv-slots 16 needs up to"):
+        check_kv_memory(16, 1 << 30, 1 << 20)

@@ -21,10 +21,10 @@ def _model_dir(arg: str | None) -> Path:
     return builtin_model_dir()
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, slots: int = 1):
     from colibri.engine import Engine
 
-    return Engine(_model_dir(args.model), threads=args.threads)
+    return Engine(_model_dir(args.model), threads=args.threads, slots=slots)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -48,7 +48,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     builtin = not (args.model or os.environ.get("COLI_MODEL"))
     model_dir = _model_dir(args.model)
-    engine = _load(args)
+    engine = _load(args, slots=args.kv_slots)
+    try:
+        server.check_kv_memory(
+            args.kv_slots, engine.info["context_length"], engine.info["kv_bytes_per_token"]
+        )
+    except server.StartupRefused as e:
+        print(f"colibri serve: {e}", file=sys.stderr)
+        return 2
     dir_id = server.default_model_id(model_dir, builtin)
     alias = args.model_id or os.environ.get("COLI_MODEL_ID") or None
     config = ServerConfig(

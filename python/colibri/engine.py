@@ -22,10 +22,14 @@ class Engine:
     """
 
     def __init__(
-        self, path: str | Path, threads: int | None = None, kernel: str | None = None
+        self,
+        path: str | Path,
+        threads: int | None = None,
+        kernel: str | None = None,
+        slots: int = 1,
     ) -> None:
         self.path = Path(path)
-        self._model = _engine.Model(str(self.path), threads, kernel)
+        self._model = _engine.Model(str(self.path), threads, kernel, slots)
         info = dict(self._model.info())
         tok_path = self.path / info["tokenizer"]
         try:
@@ -77,31 +81,55 @@ class Engine:
         top_p: float = 1.0,
         stop_token_ids: Iterable[int] = (),
         seed: int | None = None,
-    ) -> Iterator[int]:
+        slot: int | None = None,
+    ) -> _Tokens:
         """Yields generated token ids one at a time (a stop token is yielded, then it ends).
 
         Each token is computed with the GIL released. Closing the iterator (or dropping it)
-        stops the computation: no token is computed ahead of the one asked for.
+        stops the computation: no token is computed ahead of the one asked for. With ``slot``,
+        the prompt is matched against that KV slot's history and only the rest is prefilled
+        (``reused_tokens`` says how much was reused); without, the history is private.
         """
         stream = self._model.generate(
-            list(ids), int(max_tokens), float(temperature), float(top_p), list(stop_token_ids), seed
+            list(ids),
+            int(max_tokens),
+            float(temperature),
+            float(top_p),
+            list(stop_token_ids),
+            seed,
+            slot,
         )
         return _Tokens(stream)
 
+    @property
+    def slots(self) -> int:
+        return int(self._model.slot_count())
+
+    def slot_info(self, slot: int) -> dict[str, Any]:
+        """``cached_tokens`` (the slot's history length), ``tokens``, ``persistent`` and
+        ``store_error`` (why persisting stopped, if it did)."""
+        return dict(self._model.slot_info(slot))
+
 
 class _Tokens(Iterator[int]):
-    """Iterator over a Rust token stream; ``close()`` ends it for good."""
+    """Iterator over a Rust token stream; ``close()`` ends it for good (and ends the slot's
+    turn: a persistent slot is synced to disk)."""
 
     def __init__(self, stream: Any) -> None:
         self._stream: Any | None = stream
+        self.reused_tokens: int | None = None
 
     def __next__(self) -> int:
         if self._stream is None:
             raise StopIteration
         tok = next(self._stream)
+        if self.reused_tokens is None:
+            self.reused_tokens = self._stream.reused_tokens
         return int(tok)
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self._stream = None
 
 

@@ -43,6 +43,8 @@ class Finished:
     reason: str  # "stop" | "length" | "tool_calls"
     completion_tokens: int
     pieces: list[Piece] = field(default_factory=list)
+    # Prompt tokens whose KV came from the slot's history (not prefilled again).
+    cached_tokens: int = 0
 
 
 def _next_token(stream: Any) -> int | None:
@@ -59,7 +61,10 @@ class Generator:
         self.dead: str | None = None
 
     async def stream(
-        self, spec: GenerationSpec, observer: RequestObserver | None = None
+        self,
+        spec: GenerationSpec,
+        observer: RequestObserver | None = None,
+        slot: int | None = None,
     ) -> AsyncIterator[list[Piece] | Finished]:
         """Yields lists of pieces as they become final, then one :class:`Finished`."""
         loop = asyncio.get_running_loop()
@@ -78,6 +83,7 @@ class Generator:
             spec.top_p,
             sorted(stop_ids),
             spec.seed,
+            slot,
         )
         if observer is not None:
             observer.engine_started(len(spec.prompt_ids))
@@ -122,7 +128,7 @@ class Generator:
             tokens.close()
             if observer is not None:
                 observer.engine_finished(reason, count, error)
-        yield Finished(reason, count, pieces)
+        yield Finished(reason, count, pieces, tokens.reused_tokens or 0)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -29,6 +29,31 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> N
         )
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_kv_memory(slots: int, context: int, bytes_per_token: int) -> None:
+    """Refuses a slot count whose KV, at full context, would not fit the available memory."""
+    need = slots * context * bytes_per_token
+    have = available_memory_bytes()
+    if have is not None and need > have:
+        fit = max(0, have // max(1, context * bytes_per_token))
+        raise StartupRefused(
+            f"--kv-slots {slots} needs up to {need / 2**30:.1f} GiB of KV memory "
+            f"({context} tokens x {bytes_per_token} bytes per token per slot) but only "
+            f"{have / 2**30:.1f} GiB is available; use --kv-slots {fit} or fewer"
+        )
+
+
 def open_socket(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the server starts so port 0 gets a real port."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

@@ -2,9 +2,9 @@
 //! stopping at a stop token, the token budget or the context length.
 
 use crate::error::{Error, Result};
-use crate::kv::KvCache;
 use crate::model::Model;
 use crate::sampler::Sampler;
+use crate::slots::Slot;
 
 /// Options of one generation.
 pub struct GenerateOptions {
@@ -23,6 +23,9 @@ pub struct Generation {
     produced: usize,
     last: Option<u32>,
     finished: bool,
+    /// Prompt tokens whose KV came from the slot's history (known after the first step).
+    reused: Option<usize>,
+    turn_ended: bool,
 }
 
 impl Generation {
@@ -45,27 +48,35 @@ impl Generation {
             produced: 0,
             last: None,
             finished: false,
+            reused: None,
+            turn_ended: false,
         })
     }
 
-    /// The next token, or `None` when generation has ended. `kv` must be the cache this
-    /// generation started with (it is cleared at the first step).
-    pub fn next_token(&mut self, model: &Model, kv: &mut KvCache) -> Result<Option<u32>> {
+    /// Prompt tokens reused from the slot's history (None before the first step).
+    pub fn reused(&self) -> Option<usize> {
+        self.reused
+    }
+
+    /// The next token, or `None` when generation has ended. The prompt is matched against the
+    /// slot's history first: only the part it does not share is prefilled.
+    pub fn next_token(&mut self, model: &Model, slot: &mut Slot) -> Result<Option<u32>> {
         if self.finished || self.produced >= self.opts.max_tokens {
-            self.finished = true;
+            self.end(slot);
             return Ok(None);
         }
         let logits = match self.last {
             None => {
-                kv.clear();
-                model.forward(&self.prompt, kv, false)?
+                let kept = slot.reuse_prefix(&self.prompt);
+                self.reused = Some(kept);
+                slot.forward(model, &self.prompt[kept..])?
             }
             Some(tok) => {
-                if kv.len >= model.cfg.max_positions {
-                    self.finished = true;
+                if slot.tokens.len() >= model.cfg.max_positions {
+                    self.end(slot);
                     return Ok(None);
                 }
-                model.forward(&[tok], kv, false)?
+                slot.forward(model, &[tok])?
             }
         };
         let tok = self.sampler.sample(&logits) as u32;
@@ -75,5 +86,15 @@ impl Generation {
             self.finished = true;
         }
         Ok(Some(tok))
+    }
+
+    /// Ends the turn (once): the slot's history is made durable. Called when the generation
+    /// runs out, and by whoever drops a generation early.
+    pub fn end(&mut self, slot: &mut Slot) {
+        self.finished = true;
+        if !self.turn_ended {
+            self.turn_ended = true;
+            slot.end_turn();
+        }
     }
 }

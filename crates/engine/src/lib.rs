@@ -18,6 +18,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 pub mod sampler;
+pub mod slots;
 
 #[cfg(feature = "python")]
 mod python;

@@ -14,9 +14,9 @@ use crate::convert;
 use crate::engine::{GenerateOptions, Generation};
 use crate::error::Error;
 use crate::format::Quant;
-use crate::kv::KvCache;
 use crate::model::Model as RsModel;
 use crate::quant::Kernel;
+use crate::slots::Slot;
 
 fn to_py(e: Error) -> PyErr {
     match e {
@@ -28,18 +28,26 @@ fn to_py(e: Error) -> PyErr {
 #[pyclass(frozen, module = "colibri._engine")]
 struct Model {
     inner: Arc<RsModel>,
+    /// The KV slots: each keeps its history between generations (see slots.rs).
+    slots: Vec<Arc<Mutex<Slot>>>,
 }
 
 #[pymethods]
 impl Model {
     #[new]
-    #[pyo3(signature = (path, threads=None, kernel=None))]
+    #[pyo3(signature = (path, threads=None, kernel=None, slots=1))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         threads: Option<usize>,
         kernel: Option<String>,
+        slots: usize,
     ) -> PyResult<Model> {
+        if !(1..=MAX_SLOTS).contains(&slots) {
+            return Err(PyValueError::new_err(format!(
+                "slots must be 1..{MAX_SLOTS}, got {slots}"
+            )));
+        }
         let kernel = match kernel {
             None => None,
             Some(name) => {
@@ -58,7 +66,13 @@ impl Model {
         if let Some(k) = kernel {
             m.set_kernel(k);
         }
-        Ok(Model { inner: Arc::new(m) })
+        let slots = (0..slots)
+            .map(|_| Arc::new(Mutex::new(Slot::new(&m))))
+            .collect();
+        Ok(Model {
+            inner: Arc::new(m),
+            slots,
+        })
     }
 
     /// Architecture, sizes, quantization and the compute kernel in use.
@@ -97,7 +111,10 @@ impl Model {
         Ok(PyBytes::new(py, bytemuck::cast_slice(&out)))
     }
 
-    #[pyo3(signature = (ids, max_tokens, temperature=0.0, top_p=1.0, stop_token_ids=Vec::new(), seed=None))]
+    /// A generation. With `slot`, the prompt is matched against that slot's history and only
+    /// the rest is prefilled; without, it runs in a private, empty history.
+    #[pyo3(signature = (ids, max_tokens, temperature=0.0, top_p=1.0, stop_token_ids=Vec::new(), seed=None, slot=None))]
+    #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
         ids: Vec<u32>,
@@ -106,6 +123,7 @@ impl Model {
         top_p: f32,
         stop_token_ids: Vec<u32>,
         seed: Option<u64>,
+        slot: Option<usize>,
     ) -> PyResult<TokenStream> {
         let opts = GenerateOptions {
             max_tokens,
@@ -115,10 +133,44 @@ impl Model {
             seed,
         };
         let gen = Generation::new(ids, opts).map_err(to_py)?;
-        let kv = self.inner.new_cache();
+        let slot = match slot {
+            None => Arc::new(Mutex::new(Slot::new(&self.inner))),
+            Some(i) => self.slot(i)?.clone(),
+        };
         Ok(TokenStream {
             model: self.inner.clone(),
-            state: Arc::new(Mutex::new((gen, kv))),
+            gen: Arc::new(Mutex::new(gen)),
+            slot,
+        })
+    }
+
+    /// Number of KV slots.
+    fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// What a slot holds: `cached_tokens` (history length), `tokens` (the history itself),
+    /// `persistent`, and `store_error` when persisting failed.
+    fn slot_info<'py>(&self, py: Python<'py>, slot: usize) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.slot(slot)?;
+        let guard = s
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("slot state poisoned"))?;
+        let d = PyDict::new(py);
+        d.set_item("cached_tokens", guard.tokens.len())?;
+        d.set_item("tokens", guard.tokens.clone())?;
+        d.set_item("persistent", guard.persistent())?;
+        d.set_item("store_error", guard.store_error.clone())?;
+        Ok(d)
+    }
+}
+
+const MAX_SLOTS: usize = 16;
+
+impl Model {
+    fn slot(&self, i: usize) -> PyResult<&Arc<Mutex<Slot>>> {
+        self.slots.get(i).ok_or_else(|| {
+            PyValueError::new_err(format!("slot must be 0..{}, got {i}", self.slots.len() - 1))
         })
     }
 }
@@ -127,7 +179,12 @@ impl Model {
 #[pyclass(frozen, module = "colibri._engine")]
 struct TokenStream {
     model: Arc<RsModel>,
-    state: Arc<Mutex<(Generation, KvCache)>>,
+    gen: Arc<Mutex<Generation>>,
+    slot: Arc<Mutex<Slot>>,
+}
+
+fn poisoned<T>(_: T) -> PyErr {
+    PyRuntimeError::new_err("generation state poisoned")
 }
 
 #[pymethods]
@@ -138,14 +195,40 @@ impl TokenStream {
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<u32>> {
         let model = self.model.clone();
-        let state = self.state.clone();
+        let gen = self.gen.clone();
+        let slot = self.slot.clone();
         py.detach(move || {
-            let mut guard = state
-                .lock()
-                .map_err(|_| PyRuntimeError::new_err("generation state poisoned"))?;
-            let (gen, kv) = &mut *guard;
-            gen.next_token(&model, kv).map_err(to_py)
+            let mut gen = gen.lock().map_err(poisoned)?;
+            let mut slot = slot.lock().map_err(poisoned)?;
+            gen.next_token(&model, &mut slot).map_err(to_py)
         })
+    }
+
+    /// Prompt tokens whose KV came from the slot's history (None before the first token).
+    #[getter]
+    fn reused_tokens(&self) -> PyResult<Option<usize>> {
+        Ok(self.gen.lock().map_err(poisoned)?.reused())
+    }
+
+    /// Ends the generation: the slot's history is made durable (fsync when persistent).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let gen = self.gen.clone();
+        let slot = self.slot.clone();
+        py.detach(move || {
+            let mut gen = gen.lock().map_err(poisoned)?;
+            let mut slot = slot.lock().map_err(poisoned)?;
+            gen.end(&mut slot);
+            Ok(())
+        })
+    }
+}
+
+impl Drop for TokenStream {
+    fn drop(&mut self) {
+        // A stream dropped without close() still ends its turn.
+        if let (Ok(mut gen), Ok(mut slot)) = (self.gen.lock(), self.slot.lock()) {
+            gen.end(&mut slot);
+        }
     }
 }
 

@@ -52,11 +52,12 @@ async def get_model(request: Request) -> Response:
     return json_response(model.model_card())
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, fin: Finished) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": fin.completion_tokens,
+        "total_tokens": prompt_tokens + fin.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": fin.cached_tokens},
     }
 
 
@@ -97,7 +98,9 @@ class _Reply:
         """The engine's events; the slot is given back however this ends."""
         outcome = "failed"
         try:
-            async for event in self.model.generator.stream(self.spec, self.observer):
+            async for event in self.model.generator.stream(
+                self.spec, self.observer, self.lease.slot
+            ):
                 yield event
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
@@ -261,7 +264,7 @@ async def _chat_json(reply: _Reply, thinking: bool) -> dict[str, Any]:
         "choices": [
             {"index": 0, "message": message, "logprobs": None, "finish_reason": fin.reason}
         ],
-        "usage": _usage(reply.prompt_tokens, fin.completion_tokens),
+        "usage": _usage(reply.prompt_tokens, fin),
     }
 
 
@@ -315,7 +318,7 @@ async def _chat_events(reply: _Reply) -> AsyncIterator[bytes]:
                             "created": reply.created,
                             "model": reply.model.id,
                             "choices": [],
-                            "usage": _usage(reply.prompt_tokens, event.completion_tokens),
+                            "usage": _usage(reply.prompt_tokens, event),
                         }
                     )
     except Exception as e:  # headers are sent: the error goes in the stream, then it ends
@@ -386,7 +389,7 @@ async def _completion_json(reply: _Reply) -> dict[str, Any]:
         "choices": [
             {"text": texts["content"], "index": 0, "logprobs": None, "finish_reason": fin.reason}
         ],
-        "usage": _usage(reply.prompt_tokens, fin.completion_tokens),
+        "usage": _usage(reply.prompt_tokens, fin),
     }
 
 
@@ -423,7 +426,7 @@ async def _completion_events(reply: _Reply) -> AsyncIterator[bytes]:
                             "created": reply.created,
                             "model": reply.model.id,
                             "choices": [],
-                            "usage": _usage(reply.prompt_tokens, event.completion_tokens),
+                            "usage": _usage(reply.prompt_tokens, event),
                         }
                     )
     except Exception as e:  # headers are sent: the error goes in the stream, then it ends

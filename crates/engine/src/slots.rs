@@ -1,0 +1,116 @@
+//! KV slots: a sequence's token history and its KV memory, kept between generations so the next
+//! prompt prefills only what it does not share with the history, and (optionally) persisted so
+//! the history survives a restart.
+//!
+//! Invariant: `tokens.len() == kv.len` — the history is exactly the positions whose keys and
+//! values are stored. A sampled token joins the history when it is fed back (the next step).
+
+use crate::error::Result;
+use crate::kv::KvCache;
+use crate::model::Model;
+
+/// Where a slot's committed positions are made durable (the slot file, `slotfile.rs`).
+pub trait SlotStore: Send {
+    /// Persist positions `start .. start + tokens.len()` after truncating the stored state to
+    /// `start`. `keys`/`values` are the whole per-layer KV of the slot.
+    fn commit(
+        &mut self,
+        start: usize,
+        tokens: &[u32],
+        keys: &[Vec<f32>],
+        values: &[Vec<f32>],
+    ) -> Result<()>;
+    /// End of a turn: make everything committed durable.
+    fn sync(&mut self, tokens: &[u32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Result<()>;
+}
+
+pub struct Slot {
+    pub tokens: Vec<u32>,
+    pub kv: KvCache,
+    store: Option<Box<dyn SlotStore>>,
+    /// Why persistence stopped for this slot (a failed write); generation goes on in memory.
+    pub store_error: Option<String>,
+}
+
+impl Slot {
+    pub fn new(model: &Model) -> Slot {
+        Slot {
+            tokens: Vec::new(),
+            kv: model.new_cache(),
+            store: None,
+            store_error: None,
+        }
+    }
+
+    /// A slot restored from persisted state (already validated against the model's layout).
+    pub fn restored(
+        model: &Model,
+        tokens: Vec<u32>,
+        keys: Vec<Vec<f32>>,
+        values: Vec<Vec<f32>>,
+    ) -> Slot {
+        let mut kv = model.new_cache();
+        kv.len = tokens.len();
+        kv.keys = keys;
+        kv.values = values;
+        Slot {
+            tokens,
+            kv,
+            store: None,
+            store_error: None,
+        }
+    }
+
+    pub fn set_store(&mut self, store: Box<dyn SlotStore>) {
+        self.store = Some(store);
+    }
+
+    pub fn persistent(&self) -> bool {
+        self.store.is_some()
+    }
+
+    /// Keeps the longest common prefix of the history and `prompt`, but at least one prompt
+    /// token is left to compute (its logits start the generation). Returns the kept length.
+    pub fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
+        let common = self
+            .tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(prompt.len().saturating_sub(1));
+        self.tokens.truncate(common);
+        self.kv.truncate(common);
+        common
+    }
+
+    /// Runs `tokens` after the history, appends them to it, and commits them to the store.
+    /// Returns the logits of the last token.
+    pub fn forward(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>> {
+        let start = self.tokens.len();
+        let logits = model.forward(tokens, &mut self.kv, false)?;
+        self.tokens.extend_from_slice(tokens);
+        if let Some(store) = self.store.as_mut() {
+            if let Err(e) = store.commit(start, tokens, &self.kv.keys, &self.kv.values) {
+                self.disable_store(e.to_string());
+            }
+        }
+        Ok(logits)
+    }
+
+    /// End of a turn: the store makes the history durable.
+    pub fn end_turn(&mut self) {
+        if let Some(store) = self.store.as_mut() {
+            if let Err(e) = store.sync(&self.tokens, &self.kv.keys, &self.kv.values) {
+                self.disable_store(e.to_string());
+            }
+        }
+    }
+
+    fn disable_store(&mut self, why: String) {
+        // A failed write must not fail the user's generation: keep serving from memory, stop
+        // persisting this slot, and say why (slot_info / health).
+        self.store = None;
+        self.store_error = Some(why);
+    }
+}
