@@ -16,6 +16,7 @@ from starlette.routing import Route
 from colibri.api import openai
 from colibri.api.admission import ClientGone, client_gone_response
 from colibri.api.errors import ApiError, error_response
+from colibri.api.generate import json_response
 from colibri.api.request_id import RequestIdMiddleware
 from colibri.api.security import security_middleware
 from colibri.api.served import ServedModel
@@ -39,7 +40,7 @@ async def health(request: Request) -> Response:
         body["kv_bytes_per_token"] = model.engine.info.get("kv_bytes_per_token")
         if dead:
             body["error"] = dead
-    return openai.json_response(body, status=503 if dead else 200)
+    return json_response(body, status=503 if dead else 200)
 
 
 async def metrics(request: Request) -> Response:

@@ -2,44 +2,27 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from colibri.api.admission import admit, until_disconnect
 from colibri.api.errors import ApiError, error_body
-from colibri.api.openai_request import ChatRequest, Sampling, parse_chat, parse_completion
-from colibri.api.served import ServedModel
-from colibri.api.tooling import plan_tools
-from colibri.chat.output import Piece, ReasoningState
-from colibri.chat.render import ContinuationRefused, render_chat
-from colibri.chat.template import TemplateRefused
+from colibri.api.generate import (
+    Reply,
+    chat_spec,
+    collect,
+    generate_response,
+    json_response,
+    read_json,
+    served,
+)
+from colibri.api.openai_request import parse_chat, parse_completion
 from colibri.chat.tools import ToolCall
 from colibri.generation import Finished, GenerationSpec
-from colibri.observability import RequestObserver
-from colibri.scheduler import Lease
-
-
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
-
-
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise ApiError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from e
-
-
-def served(request: Request) -> ServedModel:
-    return request.app.state.served
 
 
 async def list_models(request: Request) -> Response:
@@ -68,83 +51,17 @@ def _sse(data: Any) -> bytes:
 _DONE = b"data: [DONE]\n\n"
 
 
-class _Reply:
-    """Everything a response needs besides the generated pieces, and the held slot."""
-
-    def __init__(
-        self,
-        model: ServedModel,
-        spec: GenerationSpec,
-        sampling: Sampling,
-        prompt_tokens: int,
-        show_reasoning: bool,
-        lease: Lease,
-        observer: RequestObserver,
-    ) -> None:
-        self.model = model
-        self.spec = spec
-        self.sampling = sampling
-        self.prompt_tokens = prompt_tokens
-        self.show_reasoning = show_reasoning
-        self.lease = lease
-        self.observer = observer
-        self.created = int(time.time())
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"x-colibri-queue-wait-ms": f"{self.lease.queue_wait_s * 1e3:.1f}"}
-
-    async def events(self) -> AsyncIterator[list[Piece] | Finished]:
-        """The engine's events; the slot is given back however this ends."""
-        outcome = "failed"
-        try:
-            async for event in self.model.generator.stream(
-                self.spec, self.observer, self.lease.slot
-            ):
-                yield event
-            outcome = "completed"
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            raise
-        finally:
-            self.model.scheduler.release(self.lease, outcome)
-            self.observer.end()
-
-
-async def _generate(
-    request: Request,
-    model: ServedModel,
-    observer: RequestObserver,
-    spec: GenerationSpec,
-    sampling: Sampling,
-    show_reasoning: bool,
-    stream_events: Callable[[_Reply], AsyncIterator[bytes]],
-    json_body: Callable[[_Reply], Awaitable[dict[str, Any]]],
-) -> Response:
-    """Admission, then the reply as SSE or JSON; refusals happen before any header is sent."""
-    try:
-        lease = await admit(request, model, sampling.cache_slot, observer)
-    except BaseException:
-        observer.end()
-        raise
-    reply = _Reply(model, spec, sampling, len(spec.prompt_ids), show_reasoning, lease, observer)
-    if sampling.stream:
-        return _stream(stream_events(reply), reply.headers)
-    body = await until_disconnect(request, json_body(reply))
-    return Response(orjson.dumps(body), media_type="application/json", headers=reply.headers)
-
-
 async def chat_completions(request: Request) -> Response:
     model = served(request)
     req = parse_chat(await read_json(request), model.config.max_tokens)
     model.check_model(req.model)
     observer = model.observe("chat.completions")
     try:
-        spec = _chat_spec(model, req, observer)
+        spec = chat_spec(model, req, observer)
     except BaseException:
         observer.end()
         raise
-    return await _generate(
+    return await generate_response(
         request,
         model,
         observer,
@@ -156,100 +73,8 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-def _chat_spec(model: ServedModel, req: ChatRequest, observer: RequestObserver) -> GenerationSpec:
-    """Renders and tokenizes the conversation and plans stops, reasoning and tools."""
-    family = model.family
-    if model.template is None:
-        raise ApiError(
-            400,
-            "The served model has no chat template (tokenizer_config.json or "
-            "chat_template.jinja); use /v1/completions with a prompt string",
-            code="chat_template_missing",
-        )
-    if req.thinking and not family.reasoning:
-        raise ApiError(
-            400,
-            f"The served model (family '{family.name}') has no reasoning mode: drop "
-            "enable_thinking / reasoning_effort",
-            code="reasoning_not_supported",
-            param="reasoning_effort",
-        )
-    tooling = plan_tools(req, family)
-    try:
-        with observer.span("render"):
-            rendered = render_chat(
-                model.template,
-                family,
-                tooling.messages,
-                enable_thinking=req.thinking,
-                continue_assistant=model.config.continue_assistant,
-                tools=tooling.prompt_tools,
-                declared_tools=bool(req.tools),
-            )
-    except ContinuationRefused as e:
-        raise ApiError(400, str(e), code="invalid_continuation", param="messages") from e
-    except TemplateRefused as e:
-        raise ApiError(
-            400,
-            f"The model's chat template refused these messages: {e}",
-            code="template_refused",
-            param="messages",
-        ) from e
-    ids = model.engine.tokenize(rendered.text)
-    max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "messages")
-    stops, ignore_leading, stop_ids = family.chat_stops(
-        req.sampling.stops,
-        req.sampling.ignore_leading_stop,
-        model.engine.eos_token_ids,
-        model.engine.token_id,
-    )
-    reasoning = (
-        ReasoningState(
-            rendered.in_reasoning,
-            rendered.after_reasoning,
-            family.open_think,
-            family.close_think,
-            end_markers=tooling.end_markers,
-        )
-        if family.reasoning
-        else None
-    )
-    return GenerationSpec(
-        prompt_ids=ids,
-        max_tokens=max_tokens,
-        temperature=req.sampling.temperature,
-        top_p=req.sampling.top_p,
-        seed=req.sampling.seed,
-        stop_token_ids=stop_ids,
-        stops=stops,
-        ignore_leading_stop=ignore_leading,
-        reasoning=reasoning,
-        tool_parser=tooling.parser_factory,
-    )
-
-
-async def _collect(reply: _Reply) -> tuple[dict[str, str], list[ToolCall], Finished]:
-    texts = {"content": "", "reasoning": ""}
-    calls: list[ToolCall] = []
-    finished: Finished | None = None
-    # Run the stream to its end (not just to the Finished event) so the slot is released as
-    # a completed request.
-    async for event in reply.events():
-        pieces = event.pieces if isinstance(event, Finished) else event
-        for kind, value in pieces:
-            if isinstance(value, ToolCall):
-                calls.append(value)
-            else:
-                texts[kind] += value
-        if isinstance(event, Finished):
-            finished = event
-    if finished is None:
-        raise RuntimeError("generation ended without a finish event")
-    return texts, calls, finished
-
-
-async def _chat_json(reply: _Reply, thinking: bool) -> dict[str, Any]:
-    texts, calls, fin = await _collect(reply)
+async def _chat_json(reply: Reply, thinking: bool) -> dict[str, Any]:
+    texts, calls, fin = await collect(reply)
     message: dict[str, Any] = {"role": "assistant", "content": texts["content"]}
     if calls:
         message["content"] = texts["content"] or None
@@ -268,15 +93,7 @@ async def _chat_json(reply: _Reply, thinking: bool) -> dict[str, Any]:
     }
 
 
-def _stream(events: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
-    return StreamingResponse(
-        events,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
-    )
-
-
-async def _chat_events(reply: _Reply) -> AsyncIterator[bytes]:
+async def _chat_events(reply: Reply) -> AsyncIterator[bytes]:
     cid = "chatcmpl-" + secrets.token_hex(12)
     usage_key = {"usage": None} if reply.sampling.include_usage else {}
 
@@ -367,7 +184,7 @@ async def completions(request: Request) -> Response:
         stops=req.sampling.stops,
         ignore_leading_stop=req.sampling.ignore_leading_stop,
     )
-    return await _generate(
+    return await generate_response(
         request,
         model,
         observer,
@@ -379,8 +196,8 @@ async def completions(request: Request) -> Response:
     )
 
 
-async def _completion_json(reply: _Reply) -> dict[str, Any]:
-    texts, _, fin = await _collect(reply)
+async def _completion_json(reply: Reply) -> dict[str, Any]:
+    texts, _, fin = await collect(reply)
     return {
         "id": "cmpl-" + secrets.token_hex(12),
         "object": "text_completion",
@@ -393,7 +210,7 @@ async def _completion_json(reply: _Reply) -> dict[str, Any]:
     }
 
 
-async def _completion_events(reply: _Reply) -> AsyncIterator[bytes]:
+async def _completion_events(reply: Reply) -> AsyncIterator[bytes]:
     cid = "cmpl-" + secrets.token_hex(12)
     usage_key = {"usage": None} if reply.sampling.include_usage else {}
 
