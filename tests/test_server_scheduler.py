@@ -258,3 +258,49 @@ def test_spans_per_request(tmp_path):
     assert root.attributes["colibri.slot"] == 0
     for child in ("admission", "render", "prefill", "decode"):
         assert spans[child].parent.span_id == root.context.span_id
+
+
+def test_streams_abandoned_at_any_moment_never_leak_a_slot(small_queue):
+    """Clients that hang up right after sending (before, during or after the first chunk)."""
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 50, "stream": True}
+    for i in range(20):
+        with socket.create_connection((small_queue.url.split("//")[1].split(":")[0],
+                                       int(small_queue.url.rsplit(":", 1)[1]))) as s:  # fmt: skip
+            payload = httpx.Request("POST", small_queue.base_url + "/chat/completions", json=body)
+            head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            head += "Content-Type: application/json\r\n"
+            head += f"Content-Length: {len(payload.content)}\r\nConnection: close\r\n\r\n"
+            s.sendall(head.encode() + payload.content)
+            if i % 2:
+                s.recv(64)
+    h = wait_idle(small_queue, timeout=10)
+    assert h["active"] == 0 and h["queued"] == 0
+    r = httpx.post(small_queue.base_url + "/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 200
+
+
+def test_shutdown_refuses_waiters_clearly():
+    srv = RunningServer("--max-queue", "4")
+    client = OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+    results: dict[int, object] = {}
+
+    def worker(i: int) -> None:
+        try:
+            r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=LONG)
+            results[i] = r.choices[0].finish_reason
+        except openai.APIStatusError as e:
+            results[i] = (e.status_code, e.body.get("code") if isinstance(e.body, dict) else None)
+        except openai.APIConnectionError:
+            results[i] = "connection"
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.05 if i == 0 else 0.02)
+    time.sleep(0.1)
+    srv.proc.terminate()
+    for t in threads:
+        t.join(timeout=30)
+    srv.stop()
+    assert results[0] == "length"  # the running generation finishes
+    assert results[1] == results[2] == (503, "server_shutting_down")

@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     created = int((model_dir / "manifest.json").stat().st_mtime)
     served = ServedModel(engine, config, created)
-    server.run(create_app(served), sock, config.model_id)
+    server.run(create_app(served), sock, config.model_id, on_stop=served.scheduler.close)
     return 0
 
 

@@ -130,10 +130,20 @@ def make_tracer(exporter: Any | None = None) -> Tracer:
 class RequestObserver:
     """Spans and metric observations of one generation request."""
 
-    def __init__(self, tracer: Tracer, metrics: Metrics, name: str, model: str) -> None:
+    def __init__(
+        self,
+        tracer: Tracer,
+        metrics: Metrics,
+        name: str,
+        model: str,
+        request_id: str | None = None,
+    ) -> None:
         self._tracer = tracer
         self._metrics = metrics
-        self.root: Span = tracer.start_span(name, attributes={"colibri.model": model})
+        attributes = {"colibri.model": model}
+        if request_id is not None:
+            attributes["colibri.request_id"] = request_id  # spans only, never metric labels
+        self.root: Span = tracer.start_span(name, attributes=attributes)
         self._ctx = trace.set_span_in_context(self.root)
         self._engine_start = 0.0
         self._first_token: float | None = None

@@ -166,9 +166,9 @@ class Scheduler:
             return self._admit(free, start)
         if len(self._waiters) >= self.max_queue:
             self.counters.rejected += 1
+            target = f"slot {slot} is busy" if slot is not None else "every slot is busy"
             raise QueueFull(
-                f"the admission queue is full ({self.max_queue} waiting, "
-                f"{self.capacity} slot(s) busy); retry later"
+                f"the admission queue is full ({self.max_queue} waiting) and {target}; retry later"
             )
         loop = asyncio.get_running_loop()
         waiter = _Waiter(slot, start + self.queue_timeout, is_cancelled, loop.create_future())

@@ -71,8 +71,9 @@ def display_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run(app, sock: socket.socket, model_id: str) -> None:
-    """Serves ``app`` on ``sock`` until SIGINT or SIGTERM."""
+def run(app, sock: socket.socket, model_id: str, on_stop=None) -> None:
+    """Serves ``app`` on ``sock`` until SIGINT or SIGTERM. ``on_stop`` runs as soon as the
+    signal arrives, before connections are drained (queued requests get a clear refusal)."""
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
@@ -89,7 +90,13 @@ def run(app, sock: socket.socket, model_id: str) -> None:
             loop.add_signal_handler(sig, stop.set)
         url = display_url(sock)
         print(f"colibri: serving {model_id} on {url} (OpenAI API at {url}/v1)", flush=True)
-        await serve(app, config, shutdown_trigger=stop.wait)
+
+        async def stopping() -> None:
+            await stop.wait()
+            if on_stop is not None:
+                on_stop()
+
+        await serve(app, config, shutdown_trigger=stopping)
 
     asyncio.run(main())
     print("colibri: stopped", file=sys.stderr, flush=True)

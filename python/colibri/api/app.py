@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from colibri.api import openai
 from colibri.api.admission import ClientGone, client_gone_response
@@ -74,7 +74,13 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(request.url.path, err)
 
 
-def create_app(served: ServedModel) -> Starlette:
+def create_app(served: ServedModel) -> ASGIApp:
+    """The ASGI app: the Starlette routes inside the request-id layer (outermost, so even a
+    response from Starlette's last-resort error handler carries an id)."""
+    return RequestIdMiddleware(_starlette_app(served))
+
+
+def _starlette_app(served: ServedModel) -> Starlette:
     config = served.config
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -93,14 +99,11 @@ def create_app(served: ServedModel) -> Starlette:
     app = Starlette(
         lifespan=lifespan,
         routes=routes,
-        middleware=[
-            Middleware(RequestIdMiddleware),
-            *security_middleware(
-                api_key=config.api_key,
-                allowed_hosts=config.allowed_hosts,
-                cors_origins=config.cors_origins,
-            ),
-        ],
+        middleware=security_middleware(
+            api_key=config.api_key,
+            allowed_hosts=config.allowed_hosts,
+            cors_origins=config.cors_origins,
+        ),
         exception_handlers={
             ApiError: _api_error,
             ClientGone: _client_gone,

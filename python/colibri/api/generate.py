@@ -39,6 +39,10 @@ async def read_json(request: Request) -> Any:
         raise ApiError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from e
 
 
+def request_id(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("request_id")
+
+
 def served(request: Request) -> ServedModel:
     return request.app.state.served
 
@@ -82,8 +86,31 @@ class Reply:
             outcome = "cancelled"
             raise
         finally:
+            self.close(outcome)
+
+    def close(self, outcome: str) -> None:
+        """Gives the slot back and ends the trace; once (later calls do nothing)."""
+        if not self.lease.released:
             self.model.scheduler.release(self.lease, outcome)
             self.observer.end()
+
+
+class _HeldStreamingResponse(StreamingResponse):
+    """A stream that gives its slot back even if it is cancelled before its body started."""
+
+    def __init__(self, reply: Reply, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=_sse_headers(reply))
+        self._reply = reply
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._reply.close("cancelled")
+
+
+def _sse_headers(reply: Reply) -> dict[str, str]:
+    return {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **reply.headers}
 
 
 async def generate_response(
@@ -98,14 +125,24 @@ async def generate_response(
 ) -> Response:
     """Admission, then the reply as SSE or JSON; refusals happen before any header is sent."""
     try:
+        if model.generator.dead:
+            raise ApiError(
+                503,
+                f"the engine failed and cannot generate: {model.generator.dead}; restart the "
+                "server",
+                code="engine_failed",
+            )
         lease = await admit(request, model, sampling.cache_slot, observer)
     except BaseException:
         observer.end()
         raise
     reply = Reply(model, spec, sampling, len(spec.prompt_ids), show_reasoning, lease, observer)
     if sampling.stream:
-        return stream_response(stream_events(reply), reply.headers)
-    body = await until_disconnect(request, json_body(reply))
+        return _HeldStreamingResponse(reply, stream_events(reply))
+    try:
+        body = await until_disconnect(request, json_body(reply))
+    finally:
+        reply.close("cancelled")  # no-op when the generation already gave the slot back
     return Response(orjson.dumps(body), media_type="application/json", headers=reply.headers)
 
 
@@ -199,11 +236,3 @@ async def collect(reply: Reply) -> tuple[dict[str, str], list[ToolCall], Finishe
     if finished is None:
         raise RuntimeError("generation ended without a finish event")
     return texts, calls, finished
-
-
-def stream_response(events: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
-    return StreamingResponse(
-        events,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
-    )

@@ -18,6 +18,7 @@ from colibri.api.generate import (
     generate_response,
     json_response,
     read_json,
+    request_id,
     served,
 )
 from colibri.api.openai_request import parse_chat, parse_completion
@@ -55,7 +56,7 @@ async def chat_completions(request: Request) -> Response:
     model = served(request)
     req = parse_chat(await read_json(request), model.config.max_tokens)
     model.check_model(req.model)
-    observer = model.observe("chat.completions")
+    observer = model.observe("chat.completions", request_id(request))
     try:
         spec = chat_spec(model, req, observer)
     except BaseException:
@@ -165,7 +166,7 @@ async def completions(request: Request) -> Response:
     model = served(request)
     req = parse_completion(await read_json(request), default_max_tokens=16)
     model.check_model(req.model)
-    observer = model.observe("completions")
+    observer = model.observe("completions", request_id(request))
     try:
         ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
         if not ids:

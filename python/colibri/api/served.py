@@ -64,8 +64,8 @@ class ServedModel:
     def _released(self, lease: Lease, outcome: str, held_s: float) -> None:
         self.metrics.slot_duration.observe(held_s)
 
-    def observe(self, name: str) -> RequestObserver:
-        return RequestObserver(self.tracer, self.metrics, name, self.id)
+    def observe(self, name: str, request_id: str | None = None) -> RequestObserver:
+        return RequestObserver(self.tracer, self.metrics, name, self.id, request_id)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
