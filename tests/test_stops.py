@@ -211,3 +211,10 @@ def test_held_text_is_a_partial_stop(case: tuple[str, list[str], list[str]]) -> 
             if any(s.startswith(seen[-n:]) and len(s) > n for s in stops)
         ]
         assert f.pending == (seen[-max(partial) :] if partial else "")
+
+
+def test_matched_names_the_stop_that_ended_the_text():
+    f = StopFilter(["END", "STOP"])
+    assert f.push("abc ST") == "abc "
+    assert f.matched is None
+    assert f.push("OP more") == "" and f.stopped and f.matched == "STOP"

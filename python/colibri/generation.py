@@ -45,6 +45,8 @@ class Finished:
     pieces: list[Piece] = field(default_factory=list)
     # Prompt tokens whose KV came from the slot's history (not prefilled again).
     cached_tokens: int = 0
+    # The stop string that ended the output (client or implicit), if one did.
+    stop_sequence: str | None = None
 
 
 def _next_token(stream: Any) -> int | None:
@@ -128,7 +130,7 @@ class Generator:
             tokens.close()
             if observer is not None:
                 observer.engine_finished(reason, count, error)
-        yield Finished(reason, count, pieces, tokens.reused_tokens or 0)
+        yield Finished(reason, count, pieces, tokens.reused_tokens or 0, out.stop_sequence)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from colibri.api import openai
+from colibri.api import anthropic, openai
 from colibri.api.admission import ClientGone, client_gone_response
 from colibri.api.errors import ApiError, error_response
 from colibri.api.generate import json_response
@@ -89,6 +89,8 @@ def _starlette_app(served: ServedModel) -> Starlette:
         Route("/v1/models/{model:path}", openai.get_model, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/messages", anthropic.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     ]
 
     @contextlib.asynccontextmanager

@@ -146,7 +146,9 @@ async def generate_response(
     return Response(orjson.dumps(body), media_type="application/json", headers=reply.headers)
 
 
-def chat_spec(model: ServedModel, req: ChatRequest, observer: RequestObserver) -> GenerationSpec:
+def chat_spec(
+    model: ServedModel, req: ChatRequest, observer: RequestObserver, check_budget: bool = True
+) -> GenerationSpec:
     """Renders and tokenizes the conversation and plans stops, reasoning and tools."""
     family = model.family
     if model.template is None:
@@ -186,7 +188,9 @@ def chat_spec(model: ServedModel, req: ChatRequest, observer: RequestObserver) -
             param="messages",
         ) from e
     ids = model.engine.tokenize(rendered.text)
-    max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "messages")
+    max_tokens = 1
+    if check_budget:
+        max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "messages")
     stops, ignore_leading, stop_ids = family.chat_stops(
         req.sampling.stops,
         req.sampling.ignore_leading_stop,

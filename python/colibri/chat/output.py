@@ -62,6 +62,11 @@ class OutputPipeline:
         return self._stops.stopped or (self._tools is not None and self._tools.done)
 
     @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._stops.matched
+
+    @property
     def tool_calls(self) -> list[ToolCall]:
         return self._tools.calls if self._tools is not None else []
 

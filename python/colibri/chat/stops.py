@@ -76,11 +76,17 @@ class StopFilter:
         self._leading = ignore_leading
         self._pending = ""
         self._stopped = False
+        self._matched: str | None = None
 
     @property
     def stopped(self) -> bool:
         """A stop string matched; the caller ends generation."""
         return self._stopped
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the text (None until one did)."""
+        return self._matched
 
     @property
     def pending(self) -> str:
@@ -126,6 +132,7 @@ class StopFilter:
                         pending = pending[start + length :]
                         continue
                     self._stopped = True
+                    self._matched = pending[start : start + length]
                     pending = ""
                     break
             out.append(pending[:hold])

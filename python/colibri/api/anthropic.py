@@ -1,0 +1,247 @@
+"""Anthropic Messages API: ``POST /v1/messages`` (JSON and named-event SSE) and
+``POST /v1/messages/count_tokens``, on the same engine, scheduler and chat pipeline as the
+OpenAI routes. Errors use Anthropic's envelope (api/errors.py picks it from the path)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from colibri.api.anthropic_request import parse_messages, to_anthropic_id
+from colibri.api.errors import ApiError, error_body
+from colibri.api.generate import (
+    Reply,
+    chat_spec,
+    collect,
+    generate_response,
+    json_response,
+    read_json,
+    request_id,
+    served,
+)
+from colibri.chat.tools import ToolCall
+from colibri.generation import Finished
+
+# A ping at least this often while nothing else is sent (clients with idle timeouts).
+PING_INTERVAL_S = float(os.environ.get("COLI_SSE_PING_S", "5"))
+
+
+def signature(thinking: str) -> str:
+    """The thinking block's signature: a digest of its text (clients send it back verbatim)."""
+    digest = hashlib.sha256(b"colibri-thinking-v1\0" + thinking.encode()).digest()
+    return base64.b64encode(digest).decode()
+
+
+def _stop_reason(fin: Finished, client_stops: list[str]) -> tuple[str, str | None]:
+    if fin.reason == "tool_calls":
+        return "tool_use", None
+    if fin.reason == "length":
+        return "max_tokens", None
+    if fin.stop_sequence is not None and fin.stop_sequence in client_stops:
+        return "stop_sequence", fin.stop_sequence
+    return "end_turn", None
+
+
+def _usage(reply: Reply, fin: Finished) -> dict[str, int]:
+    # Anthropic counts cache reads apart: input_tokens is the part that was prefilled.
+    return {
+        "input_tokens": reply.prompt_tokens - fin.cached_tokens,
+        "output_tokens": fin.completion_tokens,
+        "cache_read_input_tokens": fin.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": to_anthropic_id(call.id),
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
+
+
+async def messages(request: Request) -> Response:
+    model = served(request)
+    req = parse_messages(await read_json(request), model.config.max_tokens)
+    chat = req.chat
+    model.check_model(chat.model)
+    observer = model.observe("messages", request_id(request))
+    try:
+        spec = chat_spec(model, chat, observer)
+    except BaseException:
+        observer.end()
+        raise
+    client_stops = list(chat.sampling.stops)
+
+    async def body(reply: Reply) -> dict[str, Any]:
+        texts, calls, fin = await collect(reply)
+        content: list[dict[str, Any]] = []
+        if texts["reasoning"]:
+            content.append(
+                {
+                    "type": "thinking",
+                    "thinking": texts["reasoning"],
+                    "signature": signature(texts["reasoning"]),
+                }
+            )
+        if texts["content"] or not (calls or content):
+            content.append({"type": "text", "text": texts["content"]})
+        content += [_tool_use(c) for c in calls]
+        stop_reason, stop_sequence = _stop_reason(fin, client_stops)
+        return {
+            "id": "msg_" + secrets.token_hex(12),
+            "type": "message",
+            "role": "assistant",
+            "model": model.id,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": _usage(reply, fin),
+        }
+
+    def events(reply: Reply) -> AsyncIterator[bytes]:
+        return _events(reply, client_stops)
+
+    return await generate_response(
+        request, model, observer, spec, chat.sampling, True, events, body
+    )
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **data}) + b"\n\n"
+
+
+class _Blocks:
+    """Opens and closes content blocks as the kind of output changes."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+        self.thinking = ""
+
+    def close(self) -> list[bytes]:
+        if self.kind is None:
+            return []
+        out = []
+        if self.kind == "thinking":
+            delta = {"type": "signature_delta", "signature": signature(self.thinking)}
+            out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+        out.append(_event("content_block_stop", {"index": self.index}))
+        self.kind = None
+        return out
+
+    def open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        self.thinking = ""
+        out.append(_event("content_block_start", {"index": self.index, "content_block": block}))
+        return out
+
+    def text(self, kind: str, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if kind == "reasoning":
+            if self.kind != "thinking":
+                out += self.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.thinking += text
+            delta = {"type": "thinking_delta", "thinking": text}
+        else:
+            if self.kind != "text":
+                out += self.open("text", {"type": "text", "text": ""})
+            delta = {"type": "text_delta", "text": text}
+        out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+        return out
+
+    def tool(self, call: ToolCall) -> list[bytes]:
+        block = {**_tool_use(call), "input": {}}
+        out = self.open("tool_use", block)
+        for fragment in call.fragments:
+            delta = {"type": "input_json_delta", "partial_json": fragment}
+            out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+        return out + self.close()
+
+
+async def _with_pings(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The events, with ``None`` inserted whenever nothing came for PING_INTERVAL_S."""
+    iterator = aiter(events)
+    pending: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(iterator))
+            done, _ = await asyncio.wait({pending}, timeout=PING_INTERVAL_S)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+        await iterator.aclose()
+
+
+async def _events(reply: Reply, client_stops: list[str]) -> AsyncIterator[bytes]:
+    model = reply.model
+    message = {
+        "id": "msg_" + secrets.token_hex(12),
+        "type": "message",
+        "role": "assistant",
+        "model": model.id,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0},
+    }
+    yield _event("message_start", {"message": message})
+    yield _event("ping", {})
+    blocks = _Blocks()
+    try:
+        async for event in _with_pings(reply.events()):
+            if event is None:
+                yield _event("ping", {})
+                continue
+            pieces = event.pieces if isinstance(event, Finished) else event
+            for kind, value in pieces:
+                chunks = (
+                    blocks.tool(value) if isinstance(value, ToolCall) else blocks.text(kind, value)
+                )
+                for chunk in chunks:
+                    yield chunk
+            if isinstance(event, Finished):
+                for chunk in blocks.close():
+                    yield chunk
+                stop_reason, stop_sequence = _stop_reason(event, client_stops)
+                delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+                yield _event("message_delta", {"delta": delta, "usage": _usage(reply, event)})
+                yield _event("message_stop", {})
+    except Exception as e:  # headers are sent: the error goes in the stream as an event
+        err = ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error")
+        yield b"event: error\ndata: " + error_body("/v1/messages", err) + b"\n\n"
+
+
+async def count_tokens(request: Request) -> Response:
+    model = served(request)
+    req = parse_messages(await read_json(request), model.config.max_tokens, count_only=True)
+    model.check_model(req.chat.model)
+    observer = model.observe("count_tokens", request_id(request))
+    try:
+        spec = chat_spec(model, req.chat, observer, check_budget=False)
+    finally:
+        observer.end()
+    return json_response({"input_tokens": len(spec.prompt_ids)})

@@ -1,0 +1,305 @@
+"""Anthropic Messages request bodies -> the internal chat request.
+
+The Anthropic shape (system, content blocks, tool_use / tool_result, thinking, tool_choice) is
+translated to the OpenAI-shaped conversation the rest of the gateway works on, then validated by
+the same code as ``/v1/chat/completions`` — one set of rules for both protocols.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from colibri.api.openai_request import ChatRequest, parse_chat
+from colibri.api.validate import Body, bad, refuse_unless
+
+_THINKING = ("enabled", "disabled", "adaptive", "between_tools")
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+# Anthropic tool_use ids must match this; ids a family writes itself (Kimi's
+# "functions.NAME:IDX") are carried inside a reversible wrapper.
+_ANTHROPIC_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
+_WRAPPED = "toolu_x"
+
+
+def to_anthropic_id(call_id: str) -> str:
+    if _ANTHROPIC_ID.match(call_id) and not call_id.startswith(_WRAPPED):
+        return call_id
+    return _WRAPPED + call_id.encode().hex()
+
+
+def from_anthropic_id(tool_id: str) -> str:
+    if tool_id.startswith(_WRAPPED):
+        try:
+            return bytes.fromhex(tool_id[len(_WRAPPED) :]).decode()
+        except ValueError:
+            return tool_id
+    return tool_id
+
+
+@dataclass
+class MessagesRequest:
+    chat: ChatRequest
+    thinking: bool
+
+
+def _text_blocks(value: Any, param: str) -> str:
+    """A string, or text blocks (cache_control / citations on them are accepted)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(f"'{param}' must be a string or an array of text blocks", param=param)
+    texts = []
+    for i, raw in enumerate(value):
+        block = Body(raw, where=f"'{param}[{i}]'")
+        kind = block.string("type", required=True)
+        if kind != "text":
+            raise bad(
+                f"'{param}[{i}]' is a '{kind}' block; only text is accepted here",
+                param=param,
+                code="unsupported_content",
+            )
+        texts.append(block.string("text", required=True) or "")
+        block.raw("cache_control")
+        block.raw("citations")
+        block.finish()
+    return "\n".join(texts)
+
+
+def _blocks(content: Any, param: str) -> list[Body]:
+    if isinstance(content, str):
+        return [Body({"type": "text", "text": content}, where=param)]
+    if not isinstance(content, list):
+        raise bad(f"'{param}' must be a string or an array of content blocks", param=param)
+    return [Body(raw, where=f"'{param}[{i}]'") for i, raw in enumerate(content)]
+
+
+def _unsupported_block(kind: str, param: str) -> Exception:
+    what = {"image": "image", "document": "document", "search_result": "search result"}.get(kind)
+    if what:
+        return bad(
+            f"{what} blocks are not supported: the served model reads text only ({param})",
+            param=param,
+            code="unsupported_content",
+        )
+    return bad(f"unknown or unsupported content block type '{kind}' ({param})", param=param)
+
+
+def _user(content: Any, param: str) -> list[dict[str, Any]]:
+    """A user turn: its tool results (as tool messages) first, then its text."""
+    tools, texts = [], []
+    for block in _blocks(content, param):
+        kind = block.string("type", required=True)
+        block.raw("cache_control")
+        if kind == "text":
+            texts.append(block.string("text", required=True))
+            block.raw("citations")
+        elif kind == "tool_result":
+            tool_id = block.string("tool_use_id", required=True) or ""
+            text = _text_blocks(block.raw("content") or "", f"{param}.content")
+            if block.boolean("is_error"):
+                text = "Error: " + text
+            tools.append(
+                {"role": "tool", "tool_call_id": from_anthropic_id(tool_id), "content": text}
+            )
+        else:
+            raise _unsupported_block(kind or "", param)
+        block.finish()
+    out = list(tools)
+    if texts:
+        out.append({"role": "user", "content": "\n".join(t or "" for t in texts)})
+    return out
+
+
+def _assistant(content: Any, param: str) -> dict[str, Any]:
+    texts, calls, thoughts = [], [], []
+    for block in _blocks(content, param):
+        kind = block.string("type", required=True)
+        block.raw("cache_control")
+        if kind == "text":
+            texts.append(block.string("text", required=True) or "")
+            block.raw("citations")
+        elif kind == "tool_use":
+            tool_id = block.string("id", required=True) or ""
+            name = block.string("name", required=True)
+            arguments = block.obj("input")
+            calls.append(
+                {
+                    "id": from_anthropic_id(tool_id),
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "arguments": arguments.raw_dict() if arguments is not None else {},
+                    },
+                }
+            )
+        elif kind == "thinking":
+            thoughts.append(block.string("thinking", required=True) or "")
+            block.string("signature")  # ours or another server's: the text is what matters
+        elif kind == "redacted_thinking":
+            block.string("data")  # encrypted elsewhere; nothing a local model can read
+        else:
+            raise _unsupported_block(kind or "", param)
+        block.finish()
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        message["tool_calls"] = [
+            {
+                **c,
+                "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])},
+            }
+            for c in calls
+        ]
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
+    return message
+
+
+def _tools(raw: list[Any] | None) -> list[dict[str, Any]]:
+    tools = []
+    for i, item in enumerate(raw or []):
+        tool = Body(item, where=f"'tools[{i}]'")
+        kind = tool.string("type")
+        if kind not in (None, "custom"):
+            raise bad(
+                f"'tools[{i}]' is Anthropic's server-executed tool '{kind}', which cannot run on "
+                "this server; declare your own tool with a name and input_schema instead",
+                param="tools",
+                code="unsupported_tool",
+            )
+        name = tool.string("name", required=True)
+        fn: dict[str, Any] = {"name": name}
+        description = tool.string("description")
+        if description is not None:
+            fn["description"] = description
+        schema = tool.obj("input_schema")
+        if schema is None:
+            raise bad(f"'tools[{i}].input_schema' is required", param="tools")
+        fn["parameters"] = schema.raw_dict()
+        tool.raw("cache_control")
+        strict = tool.boolean("strict")
+        refuse_unless(not strict, "'strict' tools need constrained decoding (not yet)", "tools")
+        tool.finish()
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def _tool_choice(raw: Any) -> tuple[Any, bool]:
+    """(OpenAI tool_choice, parallel_tool_calls)."""
+    if raw is None:
+        return None, True
+    choice = Body(raw, where="'tool_choice'")
+    kind = choice.string("type", required=True)
+    parallel = not choice.boolean("disable_parallel_tool_use")
+    if kind == "auto":
+        out: Any = "auto"
+    elif kind == "any":
+        out = "required"
+    elif kind == "none":
+        out = "none"
+    elif kind == "tool":
+        out = {"type": "function", "function": {"name": choice.string("name", required=True)}}
+    else:
+        raise bad(
+            f"'tool_choice.type' must be auto, any, none or tool, got '{kind}'",
+            param="tool_choice",
+        )
+    choice.finish()
+    return out, parallel
+
+
+def _thinking(body: Body) -> bool:
+    thinking = body.obj("thinking")
+    effort = None
+    config = body.obj("output_config")
+    if config is not None:
+        effort = config.string("effort")
+        if effort is not None and effort not in _EFFORTS:
+            raise bad(
+                f"'output_config.effort' must be one of {', '.join(_EFFORTS)}", "output_config"
+            )
+        refuse_unless(
+            config.raw("format") is None,
+            "'output_config.format' (structured output) needs constrained decoding, which this "
+            "server does not have yet",
+            "output_config",
+        )
+        config.finish()
+    if thinking is None:
+        return effort is not None
+    kind = thinking.string("type", required=True)
+    if kind not in _THINKING:
+        raise bad(f"'thinking.type' must be one of {', '.join(_THINKING)}", param="thinking")
+    # budget_tokens and display are accepted; the reply's max_tokens bounds thinking and answer.
+    thinking.integer("budget_tokens", minimum=1)
+    thinking.string("display")
+    thinking.finish()
+    return kind != "disabled"
+
+
+def parse_messages(
+    data: Any, default_max_tokens: int | None, count_only: bool = False
+) -> MessagesRequest:
+    body = Body(data)
+    model = body.string("model", required=True) or ""
+    max_tokens = body.integer("max_tokens", minimum=1)
+    if max_tokens is None and not count_only:
+        raise bad("'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
+    raw_messages = body.array("messages")
+    if not raw_messages:
+        raise bad("'messages' must be a non-empty array", param="messages")
+    system_parts = []
+    if body.present("system"):
+        system_parts.append(_text_blocks(body.raw("system"), "system"))
+    else:
+        body.raw("system")
+    messages: list[dict[str, Any]] = []
+    for i, raw in enumerate(raw_messages):
+        msg = Body(raw, where=f"'messages[{i}]'")
+        role = msg.string("role", required=True)
+        content = msg.raw("content")
+        if content is None:
+            raise bad(f"'messages[{i}].content' is required", param="messages")
+        param = f"messages[{i}].content"
+        if role == "system":  # recent clients send these inside messages: fold, in order
+            system_parts.append(_text_blocks(content, param))
+        elif role == "user":
+            messages.extend(_user(content, param))
+        elif role == "assistant":
+            messages.append(_assistant(content, param))
+        else:
+            raise bad(f"'messages[{i}].role' must be user or assistant, got '{role}'", "messages")
+        msg.finish()
+    if system_parts:
+        messages.insert(0, {"role": "system", "content": "\n\n".join(system_parts)})
+    temperature = body.number("temperature", 0.0, 1.0)
+    top_p = body.number("top_p", 0.0, 1.0, exclusive_min=True)
+    refuse_unless(body.raw("top_k") is None, "'top_k' is not supported", "top_k")
+    stops = body.raw("stop_sequences")
+    stream = body.boolean("stream")
+    tools = _tools(body.array("tools"))
+    tool_choice, parallel = _tool_choice(body.raw("tool_choice"))
+    thinking = _thinking(body)
+    body.obj("metadata")  # user_id for abuse tracking: nothing to do locally
+    body.raw("service_tier")
+    body.raw("speed")
+    body.raw("cache_control")  # prefix reuse is automatic (KV slots)
+    cache_slot = body.integer("cache_slot")
+    body.finish()
+    openai_body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "stop": stops,
+        "stream": stream,
+        "tools": tools or None,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "enable_thinking": thinking,
+        "cache_slot": cache_slot,
+    }
+    chat = parse_chat(openai_body, default_max_tokens)
+    return MessagesRequest(chat=chat, thinking=thinking)
