@@ -25,6 +25,11 @@ lint: setup
 bench: setup
     {{py}} benchmarks/bench_vs_llamacpp.py
     {{py}} benchmarks/bench_server_overhead.py
+    {{py}} benchmarks/bench_kv_restart.py
+
+# Time to first token, cold vs after a restart with a warm KV slot file.
+bench-kv: setup
+    {{py}} benchmarks/bench_kv_restart.py
 
 # Only the gateway's cost per token (server vs engine alone; a minute).
 bench-server: setup

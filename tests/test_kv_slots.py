@@ -90,3 +90,21 @@ def test_server_reports_cached_tokens(engine):
         assert r3.usage.prompt_tokens_details.cached_tokens == 0
     finally:
         srv.stop()
+
+
+def test_any_slot_requests_go_where_their_prefix_is(engine):
+    """Two conversations alternating without cache_slot each keep their own warm slot."""
+    srv = RunningServer("--kv-slots", "2")
+    try:
+        client = OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+        a = [{"role": "user", "content": "First conversation " * 20}]
+        b = [{"role": "user", "content": "Another topic entirely " * 20}]
+        for messages in (a, b):
+            client.chat.completions.create(model="colibri-builtin", messages=messages, max_tokens=2)
+        for messages in (a, b, a, b):
+            r = client.chat.completions.create(
+                model="colibri-builtin", messages=messages, max_tokens=2
+            )
+            assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+    finally:
+        srv.stop()

@@ -123,8 +123,10 @@ def evaluate(
                 enable_thinking=item["thinking"],
             )
             ids = engine.tokenize(prompt)
-            gen = list(engine.generate(ids, max_tokens, stop_token_ids=stops))
-            text = engine.detokenize(gen)
+            room = min(max_tokens, int(engine.info["context_length"]) - len(ids))
+            text = ""
+            if room > 0:
+                text = engine.detokenize(engine.generate(ids, room, stop_token_ids=stops))
             if score(item, text):
                 correct += 1
             elif len(failures) < 10:

@@ -104,7 +104,7 @@ class Generator:
                     break
                 count += 1
                 if observer is not None:
-                    observer.token()
+                    observer.token(tokens.reused_tokens or 0)
                 if token in stop_ids:
                     reason = "stop"
                     break

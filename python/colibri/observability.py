@@ -76,7 +76,9 @@ class Metrics:
         )
         self.engine_call = hist("engine_call_seconds", "Duration of each finished engine call")
         self.prompt_tokens = Counter(
-            "colibri_engine_prompt_tokens", "Prompt tokens given to the engine", registry=r
+            "colibri_engine_prompt_tokens",
+            "Prompt tokens the engine prefilled (reused KV not counted)",
+            registry=r,
         )
         self.generated_tokens = Counter(
             "colibri_engine_generated_tokens", "Tokens the engine generated", registry=r
@@ -151,6 +153,7 @@ class RequestObserver:
         self._prefill: Span | None = None
         self._decode: Span | None = None
         self._prompt_tokens = 0
+        self._prefilled = 0
         self._slot = 0
 
     @contextmanager
@@ -174,12 +177,17 @@ class RequestObserver:
         self._prefill = self._tracer.start_span(
             "prefill", context=self._ctx, attributes={"colibri.prompt_tokens": prompt_tokens}
         )
-        self._metrics.prompt_tokens.inc(prompt_tokens)
 
-    def token(self) -> None:
+    def token(self, reused: int = 0) -> None:
+        """A generated token; ``reused`` (known at the first one): prompt tokens taken from the
+        slot's history, which were not prefilled."""
         if self._first_token is None:
             self._first_token = time.perf_counter()
+            self._prefilled = self._prompt_tokens - reused
+            self._metrics.prompt_tokens.inc(self._prefilled)
+            self.root.set_attribute("colibri.cached_tokens", reused)
             if self._prefill is not None:
+                self._prefill.set_attribute("colibri.prefilled_tokens", self._prefilled)
                 self._prefill.end()
             self._decode = self._tracer.start_span("decode", context=self._ctx)
         self._metrics.generated_tokens.inc()
@@ -199,7 +207,7 @@ class RequestObserver:
         if self._first_token is not None:
             prefill_s = self._first_token - self._engine_start
             if prefill_s > 0:
-                self._metrics.prefill_rate.set(self._prompt_tokens / prefill_s)
+                self._metrics.prefill_rate.set(self._prefilled / prefill_s)
             if completion_tokens > 1 and end > self._first_token:
                 self._metrics.decode_rate.set((completion_tokens - 1) / (end - self._first_token))
         for span in (self._prefill, self._decode):

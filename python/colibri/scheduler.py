@@ -24,6 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# Picks one of the free slots (given in ascending order) for an any-slot request.
+Chooser = Callable[[list[int]], int]
+
 
 class AdmissionError(Exception):
     code = "admission_error"
@@ -53,6 +56,7 @@ class _Waiter:
     deadline: float
     is_cancelled: Callable[[], bool]
     future: asyncio.Future[int]
+    choose: Chooser | None = None
 
 
 @dataclass
@@ -137,17 +141,25 @@ class Scheduler:
 
     # --- admission ----------------------------------------------------------------------------
 
-    def _free_slot(self, slot: int | None) -> int | None:
+    def _free_slot(self, slot: int | None, choose: Chooser | None = None) -> int | None:
         if slot is not None:
             return None if self._busy[slot] else slot
-        return next((i for i, b in enumerate(self._busy) if not b), None)
+        free = [i for i, b in enumerate(self._busy) if not b]
+        if not free:
+            return None
+        # Which free slot an any-slot request takes is not a priority question; the caller may
+        # prefer the one whose KV history it shares most (default: the lowest).
+        return choose(free) if choose is not None else free[0]
 
     def check_slot(self, slot: int | None) -> None:
         if slot is not None and not 0 <= slot < self.capacity:
             raise ValueError(f"cache_slot must be in 0..{self.capacity - 1}, got {slot}")
 
     async def acquire(
-        self, slot: int | None = None, is_cancelled: Callable[[], bool] = lambda: False
+        self,
+        slot: int | None = None,
+        is_cancelled: Callable[[], bool] = lambda: False,
+        choose: Chooser | None = None,
     ) -> Lease:
         """Waits for a slot. Raises QueueFull, QueueTimeout, Cancelled or SchedulerClosed.
 
@@ -161,7 +173,7 @@ class Scheduler:
         if is_cancelled():
             self.counters.cancelled += 1
             raise Cancelled("client disconnected before admission")
-        free = self._free_slot(slot)
+        free = self._free_slot(slot, choose)
         if free is not None:
             return self._admit(free, start)
         if len(self._waiters) >= self.max_queue:
@@ -171,7 +183,9 @@ class Scheduler:
                 f"the admission queue is full ({self.max_queue} waiting) and {target}; retry later"
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(slot, start + self.queue_timeout, is_cancelled, loop.create_future())
+        waiter = _Waiter(
+            slot, start + self.queue_timeout, is_cancelled, loop.create_future(), choose
+        )
         self._waiters.append(waiter)
         timer = loop.call_at(waiter.deadline, self._expire, waiter)
         try:
@@ -234,7 +248,7 @@ class Scheduler:
                 self.counters.cancelled += 1
                 waiter.future.set_exception(Cancelled("client disconnected while queued"))
                 continue
-            free = self._free_slot(waiter.slot)
+            free = self._free_slot(waiter.slot, waiter.choose)
             if free is None:
                 continue
             self._waiters.remove(waiter)

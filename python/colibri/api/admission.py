@@ -58,8 +58,34 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone()
 
 
+def prefix_chooser(model: ServedModel, prompt: list[int]):
+    """Picks the free slot where the prompt saves the most prefill for the least history lost:
+    tokens shared with the slot's history minus the history it would discard. A fresh
+    conversation thus takes an empty slot instead of evicting another one over a few shared
+    template tokens."""
+
+    def choose(free: list[int]) -> int:
+        def score(slot: int) -> tuple[int, int]:
+            history = model.engine.slot_info(slot)["tokens"]
+            shared = 0
+            for a, b in zip(history, prompt, strict=False):
+                if a != b:
+                    break
+                shared += 1
+            lost = len(history) - shared
+            return (shared - lost, -len(history))
+
+        return max(free, key=score)
+
+    return choose
+
+
 async def admit(
-    request: Request, model: ServedModel, slot: int | None, observer: RequestObserver
+    request: Request,
+    model: ServedModel,
+    slot: int | None,
+    observer: RequestObserver,
+    prompt: list[int] | None = None,
 ) -> Lease:
     scheduler = model.scheduler
     try:
@@ -68,7 +94,8 @@ async def admit(
         raise ApiError(400, str(e), code="invalid_cache_slot", param="cache_slot") from e
     with observer.span("admission"):
         try:
-            lease = await until_disconnect(request, scheduler.acquire(slot))
+            choose = prefix_chooser(model, prompt) if prompt and scheduler.capacity > 1 else None
+            lease = await until_disconnect(request, scheduler.acquire(slot, choose=choose))
         except (QueueFull, QueueTimeout) as e:
             raise ApiError(
                 429, str(e), code=e.code, headers={"Retry-After": str(RETRY_AFTER_S)}

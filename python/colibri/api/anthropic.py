@@ -8,6 +8,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import logging
 import os
 import secrets
 from collections.abc import AsyncIterator
@@ -22,18 +23,35 @@ from colibri.api.errors import ApiError, error_body
 from colibri.api.generate import (
     Reply,
     chat_spec,
-    collect,
+    collect_pieces,
     generate_response,
     json_response,
     read_json,
     request_id,
     served,
 )
+from colibri.chat.output import Piece
 from colibri.chat.tools import ToolCall
 from colibri.generation import Finished
 
-# A ping at least this often while nothing else is sent (clients with idle timeouts).
-PING_INTERVAL_S = float(os.environ.get("COLI_SSE_PING_S", "5"))
+
+def _ping_interval() -> float:
+    """``COLI_SSE_PING_S`` (default 5): a ping at least this often while nothing else is sent,
+    so clients with idle timeouts keep the stream. Bad values fall back to the default."""
+    raw = os.environ.get("COLI_SSE_PING_S", "5")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0.001 <= value <= 10:
+        logging.getLogger("colibri.server").warning(
+            "COLI_SSE_PING_S=%r is not a number of seconds in [0.001, 10]; using 5", raw
+        )
+        return 5.0
+    return value
+
+
+PING_INTERVAL_S = _ping_interval()
 
 
 def signature(thinking: str) -> str:
@@ -85,19 +103,8 @@ async def messages(request: Request) -> Response:
     client_stops = list(chat.sampling.stops)
 
     async def body(reply: Reply) -> dict[str, Any]:
-        texts, calls, fin = await collect(reply)
-        content: list[dict[str, Any]] = []
-        if texts["reasoning"]:
-            content.append(
-                {
-                    "type": "thinking",
-                    "thinking": texts["reasoning"],
-                    "signature": signature(texts["reasoning"]),
-                }
-            )
-        if texts["content"] or not (calls or content):
-            content.append({"type": "text", "text": texts["content"]})
-        content += [_tool_use(c) for c in calls]
+        pieces, fin = await collect_pieces(reply)
+        content = _content_blocks(pieces)
         stop_reason, stop_sequence = _stop_reason(fin, client_stops)
         return {
             "id": "msg_" + secrets.token_hex(12),
@@ -116,6 +123,28 @@ async def messages(request: Request) -> Response:
     return await generate_response(
         request, model, observer, spec, chat.sampling, True, events, body
     )
+
+
+def _content_blocks(pieces: list[Piece]) -> list[dict[str, Any]]:
+    """The reply's content blocks in output order, as the stream shows them: neighbouring
+    pieces of one kind make one block, each tool call its own block."""
+    blocks: list[dict[str, Any]] = []
+    for kind, value in pieces:
+        if isinstance(value, ToolCall):
+            blocks.append(_tool_use(value))
+        elif kind == "reasoning":
+            if blocks and blocks[-1]["type"] == "thinking":
+                blocks[-1]["thinking"] += value
+            else:
+                blocks.append({"type": "thinking", "thinking": value})
+        elif blocks and blocks[-1]["type"] == "text":
+            blocks[-1]["text"] += value
+        else:
+            blocks.append({"type": "text", "text": value})
+    for block in blocks:
+        if block["type"] == "thinking":
+            block["signature"] = signature(block["thinking"])
+    return blocks or [{"type": "text", "text": ""}]
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -206,7 +235,12 @@ async def _events(reply: Reply, client_stops: list[str]) -> AsyncIterator[bytes]
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0},
+        "usage": {
+            "input_tokens": reply.prompt_tokens - reply.expected_cached(),
+            "output_tokens": 0,
+            "cache_read_input_tokens": reply.expected_cached(),
+            "cache_creation_input_tokens": 0,
+        },
     }
     yield _event("message_start", {"message": message})
     yield _event("ping", {})

@@ -20,7 +20,7 @@ _EFFORTS = ("low", "medium", "high", "xhigh", "max")
 # Anthropic tool_use ids must match this; ids a family writes itself (Kimi's
 # "functions.NAME:IDX") are carried inside a reversible wrapper.
 _ANTHROPIC_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
-_WRAPPED = "toolu_x"
+_WRAPPED = "toolu_colibri_"
 
 
 def to_anthropic_id(call_id: str) -> str:
@@ -30,11 +30,14 @@ def to_anthropic_id(call_id: str) -> str:
 
 
 def from_anthropic_id(tool_id: str) -> str:
+    """The family's own id back from a wrapped one; any other id is returned as is."""
     if tool_id.startswith(_WRAPPED):
         try:
-            return bytes.fromhex(tool_id[len(_WRAPPED) :]).decode()
+            inner = bytes.fromhex(tool_id[len(_WRAPPED) :]).decode()
         except ValueError:
             return tool_id
+        if inner and to_anthropic_id(inner) == tool_id:
+            return inner
     return tool_id
 
 
@@ -163,8 +166,9 @@ def _tools(raw: list[Any] | None) -> list[dict[str, Any]]:
         kind = tool.string("type")
         if kind not in (None, "custom"):
             raise bad(
-                f"'tools[{i}]' is Anthropic's server-executed tool '{kind}', which cannot run on "
-                "this server; declare your own tool with a name and input_schema instead",
+                f"'tools[{i}]' has the Anthropic-defined type '{kind}' (server tools and versioned "
+                "built-in tools such as bash or text editor), which this server cannot run or "
+                "describe to the model; declare it as a custom tool with a name and input_schema",
                 param="tools",
                 code="unsupported_tool",
             )
@@ -276,7 +280,7 @@ def parse_messages(
     temperature = body.number("temperature", 0.0, 1.0)
     top_p = body.number("top_p", 0.0, 1.0, exclusive_min=True)
     refuse_unless(body.raw("top_k") is None, "'top_k' is not supported", "top_k")
-    stops = body.raw("stop_sequences")
+    stops = body.array("stop_sequences")
     stream = body.boolean("stream")
     tools = _tools(body.array("tools"))
     tool_choice, parallel = _tool_choice(body.raw("tool_choice"))

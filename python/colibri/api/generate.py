@@ -88,6 +88,18 @@ class Reply:
         finally:
             self.close(outcome)
 
+    def expected_cached(self) -> int:
+        """Prompt tokens the slot's history will supply (the engine's own rule: the shared
+        prefix, but at least one prompt token is computed)."""
+        history = self.model.engine.slot_info(self.lease.slot)["tokens"]
+        prompt = self.spec.prompt_ids
+        shared = 0
+        for a, b in zip(history, prompt, strict=False):
+            if a != b:
+                break
+            shared += 1
+        return min(shared, len(prompt) - 1)
+
     def close(self, outcome: str) -> None:
         """Gives the slot back and ends the trace; once (later calls do nothing)."""
         if not self.lease.released:
@@ -132,7 +144,7 @@ async def generate_response(
                 "server",
                 code="engine_failed",
             )
-        lease = await admit(request, model, sampling.cache_slot, observer)
+        lease = await admit(request, model, sampling.cache_slot, observer, spec.prompt_ids)
     except BaseException:
         observer.end()
         raise
@@ -220,6 +232,19 @@ def chat_spec(
         reasoning=reasoning,
         tool_parser=tooling.parser_factory,
     )
+
+
+async def collect_pieces(reply: Reply) -> tuple[list[Piece], Finished]:
+    """Every piece in output order and the finish event (runs the stream to its end)."""
+    pieces: list[Piece] = []
+    finished: Finished | None = None
+    async for event in reply.events():
+        pieces += event.pieces if isinstance(event, Finished) else event
+        if isinstance(event, Finished):
+            finished = event
+    if finished is None:
+        raise RuntimeError("generation ended without a finish event")
+    return pieces, finished
 
 
 async def collect(reply: Reply) -> tuple[dict[str, str], list[ToolCall], Finished]:
