@@ -272,12 +272,22 @@ def train(args, tok, template, work: Path) -> dict:
         eps=1e-8,
     )
     warm = min(200, args.steps // 10 + 1)
+    budget = args.time_budget_min * 60.0
 
-    def lr_at(step: int) -> float:
+    def progress(step: int, elapsed: float) -> float:
+        """How far the schedule is: by steps, or by wall time when a budget is set and the CPU
+        is slower than planned (shared), so the run still anneals and ends within the budget."""
+        p = step / args.steps
+        if budget > 0:
+            p = max(p, elapsed / budget)
+        return min(1.0, p)
+
+    def lr_at(step: int, p: float) -> float:
         if step < warm:
             return args.lr * (step + 1) / warm
-        p = (step - warm) / max(1, args.steps - warm)
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+        p0 = warm / args.steps
+        q = min(1.0, max(0.0, (p - p0) / (1 - p0)))
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * q)))
 
     rng = random.Random(SEED)
     log = []
@@ -286,7 +296,9 @@ def train(args, tok, template, work: Path) -> dict:
     nreal = 0
     model.train()
     stream = batches(rng, tok, template, args.batch_tokens, args.max_len)
-    for step in range(args.steps):
+    step = 0
+    while progress(step, time.time() - t0) < 1.0:
+        lr = lr_at(step, progress(step, time.time() - t0))
         seqs = next(stream)
         L = max(len(s[0]) for s in seqs)
         x = torch.full((len(seqs), L), pad_id, dtype=torch.long)
@@ -297,7 +309,7 @@ def train(args, tok, template, work: Path) -> dict:
             m = torch.tensor(mask[1:] + [0], dtype=torch.bool)
             y[j, : len(ids)] = torch.where(m, tgt, torch.full_like(tgt, -100))
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr
         logits = model(input_ids=x).logits
         loss = F.cross_entropy(
             logits.view(-1, logits.size(-1)).float(), y.view(-1), ignore_index=-100
@@ -319,10 +331,10 @@ def train(args, tok, template, work: Path) -> dict:
                 "step": step + 1,
                 "loss": float(loss.detach()),
                 "time": time.time() - t0,
-                "lr": lr_at(step),
+                "lr": lr,
             }
         )
-        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+        if (step + 1) % args.log_every == 0 or step == 0:
             el = time.time() - t0
             spread = [
                 round(float(ld.max()) / max(1.0, float(ld.float().mean())), 2)
@@ -331,12 +343,14 @@ def train(args, tok, template, work: Path) -> dict:
             ]
             print(
                 f"step {step + 1}/{args.steps} loss {float(loss):.4f} "
-                f"lr {lr_at(step):.2e} {ntok / el:.0f} tok/s ({nreal / el:.0f} unpadded) "
+                f"lr {lr:.2e} {ntok / el:.0f} tok/s ({nreal / el:.0f} unpadded) "
                 f"elapsed {el:.0f}s "
                 f"max/mean expert load {spread}",
                 flush=True,
             )
+        step += 1
     train_time = time.time() - t0
+    print(f"stopped after {step} steps, {train_time:.0f}s", flush=True)
     model.eval()
     return {
         "model": model,
@@ -468,11 +482,22 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--bias-rate", type=float, default=5e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--time-budget-min",
+        type=float,
+        default=0.0,
+        help="end training (annealed) after this many minutes even if --steps is not reached",
+    )
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--n-eval", type=int, default=200)
     ap.add_argument("--eval-seed", type=int, default=7)
     ap.add_argument("--no-convert", action="store_true", help="stop after the HF checkpoint")
     ap.add_argument("--ship", action="store_true", help="copy the int4 model into the package")
+    ap.add_argument(
+        "--card-only",
+        action="store_true",
+        help="rewrite the shipped CARD.md from WORK/train.json and WORK/eval.json",
+    )
     ap.add_argument(
         "--only-convert",
         action="store_true",
@@ -486,7 +511,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     template = chat_template.ChatTemplate(TEMPLATE_PATH.read_text(encoding="utf-8"))
 
-    if not args.only_convert:
+    if not (args.only_convert or args.card_only):
         t0 = time.time()
         tok = build_tokenizer(template, SEED)
         print(f"tokenizer: {tok.get_vocab_size()} tokens in {time.time() - t0:.0f}s", flush=True)
@@ -511,6 +536,10 @@ def main() -> None:
     if args.no_convert:
         return
     summary = json.loads((work / "train.json").read_text())
+    if args.card_only:
+        results = json.loads((work / "eval.json").read_text())
+        (SHIP_DIR / "CARD.md").write_text(card(summary, results, args), encoding="utf-8")
+        return
     results = convert_and_eval(work, args.n_eval, args.eval_seed)
     (work / "eval.json").write_text(json.dumps(results, indent=2))
     if args.ship:
@@ -529,6 +558,8 @@ def ship(work: Path, summary: dict, results: dict, args) -> None:
 
 def card(summary: dict, results: dict, args) -> str:
     cfg = dict(CONFIG)
+    a = summary["args"]
+    n_eval = results["int4"]["tasks"]["arith"]["n"]
     log = summary["log"]
     last = log[-100:]
     final_loss = sum(r["loss"] for r in last) / len(last)
@@ -597,18 +628,23 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 
 ## Training
 
-- Seed {SEED}; {len(log)} steps of about {args.batch_tokens} padded tokens
-  ({summary["tokens"]:,} tokens in all); AdamW lr {args.lr} (warmup, cosine to 5%), betas
-  (0.9, 0.95), weight decay 0.05, gradient clip 1.0; expert bias step {args.bias_rate}.
+- Seed {SEED}; {len(log)} steps of about {a["batch_tokens"]} padded tokens
+  ({summary["tokens"]:,} tokens in all); AdamW lr {a["lr"]} (200 warmup steps, cosine to 5%),
+  betas (0.9, 0.95), weight decay 0.05, gradient clip 1.0; expert bias step {a["bias_rate"]}.
+  The schedule runs to {a["steps"]} steps or a {a["time_budget_min"]}-minute wall-time budget,
+  whichever comes first (the CPU was shared with other jobs, so the budget ended this run): a
+  rerun on the same CPU load gives the same model; `train.json` logs each step's learning rate.
 - CPU, 2 threads (torch {_torch_version()}, transformers {_tf_version()}):
   {summary["train_time"] / 60:.1f} minutes. Final loss (mean of the last 100 steps):
   {final_loss:.4f}.
+- Command: `python scripts/train_demo_model.py --steps {a["steps"]} --time-budget-min
+  {a["time_budget_min"]} --ship` (torch, transformers and matplotlib needed).
 
 ![training loss](loss.png)
 
 ## Evaluation (greedy, through the colibri engine, held-out prompts)
 
-`python -m colibri.demo_eval --model DIR --n {args.n_eval} --seed {args.eval_seed}`; half of each
+`python -m colibri.demo_eval --model DIR --n {n_eval} --seed {a["eval_seed"]}`; half of each
 task's prompts with thinking on. Exact match of the answer (after the reasoning) for arith,
 capital, tool_unneeded, chat, memory; tool_call: a well-formed call of the right tool with exactly
 the right arguments, ended by `<|observation|>`; tool_answer: the answer contains the tool's

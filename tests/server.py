@@ -17,9 +17,21 @@ _READY = re.compile(r"colibri: serving (\S+) on (http://\S+) ")
 class RunningServer:
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
         full_env = dict(os.environ)
-        for key in ("COLI_API_KEY", "COLI_MODEL_ID", "COLI_ALLOWED_HOSTS", "COLI_MODEL"):
+        for key in (
+            "COLI_API_KEY",
+            "COLI_MODEL_ID",
+            "COLI_ALLOWED_HOSTS",
+            "COLI_MODEL",
+            "COLI_KV_DIR",
+        ):
             full_env.pop(key, None)
         full_env.update(env or {})
+        if "--kv-dir" not in args and "--no-kv-persist" not in args:
+            # Each server its own KV directory: slot files are locked by the server using them.
+            import tempfile
+
+            self.kv_dir = self._own_kv_dir = tempfile.mkdtemp(prefix="colibri-kv-")
+            args = ("--kv-dir", self.kv_dir, *args)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "colibri", "serve", "--port", "0", "--threads", "2", *args],
             stdout=subprocess.PIPE,
@@ -28,6 +40,7 @@ class RunningServer:
             env=full_env,
         )
         self.log: list[str] = []
+        self.kv_dir = getattr(self, "kv_dir", None)
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
         while True:
@@ -62,6 +75,9 @@ class RunningServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        own = getattr(self, "_own_kv_dir", None)
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def model_with_template(src: Path, dst: Path, template: str) -> Path:

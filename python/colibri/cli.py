@@ -21,10 +21,27 @@ def _model_dir(arg: str | None) -> Path:
     return builtin_model_dir()
 
 
-def _load(args: argparse.Namespace, slots: int = 1):
+def _load(args: argparse.Namespace, slots: int = 1, kv_dir: Path | None = None):
     from colibri.engine import Engine
 
-    return Engine(_model_dir(args.model), threads=args.threads, slots=slots)
+    return Engine(_model_dir(args.model), threads=args.threads, slots=slots, kv_dir=kv_dir)
+
+
+def _kv_dir(args: argparse.Namespace, model_dir: Path) -> Path | None:
+    """``--kv-dir``, else ``COLI_KV_DIR``, else a directory per model under the cache dir;
+    None with ``--no-kv-persist``."""
+    if args.no_kv_persist:
+        return None
+    chosen = args.kv_dir or os.environ.get("COLI_KV_DIR")
+    if chosen:
+        return Path(chosen)
+    import hashlib
+
+    from colibri.builtin import cache_dir
+
+    resolved = str(model_dir.resolve())
+    tag = hashlib.sha256(resolved.encode()).hexdigest()[:12]
+    return cache_dir() / "kv" / f"{model_dir.resolve().name}-{tag}"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -48,7 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     builtin = not (args.model or os.environ.get("COLI_MODEL"))
     model_dir = _model_dir(args.model)
-    engine = _load(args, slots=args.kv_slots)
+    kv_dir = _kv_dir(args, model_dir)
+    engine = _load(args, slots=args.kv_slots, kv_dir=kv_dir)
     try:
         server.check_kv_memory(
             args.kv_slots, engine.info["context_length"], engine.info["kv_bytes_per_token"]
@@ -267,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_number("COLI_QUEUE_TIMEOUT", float, 300.0),
         help="seconds a request may wait for a slot ($COLI_QUEUE_TIMEOUT, default 300)",
     )
+    s.add_argument(
+        "--kv-dir",
+        help="where KV slot files live ($COLI_KV_DIR; default: per model, under the cache dir)",
+    )
+    s.add_argument("--no-kv-persist", action="store_true", help="keep KV slots in memory only")
     s.add_argument(
         "--allow-unauthenticated",
         action="store_true",

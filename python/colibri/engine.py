@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,17 @@ from tokenizers import Tokenizer
 
 from colibri import _engine
 
+log = logging.getLogger("colibri.engine")
+
 
 class Engine:
     """A converted colibri model, loaded once.
 
     ``threads`` defaults to every core; ``kernel`` forces a compute path (``"scalar"``,
     ``"avx2"``, ``"avx512"``), otherwise the best one this CPU has (or ``COLI_KERNEL``) is used.
+    ``slots`` KV slots keep their history between generations; with ``kv_dir`` each slot is
+    persisted to ``kv_dir/slot-N.kv`` and restored at the next load (a file from another model
+    or layout is refused with a log line and replaced).
     Generation and scoring release the GIL, so other Python threads keep running.
     """
 
@@ -27,9 +33,14 @@ class Engine:
         threads: int | None = None,
         kernel: str | None = None,
         slots: int = 1,
+        kv_dir: str | Path | None = None,
     ) -> None:
         self.path = Path(path)
-        self._model = _engine.Model(str(self.path), threads, kernel, slots)
+        self._model = _engine.Model(
+            str(self.path), threads, kernel, slots, None if kv_dir is None else str(kv_dir)
+        )
+        for note in self._model.load_notes():
+            log.warning("KV slot file refused: %s", note)
         info = dict(self._model.info())
         tok_path = self.path / info["tokenizer"]
         try:

@@ -18,7 +18,9 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 pub mod sampler;
+pub mod slotfile;
 pub mod slots;
+pub mod store;
 
 #[cfg(feature = "python")]
 mod python;

@@ -16,7 +16,7 @@ use crate::error::Error;
 use crate::format::Quant;
 use crate::model::Model as RsModel;
 use crate::quant::Kernel;
-use crate::slots::Slot;
+use crate::slots::{self, Slot};
 
 fn to_py(e: Error) -> PyErr {
     match e {
@@ -30,18 +30,21 @@ struct Model {
     inner: Arc<RsModel>,
     /// The KV slots: each keeps its history between generations (see slots.rs).
     slots: Vec<Arc<Mutex<Slot>>>,
+    /// One line per slot file that was refused at load (reported by the Python side).
+    notes: Vec<String>,
 }
 
 #[pymethods]
 impl Model {
     #[new]
-    #[pyo3(signature = (path, threads=None, kernel=None, slots=1))]
+    #[pyo3(signature = (path, threads=None, kernel=None, slots=1, kv_dir=None))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         threads: Option<usize>,
         kernel: Option<String>,
         slots: usize,
+        kv_dir: Option<PathBuf>,
     ) -> PyResult<Model> {
         if !(1..=MAX_SLOTS).contains(&slots) {
             return Err(PyValueError::new_err(format!(
@@ -66,12 +69,21 @@ impl Model {
         if let Some(k) = kernel {
             m.set_kernel(k);
         }
-        let slots = (0..slots)
-            .map(|_| Arc::new(Mutex::new(Slot::new(&m))))
-            .collect();
+        let mut notes = Vec::new();
+        let slots = py
+            .detach(|| -> crate::error::Result<Vec<Slot>> {
+                (0..slots)
+                    .map(|i| match &kv_dir {
+                        None => Ok(Slot::new(&m)),
+                        Some(dir) => slots::open_persistent(&m, dir, i, &mut |n| notes.push(n)),
+                    })
+                    .collect()
+            })
+            .map_err(to_py)?;
         Ok(Model {
             inner: Arc::new(m),
-            slots,
+            slots: slots.into_iter().map(|s| Arc::new(Mutex::new(s))).collect(),
+            notes,
         })
     }
 
@@ -147,6 +159,11 @@ impl Model {
     /// Number of KV slots.
     fn slot_count(&self) -> usize {
         self.slots.len()
+    }
+
+    /// Lines about slot files refused at load (another model, version, layout or damage).
+    fn load_notes(&self) -> Vec<String> {
+        self.notes.clone()
     }
 
     /// What a slot holds: `cached_tokens` (history length), `tokens` (the history itself),

@@ -114,3 +114,85 @@ impl Slot {
         self.store_error = Some(why);
     }
 }
+
+impl SlotStore for crate::slotfile::SlotFile {
+    fn commit(
+        &mut self,
+        start: usize,
+        tokens: &[u32],
+        keys: &[Vec<f32>],
+        values: &[Vec<f32>],
+    ) -> Result<()> {
+        crate::slotfile::SlotFile::commit(self, start, tokens, keys, values)
+    }
+
+    fn sync(&mut self, tokens: &[u32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Result<()> {
+        crate::slotfile::SlotFile::sync(self, tokens, keys, values)
+    }
+}
+
+/// What a slot file must match to be loaded: the model (its manifest: config, tensors,
+/// quantization) and the KV layout (layers, width, f32). 32 bytes from two seeded XXH3-128s.
+pub fn fingerprint(model: &Model) -> [u8; 32] {
+    use xxhash_rust::xxh3::xxh3_128_with_seed;
+    let mut text = serde_json::to_vec(&model.manifest).unwrap_or_default();
+    text.extend_from_slice(
+        format!(
+            "|slotfile v{}|layers {}|kv_dim {}|f32",
+            crate::slotfile::SLOT_FILE_VERSION,
+            model.cfg.num_layers,
+            model.cfg.kv_dim()
+        )
+        .as_bytes(),
+    );
+    let mut out = [0u8; 32];
+    out[..16].copy_from_slice(&xxh3_128_with_seed(&text, 0x636f_6c69).to_le_bytes());
+    out[16..].copy_from_slice(&xxh3_128_with_seed(&text, 0x6272_6921).to_le_bytes());
+    out
+}
+
+/// Opens slot `index`'s file in `dir`: the persisted history when the file is valid for this
+/// model, else an empty slot (a refused file is reported through `log` and replaced).
+pub fn open_persistent(
+    model: &Model,
+    dir: &std::path::Path,
+    index: usize,
+    log: &mut dyn FnMut(String),
+) -> Result<Slot> {
+    use crate::slotfile::{Opened, SlotFile};
+    std::fs::create_dir_all(dir).map_err(|e| {
+        crate::error::Error::Input(format!(
+            "cannot create the KV directory {}: {e}",
+            dir.display()
+        ))
+    })?;
+    let path = dir.join(format!("slot-{index}.kv"));
+    let (file, opened) = SlotFile::open(
+        &path,
+        fingerprint(model),
+        model.cfg.num_layers,
+        model.cfg.kv_dim(),
+    )?;
+    let mut slot = match opened {
+        Opened::Loaded(s) if s.tokens.len() < model.cfg.max_positions => {
+            Slot::restored(model, s.tokens, s.keys, s.values)
+        }
+        Opened::Loaded(_) => {
+            log(format!(
+                "{}: holds more tokens than the context; starting the slot empty",
+                path.display()
+            ));
+            Slot::new(model)
+        }
+        Opened::Fresh => Slot::new(model),
+        Opened::Refused(why) => {
+            log(format!(
+                "{}: {why}; starting the slot empty",
+                path.display()
+            ));
+            Slot::new(model)
+        }
+    };
+    slot.set_store(Box::new(file));
+    Ok(slot)
+}

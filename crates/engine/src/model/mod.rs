@@ -13,7 +13,9 @@ pub mod routing;
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use memmap2::Mmap;
 
@@ -25,6 +27,9 @@ use crate::linear::{for_each_chunk_mut, matmul_many, Acts, Job, Linear, WeightRe
 use crate::ops::{self, Rope};
 use crate::pool::Pool;
 use crate::quant::{self, Kernel};
+use crate::store::heat::{Heat, RoutingHeat, HEAT_FILE};
+use crate::store::profile::{PassTimes, Profile, Turns};
+use crate::store::{ExpertOptions, ExpertStore, RecordRef, StoreLayout, StoreStats};
 
 fn fmt_err(msg: impl Into<String>) -> Error {
     Error::Format(msg.into())
@@ -43,6 +48,8 @@ enum Ffn {
         router: Vec<f32>,
         router_bias: Option<Vec<f32>>,
         first_record: usize,
+        /// Index among the MoE layers (routing heat, cache lists).
+        moe_idx: usize,
         shared: Option<Mlp>,
     },
 }
@@ -66,12 +73,33 @@ struct ExpertLayout {
     parts: [TensorEntry; 3],
 }
 
+/// Where routed experts live: all in RAM (read at load), or staged by the expert cache.
+enum Experts {
+    Resident(Mmap),
+    Store(ExpertStore),
+}
+
+/// What one forward pass records for the turn's profile.
+#[derive(Default)]
+struct Pass {
+    times: PassTimes,
+    /// (model layer, routed experts) of each MoE layer.
+    routed: Vec<(usize, Vec<usize>)>,
+    /// The look-ahead's prediction for the next MoE layer: (model layer, experts).
+    predicted: Option<(usize, Vec<usize>)>,
+}
+
 pub struct Model {
     pub cfg: ModelConfig,
     pub manifest: Manifest,
     resident: Mmap,
-    experts: Option<Mmap>,
+    experts: Option<Experts>,
     expert_layout: Option<ExpertLayout>,
+    prefetch: bool,
+    heat: Heat,
+    heat_path: PathBuf,
+    heat_saved: Mutex<Option<Instant>>,
+    turns: Mutex<Turns>,
     embed: Linear,
     lm_head: Linear,
     norm: Vec<f32>,
@@ -207,8 +235,17 @@ fn file_name(what: &str, name: &str) -> Result<()> {
 }
 
 impl Model {
-    /// Loads a converted model directory. `threads`: worker threads (default: all cores).
+    /// Loads a converted model directory with every expert in RAM. `threads`: worker threads
+    /// (default: all cores).
     pub fn load(dir: &Path, threads: Option<usize>) -> Result<Model> {
+        Model::load_with(dir, threads, &ExpertOptions::default())
+    }
+
+    /// Loads a converted model directory; `experts` says how routed experts are held (all in
+    /// RAM by default, or an expert cache under a RAM budget, see [`ExpertOptions`]).
+    /// The routing heat is read from `routing-heat.json` in `dir` (if there) and, with
+    /// `pin_bytes`, its hottest experts are loaded into the pinned part of the cache.
+    pub fn load_with(dir: &Path, threads: Option<usize>, opts: &ExpertOptions) -> Result<Model> {
         let mpath = dir.join(MANIFEST);
         let text = fs::read_to_string(&mpath).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -256,6 +293,7 @@ impl Model {
         };
         let norm = t.vector("norm", h)?;
         let mut expert_first = BTreeMap::new();
+        let mut moe_ids = Vec::new();
         if let Some(x) = &manifest.experts {
             for l in &x.layers {
                 if l.count != cfg.num_experts {
@@ -299,10 +337,12 @@ impl Model {
                     let first_record = *expert_first
                         .get(&i)
                         .ok_or_else(|| fmt_err(format!("no experts recorded for MoE layer {i}")))?;
+                    moe_ids.push(i);
                     Ffn::Moe {
                         router,
                         router_bias,
                         first_record,
+                        moe_idx: moe_ids.len() - 1,
                         shared,
                     }
                 }
@@ -326,10 +366,14 @@ impl Model {
             });
         }
 
+        let heat = Heat::new(moe_ids.clone(), cfg.num_experts);
+        let heat_path = dir.join(HEAT_FILE);
+        heat.load(&heat_path);
         let (experts, expert_layout) = match &manifest.experts {
             None => (None, None),
             Some(x) => {
-                let map = map_file(&dir.join(&x.file))?;
+                let xpath = dir.join(&x.file);
+                let file_len = fs::metadata(&xpath).map_err(io_err(&xpath))?.len();
                 let part = |p: &str| -> Result<TensorEntry> {
                     x.parts
                         .get(p)
@@ -365,17 +409,45 @@ impl Model {
                     .map(|l| l.first_record.checked_add(l.count))
                     .try_fold(0usize, |m, r| r.map(|r| m.max(r)));
                 let need = records.and_then(|r| r.checked_mul(x.record_size));
-                if need.is_none_or(|need| map.len() < need) {
+                if need.is_none_or(|need| file_len < need as u64) {
                     return Err(fmt_err(format!(
                         "{} is {} bytes, smaller than its {} records of {} bytes (truncated?)",
                         x.file,
-                        map.len(),
+                        file_len,
                         records.map_or("too many".to_string(), |r| r.to_string()),
                         x.record_size
                     )));
                 }
+                let records = records.unwrap_or(0);
+                let src = if opts.ram_bytes.is_none() {
+                    Experts::Resident(map_file(&xpath)?)
+                } else {
+                    // MoE ordinal of every record, and the hottest records for the pinned part.
+                    let mut rec_layer = vec![0u32; records];
+                    let mut first_of = vec![0usize; moe_ids.len()];
+                    for l in &x.layers {
+                        if let Some(m) = moe_ids.iter().position(|&i| i == l.layer) {
+                            first_of[m] = l.first_record;
+                            rec_layer[l.first_record..l.first_record + l.count].fill(m as u32);
+                        }
+                    }
+                    let e = cfg.num_experts;
+                    let hot: Vec<u32> = heat
+                        .hottest()
+                        .into_iter()
+                        .map(|i| (first_of[i as usize / e] + i as usize % e) as u32)
+                        .collect();
+                    let layout = StoreLayout {
+                        path: xpath.clone(),
+                        record_size: x.record_size,
+                        rec_layer,
+                        moe_layers: moe_ids.len(),
+                        top_k: cfg.top_k,
+                    };
+                    Experts::Store(ExpertStore::open(layout, opts, &hot)?)
+                };
                 (
-                    Some(map),
+                    Some(src),
                     Some(ExpertLayout {
                         record_size: x.record_size,
                         parts,
@@ -391,6 +463,15 @@ impl Model {
         });
         let pool = Pool::new(threads.max(1))
             .map_err(|e| Error::Input(format!("cannot start worker threads: {e}")))?;
+        let prefetch = opts.prefetch && matches!(experts, Some(Experts::Store(_)));
+        let turns = Turns::new(
+            cfg.num_layers,
+            cfg.num_experts,
+            match &experts {
+                Some(Experts::Store(s)) => s.stats(),
+                _ => StoreStats::default(),
+            },
+        );
         Ok(Model {
             rope: Rope::new(cfg.rotary_dim, cfg.rope_theta),
             cfg,
@@ -398,6 +479,11 @@ impl Model {
             resident,
             experts,
             expert_layout,
+            prefetch,
+            heat,
+            heat_path,
+            heat_saved: Mutex::new(None),
+            turns: Mutex::new(turns),
             embed,
             lm_head,
             norm,
@@ -429,20 +515,94 @@ impl Model {
         l.view(&self.resident)
     }
 
-    fn expert(&self, record: usize, part: usize) -> WeightRef<'_> {
+    /// The three matrices (gate, up, down) of an expert whose record starts at `base` in `buf`
+    /// (the whole experts file, or one cached record).
+    fn expert_parts<'a>(&self, buf: &'a [u8], base: usize) -> [WeightRef<'a>; 3] {
         let lay = self
             .expert_layout
             .as_ref()
             .expect("MoE layer implies experts");
-        let p = &lay.parts[part];
-        let lin = Linear {
-            dtype: p.dtype,
-            rows: p.shape[0],
-            cols: p.shape[1],
-            offset: record * lay.record_size + p.offset,
-            nbytes: p.nbytes,
+        std::array::from_fn(|part| {
+            let p = &lay.parts[part];
+            Linear {
+                dtype: p.dtype,
+                rows: p.shape[0],
+                cols: p.shape[1],
+                offset: base + p.offset,
+                nbytes: p.nbytes,
+            }
+            .view(buf)
+        })
+    }
+
+    /// Ends the current turn: its profile joins [`Model::profiles`] (the last 30 kept), its
+    /// routed experts become [`Model::last_routed_experts`], and the routing heat is saved to
+    /// `routing-heat.json` in the model directory (at most every 10 s; a failed write is
+    /// returned but changes nothing else). Call it when a generation ends (the engine's
+    /// `Generation::end`); forward passes after it belong to the next turn.
+    pub fn end_turn(&self) -> Result<()> {
+        let now = self.store_stats().unwrap_or_default();
+        self.turns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .end(now);
+        let due = {
+            let mut saved = self.heat_saved.lock().unwrap_or_else(|e| e.into_inner());
+            let due = saved.is_none_or(|t| t.elapsed() >= Duration::from_secs(10));
+            if due {
+                *saved = Some(Instant::now());
+            }
+            due
         };
-        lin.view(self.experts.as_ref().expect("experts file mapped"))
+        if due {
+            self.save_heat()?;
+        }
+        Ok(())
+    }
+
+    /// The profile of the last finished turn (all zero before the first [`Model::end_turn`]).
+    pub fn last_profile(&self) -> Profile {
+        let t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        t.history.back().cloned().unwrap_or_default()
+    }
+
+    /// Profiles of the last 30 finished turns, oldest first.
+    pub fn profiles(&self) -> Vec<Profile> {
+        let t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        t.history.iter().cloned().collect()
+    }
+
+    /// The experts routed to during the last finished turn: for each model layer (index), the
+    /// expert ids, ascending (empty for dense layers).
+    pub fn last_routed_experts(&self) -> Vec<Vec<u32>> {
+        let t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        t.last_routed.clone()
+    }
+
+    /// Routing counts per (MoE layer, expert) since the heat file was started.
+    pub fn routing_heat(&self) -> RoutingHeat {
+        self.heat.snapshot()
+    }
+
+    /// Writes the routing heat to `routing-heat.json` in the model directory (crash-safe).
+    pub fn save_heat(&self) -> Result<()> {
+        self.heat.save(&self.heat_path)
+    }
+
+    /// The expert cache (`None` when every expert is resident).
+    pub fn expert_store(&self) -> Option<&ExpertStore> {
+        match &self.experts {
+            Some(Experts::Store(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The expert cache's counters (`None` when every expert is resident).
+    pub fn store_stats(&self) -> Option<StoreStats> {
+        match &self.experts {
+            Some(Experts::Store(s)) => Some(s.stats()),
+            _ => None,
+        }
     }
 
     /// Runs `tokens` at positions `kv.len ..` and appends them to `kv`. Returns logits for every
@@ -465,7 +625,20 @@ impl Model {
                 self.cfg.vocab_size
             )));
         }
-        self.forward_inner(tokens, kv, all_logits)
+        let t0 = Instant::now();
+        let mut pass = Pass::default();
+        let len0 = kv.len;
+        let r = self.forward_inner(tokens, kv, all_logits, &mut pass);
+        if r.is_err() {
+            // A failed read leaves this pass's positions half written: drop them.
+            kv.truncate(len0);
+        }
+        pass.times.total = t0.elapsed();
+        self.turns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add_pass(n, &pass.times, &pass.routed);
+        r
     }
 
     fn forward_inner(
@@ -473,6 +646,7 @@ impl Model {
         tokens: &[u32],
         kv: &mut KvCache,
         all_logits: bool,
+        pass: &mut Pass,
     ) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let (n, h) = (tokens.len(), c.hidden_size);
@@ -482,9 +656,11 @@ impl Model {
             embed.row(tok as usize, h, &mut x[i * h..(i + 1) * h]);
         }
         for (li, layer) in self.layers.iter().enumerate() {
+            let t = Instant::now();
             let mut hn = x.clone();
             ops::rms_norm(&mut hn, &layer.attn_norm, c.rms_norm_eps);
             let att = self.attention(li, layer, hn, n, kv);
+            pass.times.attention += t.elapsed();
             for (a, b) in x.iter_mut().zip(&att) {
                 *a += *b;
             }
@@ -492,18 +668,32 @@ impl Model {
             ops::rms_norm(&mut hn, &layer.ffn_norm, c.rms_norm_eps);
             let mut acts = Acts::from_vec(hn, n, h);
             let y = match &layer.ffn {
-                Ffn::Dense(m) => self.mlp(m, &mut acts),
+                Ffn::Dense(m) => {
+                    let t = Instant::now();
+                    let y = self.mlp(m, &mut acts);
+                    pass.times.expert += t.elapsed();
+                    y
+                }
                 Ffn::Moe {
                     router,
                     router_bias,
                     first_record,
+                    moe_idx,
                     shared,
                 } => {
-                    let mut y = self.moe(&mut acts, router, router_bias.as_deref(), *first_record);
+                    let at = MoeAt {
+                        li,
+                        first_record: *first_record,
+                        moe_idx: *moe_idx,
+                        residual: &x,
+                    };
+                    let mut y = self.moe(&mut acts, router, router_bias.as_deref(), &at, pass)?;
                     if let Some(m) = shared {
+                        let t = Instant::now();
                         for (a, b) in y.iter_mut().zip(self.mlp(m, &mut acts)) {
                             *a += b;
                         }
+                        pass.times.expert += t.elapsed();
                     }
                     y
                 }
@@ -514,6 +704,7 @@ impl Model {
         }
         kv.len += n;
 
+        let t = Instant::now();
         let rows: Vec<f32> = if all_logits {
             x
         } else {
@@ -523,7 +714,9 @@ impl Model {
         let mut hn = rows;
         ops::rms_norm(&mut hn, &self.norm, c.rms_norm_eps);
         let mut acts = Acts::from_vec(hn, m, h);
-        Ok(self.project(&[self.lm_head], &mut acts).remove(0))
+        let logits = self.project(&[self.lm_head], &mut acts).remove(0);
+        pass.times.lm_head += t.elapsed();
+        Ok(logits)
     }
 
     /// `W x` for each weight in `ws` (same input), in one parallel region.
@@ -626,19 +819,13 @@ impl Model {
         self.project(&[m.down], &mut hidden).remove(0)
     }
 
-    /// Routed experts for every token of `x`, weighted and summed (shared experts excluded).
-    fn moe(
-        &self,
-        x: &mut Acts,
-        router: &[f32],
-        bias: Option<&[f32]>,
-        first_record: usize,
-    ) -> Vec<f32> {
+    /// Router logits of `router` for every token of `x`, and each token's `(expert, weight)`.
+    fn route(&self, x: &Acts, router: &[f32], bias: Option<&[f32]>) -> Vec<Vec<(usize, f32)>> {
         let c = &self.cfg;
-        let (n, h, e) = (x.n, c.hidden_size, c.num_experts);
+        let (n, e) = (x.n, c.num_experts);
         let mut logits = vec![0.0f32; n * e];
         // The router is small but f32 (8 MB a token for OLMoE-1B-7B): split it across threads.
-        debug_assert_eq!(router.len(), e * h);
+        debug_assert_eq!(router.len(), e * c.hidden_size);
         matmul_many(
             &self.pool,
             self.kernel,
@@ -648,14 +835,78 @@ impl Model {
                 out: &mut logits,
             }],
         );
+        (0..n)
+            .map(|t| routing::route(&c.routing, c.top_k, &logits[t * e..(t + 1) * e], bias))
+            .collect()
+    }
+
+    /// Router look-ahead: the experts the next MoE layer after `li` would route the residual
+    /// stream to now, read ahead of need. Returns (next layer, predicted experts).
+    fn prefetch_next(&self, li: usize, residual: &[f32], n: usize) -> Option<(usize, Vec<usize>)> {
+        let Some(Experts::Store(store)) = &self.experts else {
+            return None;
+        };
+        let next = li + 1;
+        let Ffn::Moe {
+            router,
+            router_bias,
+            first_record,
+            ..
+        } = &self.layers.get(next)?.ffn
+        else {
+            return None;
+        };
+        let mut hn = residual.to_vec();
+        ops::rms_norm(&mut hn, &self.layers[next].ffn_norm, self.cfg.rms_norm_eps);
+        let acts = Acts::from_vec(hn, n, self.cfg.hidden_size);
+        let mut experts: Vec<usize> = self
+            .route(&acts, router, router_bias.as_deref())
+            .into_iter()
+            .flat_map(|r| r.into_iter().map(|(e, _)| e))
+            .collect();
+        experts.sort_unstable();
+        experts.dedup();
+        let recs: Vec<u32> = experts.iter().map(|&e| (first_record + e) as u32).collect();
+        store.prefetch(&recs);
+        Some((next, experts))
+    }
+
+    /// Routed experts for every token of `x`, weighted and summed (shared experts excluded).
+    /// Cached or resident experts are computed first, the others as their reads finish; the
+    /// sum runs in expert order whatever the order of computing, so results never depend on
+    /// what was in RAM.
+    fn moe(
+        &self,
+        x: &mut Acts,
+        router: &[f32],
+        bias: Option<&[f32]>,
+        at: &MoeAt,
+        pass: &mut Pass,
+    ) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let (n, h) = (x.n, c.hidden_size);
         // expert -> [(token, weight)], in expert order (the order the reference sums them).
         let mut by_expert: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
-        for t in 0..n {
-            for (ex, w) in routing::route(&c.routing, c.top_k, &logits[t * e..(t + 1) * e], bias) {
+        for (t, r) in self.route(x, router, bias).into_iter().enumerate() {
+            for (ex, w) in r {
                 by_expert.entry(ex).or_default().push((t, w));
             }
         }
         let experts: Vec<(usize, Vec<(usize, f32)>)> = by_expert.into_iter().collect();
+        for (ex, toks) in &experts {
+            for _ in toks {
+                self.heat.add(at.moe_idx, *ex);
+            }
+        }
+        let ids: Vec<usize> = experts.iter().map(|(ex, _)| *ex).collect();
+        if let Some((layer, predicted)) = pass.predicted.take() {
+            if layer == at.li {
+                pass.times.predicted_of += ids.len() as u64;
+                pass.times.predicted_hit +=
+                    ids.iter().filter(|e| predicted.contains(e)).count() as u64;
+            }
+        }
+        pass.routed.push((at.li, ids));
         let q4 = self
             .expert_layout
             .as_ref()
@@ -677,57 +928,49 @@ impl Model {
             .collect();
         x.prepare(q4);
         let x = &*x;
-        let mi = c.moe_intermediate_size;
-        let mut gate_up: Vec<Vec<f32>> = experts
-            .iter()
-            .flat_map(|(_, t)| [vec![0.0; t.len() * mi], vec![0.0; t.len() * mi]])
-            .collect();
-        {
-            let mut outs = gate_up.iter_mut();
-            let mut jobs = Vec::with_capacity(2 * experts.len());
-            for ((ex, _), inp) in experts.iter().zip(&inputs) {
-                let rec = first_record + ex;
-                let xin = inp.as_ref().unwrap_or(x);
-                jobs.push(Job {
-                    w: self.expert(rec, 0),
-                    x: xin,
-                    out: outs.next().unwrap(),
-                });
-                jobs.push(Job {
-                    w: self.expert(rec, 1),
-                    x: xin,
-                    out: outs.next().unwrap(),
-                });
+        let mut downs: Vec<Vec<f32>> = vec![Vec::new(); experts.len()];
+        let lay = self
+            .expert_layout
+            .as_ref()
+            .expect("MoE layer implies experts");
+        match self.experts.as_ref().expect("MoE layer implies experts") {
+            Experts::Resident(map) => {
+                let t = Instant::now();
+                let group: Vec<(usize, [WeightRef; 3])> = experts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (ex, _))| {
+                        let base = (at.first_record + ex) * lay.record_size;
+                        (i, self.expert_parts(map, base))
+                    })
+                    .collect();
+                self.expert_group(&group, &experts, &inputs, x, &mut downs);
+                pass.times.expert += t.elapsed();
             }
-            matmul_many(&self.pool, self.kernel, &mut jobs);
-        }
-        let hidden: Vec<Acts> = gate_up
-            .chunks_exact_mut(2)
-            .zip(&experts)
-            .map(|(gu, (_, toks))| {
-                let (g, u) = gu.split_at_mut(1);
-                ops::silu_mul(&mut g[0], &u[0]);
-                let mut a = Acts::from_vec(std::mem::take(&mut g[0]), toks.len(), mi);
-                a.prepare(q4);
-                a
-            })
-            .collect();
-        let mut downs: Vec<Vec<f32>> = experts
-            .iter()
-            .map(|(_, t)| vec![0.0; t.len() * h])
-            .collect();
-        {
-            let mut jobs: Vec<Job> = experts
-                .iter()
-                .zip(&hidden)
-                .zip(downs.iter_mut())
-                .map(|(((ex, _), hid), out)| Job {
-                    w: self.expert(first_record + ex, 2),
-                    x: hid,
-                    out,
-                })
-                .collect();
-            matmul_many(&self.pool, self.kernel, &mut jobs);
+            Experts::Store(store) => {
+                let recs: Vec<u32> = experts
+                    .iter()
+                    .map(|(ex, _)| (at.first_record + ex) as u32)
+                    .collect();
+                let mut batch = store.request(&recs);
+                if self.prefetch {
+                    pass.predicted = self.prefetch_next(at.li, at.residual, n);
+                }
+                loop {
+                    let ready: Vec<(usize, RecordRef)> = batch.next_ready()?;
+                    if ready.is_empty() {
+                        break;
+                    }
+                    let t = Instant::now();
+                    let group: Vec<(usize, [WeightRef; 3])> = ready
+                        .iter()
+                        .map(|(i, r)| (*i, self.expert_parts(r.bytes(), 0)))
+                        .collect();
+                    self.expert_group(&group, &experts, &inputs, x, &mut downs);
+                    pass.times.expert += t.elapsed();
+                }
+                pass.times.io_wait += batch.io_wait();
+            }
         }
         let mut y = vec![0.0f32; n * h];
         for ((_, toks), d) in experts.iter().zip(&downs) {
@@ -737,8 +980,82 @@ impl Model {
                 }
             }
         }
-        y
+        Ok(y)
     }
+
+    /// Gate and up, SiLU, then down for the experts of `group` (`(index into experts, its
+    /// matrices)`), two parallel regions in all; writes each expert's down output to `downs`.
+    fn expert_group(
+        &self,
+        group: &[(usize, [WeightRef; 3])],
+        experts: &[(usize, Vec<(usize, f32)>)],
+        inputs: &[Option<Acts>],
+        x: &Acts,
+        downs: &mut [Vec<f32>],
+    ) {
+        let (h, mi) = (self.cfg.hidden_size, self.cfg.moe_intermediate_size);
+        let q4 = self
+            .expert_layout
+            .as_ref()
+            .is_some_and(|l| l.parts[0].dtype == DType::Q4);
+        let toks = |i: usize| experts[i].1.len();
+        let mut gate_up: Vec<Vec<f32>> = group
+            .iter()
+            .flat_map(|&(i, _)| [vec![0.0; toks(i) * mi], vec![0.0; toks(i) * mi]])
+            .collect();
+        {
+            let mut outs = gate_up.iter_mut();
+            let mut jobs = Vec::with_capacity(2 * group.len());
+            for (i, w) in group {
+                let xin = inputs[*i].as_ref().unwrap_or(x);
+                for part in [0, 1] {
+                    jobs.push(Job {
+                        w: w[part],
+                        x: xin,
+                        out: outs.next().unwrap(),
+                    });
+                }
+            }
+            matmul_many(&self.pool, self.kernel, &mut jobs);
+        }
+        let hidden: Vec<Acts> = gate_up
+            .chunks_exact_mut(2)
+            .zip(group)
+            .map(|(gu, (i, _))| {
+                let (g, u) = gu.split_at_mut(1);
+                ops::silu_mul(&mut g[0], &u[0]);
+                let mut a = Acts::from_vec(std::mem::take(&mut g[0]), toks(*i), mi);
+                a.prepare(q4);
+                a
+            })
+            .collect();
+        let mut outs: Vec<Vec<f32>> = group.iter().map(|&(i, _)| vec![0.0; toks(i) * h]).collect();
+        {
+            let mut jobs: Vec<Job> = group
+                .iter()
+                .zip(&hidden)
+                .zip(outs.iter_mut())
+                .map(|(((_, w), hid), out)| Job {
+                    w: w[2],
+                    x: hid,
+                    out,
+                })
+                .collect();
+            matmul_many(&self.pool, self.kernel, &mut jobs);
+        }
+        for ((i, _), out) in group.iter().zip(outs) {
+            downs[*i] = out;
+        }
+    }
+}
+
+/// Where a MoE layer is: its model index, its first expert record, its MoE ordinal, and the
+/// residual stream entering its FFN (for the router look-ahead).
+struct MoeAt<'a> {
+    li: usize,
+    first_record: usize,
+    moe_idx: usize,
+    residual: &'a [f32],
 }
 
 #[cfg(test)]

@@ -1,0 +1,162 @@
+//! Routing heat: how often each (layer, expert) was routed to, counted by the forward pass,
+//! persisted next to the model (`routing-heat.json` in the model directory), and used at start to
+//! choose the experts of the pinned part of the cache.
+//!
+//! The file is small (one count per expert) and written crash-safely: a temporary file, fsync,
+//! then rename over the old one, so a reader sees the old counts or the new, never half a file.
+//! A file that does not match the model's shape is ignored (counting starts again).
+
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{io_err, Result};
+
+pub const HEAT_FILE: &str = "routing-heat.json";
+const HEAT_FORMAT: &str = "colibri-routing-heat";
+
+/// Routing counts of one MoE layer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LayerHeat {
+    /// The model layer index.
+    pub layer: usize,
+    /// `counts[e]`: tokens routed to expert `e` of this layer.
+    pub counts: Vec<u64>,
+}
+
+/// Routing counts of every MoE layer (what `routing-heat.json` holds).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoutingHeat {
+    pub format: String,
+    pub version: u32,
+    pub experts: usize,
+    pub layers: Vec<LayerHeat>,
+}
+
+/// The live counters (one atomic per expert record, in record order of the MoE layers).
+pub(crate) struct Heat {
+    layer_ids: Vec<usize>,
+    experts: usize,
+    counts: Vec<AtomicU64>,
+}
+
+impl Heat {
+    pub fn new(layer_ids: Vec<usize>, experts: usize) -> Heat {
+        let n = layer_ids.len() * experts;
+        Heat {
+            layer_ids,
+            experts,
+            counts: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Starts from a saved file if it matches this model's shape.
+    pub fn load(&self, path: &Path) {
+        let Ok(text) = fs::read_to_string(path) else {
+            return;
+        };
+        let Ok(h) = serde_json::from_str::<RoutingHeat>(&text) else {
+            return;
+        };
+        let fits = h.format == HEAT_FORMAT
+            && h.experts == self.experts
+            && h.layers.len() == self.layer_ids.len()
+            && h.layers
+                .iter()
+                .zip(&self.layer_ids)
+                .all(|(l, &id)| l.layer == id && l.counts.len() == self.experts);
+        if fits {
+            for (m, l) in h.layers.iter().enumerate() {
+                for (e, &c) in l.counts.iter().enumerate() {
+                    self.counts[m * self.experts + e].store(c, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Counts one routing of expert `e` in MoE layer ordinal `m`.
+    pub fn add(&self, m: usize, e: usize) {
+        self.counts[m * self.experts + e].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> RoutingHeat {
+        RoutingHeat {
+            format: HEAT_FORMAT.into(),
+            version: 1,
+            experts: self.experts,
+            layers: self
+                .layer_ids
+                .iter()
+                .enumerate()
+                .map(|(m, &layer)| LayerHeat {
+                    layer,
+                    counts: (0..self.experts)
+                        .map(|e| self.counts[m * self.experts + e].load(Ordering::Relaxed))
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Record indices (MoE ordinal * experts + expert) by count, hottest first; never-routed
+    /// experts are left out. Ties: lower record first.
+    pub fn hottest(&self) -> Vec<u32> {
+        let mut v: Vec<(u64, u32)> = self
+            .counts
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.load(Ordering::Relaxed), i as u32))
+            .filter(|&(c, _)| c > 0)
+            .collect();
+        v.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        v.into_iter().map(|(_, i)| i).collect()
+    }
+
+    /// Writes the counts to `path` crash-safely (temp file, fsync, rename).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string(&self.snapshot()).expect("plain data serializes");
+        let tmp = path.with_extension("json.tmp");
+        {
+            let mut f = fs::File::create(&tmp).map_err(io_err(&tmp))?;
+            f.write_all(text.as_bytes()).map_err(io_err(&tmp))?;
+            f.sync_all().map_err(io_err(&tmp))?;
+        }
+        fs::rename(&tmp, path).map_err(io_err(path))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_round_trip_and_mismatched_files_are_ignored() {
+        let d = std::env::temp_dir().join(format!("colibri-heat-{}", std::process::id()));
+        fs::create_dir_all(&d).unwrap();
+        let p = d.join(HEAT_FILE);
+        let h = Heat::new(vec![1, 2], 4);
+        h.add(0, 3);
+        h.add(0, 3);
+        h.add(1, 0);
+        h.save(&p).unwrap();
+        assert!(!d.join("routing-heat.json.tmp").exists());
+        let g = Heat::new(vec![1, 2], 4);
+        g.load(&p);
+        assert_eq!(g.snapshot(), h.snapshot());
+        assert_eq!(g.hottest(), vec![3, 4]);
+        // Another shape: ignored.
+        let other = Heat::new(vec![0, 1, 2], 4);
+        other.load(&p);
+        assert!(other.hottest().is_empty());
+        // A torn or foreign file: ignored.
+        fs::write(&p, "{\"format\": \"colibri-routing-heat\", \"layers\": [").unwrap();
+        let t = Heat::new(vec![1, 2], 4);
+        t.load(&p);
+        assert!(t.hottest().is_empty());
+        fs::remove_dir_all(&d).unwrap();
+    }
+}

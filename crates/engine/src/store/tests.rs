@@ -1,0 +1,538 @@
+//! The store alone (bytes, budgets, back ends, concurrency) and the invariant that matters: a
+//! model's greedy output and logits are identical whatever the budget, prefetch or I/O path.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::format::Quant;
+use crate::model::Model;
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("colibri-store-{}-{tag}", std::process::id()));
+    let _ = fs::remove_dir_all(&d);
+    fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Byte `i` of record `r` of the synthetic experts file.
+fn byte(r: usize, i: usize) -> u8 {
+    ((r * 131 + i * 7 + (i >> 9)) % 251) as u8
+}
+
+/// An experts file of `records` records of 8 KiB, `layers` layers of equal size.
+fn synthetic(tag: &str, records: usize, layers: usize) -> (PathBuf, StoreLayout) {
+    let d = scratch(tag);
+    let rs = 8192;
+    let mut data = vec![0u8; records * rs];
+    for r in 0..records {
+        for i in 0..rs {
+            data[r * rs + i] = byte(r, i);
+        }
+    }
+    let path = d.join("experts.bin");
+    fs::write(&path, &data).unwrap();
+    let per = records / layers;
+    let layout = StoreLayout {
+        path,
+        record_size: rs,
+        rec_layer: (0..records).map(|r| (r / per) as u32).collect(),
+        moe_layers: layers,
+        top_k: 2,
+    };
+    (d, layout)
+}
+
+fn check(r: &RecordRef) {
+    let b = r.bytes();
+    let rec = r.record() as usize;
+    assert!(b.iter().enumerate().all(|(i, &x)| x == byte(rec, i)));
+}
+
+fn opts(slots: u64, io: IoBackend, direct: bool, policy: Policy) -> ExpertOptions {
+    ExpertOptions {
+        ram_bytes: Some(slots * 8192),
+        io,
+        direct_io: direct,
+        policy,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn records_arrive_intact_under_every_budget_and_back_end() {
+    let (d, _) = synthetic("bytes", 32, 4);
+    for io in [IoBackend::Pread, IoBackend::Uring] {
+        for direct in [false, true] {
+            for policy in [Policy::GlobalLru, Policy::PerLayerLru] {
+                for slots in [1, 3, 8, 32, 100] {
+                    let (_, layout) = synthetic_layout(&d, 32, 4);
+                    let store =
+                        ExpertStore::open(layout, &opts(slots, io, direct, policy), &[]).unwrap();
+                    for round in 0..3 {
+                        for layer in 0..4u32 {
+                            let recs: Vec<u32> =
+                                (0..5).map(|k| layer * 8 + (k * 3 + round) % 8).collect();
+                            let mut b = store.request(&recs);
+                            let mut seen = vec![false; recs.len()];
+                            loop {
+                                let ready = b.next_ready().unwrap();
+                                if ready.is_empty() {
+                                    break;
+                                }
+                                for (i, r) in &ready {
+                                    assert_eq!(r.record(), recs[*i]);
+                                    assert!(!seen[*i]);
+                                    seen[*i] = true;
+                                    check(r);
+                                }
+                            }
+                            assert!(seen.iter().all(|&s| s));
+                        }
+                    }
+                    let st = store.stats();
+                    assert_eq!(st.bytes_read, st.reads * 8192);
+                    if slots >= 32 {
+                        // Everything fits: each touched record was read once.
+                        assert_eq!(st.misses, st.reads);
+                        assert!(st.reads <= 32);
+                    }
+                }
+            }
+        }
+    }
+    fs::remove_dir_all(&d).unwrap();
+}
+
+fn synthetic_layout(d: &Path, records: usize, layers: usize) -> ((), StoreLayout) {
+    let per = records / layers;
+    (
+        (),
+        StoreLayout {
+            path: d.join("experts.bin"),
+            record_size: 8192,
+            rec_layer: (0..records).map(|r| (r / per) as u32).collect(),
+            moe_layers: layers,
+            top_k: 2,
+        },
+    )
+}
+
+#[test]
+fn concurrent_callers_share_a_one_record_cache() {
+    let (d, layout) = synthetic("conc", 16, 2);
+    let store = ExpertStore::open(
+        layout,
+        &opts(1, IoBackend::Auto, false, Policy::GlobalLru),
+        &[],
+    )
+    .unwrap();
+    std::thread::scope(|s| {
+        for t in 0..3u32 {
+            let store = &store;
+            s.spawn(move || {
+                for round in 0..20u32 {
+                    let recs: Vec<u32> = (0..4).map(|k| (t * 5 + round * 3 + k * 4) % 16).collect();
+                    let mut b = store.request(&recs);
+                    let mut n = 0;
+                    loop {
+                        let ready = b.next_ready().unwrap();
+                        if ready.is_empty() {
+                            break;
+                        }
+                        for (_, r) in &ready {
+                            check(r);
+                        }
+                        n += ready.len();
+                    }
+                    assert_eq!(n, 4);
+                }
+            });
+        }
+    });
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn pinned_records_stay_and_prefetch_is_counted() {
+    let (d, layout) = synthetic("pin", 16, 2);
+    let mut o = opts(6, IoBackend::Pread, false, Policy::GlobalLru);
+    o.pin_bytes = 3 * 8192;
+    let store = ExpertStore::open(layout, &o, &[5, 9, 2, 7]).unwrap();
+    let st = store.stats();
+    // 6 slots, top_k 2 kept for the cache: at most 4 pinned, and 4 hot records given.
+    assert_eq!((st.slots, st.pinned, st.reads), (6, 3, 3));
+    for r in [5, 9, 2] {
+        assert!(store.is_resident(r));
+    }
+    // Churn through everything else: the pinned ones stay.
+    for r in 0..16u32 {
+        let mut b = store.request(&[r]);
+        while !b.next_ready().unwrap().is_empty() {}
+    }
+    for r in [5, 9, 2] {
+        assert!(store.is_resident(r));
+    }
+    store.prefetch(&[0, 1]);
+    let mut b = store.request(&[0, 1]);
+    while !b.next_ready().unwrap().is_empty() {}
+    let st = store.stats();
+    assert_eq!(st.prefetch_reads, 2);
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_truncated_file_is_refused_at_open() {
+    let (d, layout) = synthetic("short", 8, 2);
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(&layout.path)
+        .unwrap();
+    f.set_len(7 * 8192 + 100).unwrap();
+    let e = ExpertStore::open(
+        layout,
+        &opts(4, IoBackend::Pread, false, Policy::GlobalLru),
+        &[],
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("smaller"), "{e}");
+    fs::remove_dir_all(&d).unwrap();
+}
+
+// ---- Models: results never depend on placement ----
+
+fn fixture(arch: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(arch)
+        .join("hf")
+}
+
+/// A random checkpoint with OLMoE's structure (every layer MoE, 16 experts top-4, q/k norm),
+/// small enough for a test: 4 layers, hidden 64.
+fn random_olmoe(dir: &Path) {
+    use rand::{RngExt, SeedableRng};
+    use safetensors::tensor::TensorView;
+    let (h, layers, experts, top_k, inter, vocab, heads) = (64, 4, 16, 4, 96, 397, 4);
+    let cfg = serde_json::json!({
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
+        "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "num_experts": experts,
+        "num_experts_per_tok": top_k, "vocab_size": vocab, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+        "norm_topk_prob": false, "tie_word_embeddings": false, "clip_qkv": null,
+        "attention_bias": false, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0
+    });
+    fs::create_dir_all(dir).unwrap();
+    fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    fs::copy(
+        fixture("olmoe").join("tokenizer.json"),
+        dir.join("tokenizer.json"),
+    )
+    .unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, std: f32, one: bool| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                if one {
+                    1.0
+                } else {
+                    // Sum of uniforms: roughly normal, mean 0.
+                    let u: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum();
+                    u * std
+                }
+            })
+            .collect();
+        tensors.push((name, shape, bytemuck::cast_slice(&v).to_vec()));
+    };
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![vocab, h],
+        0.5,
+        false,
+    );
+    add("lm_head.weight".into(), vec![vocab, h], 0.1, false);
+    add("model.norm.weight".into(), vec![h], 0.0, true);
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        add(format!("{p}.input_layernorm.weight"), vec![h], 0.0, true);
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            0.0,
+            true,
+        );
+        for m in ["q", "k", "v", "o"] {
+            add(
+                format!("{p}.self_attn.{m}_proj.weight"),
+                vec![h, h],
+                0.1,
+                false,
+            );
+        }
+        add(format!("{p}.self_attn.q_norm.weight"), vec![h], 0.0, true);
+        add(format!("{p}.self_attn.k_norm.weight"), vec![h], 0.0, true);
+        add(format!("{p}.mlp.gate.weight"), vec![experts, h], 0.3, false);
+        for e in 0..experts {
+            for (m, shape) in [
+                ("gate", vec![inter, h]),
+                ("up", vec![inter, h]),
+                ("down", vec![h, inter]),
+            ] {
+                add(
+                    format!("{p}.mlp.experts.{e}.{m}_proj.weight"),
+                    shape,
+                    0.1,
+                    false,
+                );
+            }
+        }
+    }
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None).unwrap();
+    fs::write(dir.join("model.safetensors"), bytes).unwrap();
+}
+
+/// Greedy generation: two turns (the second after the first's history), `steps` tokens each.
+/// Returns the tokens and the bits of every logit computed.
+fn greedy(m: &Model, steps: usize) -> (Vec<u32>, Vec<u32>) {
+    let vocab = m.cfg.vocab_size as u32;
+    let mut toks = Vec::new();
+    let mut bits = Vec::new();
+    let mut kv = m.new_cache();
+    for turn in 0..2u32 {
+        let prompt: Vec<u32> = (0..7u32)
+            .map(|i| (i * 37 + turn * 11 + 3) % vocab)
+            .collect();
+        let mut logits = m.forward(&prompt, &mut kv, false).unwrap();
+        for _ in 0..steps {
+            bits.extend(logits.iter().map(|x| x.to_bits()));
+            let t = crate::sampler::argmax(&logits) as u32;
+            toks.push(t);
+            logits = m.forward(&[t], &mut kv, false).unwrap();
+        }
+        m.end_turn().unwrap();
+    }
+    (toks, bits)
+}
+
+struct Converted {
+    dir: PathBuf,
+    experts_bytes: u64,
+    record_size: u64,
+    moe_layers: u64,
+}
+
+fn convert(hf: &Path, tag: &str, quant: Quant) -> Converted {
+    let dir = scratch(tag);
+    crate::convert::convert(hf, &dir, quant, &mut |_, _, _| {}).unwrap();
+    let m = Model::load(&dir, Some(1)).unwrap();
+    let x = m.manifest.experts.as_ref().unwrap();
+    let c = Converted {
+        experts_bytes: fs::metadata(dir.join(&x.file)).unwrap().len(),
+        record_size: x.record_size as u64,
+        moe_layers: x.layers.len() as u64,
+        dir,
+    };
+    let _ = fs::remove_file(c.dir.join(heat::HEAT_FILE));
+    c
+}
+
+/// Every placement gives the resident model's tokens and logits, bit for bit.
+fn placement_never_matters(c: &Converted, threads: usize) {
+    let reference = greedy(&Model::load(&c.dir, Some(threads)).unwrap(), 6);
+    let _ = fs::remove_file(c.dir.join(heat::HEAT_FILE));
+    let all = c.experts_bytes;
+    let half = (c.experts_bytes / c.record_size / 2) * c.record_size;
+    let one_per_layer = c.moe_layers * c.record_size;
+    let mut cases = Vec::new();
+    for ram in [all, half, one_per_layer, 1] {
+        for (prefetch, io, direct) in [
+            (false, IoBackend::Pread, false),
+            (true, IoBackend::Auto, false),
+            (false, IoBackend::Uring, true),
+        ] {
+            cases.push(ExpertOptions {
+                ram_bytes: Some(ram),
+                prefetch,
+                io,
+                direct_io: direct,
+                ..Default::default()
+            });
+        }
+    }
+    cases.push(ExpertOptions {
+        ram_bytes: Some(half),
+        policy: Policy::PerLayerLru,
+        prefetch: true,
+        ..Default::default()
+    });
+    for o in &cases {
+        let m = Model::load_with(&c.dir, Some(threads), o).unwrap();
+        let got = greedy(&m, 6);
+        assert!(got.0 == reference.0, "tokens differ under {o:?}");
+        assert!(got.1 == reference.1, "logits differ under {o:?}");
+        let st = m.store_stats().unwrap();
+        assert!(st.reads > 0);
+        // The path asked for is the one taken, or the fallback says why.
+        if o.io == IoBackend::Uring {
+            assert!(st.io == "io_uring" || !st.notes.is_empty(), "{st:?}");
+        }
+        if o.direct_io {
+            assert!(st.direct_io || !st.notes.is_empty(), "{st:?}");
+        }
+        if o.ram_bytes == Some(all) {
+            // Holds everything: each record read at most once, the rest hits.
+            assert!(st.reads <= c.experts_bytes / c.record_size, "{st:?}");
+        }
+    }
+    // Pinned experts from the heat the runs above saved.
+    let o = ExpertOptions {
+        ram_bytes: Some(half),
+        pin_bytes: half / 2,
+        ..Default::default()
+    };
+    let m = Model::load_with(&c.dir, Some(threads), &o).unwrap();
+    assert!(m.store_stats().unwrap().pinned > 0);
+    assert!(greedy(&m, 6) == reference);
+}
+
+#[test]
+fn fixtures_give_the_same_tokens_under_every_budget() {
+    for (arch, quant) in [
+        ("olmoe", Quant::Int4),
+        ("qwen3_moe", Quant::F32),
+        ("glm4_moe", Quant::Int4),
+    ] {
+        let c = convert(&fixture(arch), &format!("fx-{arch}"), quant);
+        placement_never_matters(&c, 2);
+        fs::remove_dir_all(&c.dir).unwrap();
+    }
+}
+
+#[test]
+fn random_olmoe_gives_the_same_tokens_under_every_budget() {
+    let hf = scratch("olmoe-hf");
+    random_olmoe(&hf);
+    let c = convert(&hf, "olmoe-int4", Quant::Int4);
+    placement_never_matters(&c, 2);
+    placement_never_matters(&c, 1);
+    fs::remove_dir_all(&c.dir).unwrap();
+    fs::remove_dir_all(&hf).unwrap();
+}
+
+#[test]
+fn nothing_is_read_after_warm_up_when_everything_fits() {
+    let hf = scratch("warm-hf");
+    random_olmoe(&hf);
+    let c = convert(&hf, "warm", Quant::Int4);
+    let o = ExpertOptions {
+        ram_bytes: Some(c.experts_bytes),
+        ..Default::default()
+    };
+    let m = Model::load_with(&c.dir, Some(2), &o).unwrap();
+    greedy(&m, 4);
+    let before = m.store_stats().unwrap();
+    greedy(&m, 4);
+    let after = m.store_stats().unwrap();
+    assert_eq!(after.bytes_read, before.bytes_read);
+    assert_eq!(after.misses, before.misses);
+    assert!(after.hits > before.hits);
+    fs::remove_dir_all(&c.dir).unwrap();
+    fs::remove_dir_all(&hf).unwrap();
+}
+
+#[test]
+fn turn_profiles_heat_and_routed_experts() {
+    let hf = scratch("prof-hf");
+    random_olmoe(&hf);
+    let c = convert(&hf, "prof", Quant::Int4);
+    let o = ExpertOptions {
+        ram_bytes: Some(c.experts_bytes / 4),
+        prefetch: true,
+        ..Default::default()
+    };
+    let m = Model::load_with(&c.dir, Some(2), &o).unwrap();
+    assert_eq!(m.last_profile(), profile::Profile::default());
+    greedy(&m, 5);
+    let ps = m.profiles();
+    assert_eq!(ps.len(), 2);
+    let p = m.last_profile();
+    assert_eq!((p.prefill_tokens, p.decode_tokens), (7, 5));
+    assert!(p.prefill_tok_s > 0.0 && p.decode_tok_s > 0.0);
+    assert!(p.bytes_read > 0 && p.cache_misses > 0);
+    assert!((0.0..=1.0).contains(&p.cache_hit_rate));
+    assert!(p.prefetch_recall > 0.0 && p.prefetch_recall <= 1.0, "{p:?}");
+    let parts = p.io_wait_s + p.expert_matmul_s + p.attention_s + p.lm_head_s + p.other_s;
+    assert!((parts - (p.prefill_s + p.decode_s)).abs() < 1e-3, "{p:?}");
+    let routed = m.last_routed_experts();
+    assert_eq!(routed.len(), 4);
+    assert!(routed
+        .iter()
+        .all(|r| r.len() >= 4 && r.windows(2).all(|w| w[0] < w[1])));
+    // Heat: every token of every pass routed to top_k experts in each layer.
+    let heat = m.routing_heat();
+    assert_eq!(heat.layers.len(), 4);
+    for l in &heat.layers {
+        assert_eq!(l.counts.iter().sum::<u64>(), 2 * (7 + 5) * 4);
+    }
+    // Saved at the first end_turn; the file matches the counts of that time.
+    let saved: heat::RoutingHeat =
+        serde_json::from_str(&fs::read_to_string(c.dir.join(heat::HEAT_FILE)).unwrap()).unwrap();
+    assert_eq!(saved.layers[0].counts.iter().sum::<u64>(), (7 + 5) * 4);
+    m.save_heat().unwrap();
+    let m2 = Model::load(&c.dir, Some(1)).unwrap();
+    assert_eq!(m2.routing_heat(), heat);
+    // A resident model profiles too.
+    greedy(&m2, 2);
+    let p = m2.last_profile();
+    assert_eq!((p.cache_hit_rate, p.bytes_read), (1.0, 0));
+    fs::remove_dir_all(&c.dir).unwrap();
+    fs::remove_dir_all(&hf).unwrap();
+}
+
+#[test]
+fn two_threads_generating_on_a_tiny_cache_agree_with_one() {
+    let hf = scratch("conc-hf");
+    random_olmoe(&hf);
+    let c = convert(&hf, "conc-model", Quant::Int4);
+    let reference = greedy(&Model::load(&c.dir, Some(1)).unwrap(), 4);
+    let o = ExpertOptions {
+        ram_bytes: Some(c.record_size * 3),
+        prefetch: true,
+        ..Default::default()
+    };
+    let m = Model::load_with(&c.dir, Some(2), &o).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2).map(|_| s.spawn(|| greedy(&m, 4))).collect();
+        for h in hs {
+            assert!(h.join().unwrap() == reference);
+        }
+    });
+    fs::remove_dir_all(&c.dir).unwrap();
+    fs::remove_dir_all(&hf).unwrap();
+}
+
+#[test]
+fn the_default_budget_is_everything_when_it_fits() {
+    let c = convert(&fixture("olmoe"), "fit", Quant::Int4);
+    assert_eq!(fit_ram_bytes(&c.dir, 0).unwrap(), None);
+    if mem_available().is_some() {
+        // No room left at all: one record.
+        assert_eq!(fit_ram_bytes(&c.dir, u64::MAX / 2).unwrap(), Some(c.record_size));
+    }
+    assert!(fit_ram_bytes(&c.dir.join("missing"), 0).is_err());
+    fs::remove_dir_all(&c.dir).unwrap();
+}
