@@ -53,8 +53,17 @@ CONFIGS = [
     ("cache 25% + prefetch", ["--ram-frac", "0.25", "--direct", "--prefetch"]),
     ("cache 6.25%", ["--ram-frac", "0.0625", "--direct"]),
     ("cache 6.25% + prefetch", ["--ram-frac", "0.0625", "--direct", "--prefetch"]),
+    # 3/4 of the budget pinned by the routing heat (routing-heat.json, saved by earlier runs).
+    ("cache 6.25%, 3/4 pinned", ["--ram-frac", "0.0625", "--pin-frac", "0.75", "--direct"]),
 ]
-QUICK = {"resident", "cache 100%", "cache 50%", "cache 25%", "cache 6.25%"}
+QUICK = {
+    "resident",
+    "cache 100%",
+    "cache 50%",
+    "cache 25%",
+    "cache 6.25%",
+    "cache 6.25%, 3/4 pinned",
+}
 
 
 def log(msg: str) -> None:
@@ -231,12 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         "40% token-to-token expert reuse):"
     )
     lines.append("")
-    lines.append("| trace | cache (share of experts) | global LRU | per-layer LRU |")
-    lines.append("|---|---|---|---|")
+    lines.append(
+        "| trace | cache (share of experts) | global LRU | per-layer LRU | global LRU, 2nd half "
+        "| 3/4 pinned by 1st-half heat + global LRU, 2nd half |"
+    )
+    lines.append("|---|---|---|---|---|---|")
     for r in policy["rows"]:
         lines.append(
             f"| {r['trace']} | {r['cache_frac'] * 100:g}% | {r['global_lru']:.3f} "
-            f"| {r['per_layer_lru']:.3f} |"
+            f"| {r['per_layer_lru']:.3f} | {r['global_lru_second_half']:.3f} "
+            f"| {r['pinned_global_lru']:.3f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

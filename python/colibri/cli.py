@@ -24,7 +24,16 @@ def _model_dir(arg: str | None) -> Path:
 def _load(args: argparse.Namespace, slots: int = 1, kv_dir: Path | None = None):
     from colibri.engine import Engine
 
-    return Engine(_model_dir(args.model), threads=args.threads, slots=slots, kv_dir=kv_dir)
+    return Engine(
+        _model_dir(args.model),
+        threads=args.threads,
+        slots=slots,
+        kv_dir=kv_dir,
+        ram_gb=getattr(args, "ram_gb", None),
+        pin_gb=getattr(args, "pin_gb", None),
+        direct_io=True if getattr(args, "direct_io", False) else None,
+        prefetch=True if getattr(args, "prefetch", False) else None,
+    )
 
 
 def _kv_dir(args: argparse.Namespace, model_dir: Path) -> Path | None:
@@ -216,6 +225,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -240,6 +256,27 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument(
             "--threads", type=int, default=None, help="worker threads (default: all cores)"
+        )
+        sp.add_argument(
+            "--ram-gb",
+            type=_non_negative_float,
+            default=None,
+            help="RAM for routed experts in GB: an expert cache over the experts file "
+            "($COLI_RAM_GB; default: every expert resident)",
+        )
+        sp.add_argument(
+            "--pin-gb",
+            type=_non_negative_float,
+            default=None,
+            help="part of --ram-gb pinned to the hottest experts ($COLI_PIN_GB)",
+        )
+        sp.add_argument(
+            "--direct-io", action="store_true", help="read experts with O_DIRECT ($COLI_DIRECT_IO)"
+        )
+        sp.add_argument(
+            "--prefetch",
+            action="store_true",
+            help="load the next layer's likely experts ahead ($COLI_PREFETCH)",
         )
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")

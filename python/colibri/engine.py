@@ -23,7 +23,11 @@ class Engine:
     ``"avx2"``, ``"avx512"``), otherwise the best one this CPU has (or ``COLI_KERNEL``) is used.
     ``slots`` KV slots keep their history between generations; with ``kv_dir`` each slot is
     persisted to ``kv_dir/slot-N.kv`` and restored at the next load (a file from another model
-    or layout is refused with a log line and replaced).
+    or layout is refused with a log line and replaced). ``ram_gb`` bounds the RAM for routed
+    experts (an expert cache over the experts file; default ``COLI_RAM_GB``, else every expert
+    resident), ``pin_gb`` of it holds the hottest experts for the whole run (``COLI_PIN_GB``),
+    ``direct_io`` reads with O_DIRECT (``COLI_DIRECT_IO``), ``prefetch`` loads the next layer's
+    likely experts ahead (``COLI_PREFETCH``). Results never depend on these.
     Generation and scoring release the GIL, so other Python threads keep running.
     """
 
@@ -34,10 +38,22 @@ class Engine:
         kernel: str | None = None,
         slots: int = 1,
         kv_dir: str | Path | None = None,
+        ram_gb: float | None = None,
+        pin_gb: float | None = None,
+        direct_io: bool | None = None,
+        prefetch: bool | None = None,
     ) -> None:
         self.path = Path(path)
         self._model = _engine.Model(
-            str(self.path), threads, kernel, slots, None if kv_dir is None else str(kv_dir)
+            str(self.path),
+            threads,
+            kernel,
+            slots,
+            None if kv_dir is None else str(kv_dir),
+            ram_gb,
+            pin_gb,
+            direct_io,
+            prefetch,
         )
         for note in self._model.load_notes():
             log.warning("KV slot file refused: %s", note)
@@ -111,6 +127,27 @@ class Engine:
             slot,
         )
         return _Tokens(stream)
+
+    def last_profile(self) -> dict[str, Any]:
+        """The last finished generation's profile: ``io_wait_s``, ``expert_matmul_s``,
+        ``attention_s``, ``lm_head_s``, ``other_s``, ``bytes_read``, ``cache_hit_rate``,
+        ``prefill_tok_s``, ``decode_tok_s`` and more (docs/API.md)."""
+        return dict(json.loads(self._model.last_profile_json()))
+
+    def profiles(self) -> list[dict[str, Any]]:
+        """The last 30 generations' profiles, oldest first."""
+        return list(json.loads(self._model.profiles_json()))
+
+    def last_routed_experts(self) -> list[list[int]]:
+        """Per layer, the expert ids routed to in the last generation."""
+        return [list(x) for x in self._model.last_routed_experts()]
+
+    def routing_heat(self) -> dict[str, Any]:
+        return dict(json.loads(self._model.routing_heat_json()))
+
+    def store_stats(self) -> dict[str, Any] | None:
+        """The expert cache's counters, or None when every expert is resident."""
+        return json.loads(self._model.store_stats_json())
 
     @property
     def slots(self) -> int:

@@ -2,8 +2,8 @@
 //!
 //! ```text
 //! expert_bench run MODEL_DIR [--threads N] [--prompt N] [--tokens N] [--rounds N]
-//!                  [--ram-frac F | --ram-gb G] [--pin-gb G] [--direct] [--prefetch]
-//!                  [--io auto|uring|pread] [--policy global|layer]
+//!                  [--ram-frac F | --ram-gb G] [--pin-gb G | --pin-frac F] [--direct] [--prefetch]
+//!                  [--io auto|uring|pread] [--policy global|layer|freq]
 //! expert_bench disk MODEL_DIR [--reads N] [--depth N]   # random-record read bandwidth, O_DIRECT
 //! expert_bench policy MODEL_DIR [--tokens N]            # LRU policies on routing traces
 //! ```
@@ -54,16 +54,19 @@ fn options(dir: &Path, args: &[String]) -> ExpertOptions {
     if let Some(g) = arg::<f64>(args, "--pin-gb") {
         o.pin_bytes = (g * 1e9) as u64;
     }
+    if let (Some(f), Some(ram)) = (arg::<f64>(args, "--pin-frac"), o.ram_bytes) {
+        o.pin_bytes = (ram as f64 * f) as u64;
+    }
     o.direct_io = flag(args, "--direct");
     o.prefetch = flag(args, "--prefetch");
     if let Some(s) = arg::<String>(args, "--io") {
         o.io = IoBackend::parse(&s).expect("--io auto|uring|pread");
     }
     if let Some(s) = arg::<String>(args, "--policy") {
-        o.policy = if s == "layer" {
-            Policy::PerLayerLru
-        } else {
-            Policy::GlobalLru
+        o.policy = match s.as_str() {
+            "layer" => Policy::PerLayerLru,
+            "freq" => Policy::GlobalLruFreq,
+            _ => Policy::GlobalLru,
         };
     }
     o
@@ -219,12 +222,49 @@ fn policies(dir: &Path, args: &[String]) -> Value {
     let synth = policy::synthetic_trace(tokens.max(2000), layers, experts, k, 0.4, 1);
     let mut rows = Vec::new();
     for (name, trace) in [("model", &own), ("synthetic", &synth)] {
+        // Pinned + LRU: the hottest experts of the first half pinned (3/4 of the slots), the
+        // rest global LRU; hit rates on the second half (as the heat file would be used).
+        let (learn, test) = trace.split_at(trace.len() / 2);
+        let mut heat = vec![0u64; layers * experts];
+        for tok in learn {
+            for (l, es) in tok.iter().enumerate() {
+                for &e in es {
+                    heat[l * experts + e as usize] += 1;
+                }
+            }
+        }
+        let mut order: Vec<usize> = (0..heat.len()).collect();
+        order.sort_by(|&a, &b| heat[b].cmp(&heat[a]).then(a.cmp(&b)));
         for frac in [0.0625, 0.125, 0.25, 0.5, 0.75] {
             let slots = ((layers * experts) as f64 * frac) as usize;
+            let pin_n = slots * 3 / 4;
+            let pinned: std::collections::HashSet<usize> =
+                order.iter().take(pin_n).copied().collect();
+            let total: usize = test.iter().flatten().map(Vec::len).sum();
+            let rest: Trace = test
+                .iter()
+                .map(|tok| {
+                    tok.iter()
+                        .enumerate()
+                        .map(|(l, es)| {
+                            es.iter()
+                                .copied()
+                                .filter(|&e| !pinned.contains(&(l * experts + e as usize)))
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            let rest_n: usize = rest.iter().flatten().map(Vec::len).sum();
+            let lru = policy::simulate(Policy::GlobalLru, slots - pin_n, layers, &rest);
+            let pinned_hit = ((total - rest_n) as f64 + lru * rest_n as f64) / total as f64;
             rows.push(json!({
                 "trace": name, "cache_frac": frac,
                 "global_lru": policy::simulate(Policy::GlobalLru, slots, layers, trace),
                 "per_layer_lru": policy::simulate(Policy::PerLayerLru, slots, layers, trace),
+                "global_lru_freq": policy::simulate(Policy::GlobalLruFreq, slots, layers, trace),
+                "pinned_global_lru": pinned_hit,
+                "global_lru_second_half": policy::simulate(Policy::GlobalLru, slots, layers, &test.to_vec()),
             }));
         }
     }

@@ -62,7 +62,7 @@ impl Generation {
     /// slot's history first: only the part it does not share is prefilled.
     pub fn next_token(&mut self, model: &Model, slot: &mut Slot) -> Result<Option<u32>> {
         if self.finished || self.produced >= self.opts.max_tokens {
-            self.end(slot);
+            self.end(model, slot);
             return Ok(None);
         }
         let logits = match self.last {
@@ -73,7 +73,7 @@ impl Generation {
             }
             Some(tok) => {
                 if slot.tokens.len() >= model.cfg.max_positions {
-                    self.end(slot);
+                    self.end(model, slot);
                     return Ok(None);
                 }
                 slot.forward(model, &[tok])?
@@ -88,13 +88,16 @@ impl Generation {
         Ok(Some(tok))
     }
 
-    /// Ends the turn (once): the slot's history is made durable. Called when the generation
-    /// runs out, and by whoever drops a generation early.
-    pub fn end(&mut self, slot: &mut Slot) {
+    /// Ends the turn (once): the slot's history is made durable and the model closes the
+    /// turn's profile (and saves routing heat now and then). Called when the generation runs
+    /// out, and by whoever drops a generation early.
+    pub fn end(&mut self, model: &Model, slot: &mut Slot) {
         self.finished = true;
         if !self.turn_ended {
             self.turn_ended = true;
             slot.end_turn();
+            // A failed heat save changes nothing else; the next turn tries again.
+            let _ = model.end_turn();
         }
     }
 }

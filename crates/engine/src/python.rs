@@ -17,6 +17,7 @@ use crate::format::Quant;
 use crate::model::Model as RsModel;
 use crate::quant::Kernel;
 use crate::slots::{self, Slot};
+use crate::store::ExpertOptions;
 
 fn to_py(e: Error) -> PyErr {
     match e {
@@ -37,7 +38,11 @@ struct Model {
 #[pymethods]
 impl Model {
     #[new]
-    #[pyo3(signature = (path, threads=None, kernel=None, slots=1, kv_dir=None))]
+    /// `ram_gb`, `pin_gb`, `direct_io`, `prefetch`: the expert cache (store/); each defaults to
+    /// its environment variable (`COLI_RAM_GB`, `COLI_PIN_GB`, `COLI_DIRECT_IO`,
+    /// `COLI_PREFETCH`), and without a budget every expert is resident.
+    #[pyo3(signature = (path, threads=None, kernel=None, slots=1, kv_dir=None, ram_gb=None, pin_gb=None, direct_io=None, prefetch=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -45,7 +50,33 @@ impl Model {
         kernel: Option<String>,
         slots: usize,
         kv_dir: Option<PathBuf>,
+        ram_gb: Option<f64>,
+        pin_gb: Option<f64>,
+        direct_io: Option<bool>,
+        prefetch: Option<bool>,
     ) -> PyResult<Model> {
+        let mut opts = ExpertOptions::from_env().map_err(to_py)?;
+        let gb = |name: &str, v: f64| -> PyResult<u64> {
+            if v.is_finite() && v >= 0.0 {
+                Ok((v * 1e9) as u64)
+            } else {
+                Err(PyValueError::new_err(format!(
+                    "{name} must be a number of GB >= 0"
+                )))
+            }
+        };
+        if let Some(v) = ram_gb {
+            opts.ram_bytes = Some(gb("ram_gb", v)?);
+        }
+        if let Some(v) = pin_gb {
+            opts.pin_bytes = gb("pin_gb", v)?;
+        }
+        if let Some(v) = direct_io {
+            opts.direct_io = v;
+        }
+        if let Some(v) = prefetch {
+            opts.prefetch = v;
+        }
         if !(1..=MAX_SLOTS).contains(&slots) {
             return Err(PyValueError::new_err(format!(
                 "slots must be 1..{MAX_SLOTS}, got {slots}"
@@ -65,7 +96,9 @@ impl Model {
                 Some(k)
             }
         };
-        let mut m = py.detach(|| RsModel::load(&path, threads)).map_err(to_py)?;
+        let mut m = py
+            .detach(|| RsModel::load_with(&path, threads, &opts))
+            .map_err(to_py)?;
         if let Some(k) = kernel {
             m.set_kernel(k);
         }
@@ -161,6 +194,36 @@ impl Model {
         self.slots.len()
     }
 
+    /// The last finished turn's profile as JSON (time per phase, bytes read, cache hits,
+    /// prefill/decode tok/s).
+    fn last_profile_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.inner.last_profile())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// The last 30 turns' profiles, oldest first, as JSON.
+    fn profiles_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.inner.profiles())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// Expert ids routed to in the last turn, per layer (empty lists for dense layers).
+    fn last_routed_experts(&self) -> Vec<Vec<u32>> {
+        self.inner.last_routed_experts()
+    }
+
+    /// Routing counts per (MoE layer, expert), as JSON (the heat file's shape).
+    fn routing_heat_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.inner.routing_heat())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// The expert cache's counters as JSON (`null` when every expert is resident).
+    fn store_stats_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.inner.store_stats())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
     /// Lines about slot files refused at load (another model, version, layout or damage).
     fn load_notes(&self) -> Vec<String> {
         self.notes.clone()
@@ -229,12 +292,13 @@ impl TokenStream {
 
     /// Ends the generation: the slot's history is made durable (fsync when persistent).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let model = self.model.clone();
         let gen = self.gen.clone();
         let slot = self.slot.clone();
         py.detach(move || {
             let mut gen = gen.lock().map_err(poisoned)?;
             let mut slot = slot.lock().map_err(poisoned)?;
-            gen.end(&mut slot);
+            gen.end(&model, &mut slot);
             Ok(())
         })
     }
@@ -244,7 +308,7 @@ impl Drop for TokenStream {
     fn drop(&mut self) {
         // A stream dropped without close() still ends its turn.
         if let (Ok(mut gen), Ok(mut slot)) = (self.gen.lock(), self.slot.lock()) {
-            gen.end(&mut slot);
+            gen.end(&self.model, &mut slot);
         }
     }
 }

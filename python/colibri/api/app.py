@@ -49,6 +49,20 @@ async def metrics(request: Request) -> Response:
     return Response(model.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
+async def profile(request: Request) -> Response:
+    """Where the engine spent its last turns (dashboard's profiling and live-routing views).
+    Behind the API key like generation."""
+    model: ServedModel = request.app.state.served
+    engine = model.engine
+    return json_response(
+        {
+            "turns": engine.profiles(),
+            "last_routed_experts": engine.last_routed_experts(),
+            "expert_cache": engine.store_stats(),
+        }
+    )
+
+
 async def _client_gone(request: Request, exc: Exception) -> Response:
     return client_gone_response()
 
@@ -85,6 +99,7 @@ def _starlette_app(served: ServedModel) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/colibri/profile", profile, methods=["GET"]),
         Route("/v1/models", openai.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", openai.get_model, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),

@@ -70,7 +70,7 @@ impl Default for ExpertOptions {
 impl ExpertOptions {
     /// Options from the environment: `COLI_RAM_GB` (budget in GB = 1e9 bytes, fractional ok),
     /// `COLI_PIN_GB`, `COLI_DIRECT_IO=1`, `COLI_PREFETCH=1`, `COLI_IO=auto|uring|pread`,
-    /// `COLI_CACHE_POLICY=global|layer`. Unset variables keep the defaults.
+    /// `COLI_CACHE_POLICY=global|layer|freq`. Unset variables keep the defaults.
     pub fn from_env() -> Result<ExpertOptions> {
         let mut o = ExpertOptions::default();
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
@@ -104,9 +104,10 @@ impl ExpertOptions {
             o.policy = match v.trim() {
                 "global" => Policy::GlobalLru,
                 "layer" => Policy::PerLayerLru,
+                "freq" => Policy::GlobalLruFreq,
                 _ => {
                     return Err(Error::Input(format!(
-                        "COLI_CACHE_POLICY={v}: expected global or layer"
+                        "COLI_CACHE_POLICY={v}: expected global, layer or freq"
                     )))
                 }
             };
@@ -217,6 +218,8 @@ struct State {
     lru: LruLists,
     /// record -> its LRU list.
     list_of_rec: Vec<u32>,
+    /// Request frequencies, when misses are inserted by frequency (`policy::freq_insert`).
+    freq: Option<policy::Freq>,
     stats: StoreStats,
 }
 
@@ -345,6 +348,8 @@ impl ExpertStore {
             cache = layout.moe_layers;
         }
         let slots = pinned + cache;
+        let freq = policy::freq_insert(opts.policy, cache, layout.moe_layers, layout.top_k)
+            .then(|| policy::Freq::new(records, policy::hot_slots(cache)));
         let (lists, list_of_slot) = policy::partition(opts.policy, cache, layout.moe_layers);
         let list_of_rec: Vec<u32> = layout
             .rec_layer
@@ -385,6 +390,7 @@ impl ExpertStore {
             failed: HashMap::new(),
             lru,
             list_of_rec,
+            freq,
             stats: StoreStats {
                 slots,
                 pinned,
@@ -494,7 +500,13 @@ impl ExpertStore {
             prefetched: prefetch,
         };
         s.at[rec as usize] = v as u32;
-        s.lru.touch(v);
+        if s.freq.as_ref().is_some_and(|f| !f.is_hot(rec as usize)) {
+            // A rare record: next to go once released, so frequent ones stay.
+            s.lru.remove(v);
+            s.lru.push_back(list, v);
+        } else {
+            s.lru.touch(v);
+        }
         s.stats.reads += 1;
         if prefetch {
             s.stats.prefetch_reads += 1;
@@ -534,6 +546,9 @@ impl ExpertStore {
             let mut s = self.shared.lock();
             for &rec in records {
                 assert!((rec as usize) < self.records, "expert record out of range");
+                if let Some(f) = s.freq.as_mut() {
+                    f.hit(rec as usize);
+                }
                 s.pins[rec as usize] += 1;
                 s.failed.remove(&rec);
                 let slot = s.at[rec as usize];

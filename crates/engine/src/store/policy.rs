@@ -14,9 +14,83 @@ use serde::{Deserialize, Serialize};
 pub enum Policy {
     /// The least recently used expert of any layer. Adapts the share of each layer to how
     /// varied its routing is (measured better, see docs/PERFORMANCE.md "Tiered experts").
+    /// When the cache holds fewer records than one token uses (MoE layers x top_k), plain LRU
+    /// evicts every record before its next use (a cyclic scan); it then inserts as
+    /// [`Policy::GlobalLruFreq`] does.
     GlobalLru,
     /// The least recently used expert of the same layer; every MoE layer gets an equal share.
     PerLayerLru,
+    /// Global LRU with frequency-aware insertion: a missed record that has been requested less
+    /// often than the one it replaces goes to the cold end of the list (the next to go), so rare
+    /// experts cycle through a few slots while frequent ones stay. Avoids LRU's collapse when
+    /// the cache is smaller than what one token touches across all layers (a cyclic scan).
+    GlobalLruFreq,
+}
+
+/// Whether misses are inserted by frequency (see [`Policy::GlobalLruFreq`]).
+pub(crate) fn freq_insert(policy: Policy, cache_slots: usize, layers: usize, top_k: usize) -> bool {
+    match policy {
+        Policy::GlobalLruFreq => true,
+        Policy::GlobalLru => cache_slots < layers * top_k,
+        Policy::PerLayerLru => false,
+    }
+}
+
+/// Records a frequency-inserting cache keeps hot: the rest of the slots take the rare ones.
+pub(crate) fn hot_slots(cache_slots: usize) -> usize {
+    cache_slots * 3 / 4
+}
+
+/// Request counts per record, halved every `window` requests so they follow a drifting
+/// routing (a decayed frequency, as TinyLFU's).
+/// Also keeps the admission threshold: the count of the `rank`-th most requested record,
+/// recomputed every 1024 requests; a record below it is cold.
+pub(crate) struct Freq {
+    counts: Vec<u32>,
+    since: u64,
+    window: u64,
+    rank: usize,
+    threshold: u32,
+    until_rank: u32,
+}
+
+impl Freq {
+    /// `hot_slots`: how many records the cache can keep hot.
+    pub fn new(records: usize, hot_slots: usize) -> Freq {
+        Freq {
+            counts: vec![0; records],
+            since: 0,
+            window: (records as u64 * 16).max(1024),
+            rank: hot_slots.min(records),
+            threshold: 0,
+            until_rank: 0,
+        }
+    }
+
+    pub fn hit(&mut self, rec: usize) {
+        self.counts[rec] = self.counts[rec].saturating_add(1);
+        self.since += 1;
+        if self.since >= self.window {
+            self.since = 0;
+            self.counts.iter_mut().for_each(|c| *c /= 2);
+        }
+        if self.until_rank == 0 {
+            self.until_rank = 1024;
+            self.threshold = if self.rank == 0 {
+                u32::MAX
+            } else {
+                let mut v = self.counts.clone();
+                let k = self.rank - 1;
+                *v.select_nth_unstable_by(k, |a, b| b.cmp(a)).1
+            };
+        }
+        self.until_rank -= 1;
+    }
+
+    /// Requested often enough to be among the `hot_slots` most requested records.
+    pub fn is_hot(&self, rec: usize) -> bool {
+        self.counts[rec] >= self.threshold.max(1)
+    }
 }
 
 const NIL: u32 = u32::MAX;
@@ -117,7 +191,7 @@ impl LruLists {
 /// Per-layer lists get `slots / layers` slots each (the first ones one more), at least one.
 pub(crate) fn partition(policy: Policy, slots: usize, layers: usize) -> (usize, Vec<usize>) {
     match policy {
-        Policy::GlobalLru => (1, vec![0; slots]),
+        Policy::GlobalLru | Policy::GlobalLruFreq => (1, vec![0; slots]),
         Policy::PerLayerLru => {
             let layers = layers.max(1);
             let (base, extra) = (slots / layers, slots % layers);
@@ -139,8 +213,18 @@ pub type Trace = Vec<Vec<Vec<u16>>>;
 pub fn simulate(policy: Policy, slots: usize, layers: usize, trace: &Trace) -> f64 {
     let slots = match policy {
         Policy::PerLayerLru => slots.max(layers),
-        Policy::GlobalLru => slots.max(1),
+        _ => slots.max(1),
     };
+    let experts = trace
+        .iter()
+        .flatten()
+        .flatten()
+        .map(|&e| e as usize + 1)
+        .max()
+        .unwrap_or(1);
+    let top_k = trace.iter().flatten().map(Vec::len).max().unwrap_or(1);
+    let by_freq = freq_insert(policy, slots, layers, top_k);
+    let mut freq = Freq::new(layers * experts, hot_slots(slots));
     let (lists, list_of_slot) = partition(policy, slots, layers);
     let mut lru = LruLists::new(slots, lists);
     for (s, &l) in list_of_slot.iter().enumerate() {
@@ -155,6 +239,8 @@ pub fn simulate(policy: Policy, slots: usize, layers: usize, trace: &Trace) -> f
             let mut busy: Vec<usize> = Vec::with_capacity(experts.len());
             for &e in experts {
                 total += 1;
+                let rec = layer * (freq.counts.len() / layers) + e as usize;
+                freq.hit(rec);
                 if let Some(&s) = at.get(&(layer, e)) {
                     hits += 1;
                     lru.touch(s);
@@ -167,12 +253,18 @@ pub fn simulate(policy: Policy, slots: usize, layers: usize, trace: &Trace) -> f
                     .victim(list, |s| !busy.contains(&s))
                     .or_else(|| lru.victim(list, |_| true))
                     .expect("every list has a slot");
+                let colder = !freq.is_hot(rec);
                 if let Some(old) = key[v].take() {
                     at.remove(&old);
                 }
                 key[v] = Some((layer, e));
                 at.insert((layer, e), v);
-                lru.touch(v);
+                if by_freq && colder {
+                    lru.remove(v);
+                    lru.push_back(list, v);
+                } else {
+                    lru.touch(v);
+                }
                 busy.push(v);
             }
         }
@@ -298,6 +390,21 @@ mod tests {
             let total = (200 * 4 * 4) as f64;
             assert!((h - (1.0 - touched.len() as f64 / total)).abs() < 1e-12);
         }
+    }
+
+    /// Plain LRU smaller than one token's experts gets no hits at all on a cyclic pass over the
+    /// layers; the default then inserts rare experts at the cold end and keeps frequent ones.
+    #[test]
+    fn a_cache_smaller_than_a_token_does_not_thrash() {
+        let t = synthetic_trace(1500, 8, 32, 4, 0.0, 3);
+        let slots = 16; // one token touches 8 * 4 = 32
+        assert!(freq_insert(Policy::GlobalLru, slots, 8, 4));
+        let lru_only = simulate(Policy::PerLayerLru, slots, 8, &t);
+        let default = simulate(Policy::GlobalLru, slots, 8, &t);
+        assert!(lru_only < 0.05, "{lru_only}");
+        assert!(default > 0.15, "{default}");
+        // Larger caches keep plain LRU.
+        assert!(!freq_insert(Policy::GlobalLru, 32, 8, 4));
     }
 
     #[test]

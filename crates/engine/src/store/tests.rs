@@ -373,12 +373,18 @@ fn placement_never_matters(c: &Converted, threads: usize) {
             });
         }
     }
-    cases.push(ExpertOptions {
-        ram_bytes: Some(half),
-        policy: Policy::PerLayerLru,
-        prefetch: true,
-        ..Default::default()
-    });
+    for (ram, policy) in [
+        (half, Policy::PerLayerLru),
+        (half, Policy::GlobalLruFreq),
+        (one_per_layer, Policy::GlobalLruFreq),
+    ] {
+        cases.push(ExpertOptions {
+            ram_bytes: Some(ram),
+            policy,
+            prefetch: true,
+            ..Default::default()
+        });
+    }
     for o in &cases {
         let m = Model::load_with(&c.dir, Some(threads), o).unwrap();
         let got = greedy(&m, 6);
@@ -531,7 +537,10 @@ fn the_default_budget_is_everything_when_it_fits() {
     assert_eq!(fit_ram_bytes(&c.dir, 0).unwrap(), None);
     if mem_available().is_some() {
         // No room left at all: one record.
-        assert_eq!(fit_ram_bytes(&c.dir, u64::MAX / 2).unwrap(), Some(c.record_size));
+        assert_eq!(
+            fit_ram_bytes(&c.dir, u64::MAX / 2).unwrap(),
+            Some(c.record_size)
+        );
     }
     assert!(fit_ram_bytes(&c.dir.join("missing"), 0).is_err());
     fs::remove_dir_all(&c.dir).unwrap();
