@@ -549,7 +549,7 @@ def main() -> None:
 def ship(work: Path, summary: dict, results: dict, args) -> None:
     if SHIP_DIR.exists():
         shutil.rmtree(SHIP_DIR)
-    shutil.copytree(work / "model-int4", SHIP_DIR)
+    shutil.copytree(work / "model-int4", SHIP_DIR, ignore=shutil.ignore_patterns("routing-heat*"))
     shutil.copy(work / "loss.png", SHIP_DIR / "loss.png")
     (SHIP_DIR / "CARD.md").write_text(card(summary, results, args), encoding="utf-8")
     size = sum(p.stat().st_size for p in SHIP_DIR.iterdir())
@@ -593,8 +593,10 @@ was trained on and nothing else.
 - Shape: {shape}.
 - Parameters: {summary["n_params"]:,} (all experts counted).
 - Tokenizer: byte-level BPE ({summary["vocab_size"]} tokens) trained on the synthetic corpus;
-  whitespace, letter runs, punctuation runs and single digits are separate pre-tokens (a number is
-  one token per digit; any Unicode text encodes). The GLM special tokens are single tokens.
+  letter runs, single digits and runs of anything else (spaces, punctuation) are separate
+  pre-tokens, so a word has the same tokens after a space as inside `<arg_value>`, a number is
+  one token per digit, and any Unicode text encodes. The GLM special tokens are single tokens
+  (ids 0-16: `<|endoftext|>` 0, `<|user|>` 4, `<|observation|>` 6).
 - Chat template: `colibri/chat/templates/glm45.jinja` (GLM-4.5 newline style), in
   `tokenizer_config.json`. EOS ids: `<|endoftext|>`, `<|user|>`, `<|observation|>`.
 
@@ -632,8 +634,9 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
   ({summary["tokens"]:,} tokens in all); AdamW lr {a["lr"]} (200 warmup steps, cosine to 5%),
   betas (0.9, 0.95), weight decay 0.05, gradient clip 1.0; expert bias step {a["bias_rate"]}.
   The schedule runs to {a["steps"]} steps or a {a["time_budget_min"]}-minute wall-time budget,
-  whichever comes first (the CPU was shared with other jobs, so the budget ended this run): a
-  rerun on the same CPU load gives the same model; `train.json` logs each step's learning rate.
+  whichever comes first. Bound by steps (an idle CPU) a rerun gives the same model; this run
+  was bound by the budget (the CPU was shared with other jobs), so its step count and learning
+  rates depend on that load; `train.json` logs each step's loss, time and learning rate.
 - CPU, 2 threads (torch {_torch_version()}, transformers {_tf_version()}):
   {summary["train_time"] / 60:.1f} minutes. Final loss (mean of the last 100 steps):
   {final_loss:.4f}.
@@ -653,7 +656,39 @@ number and the city (or the converted amount and currency).
 | task | f32 % | int4 % | prompts |
 |---|---|---|---|
 {rows}
+
+## Against the issue's targets
+
+{status(results)}
 """
+
+
+TARGETS = {"arith": 95.0, "capital": 98.0, "tool_call": 95.0}
+
+
+def status(results: dict) -> str:
+    """Each target of issue 5 (accuracy, int4 within 2 points of f32), met or missed."""
+    lines = []
+    for task, target in TARGETS.items():
+        f = results["f32"]["tasks"][task]["accuracy"] * 100
+        q = results["int4"]["tasks"][task]["accuracy"] * 100
+        ok = q >= target and f - q <= 2.0
+        lines.append(
+            f"- {task}: target >= {target:.0f}%, int4 {q:.1f}% (f32 {f:.1f}%, gap {f - q:+.1f} "
+            f"points): {'met' if ok else 'MISSED'}"
+        )
+    if all("met" in x for x in lines):
+        return "\n".join(lines)
+    return "\n".join(lines) + (
+        "\n\nNot met yet. The chat format is right (turn ends, think blocks, GLM tool-call "
+        "shape, stops), but the content is undertrained: the shared 2-core CPU cut the run to the "
+        "wall-time budget long before the planned step count, and copying (a city from the "
+        "question into `<arg_value>`) had not emerged. Next: the full step count on an idle CPU "
+        "(about 35 minutes at 7,500 tokens/s), a copy-heavy curriculum early (short "
+        "repeat/spell tasks so induction heads form before the long tool prompts), fewer "
+        "tool-declaration tokens per step, then int4 error (keep embeddings/LM head in f32 or "
+        "train with int4 noise) if the f32/int4 gap stays above 2 points."
+    )
 
 
 def _torch_version() -> str:

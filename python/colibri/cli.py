@@ -246,6 +246,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def cmd_eval_demo(args: argparse.Namespace) -> int:
+    from colibri import demo_eval
+
+    return demo_eval.main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -348,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir")
     c.add_argument("--quant", choices=["int4", "f32"], default="int4")
     c.set_defaults(func=cmd_convert)
+
+    ev = sub.add_parser(
+        "eval-demo",
+        help="accuracy of the demo model on held-out prompts (args: see --help)",
+        add_help=False,
+    )
+    ev.add_argument("rest", nargs=argparse.REMAINDER)
+    ev.set_defaults(func=cmd_eval_demo)
 
     b = sub.add_parser("bench", help="measure prefill and decode speed")
     model_args(b)
