@@ -241,15 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines.append("")
     lines.append(
-        "| trace | cache (share of experts) | global LRU | per-layer LRU | global LRU, 2nd half "
-        "| 3/4 pinned by 1st-half heat + global LRU, 2nd half |"
+        "| trace | cache (share of experts) | global LRU (default) | per-layer LRU "
+        "| frequency insertion always | default, 2nd half only "
+        "| 3/4 pinned by 1st-half heat + default, 2nd half |"
     )
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|")
     for r in policy["rows"]:
         lines.append(
             f"| {r['trace']} | {r['cache_frac'] * 100:g}% | {r['global_lru']:.3f} "
-            f"| {r['per_layer_lru']:.3f} | {r['global_lru_second_half']:.3f} "
-            f"| {r['pinned_global_lru']:.3f} |"
+            f"| {r['per_layer_lru']:.3f} | {r['global_lru_freq']:.3f} "
+            f"| {r['global_lru_second_half']:.3f} | {r['pinned_global_lru']:.3f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

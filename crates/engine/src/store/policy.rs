@@ -43,14 +43,15 @@ pub(crate) fn hot_slots(cache_slots: usize) -> usize {
 
 /// Request counts per record, halved every `window` requests so they follow a drifting
 /// routing (a decayed frequency, as TinyLFU's).
-/// Also keeps the admission threshold: the count of the `rank`-th most requested record,
-/// recomputed every 1024 requests; a record below it is cold.
+/// Also keeps the hot set: the `rank` most requested records (ties: lower record first),
+/// recomputed every 1024 requests. An exact set rather than a count threshold, because routing
+/// that is nearly fixed gives many records the same count.
 pub(crate) struct Freq {
     counts: Vec<u32>,
     since: u64,
     window: u64,
     rank: usize,
-    threshold: u32,
+    hot: Vec<bool>,
     until_rank: u32,
 }
 
@@ -62,7 +63,7 @@ impl Freq {
             since: 0,
             window: (records as u64 * 16).max(1024),
             rank: hot_slots.min(records),
-            threshold: 0,
+            hot: vec![false; records],
             until_rank: 0,
         }
     }
@@ -76,20 +77,35 @@ impl Freq {
         }
         if self.until_rank == 0 {
             self.until_rank = 1024;
-            self.threshold = if self.rank == 0 {
-                u32::MAX
-            } else {
-                let mut v = self.counts.clone();
-                let k = self.rank - 1;
-                *v.select_nth_unstable_by(k, |a, b| b.cmp(a)).1
-            };
+            self.rank_hot();
         }
         self.until_rank -= 1;
     }
 
-    /// Requested often enough to be among the `hot_slots` most requested records.
+    fn rank_hot(&mut self) {
+        self.hot.fill(false);
+        let mut v: Vec<(u32, u32)> = self
+            .counts
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c > 0)
+            .map(|(r, &c)| (c, r as u32))
+            .collect();
+        let k = self.rank.min(v.len());
+        if k == 0 {
+            return;
+        }
+        if k < v.len() {
+            v.select_nth_unstable_by(k - 1, |a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        }
+        for &(_, r) in &v[..k] {
+            self.hot[r as usize] = true;
+        }
+    }
+
+    /// Among the `hot_slots` most requested records (as of the last ranking).
     pub fn is_hot(&self, rec: usize) -> bool {
-        self.counts[rec] >= self.threshold.max(1)
+        self.hot[rec]
     }
 }
 
