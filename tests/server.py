@@ -15,7 +15,20 @@ _READY = re.compile(r"colibri: serving (\S+) on (http://\S+) ")
 
 
 class RunningServer:
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
+    """``colibri serve`` on the random built-in model (whose output never ends on its own), or
+    with ``default_model=True`` on whatever the server picks without --model (the demo)."""
+
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 120,
+        default_model: bool = False,
+    ) -> None:
+        if "--model" not in args and not default_model:
+            from colibri.builtin import builtin_model_dir
+
+            args = ("--model", str(builtin_model_dir()), *args)
         full_env = dict(os.environ)
         for key in (
             "COLI_API_KEY",

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from colibri.builtin import builtin_name
 
@@ -22,25 +23,33 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def test_generate_without_model_builds_and_uses_the_builtin_model(tmp_path):
+def test_generate_without_model_uses_the_packaged_demo_model(tmp_path):
     env = {"COLI_CACHE_DIR": str(tmp_path / "cache"), "COLI_MODEL": ""}
     first = run("generate", "--prompt", "Hello", "--max-tokens", "8", env=env)
     assert first.returncode == 0, first.stderr
-    built = list((tmp_path / "cache" / "models").iterdir())
-    assert [p.name for p in built] == [builtin_name()]
-    assert (built[0] / "manifest.json").is_file()
+    assert not (tmp_path / "cache" / "models").exists(), "nothing built: the model ships"
     again = run("generate", "--prompt", "Hello", "--max-tokens", "8", env=env)
-    assert again.returncode == 0 and again.stdout == first.stdout, "deterministic and cached"
+    assert again.returncode == 0 and again.stdout == first.stdout, "deterministic"
 
 
-def test_builtin_model_is_reproducible_across_builds(tmp_path):
-    outs = []
-    for name in ("a", "b"):
-        env = {"COLI_CACHE_DIR": str(tmp_path / name), "COLI_MODEL": ""}
-        r = run("generate", "--prompt", "abc", "--max-tokens", "5", env=env)
-        assert r.returncode == 0, r.stderr
-        outs.append((tmp_path / name / "models" / builtin_name() / "resident.bin").read_bytes())
-    assert outs[0] == outs[1]
+def build_random_model(cache: Path) -> Path:
+    code = "from colibri.builtin import builtin_model_dir; print(builtin_model_dir())"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLI_CACHE_DIR": str(cache)},
+    )
+    assert r.returncode == 0, r.stderr
+    return Path(r.stdout.strip())
+
+
+def test_random_model_is_built_once_and_reproducibly(tmp_path):
+    a, b = build_random_model(tmp_path / "a"), build_random_model(tmp_path / "b")
+    assert a.name == b.name == builtin_name()
+    assert (a / "resident.bin").read_bytes() == (b / "resident.bin").read_bytes()
+    assert build_random_model(tmp_path / "a") == a  # cached
 
 
 def test_generate_prints_the_greedy_continuation(converted):

@@ -445,24 +445,3 @@ def test_client_disconnect_frees_the_engine(server, client):
     # The abandoned generation must not hold the engine for its remaining ~2000 tokens.
     r = chat(client, max_tokens=5, timeout=20)
     assert r.usage.completion_tokens == 5
-
-
-def test_readme_main_command_and_curl_answer(server):
-    """The README's first command serves the built-in model, and its curl example answers."""
-    import json
-    import re
-    import shlex
-    from pathlib import Path
-
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```\n(.*?)```", readme, flags=re.S)
-    assert blocks[0].strip().endswith("colibri serve")
-    curl = next(b for b in blocks if b.startswith("curl "))
-    argv = shlex.split(curl.replace("\\\n", " "))
-    url = next(a for a in argv if a.startswith("http://127.0.0.1:8000/"))
-    body = json.loads(argv[argv.index("-d") + 1])
-    r = httpx.post(url.replace("http://127.0.0.1:8000", server.url), json=body)
-    assert r.status_code == 200, r.text
-    reply = r.json()
-    assert reply["choices"][0]["message"]["content"]
-    assert reply["usage"]["completion_tokens"] == body["max_tokens"]

@@ -182,8 +182,32 @@ def write_checkpoint(out: Path) -> None:
     save_file(_weights(cfg), str(out / "model.safetensors"))
 
 
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+
+
+def demo_model_dir() -> Path | None:
+    """The trained demo model shipped in the package (docs: demo_model/CARD.md), if present."""
+    return DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "manifest.json").is_file() else None
+
+
+def default_model_dir() -> Path:
+    """What `colibri serve` runs without --model: the demo model, else the random one."""
+    return demo_model_dir() or builtin_model_dir()
+
+
+def model_id_for(model_dir: Path) -> str:
+    """The public id of a served model: fixed names for the two models colibri brings,
+    else the directory's name."""
+    resolved = model_dir.resolve()
+    if resolved == DEMO_MODEL_DIR.resolve():
+        return "colibri-demo"
+    if resolved == (cache_dir() / "models" / builtin_name()).resolve():
+        return "colibri-builtin"
+    return resolved.name
+
+
 def builtin_model_dir() -> Path:
-    """The converted built-in model, building and caching it on first use."""
+    """The converted random built-in model (the tests' model), built and cached on first use."""
     from colibri.engine import convert
 
     target = cache_dir() / "models" / builtin_name()

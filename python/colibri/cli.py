@@ -16,9 +16,9 @@ def _model_dir(arg: str | None) -> Path:
     chosen = arg or os.environ.get("COLI_MODEL")
     if chosen:
         return Path(chosen)
-    from colibri.builtin import builtin_model_dir
+    from colibri.builtin import default_model_dir
 
-    return builtin_model_dir()
+    return default_model_dir()
 
 
 def _load(args: argparse.Namespace, slots: int = 1, kv_dir: Path | None = None):
@@ -72,7 +72,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from colibri.api.app import create_app
     from colibri.api.served import ServedModel, ServerConfig
 
-    builtin = not (args.model or os.environ.get("COLI_MODEL"))
     model_dir = _model_dir(args.model)
     kv_dir = _kv_dir(args, model_dir)
     engine = _load(args, slots=args.kv_slots, kv_dir=kv_dir)
@@ -83,7 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except server.StartupRefused as e:
         print(f"colibri serve: {e}", file=sys.stderr)
         return 2
-    dir_id = server.default_model_id(model_dir, builtin)
+    from colibri.builtin import model_id_for
+
+    dir_id = model_id_for(model_dir)
     alias = args.model_id or os.environ.get("COLI_MODEL_ID") or None
     config = ServerConfig(
         model_id=alias or dir_id,

@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import sys
-from pathlib import Path
 
 from colibri.api.security import is_loopback_host
 
@@ -101,6 +100,3 @@ def run(app, sock: socket.socket, model_id: str, on_stop=None) -> None:
     asyncio.run(main())
     print("colibri: stopped", file=sys.stderr, flush=True)
 
-
-def default_model_id(model_dir: Path, builtin: bool) -> str:
-    return "colibri-builtin" if builtin else model_dir.resolve().name
