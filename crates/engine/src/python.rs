@@ -67,6 +67,11 @@ impl Model {
         };
         if let Some(v) = ram_gb {
             opts.ram_bytes = Some(gb("ram_gb", v)?);
+        } else if opts.ram_bytes.is_none() {
+            // No budget asked for: every expert resident when they fit beside the resident
+            // part (with room to spare for KV and the system), else what does fit.
+            opts.ram_bytes =
+                crate::store::fit_ram_bytes(&path, FIT_RESERVE_BYTES).map_err(to_py)?;
         }
         if let Some(v) = pin_gb {
             opts.pin_bytes = gb("pin_gb", v)?;
@@ -246,6 +251,8 @@ impl Model {
 }
 
 const MAX_SLOTS: usize = 16;
+/// Memory left free when sizing the default expert budget: KV, activations, the rest.
+const FIT_RESERVE_BYTES: u64 = 1 << 30;
 
 impl Model {
     fn slot(&self, i: usize) -> PyResult<&Arc<Mutex<Slot>>> {
