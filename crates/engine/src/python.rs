@@ -66,7 +66,11 @@ impl Model {
             }
         };
         if let Some(v) = ram_gb {
-            // (A directory that is not a model is reported by the load itself.)
+            opts.ram_bytes = Some(gb("ram_gb", v)?);
+        } else if opts.ram_bytes.is_none() {
+            // No budget asked for: every expert resident when they fit beside the resident
+            // part (with room to spare for KV and the system), else what does fit. A directory
+            // that is not a model is reported by the load itself.
             opts.ram_bytes = crate::store::fit_ram_bytes(&path, FIT_RESERVE_BYTES)
                 .ok()
                 .flatten();
