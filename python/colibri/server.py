@@ -80,7 +80,8 @@ def run(app, sock: socket.socket, model_id: str, on_stop=None) -> None:
     config.bind = [f"fd://{sock.fileno()}"]
     config.accesslog = None
     config.errorlog = "-"
-    config.graceful_timeout = 2.0
+    # Running generations get this long to finish after SIGTERM (waiters are refused at once).
+    config.graceful_timeout = 10.0
 
     async def main() -> None:
         stop = asyncio.Event()
