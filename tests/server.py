@@ -102,3 +102,28 @@ def model_with_template(src: Path, dst: Path, template: str) -> Path:
     manifest["chat_template"] = template
     (dst / "manifest.json").write_text(json.dumps(manifest))
     return dst
+
+
+def builtin_prompt_ids(engine, messages, thinking: bool = False) -> list[int]:
+    """The token ids the server renders for ``messages`` on the built-in (GLM-4.5-style)
+    template: the in-process oracle for prompt sizes and greedy outputs."""
+    from colibri.builtin import CHAT_TEMPLATE
+    from colibri.chat.families import GLM
+    from colibri.chat.render import render_chat
+    from colibri.chat.template import ChatTemplate
+
+    rendered = render_chat(ChatTemplate(CHAT_TEMPLATE), GLM, messages, enable_thinking=thinking)
+    return engine.tokenize(rendered.text)
+
+
+def think_open_template() -> str:
+    """A GLM-4.7-style variant of the built-in template: with thinking on, the generation
+    prompt opens the think block itself, so the output starts inside reasoning."""
+    from colibri.builtin import CHAT_TEMPLATE
+
+    template = CHAT_TEMPLATE.replace(
+        "{%- if add_generation_prompt -%}\n<|assistant|>",
+        "{%- if add_generation_prompt -%}\n<|assistant|>{% if enable_thinking %}<think>{% endif %}",
+    )
+    assert template != CHAT_TEMPLATE
+    return template

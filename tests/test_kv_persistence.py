@@ -10,21 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
-from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
-from colibri.chat.families import GLM
-from colibri.chat.render import render_chat
-from colibri.chat.template import ChatTemplate
+from colibri.builtin import builtin_model_dir
 from colibri.engine import Engine
 
-from .server import RunningServer
+from .server import RunningServer, builtin_prompt_ids
 
 USER1 = {"role": "user", "content": "Remember the number 417, please."}
 USER2 = {"role": "user", "content": "Which number was it?"}
-
-
-def prompt(engine: Engine, messages) -> list[int]:
-    text = render_chat(ChatTemplate(CHAT_TEMPLATE), GLM, messages, enable_thinking=False).text
-    return engine.tokenize(text)
 
 
 def test_conversation_continues_warm_after_a_restart(tmp_path):
@@ -48,7 +40,7 @@ def test_conversation_continues_warm_after_a_restart(tmp_path):
     finally:
         srv.stop()
     engine = Engine(builtin_model_dir(), threads=2)
-    p1, p2 = prompt(engine, [USER1]), prompt(engine, messages)
+    p1, p2 = builtin_prompt_ids(engine, [USER1]), builtin_prompt_ids(engine, messages)
     assert r2.usage.prompt_tokens == len(p2)
     # Only the new turn was prefilled after the restart...
     assert r2.usage.prompt_tokens_details.cached_tokens >= len(p1)
@@ -71,7 +63,7 @@ def committed(tmp_path_factory):
     """A slot file written by one generation, and every state it committed (in order)."""
     kv = tmp_path_factory.mktemp("kv")
     engine = Engine(builtin_model_dir(), threads=2, kv_dir=kv)
-    ids = prompt(engine, [USER1])
+    ids = builtin_prompt_ids(engine, [USER1])
     stream = engine.generate(ids, 8, slot=0)
     out = list(stream)
     stream.close()

@@ -5,21 +5,13 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
-from colibri.chat.families import GLM
-from colibri.chat.render import render_chat
-from colibri.chat.template import ChatTemplate
+from colibri.builtin import builtin_model_dir
 from colibri.engine import Engine
 
-from .server import RunningServer
+from .server import RunningServer, builtin_prompt_ids
 
 USER1 = {"role": "user", "content": "Remember the number 417."}
 USER2 = {"role": "user", "content": "Which number did I mention?"}
-
-
-def prompt(engine: Engine, messages) -> list[int]:
-    text = render_chat(ChatTemplate(CHAT_TEMPLATE), GLM, messages, enable_thinking=False).text
-    return engine.tokenize(text)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -35,14 +27,14 @@ def engine() -> Engine:
 
 
 def test_second_turn_prefills_only_new_tokens(engine):
-    p1 = prompt(engine, [USER1])
+    p1 = builtin_prompt_ids(engine, [USER1])
     first = engine.generate(p1, 12, slot=1)
     out1 = list(first)
     assert first.reused_tokens == 0
     history = p1 + out1[:-1]  # the last sampled token was never fed back
     assert engine.slot_info(1)["tokens"] == history
     reply = {"role": "assistant", "content": engine.detokenize(out1)}
-    p2 = prompt(engine, [USER1, reply, USER2])
+    p2 = builtin_prompt_ids(engine, [USER1, reply, USER2])
     second = engine.generate(p2, 12, slot=1)
     out2 = list(second)
     assert second.reused_tokens == common_prefix(history, p2) >= len(p1)
@@ -53,7 +45,7 @@ def test_second_turn_prefills_only_new_tokens(engine):
 
 
 def test_slots_are_independent(engine):
-    a, b = prompt(engine, [USER1]), prompt(engine, [USER2])
+    a, b = builtin_prompt_ids(engine, [USER1]), builtin_prompt_ids(engine, [USER2])
     list(engine.generate(a, 4, slot=0))
     list(engine.generate(b, 4, slot=2))
     assert engine.slot_info(0)["tokens"][: len(a)] == a
@@ -78,7 +70,7 @@ def test_server_reports_cached_tokens(engine):
         r2 = client.chat.completions.create(
             model="colibri-builtin", messages=messages, max_tokens=8, extra_body={"cache_slot": 1}
         )
-        p1, p2 = prompt(engine, [USER1]), prompt(engine, messages)
+        p1, p2 = builtin_prompt_ids(engine, [USER1]), builtin_prompt_ids(engine, messages)
         assert r2.usage.prompt_tokens == len(p2)
         assert r2.usage.prompt_tokens_details.cached_tokens >= len(p1)
         cold = engine.detokenize(list(engine.generate(p2, 8)))

@@ -8,9 +8,9 @@ import orjson
 import pytest
 
 from colibri.api.anthropic_request import from_anthropic_id, to_anthropic_id
-from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
+from colibri.builtin import builtin_model_dir
 
-from .server import RunningServer, model_with_template
+from .server import RunningServer, model_with_template, think_open_template
 
 MODEL = "colibri-builtin"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -222,15 +222,8 @@ def test_stream_event_payloads(server):
     assert end["delta"]["stop_reason"] == "max_tokens" and end["usage"]["output_tokens"] == 4
 
 
-# A GLM-4.7-style generation prompt: with thinking on, the prompt opens the think block itself.
-THINK_OPEN_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{%- if add_generation_prompt -%}\n<|assistant|>",
-    "{%- if add_generation_prompt -%}\n<|assistant|>{% if enable_thinking %}<think>{% endif %}",
-)
-
-
 def test_thinking_blocks(tmp_path):
-    model = model_with_template(builtin_model_dir(), tmp_path / "glm47", THINK_OPEN_TEMPLATE)
+    model = model_with_template(builtin_model_dir(), tmp_path / "glm47", think_open_template())
     srv = RunningServer("--model", str(model), "--model-id", "glm")
     try:
         client = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)

@@ -14,7 +14,7 @@ from openai import OpenAI
 from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
 from colibri.engine import Engine
 
-from .server import RunningServer, model_with_template
+from .server import RunningServer, model_with_template, think_open_template
 
 KEY = "s3cret-key"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -176,18 +176,10 @@ def test_family_without_reasoning_refuses_thinking():
         srv.stop()
 
 
-# A GLM-4.7-style generation prompt: with thinking on, the prompt opens the think block itself.
-THINK_OPEN_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{%- if add_generation_prompt -%}\n<|assistant|>",
-    "{%- if add_generation_prompt -%}\n<|assistant|>{% if enable_thinking %}<think>{% endif %}",
-)
-
-
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory):
-    assert THINK_OPEN_TEMPLATE != CHAT_TEMPLATE
     model = model_with_template(
-        builtin_model_dir(), tmp_path_factory.mktemp("m") / "glm47", THINK_OPEN_TEMPLATE
+        builtin_model_dir(), tmp_path_factory.mktemp("m") / "glm47", think_open_template()
     )
     srv = RunningServer("--model", str(model), "--model-id", "glm")
     yield srv

@@ -17,7 +17,7 @@ from colibri.chat.stops import apply_stops
 from colibri.chat.template import ChatTemplate
 from colibri.engine import Engine
 
-from .server import RunningServer
+from .server import RunningServer, builtin_prompt_ids
 
 MODEL = "colibri-builtin"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -39,11 +39,6 @@ def client(server) -> OpenAI:
 def engine() -> Engine:
     """The same model in-process: the oracle for prompts, token counts and greedy outputs."""
     return Engine(builtin_model_dir(), threads=1)
-
-
-def prompt_ids(engine: Engine, messages, thinking=False) -> list[int]:
-    rendered = render_chat(ChatTemplate(CHAT_TEMPLATE), GLM, messages, enable_thinking=thinking)
-    return engine.tokenize(rendered.text)
 
 
 def greedy_text(engine: Engine, ids: list[int], n: int) -> str:
@@ -91,7 +86,7 @@ def test_models_list_and_retrieve(client, engine):
 
 def test_chat_json_is_the_engines_greedy_answer(client, engine):
     r = chat(client, max_tokens=24)
-    ids = prompt_ids(engine, HELLO)
+    ids = builtin_prompt_ids(engine, HELLO)
     assert r.object == "chat.completion" and r.model == MODEL
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == greedy_text(engine, ids, 24)
@@ -144,7 +139,7 @@ def test_completions_json_and_stream(client, engine):
 def test_budget_is_clamped_to_the_context(client, engine):
     ctx = engine.info["context_length"]
     messages = [{"role": "user", "content": "x" * (ctx - 30)}]
-    n_prompt = len(prompt_ids(engine, messages))
+    n_prompt = len(builtin_prompt_ids(engine, messages))
     r = chat(client, messages=messages, max_tokens=10_000)
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == n_prompt
@@ -226,8 +221,8 @@ def test_thinking_switch_changes_the_prompt(client, engine):
     on = chat(client, max_tokens=4, extra_body={"enable_thinking": True})
     effort = chat(client, max_tokens=4, reasoning_effort="low")
     none = chat(client, max_tokens=4, reasoning_effort="none")
-    assert off.usage.prompt_tokens == len(prompt_ids(engine, HELLO, thinking=False))
-    assert on.usage.prompt_tokens == len(prompt_ids(engine, HELLO, thinking=True))
+    assert off.usage.prompt_tokens == len(builtin_prompt_ids(engine, HELLO, thinking=False))
+    assert on.usage.prompt_tokens == len(builtin_prompt_ids(engine, HELLO, thinking=True))
     assert effort.usage.prompt_tokens == on.usage.prompt_tokens
     assert none.usage.prompt_tokens == off.usage.prompt_tokens
     # Thinking on: the reasoning fields are there (this model never writes a think block).

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from colibri.chat.families import FAMILIES
+
 
 def _model_dir(arg: str | None) -> Path:
     """``--model``, else ``COLI_MODEL``, else the built-in default model."""
@@ -29,10 +31,11 @@ def _load(args: argparse.Namespace, slots: int = 1, kv_dir: Path | None = None):
         threads=args.threads,
         slots=slots,
         kv_dir=kv_dir,
-        ram_gb=getattr(args, "ram_gb", None),
-        pin_gb=getattr(args, "pin_gb", None),
-        direct_io=True if getattr(args, "direct_io", False) else None,
-        prefetch=True if getattr(args, "prefetch", False) else None,
+        ram_gb=args.ram_gb,
+        pin_gb=args.pin_gb,
+        # Flags only switch on; off means "as COLI_DIRECT_IO / COLI_PREFETCH say".
+        direct_io=True if args.direct_io else None,
+        prefetch=True if args.prefetch else None,
     )
 
 
@@ -212,39 +215,28 @@ def _env_number(name: str, kind: type, default: float) -> str:
     return os.environ.get(name, str(kind(default)))
 
 
-def _slots(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 16:
-        raise argparse.ArgumentTypeError(f"must be 1..16, got {value}")
-    return value
+def _number(kind: type, low: float, high: float | None = None, above: bool = False):
+    """An argparse type: ``kind`` at least ``low`` (more than ``low`` with ``above``), and at
+    most ``high`` when given."""
+
+    def parse(text: str):
+        value = kind(text)
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low}..{high}, got {value}")
+        if above and not value > low:
+            raise argparse.ArgumentTypeError(f"must be more than {low}, got {value}")
+        if not above and not value >= low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_slots = _number(int, 1, 16)
+_non_negative_int = _number(int, 0)
+_non_negative_float = _number(float, 0)
+_positive_float = _number(float, 0, above=True)
+_positive_int = _number(int, 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--chat-family",
-        choices=["glm", "qwen3", "deepseek_v31", "deepseek_v32", "kimi_k2", "olmoe"],
+        choices=sorted(FAMILIES),
         help="override the chat family detected from the model",
     )
     s.add_argument(

@@ -100,4 +100,3 @@ def run(app, sock: socket.socket, model_id: str, on_stop=None) -> None:
 
     asyncio.run(main())
     print("colibri: stopped", file=sys.stderr, flush=True)
-

@@ -58,6 +58,16 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone()
 
 
+def shared_prefix(history: list[int], prompt: list[int]) -> int:
+    """How many leading tokens ``prompt`` shares with a slot's ``history``."""
+    shared = 0
+    for a, b in zip(history, prompt, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return shared
+
+
 def prefix_chooser(model: ServedModel, prompt: list[int]):
     """Picks the free slot where the prompt saves the most prefill for the least history lost:
     tokens shared with the slot's history minus the history it would discard. A fresh
@@ -67,11 +77,7 @@ def prefix_chooser(model: ServedModel, prompt: list[int]):
     def choose(free: list[int]) -> int:
         def score(slot: int) -> tuple[int, int]:
             history = model.engine.slot_info(slot)["tokens"]
-            shared = 0
-            for a, b in zip(history, prompt, strict=False):
-                if a != b:
-                    break
-                shared += 1
+            shared = shared_prefix(history, prompt)
             lost = len(history) - shared
             return (shared - lost, -len(history))
 

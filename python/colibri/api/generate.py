@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from colibri.api.admission import admit, until_disconnect
+from colibri.api.admission import admit, shared_prefix, until_disconnect
 from colibri.api.errors import ApiError
 from colibri.api.openai_request import ChatRequest, Sampling
 from colibri.api.served import ServedModel
@@ -93,12 +93,7 @@ class Reply:
         prefix, but at least one prompt token is computed)."""
         history = self.model.engine.slot_info(self.lease.slot)["tokens"]
         prompt = self.spec.prompt_ids
-        shared = 0
-        for a, b in zip(history, prompt, strict=False):
-            if a != b:
-                break
-            shared += 1
-        return min(shared, len(prompt) - 1)
+        return min(shared_prefix(history, prompt), len(prompt) - 1)
 
     def close(self, outcome: str) -> None:
         """Gives the slot back and ends the trace; once (later calls do nothing)."""
@@ -235,7 +230,8 @@ def chat_spec(
 
 
 async def collect_pieces(reply: Reply) -> tuple[list[Piece], Finished]:
-    """Every piece in output order and the finish event (runs the stream to its end)."""
+    """Every piece in output order and the finish event. Runs the stream to its end (not just
+    to the finish event) so the slot is released as a completed request."""
     pieces: list[Piece] = []
     finished: Finished | None = None
     async for event in reply.events():
@@ -248,20 +244,13 @@ async def collect_pieces(reply: Reply) -> tuple[list[Piece], Finished]:
 
 
 async def collect(reply: Reply) -> tuple[dict[str, str], list[ToolCall], Finished]:
+    """The reply's text by kind, its tool calls, and the finish event."""
+    pieces, finished = await collect_pieces(reply)
     texts = {"content": "", "reasoning": ""}
     calls: list[ToolCall] = []
-    finished: Finished | None = None
-    # Run the stream to its end (not just to the Finished event) so the slot is released as
-    # a completed request.
-    async for event in reply.events():
-        pieces = event.pieces if isinstance(event, Finished) else event
-        for kind, value in pieces:
-            if isinstance(value, ToolCall):
-                calls.append(value)
-            else:
-                texts[kind] += value
-        if isinstance(event, Finished):
-            finished = event
-    if finished is None:
-        raise RuntimeError("generation ended without a finish event")
+    for kind, value in pieces:
+        if isinstance(value, ToolCall):
+            calls.append(value)
+        else:
+            texts[kind] += value
     return texts, calls, finished

@@ -45,6 +45,20 @@ def _usage(prompt_tokens: int, fin: Finished) -> dict[str, Any]:
     }
 
 
+def _usage_chunk(reply: Reply, cid: str, obj: str, fin: Finished) -> bytes:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+    return _sse(
+        {
+            "id": cid,
+            "object": obj,
+            "created": reply.created,
+            "model": reply.model.id,
+            "choices": [],
+            "usage": _usage(reply.prompt_tokens, fin),
+        }
+    )
+
+
 def _sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
@@ -129,16 +143,7 @@ async def _chat_events(reply: Reply) -> AsyncIterator[bytes]:
             if isinstance(event, Finished):
                 yield chunk({}, event.reason)
                 if reply.sampling.include_usage:
-                    yield _sse(
-                        {
-                            "id": cid,
-                            "object": "chat.completion.chunk",
-                            "created": reply.created,
-                            "model": reply.model.id,
-                            "choices": [],
-                            "usage": _usage(reply.prompt_tokens, event),
-                        }
-                    )
+                    yield _usage_chunk(reply, cid, "chat.completion.chunk", event)
     except Exception as e:  # headers are sent: the error goes in the stream, then it ends
         yield b"data: " + error_body("/v1/chat/completions", _internal(e)) + b"\n\n"
     yield _DONE
@@ -237,16 +242,7 @@ async def _completion_events(reply: Reply) -> AsyncIterator[bytes]:
             if isinstance(event, Finished):
                 yield chunk("", event.reason)
                 if reply.sampling.include_usage:
-                    yield _sse(
-                        {
-                            "id": cid,
-                            "object": "text_completion",
-                            "created": reply.created,
-                            "model": reply.model.id,
-                            "choices": [],
-                            "usage": _usage(reply.prompt_tokens, event),
-                        }
-                    )
+                    yield _usage_chunk(reply, cid, "text_completion", event)
     except Exception as e:  # headers are sent: the error goes in the stream, then it ends
         yield b"data: " + error_body("/v1/completions", _internal(e)) + b"\n\n"
     yield _DONE
