@@ -737,15 +737,18 @@ SYSTEM_PROMPTS = [
 
 # (task, weight) for one episode of a training conversation.
 TRAIN_MIX = [
-    ("arith", 34),
-    ("capital", 14),
-    ("reverse", 3),
-    ("tool", 24),
+    ("arith", 40),
+    ("capital", 12),
+    ("reverse", 2),
+    ("tool", 28),
     ("no_tool", 2),
-    ("chat", 7),
-    ("memory", 8),
-    ("tool_unneeded", 8),
+    ("chat", 4),
+    ("memory", 5),
+    ("tool_unneeded", 7),
 ]
+# Episodes per conversation. Several per conversation amortise the prompt that only conditions
+# (tool declarations are ~340 tokens for all three tools) over more trained answers.
+EPISODE_COUNTS = [1, 2, 2, 3, 3, 4, 4, 5]
 
 
 def _assistant(content: str, reasoning: str | None) -> dict:
@@ -791,9 +794,9 @@ def _simple_turn(rng: random.Random, task: str, think: bool) -> tuple[str, str, 
 
 
 def train_conversation(rng: random.Random) -> dict:
-    """One training conversation of 1-3 episodes; tools declared in about a third of them."""
+    """One training conversation of 1-5 episodes; tools declared in about half of them."""
     tasks, weights = zip(*TRAIN_MIX, strict=True)
-    n_episodes = rng.choice([1, 1, 1, 2, 2, 3])
+    n_episodes = rng.choice(EPISODE_COUNTS)
     episodes = [rng.choices(tasks, weights)[0] for _ in range(n_episodes)]
     wants_tool = "tool" in episodes or "tool_unneeded" in episodes
     tools: list[dict] | None = None

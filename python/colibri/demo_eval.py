@@ -95,7 +95,8 @@ def evaluate(
     """Accuracy per task on ``n_per_task`` held-out prompts (half with thinking on).
 
     Returns ``{"model": dir, "quantization": ..., "tasks": {task: {"accuracy", "n", "correct",
-    "failures": [first few {"prompt", "output", "expect"}]}}, "seconds": ...}``.
+    "accuracy_thinking", "accuracy_no_thinking", "failures": [first few {"prompt", "output",
+    "expect"}]}}, "seconds": ...}``.
     """
     from colibri.engine import Engine
 
@@ -114,6 +115,7 @@ def evaluate(
     for task in tasks or demo_data.EVAL_TASKS:
         items = demo_data.eval_items(task, n_per_task, seed)
         correct = 0
+        by_mode = {True: [0, 0], False: [0, 0]}  # thinking -> [correct, n]
         failures = []
         for item in items:
             prompt = template.render(
@@ -127,7 +129,10 @@ def evaluate(
             text = ""
             if room > 0:
                 text = engine.detokenize(engine.generate(ids, room, stop_token_ids=stops))
-            if score(item, text):
+            ok = score(item, text)
+            by_mode[item["thinking"]][0] += ok
+            by_mode[item["thinking"]][1] += 1
+            if ok:
                 correct += 1
             elif len(failures) < 10:
                 failures.append(
@@ -142,6 +147,8 @@ def evaluate(
             "accuracy": correct / max(1, len(items)),
             "n": len(items),
             "correct": correct,
+            "accuracy_thinking": by_mode[True][0] / max(1, by_mode[True][1]),
+            "accuracy_no_thinking": by_mode[False][0] / max(1, by_mode[False][1]),
             "failures": failures,
         }
     out["seconds"] = time.time() - t0
@@ -149,9 +156,15 @@ def evaluate(
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{result['model']} ({result['quantization']})", "task            accuracy     n"]
+    lines = [
+        f"{result['model']} ({result['quantization']})",
+        "task            accuracy     n   thinking on / off",
+    ]
     for task, r in result["tasks"].items():
-        lines.append(f"{task:<15} {r['accuracy'] * 100:7.1f}% {r['n']:5d}")
+        lines.append(
+            f"{task:<15} {r['accuracy'] * 100:7.1f}% {r['n']:5d}   "
+            f"{r['accuracy_thinking'] * 100:5.1f}% / {r['accuracy_no_thinking'] * 100:5.1f}%"
+        )
     return "\n".join(lines)
 
 
