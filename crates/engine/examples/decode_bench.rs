@@ -20,6 +20,7 @@ fn main() {
         let t0 = Instant::now();
         let logits = model.forward(&prompt, &mut kv, false).expect("prefill");
         let prefill = t0.elapsed().as_secs_f64();
+        model.end_turn().expect("end turn"); // the next turn profiles decode alone
         let mut tok = colibri_engine::sampler::argmax(&logits) as u32;
         let t1 = Instant::now();
         for _ in 0..tokens {
@@ -27,10 +28,26 @@ fn main() {
             tok = colibri_engine::sampler::argmax(&l) as u32;
         }
         let decode = t1.elapsed().as_secs_f64();
+        model.end_turn().expect("end turn");
+        let p = model.last_profile();
+        let ms = |s: f64| s * 1e3 / tokens as f64;
+        println!(
+            "decode ms/token: attention {:.2}, experts {:.2}, lm head {:.2}, other {:.2}",
+            ms(p.attention_s),
+            ms(p.expert_matmul_s),
+            ms(p.lm_head_s),
+            ms(p.other_s)
+        );
         println!(
             "round {round}: prefill {:.1} tok/s, decode {:.1} tok/s",
             prompt.len() as f64 / prefill,
             tokens as f64 / decode
         );
+    }
+    // How much of the process sits on transparent huge pages (the weights should).
+    if let Ok(s) = std::fs::read_to_string("/proc/self/smaps_rollup") {
+        for line in s.lines().filter(|l| l.starts_with("AnonHugePages")) {
+            println!("{}", line.split_whitespace().collect::<Vec<_>>().join(" "));
+        }
     }
 }

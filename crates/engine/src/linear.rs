@@ -146,14 +146,27 @@ pub fn matmul_many(pool: &Pool, k: Kernel, jobs: &mut [Job]) {
         // Each index is run once, so the take always finds the item.
         let item = items[i].lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some((w, x, out)) = item else { return };
-        match w {
-            WeightRef::F32(d) => quant::f32_matmul_into(k, d, x.cols, &x.x, out),
-            WeightRef::Q4(m) => {
-                debug_assert!(x.q8_ready, "Acts::prepare must run before an int4 product");
-                quant::q4_matmul_into(k, &m, &x.q8, out)
-            }
-        }
+        matmul_view(k, w, x, out);
     });
+}
+
+/// The rows of `out` of one product, on the calling thread.
+fn matmul_view(k: Kernel, w: WeightRef, x: &Acts, out: OutView) {
+    match w {
+        WeightRef::F32(d) => quant::f32_matmul_into(k, d, x.cols, &x.x, out),
+        WeightRef::Q4(m) => {
+            debug_assert!(x.q8_ready, "Acts::prepare must run before an int4 product");
+            quant::q4_matmul_into(k, &m, &x.q8, out)
+        }
+    }
+}
+
+/// One whole product on the calling thread (`out`: `x.n * rows` values, token-major), for work
+/// that is already split across the pool some other way.
+pub fn matmul_whole(k: Kernel, w: WeightRef, x: &Acts, out: &mut [f32]) {
+    let rows = rows_of(&w, x);
+    debug_assert_eq!(out.len(), rows * x.n);
+    matmul_view(k, w, x, OutView::new(out, x.n, rows, rows));
 }
 
 /// Calls `f(i, chunk_i)` for each `chunk`-sized piece of `data`, spread over `pool`.

@@ -19,6 +19,12 @@ pub struct Rope {
     inv_freq: Vec<f32>,
 }
 
+/// Cosines and sines of one position's rotation angles (`rotary_dim / 2` each).
+pub struct RopeAngles {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
 impl Rope {
     pub fn new(rotary_dim: usize, theta: f64) -> Rope {
         let inv_freq = (0..rotary_dim / 2)
@@ -38,8 +44,13 @@ impl Rope {
     /// Rotates the first `rotary_dim` values of each `head_dim`-sized head in `x`
     /// (rotate-half pairing: element i with i + rotary_dim/2), at position `pos`.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
-        let half = self.half();
-        let (cos, sin): (Vec<f32>, Vec<f32>) = self
+        self.apply_angles(x, head_dim, &self.angles(pos));
+    }
+
+    /// The rotation of position `pos`, to apply to many heads (and layers) with
+    /// [`Rope::apply_angles`].
+    pub fn angles(&self, pos: usize) -> RopeAngles {
+        let (cos, sin) = self
             .inv_freq
             .iter()
             .map(|&f| {
@@ -47,6 +58,13 @@ impl Rope {
                 (a.cos(), a.sin())
             })
             .unzip();
+        RopeAngles { cos, sin }
+    }
+
+    /// [`Rope::apply`] with the position's angles computed once beforehand.
+    pub fn apply_angles(&self, x: &mut [f32], head_dim: usize, angles: &RopeAngles) {
+        let half = self.half();
+        let (cos, sin) = (&angles.cos, &angles.sin);
         for head in x.chunks_exact_mut(head_dim) {
             for i in 0..half {
                 let a = head[i];
@@ -96,6 +114,56 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += a[i] * b[i];
     }
     s
+}
+
+/// Positions whose scores are computed together in [`attend`].
+const DOTS: usize = 4;
+/// How many positions ahead [`attend`] asks for the key and value rows it will read.
+const PREFETCH_AHEAD: usize = 8;
+
+/// `dot(q, k)` for each of `DOTS` rows `k`, interleaved: the same arithmetic per row as
+/// [`dot`] (so the same bits), with independent accumulator chains.
+#[inline(always)]
+fn dots(q: &[f32], k: [&[f32]; DOTS]) -> [f32; DOTS] {
+    let mut acc = [[0.0f32; 8]; DOTS];
+    let chunks = q.len() / 8;
+    for c in 0..chunks {
+        for (acc, k) in acc.iter_mut().zip(&k) {
+            for j in 0..8 {
+                acc[j] += q[c * 8 + j] * k[c * 8 + j];
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        let mut s: f32 = acc[r].iter().sum();
+        for i in chunks * 8..q.len() {
+            s += q[i] * k[r][i];
+        }
+        s
+    })
+}
+
+/// Hints the cache to fetch rows `[start, start + len)` of `data` that lie inside it (a hint
+/// only: it never changes a result).
+#[inline(always)]
+fn prefetch_rows(data: &[f32], starts: impl Iterator<Item = usize>, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for start in starts {
+        if start + len <= data.len() {
+            for off in (0..len).step_by(16) {
+                // SAFETY: `start + off < data.len()`, so the pointer is inside `data`; a
+                // prefetch reads nothing architecturally and cannot fault.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch(
+                        data.as_ptr().add(start + off) as *const i8,
+                        std::arch::x86_64::_MM_HINT_T0,
+                    )
+                };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, starts, len);
 }
 
 /// What one query head needs to attend: its KV history and shape.
@@ -148,14 +216,30 @@ unsafe fn attend_avx2(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [
 fn attend_generic(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
     let hd = q.len();
     let scores = &mut scores[..a.n];
-    for (p, s) in scores.iter_mut().enumerate() {
-        let start = p * a.kv_stride + a.kv_off;
-        *s = dot(q, &a.keys[start..start + hd]) * a.scale;
+    let row = |p: usize| p * a.kv_stride + a.kv_off;
+    // Four positions at a time: four independent dot products keep the FMA units busy and four
+    // rows in flight from memory (each position's arithmetic is exactly `dot`'s).
+    let mut p = 0;
+    while p + DOTS <= a.n {
+        prefetch_rows(
+            a.keys,
+            (p + PREFETCH_AHEAD..p + PREFETCH_AHEAD + DOTS).map(row),
+            hd,
+        );
+        let keys: [&[f32]; DOTS] = std::array::from_fn(|r| &a.keys[row(p + r)..row(p + r) + hd]);
+        for (s, d) in scores[p..p + DOTS].iter_mut().zip(dots(q, keys)) {
+            *s = d * a.scale;
+        }
+        p += DOTS;
+    }
+    for (s, p) in scores[p..].iter_mut().zip(p..) {
+        *s = dot(q, &a.keys[row(p)..row(p) + hd]) * a.scale;
     }
     softmax(scores);
     out.fill(0.0);
     for (p, &w) in scores.iter().enumerate() {
-        let start = p * a.kv_stride + a.kv_off;
+        let start = row(p);
+        prefetch_rows(a.values, std::iter::once(row(p + PREFETCH_AHEAD)), hd);
         for (o, &x) in out.iter_mut().zip(&a.values[start..start + hd]) {
             *o += w * x;
         }

@@ -23,8 +23,8 @@ use crate::config::{FfnKind, ModelConfig, QkNorm};
 use crate::error::{io_err, Error, Result};
 use crate::format::*;
 use crate::kv::KvCache;
-use crate::linear::{for_each_chunk_mut, matmul_many, Acts, Job, Linear, WeightRef};
-use crate::ops::{self, Rope};
+use crate::linear::{for_each_chunk_mut, matmul_many, matmul_whole, Acts, Job, Linear, WeightRef};
+use crate::ops::{self, Rope, RopeAngles};
 use crate::pool::Pool;
 use crate::quant::{self, Kernel};
 use crate::store::heat::{Heat, RoutingHeat, HEAT_FILE};
@@ -655,11 +655,13 @@ impl Model {
         for (i, &tok) in tokens.iter().enumerate() {
             embed.row(tok as usize, h, &mut x[i * h..(i + 1) * h]);
         }
+        // The same rotation serves every layer's queries and keys.
+        let angles: Vec<RopeAngles> = (0..n).map(|i| self.rope.angles(kv.len + i)).collect();
         for (li, layer) in self.layers.iter().enumerate() {
             let t = Instant::now();
             let mut hn = x.clone();
             ops::rms_norm(&mut hn, &layer.attn_norm, c.rms_norm_eps);
-            let att = self.attention(li, layer, hn, n, kv);
+            let att = self.attention(li, layer, hn, &angles, kv);
             pass.times.attention += t.elapsed();
             for (a, b) in x.iter_mut().zip(&att) {
                 *a += *b;
@@ -742,9 +744,10 @@ impl Model {
         li: usize,
         layer: &Layer,
         hn: Vec<f32>,
-        n: usize,
+        angles: &[RopeAngles],
         kv: &mut KvCache,
     ) -> Vec<f32> {
+        let n = angles.len();
         let c = &self.cfg;
         let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
         let mut acts = Acts::from_vec(hn, n, h);
@@ -774,9 +777,11 @@ impl Model {
             }
         }
         let p0 = kv.len;
-        for i in 0..n {
-            self.rope.apply(&mut q[i * qd..(i + 1) * qd], hd, p0 + i);
-            self.rope.apply(&mut k[i * kvd..(i + 1) * kvd], hd, p0 + i);
+        for (i, ang) in angles.iter().enumerate() {
+            self.rope
+                .apply_angles(&mut q[i * qd..(i + 1) * qd], hd, ang);
+            self.rope
+                .apply_angles(&mut k[i * kvd..(i + 1) * kvd], hd, ang);
         }
         kv.keys[li].extend_from_slice(&k);
         kv.values[li].extend_from_slice(&v);
@@ -953,7 +958,9 @@ impl Model {
                     .map(|(ex, _)| (at.first_record + ex) as u32)
                     .collect();
                 let mut batch = store.request(&recs);
-                if self.prefetch {
+                // With a slot for every record the look-ahead would only cost a router product
+                // per layer: misses (warm-up) are read in the layer's own batch anyway.
+                if self.prefetch && !store.holds_all() {
                     pass.predicted = self.prefetch_next(at.li, at.residual, n);
                 }
                 loop {
@@ -984,7 +991,11 @@ impl Model {
     }
 
     /// Gate and up, SiLU, then down for the experts of `group` (`(index into experts, its
-    /// matrices)`), two parallel regions in all; writes each expert's down output to `downs`.
+    /// matrices)`); writes each expert's down output to `downs`. Decoding (one token) with as
+    /// many experts as a whole number of rounds of the pool's threads, each thread takes whole
+    /// experts, one parallel region; otherwise every product's rows are split over the threads,
+    /// two regions (gate and up, then down). Either way each output row is one thread's
+    /// computation, so the results are the same.
     fn expert_group(
         &self,
         group: &[(usize, [WeightRef; 3])],
@@ -999,6 +1010,28 @@ impl Model {
             .as_ref()
             .is_some_and(|l| l.parts[0].dtype == DType::Q4);
         let toks = |i: usize| experts[i].1.len();
+        let threads = self.pool.threads();
+        if x.n == 1 && threads > 1 && group.len().is_multiple_of(threads) && whole_experts() {
+            let outs: Vec<Mutex<Vec<f32>>> = group.iter().map(|_| Mutex::default()).collect();
+            self.pool.run(group.len(), |j| {
+                let (i, w) = &group[j];
+                let xin = inputs[*i].as_ref().unwrap_or(x);
+                let n = toks(*i);
+                let (mut g, mut u) = (vec![0.0; n * mi], vec![0.0; n * mi]);
+                matmul_whole(self.kernel, w[0], xin, &mut g);
+                matmul_whole(self.kernel, w[1], xin, &mut u);
+                ops::silu_mul(&mut g, &u);
+                let mut hid = Acts::from_vec(g, n, mi);
+                hid.prepare(q4);
+                let mut out = vec![0.0; n * h];
+                matmul_whole(self.kernel, w[2], &hid, &mut out);
+                *outs[j].lock().unwrap_or_else(|e| e.into_inner()) = out;
+            });
+            for ((i, _), out) in group.iter().zip(outs) {
+                downs[*i] = out.into_inner().unwrap_or_else(|e| e.into_inner());
+            }
+            return;
+        }
         let mut gate_up: Vec<Vec<f32>> = group
             .iter()
             .flat_map(|&(i, _)| [vec![0.0; toks(i) * mi], vec![0.0; toks(i) * mi]])
@@ -1047,6 +1080,13 @@ impl Model {
             downs[*i] = out;
         }
     }
+}
+
+/// Whether decode may give whole experts to threads (`COLI_WHOLE_EXPERTS=0` turns it off, to
+/// measure against the row split).
+fn whole_experts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("COLI_WHOLE_EXPERTS").map_or(true, |v| v != "0"))
 }
 
 /// Where a MoE layer is: its model index, its first expert record, its MoE ordinal, and the

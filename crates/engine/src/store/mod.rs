@@ -310,6 +310,8 @@ pub struct ExpertStore {
     reader: Reader,
     record_size: usize,
     records: usize,
+    /// Every record has a slot of its own: after warm-up nothing is read or evicted.
+    holds_all: bool,
 }
 
 impl ExpertStore {
@@ -418,6 +420,7 @@ impl ExpertStore {
             reader,
             record_size: rs,
             records,
+            holds_all: slots == records,
         };
         store.load_pinned(&hot)?;
         Ok(store)
@@ -584,6 +587,12 @@ impl ExpertStore {
             left: records.len(),
             io_wait: Duration::ZERO,
         }
+    }
+
+    /// Whether the cache has a slot for every record (then prefetching cannot gain anything
+    /// after warm-up).
+    pub fn holds_all(&self) -> bool {
+        self.holds_all
     }
 
     /// Starts reading `records` (not needed yet) into slots that are free or evictable now;

@@ -435,6 +435,10 @@ fn random_olmoe_gives_the_same_tokens_under_every_budget() {
     let c = convert(&hf, "olmoe-int4", Quant::Int4);
     placement_never_matters(&c, 2);
     placement_never_matters(&c, 1);
+    // Decode at 2 threads gives each thread whole experts (top-4): the same bits as 1 thread.
+    let one = greedy(&Model::load(&c.dir, Some(1)).unwrap(), 6);
+    assert!(greedy(&Model::load(&c.dir, Some(2)).unwrap(), 6) == one);
+    assert!(greedy(&Model::load(&c.dir, Some(3)).unwrap(), 6) == one);
     fs::remove_dir_all(&c.dir).unwrap();
     fs::remove_dir_all(&hf).unwrap();
 }
