@@ -737,15 +737,17 @@ SYSTEM_PROMPTS = [
 
 # (task, weight) for one episode of a training conversation.
 TRAIN_MIX = [
-    ("arith", 40),
-    ("capital", 12),
-    ("reverse", 2),
+    ("arith", 46),
+    ("capital", 9),
+    ("reverse", 1),
     ("tool", 28),
     ("no_tool", 2),
-    ("chat", 4),
-    ("memory", 5),
+    ("chat", 3),
+    ("memory", 4),
     ("tool_unneeded", 7),
 ]
+# Share of addition turns (and other bare-number answers) trained with thinking on.
+ARITH_THINK_P = 0.25
 # Episodes per conversation. Several per conversation amortise the prompt that only conditions
 # (tool declarations are ~340 tokens for all three tools) over more trained answers.
 EPISODE_COUNTS = [1, 2, 2, 3, 3, 4, 4, 5]
@@ -810,7 +812,8 @@ def train_conversation(rng: random.Random) -> dict:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
 
     def say(question: str, answer: str, trace: str) -> None:
-        think = rng.random() < 0.5
+        # A bare sum is the hardest answer to learn (no trace to compute it in): more of those.
+        think = rng.random() < (ARITH_THINK_P if answer.isdigit() else 0.5)
         messages.append({"role": "user", "content": question})
         messages.append(_assistant(answer, trace if think else None))
         thinking.append(think)
