@@ -334,12 +334,13 @@ impl ExpertStore {
         if slots == records {
             pinned = 0; // everything fits: nothing to choose
         }
-        let hot: Vec<u32> = hot
+        // The saved routing heat, hottest first: what to pin, and the frequencies' prior.
+        let heat_order: Vec<u32> = hot
             .iter()
             .copied()
             .filter(|&r| (r as usize) < records)
-            .take(pinned)
             .collect();
+        let hot: Vec<u32> = heat_order.iter().copied().take(pinned).collect();
         pinned = hot.len();
         let mut cache = slots - pinned;
         if opts.policy == Policy::PerLayerLru && cache < layout.moe_layers {
@@ -350,8 +351,12 @@ impl ExpertStore {
             cache = layout.moe_layers;
         }
         let slots = pinned + cache;
-        let freq = policy::freq_insert(opts.policy, cache, layout.moe_layers, layout.top_k)
-            .then(|| policy::Freq::new(records, policy::hot_slots(cache)));
+        let freq =
+            policy::freq_insert(opts.policy, cache, layout.moe_layers, layout.top_k).then(|| {
+                let mut f = policy::Freq::new(records, policy::hot_slots(cache));
+                f.seed(&heat_order);
+                f
+            });
         let (lists, list_of_slot) = policy::partition(opts.policy, cache, layout.moe_layers);
         let list_of_rec: Vec<u32> = layout
             .rec_layer

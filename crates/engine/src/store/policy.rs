@@ -68,6 +68,20 @@ impl Freq {
         }
     }
 
+    /// Starts from a saved ranking (`hottest_first`, e.g. the routing heat of earlier runs)
+    /// instead of nothing: the i-th of n records counts n - i, so the order holds until this
+    /// run's own requests, which halve the prior every window, take over.
+    pub fn seed(&mut self, hottest_first: &[u32]) {
+        let n = hottest_first.len();
+        for (i, &r) in hottest_first.iter().enumerate() {
+            if let Some(c) = self.counts.get_mut(r as usize) {
+                *c = u32::try_from(n - i).unwrap_or(u32::MAX);
+            }
+        }
+        self.rank_hot();
+        self.until_rank = 1024;
+    }
+
     pub fn hit(&mut self, rec: usize) {
         self.counts[rec] = self.counts[rec].saturating_add(1);
         self.since += 1;
@@ -421,6 +435,22 @@ mod tests {
         assert!(default > 0.15, "{default}");
         // Larger caches keep plain LRU.
         assert!(!freq_insert(Policy::GlobalLru, 32, 8, 4));
+    }
+
+    #[test]
+    fn a_seeded_ranking_is_hot_from_the_first_request() {
+        let mut f = Freq::new(10, 3);
+        f.seed(&[7, 2, 9, 4, 42]);
+        let hot: Vec<usize> = (0..10).filter(|&r| f.is_hot(r)).collect();
+        assert_eq!(hot, vec![2, 7, 9]);
+        // This run's own requests take over once they outweigh the prior.
+        for _ in 0..2048 {
+            f.hit(5);
+            f.hit(6);
+            f.hit(8);
+        }
+        let hot: Vec<usize> = (0..10).filter(|&r| f.is_hot(r)).collect();
+        assert_eq!(hot, vec![5, 6, 8]);
     }
 
     #[test]
