@@ -297,6 +297,21 @@ mod tests {
     }
 
     #[test]
+    fn interleaved_dots_are_dot_bit_for_bit() {
+        let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+        for len in [1, 7, 8, 24, 128, 131] {
+            let q: Vec<f32> = (0..len).map(|i| f(i * 13)).collect();
+            let rows: Vec<Vec<f32>> = (0..DOTS)
+                .map(|r| (0..len).map(|i| f(i + 101 * r)).collect())
+                .collect();
+            let got = dots(&q, std::array::from_fn(|r| rows[r].as_slice()));
+            for (g, row) in got.iter().zip(&rows) {
+                assert_eq!(g.to_bits(), dot(&q, row).to_bits(), "len {len}");
+            }
+        }
+    }
+
+    #[test]
     fn softmax_sums_to_one() {
         let mut x = vec![1.0, 2.0, 3.0, -100.0];
         softmax(&mut x);
