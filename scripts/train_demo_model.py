@@ -198,14 +198,21 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
     return ids, mask
 
 
+def name_pieces(tok):
+    """The tokenizer's letter pieces, for training city names made of them."""
+    return demo_data.NamePieces([tok.decode([i]) for i in range(tok.get_vocab_size())])
+
+
 def batches(rng: random.Random, tok, template, tokens: int, max_len: int):
     """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
     conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
     and the batches shuffled."""
+    pieces = name_pieces(tok)
     while True:
         pool = []
         while len(pool) < 512:
-            ids, mask = encode_conversation(tok, template, demo_data.train_conversation(rng))
+            conv = demo_data.train_conversation(rng, pieces)
+            ids, mask = encode_conversation(tok, template, conv)
             if len(ids) <= max_len:
                 pool.append((ids, mask))
         pool.sort(key=lambda s: len(s[0]))
@@ -612,6 +619,7 @@ def card(summary: dict, results: dict, args) -> str:
     total = sum(w for _, w in demo_data.TRAIN_MIX)
     mix = {t: round(100 * w / total) for t, w in demo_data.TRAIN_MIX}
     think_sum = round(demo_data.ARITH_THINK_P * 100)
+    piece_pct = round(demo_data.PIECE_NAME_P * 100)
     if len(log) >= int(a["steps"]):
         bound = "This run was bound by steps (an idle CPU): a rerun gives the same model."
     else:
@@ -650,8 +658,10 @@ off per assistant turn (50/50; {think_sum}% on for a bare sum). Episode mix:
 three quarters go on with a tool result and an answer that uses it), {mix["no_tool"]}% a tool
 request whose tool is not declared, {mix["chat"]}% plain chat, {mix["memory"]}% multi-turn memory
 (remember a number, 0-2 other turns, recall it), {mix["tool_unneeded"]}% a question that needs no
-tool while tools are declared. Cities in tool calls: 6,000 generated city-like names
-(some accented, some two words), ~90 real cities and the capitals. Loss only on the generated
+tool while tools are declared. Cities in tool calls: {piece_pct}% names strung from 1-4 random
+letter pieces of the tokenizer (a capitalised one first), so every piece is copied in training;
+the rest 6,000 generated city-like names (some accented, some two words), ~90 real cities and the
+capitals. Loss only on the generated
 tokens: the text after each generation prompt, through the `<|user|>` or `<|observation|>` that
 ends the turn.
 

@@ -191,3 +191,48 @@ def test_scoring_accepts_the_trained_shapes_only():
     contains = {"task": "tool_answer", "thinking": False, "expect": {"contains": ["21", "Lisbon"]}}
     assert score(contains, "\nIn Lisbon it is 21 degrees and sunny.<|user|>")
     assert not score(contains, "\nIn Lisbon it is 12 degrees.<|user|>")
+
+
+def _shipped_pieces() -> demo_data.NamePieces:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(
+        str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
+    )
+    return demo_data.NamePieces([tok.decode([i]) for i in range(tok.get_vocab_size())])
+
+
+def test_piece_names_use_every_letter_piece_and_never_an_eval_city():
+    pieces = _shipped_pieces()
+    rng = random.Random(0)
+    names = [pieces.name(rng) for _ in range(20000)]
+    held_out = set(demo_data.EVAL_CITIES) | set(demo_data.eval_city_names(200, 7))
+    assert not set(names) & held_out
+    assert all(n[0].isupper() and n.isalpha() and len(n) >= 3 for n in names)
+    starts = {p for p in pieces.initial if any(n.startswith(p) for n in names[:5000])}
+    assert len(starts) > 0.9 * len(pieces.initial)
+    inner = "".join(names)
+    assert all(p in inner for p in pieces.inner)
+
+
+def test_piece_names_reach_the_training_conversations():
+    pieces = _shipped_pieces()
+    rng_a, rng_b = random.Random(5), random.Random(5)
+    with_pieces = [demo_data.train_conversation(rng_a, pieces) for _ in range(300)]
+    assert with_pieces == [demo_data.train_conversation(rng_b, pieces) for _ in range(300)]
+    cities = [
+        tc["function"]["arguments"]["city"]
+        for c in with_pieces
+        for m in c["messages"]
+        for tc in m.get("tool_calls") or []
+        if "city" in tc["function"]["arguments"]
+    ]
+    known = demo_data.all_train_cities()
+    strung = [c for c in cities if c not in known]
+    # About PIECE_NAME_P of the cities are strung from pieces (a few by chance equal known ones).
+    assert 0.25 * len(cities) < len(strung) < 0.55 * len(cities)
+
+
+def test_name_pieces_need_both_cases():
+    with pytest.raises(ValueError, match="capitalised"):
+        demo_data.NamePieces(["abc", "de"])

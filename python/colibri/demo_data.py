@@ -13,8 +13,9 @@ What is held out of training, so the evaluation measures generalisation:
 - arithmetic: 10% of the unordered pairs of 2-digit numbers (``EVAL_PAIRS``);
 - lookups: the table is fixed, so the question phrasings are held out (``CAPITAL_EVAL_QUESTIONS``);
 - tool calls: the evaluation's cities (real ones from ``EVAL_CITIES`` and generated names from
-  another seed) never occur in training, whose cities come from ``TRAIN_CITIES``, the capitals
-  and ``train_city_pool()``; a few question phrasings are held out too.
+  another seed) never occur in training, whose cities come from ``TRAIN_CITIES``, the capitals,
+  ``train_city_pool()`` and names strung from tokenizer pieces (``NamePieces``, which refuses
+  the evaluation's names); a few question phrasings are held out too.
 """
 
 from __future__ import annotations
@@ -768,7 +769,39 @@ def _train_pair(rng: random.Random) -> tuple[int, int]:
             return a, b
 
 
-def _train_city(rng: random.Random) -> str:
+class NamePieces:
+    """The letter pieces of the model's tokenizer, to build city names from.
+
+    Copying a name means copying its tokens; a piece that training names never contain is a piece
+    the model never practised copying (the real cities of the evaluation are cut into pieces the
+    tokenizer learned from other words: "Galway" ends in "way" of "Norway"). Names strung from
+    random pieces make every piece a copy target. ``pieces`` are the tokenizer's tokens that
+    decode to letters only; names start with a capitalised piece like real names do.
+    """
+
+    def __init__(self, pieces: list[str]) -> None:
+        letters = sorted({p for p in pieces if p.isalpha()})
+        self.initial = [p for p in letters if p[0].isupper()]
+        self.inner = [p for p in letters if p[0].islower()]
+        if not self.initial or not self.inner:
+            raise ValueError("the tokenizer has no capitalised or no lower-case letter pieces")
+        self._held_out = set(EVAL_CITIES) | set(eval_city_names(1000, 7))
+
+    def name(self, rng: random.Random) -> str:
+        while True:
+            n = rng.choice([1, 2, 2, 3, 3, 4])
+            word = rng.choice(self.initial) + "".join(rng.choice(self.inner) for _ in range(n - 1))
+            if len(word) >= 3 and word not in self._held_out:
+                return word
+
+
+# Share of training cities strung from tokenizer pieces when ``train_conversation`` gets them.
+PIECE_NAME_P = 0.4
+
+
+def _train_city(rng: random.Random, pieces: NamePieces | None) -> str:
+    if pieces is not None and rng.random() < PIECE_NAME_P:
+        return pieces.name(rng)
     r = rng.random()
     if r < 0.15:
         return rng.choice(TRAIN_CITIES)
@@ -795,8 +828,10 @@ def _simple_turn(rng: random.Random, task: str, think: bool) -> tuple[str, str, 
     return rng.choice(prompts), answer, trace
 
 
-def train_conversation(rng: random.Random) -> dict:
-    """One training conversation of 1-5 episodes; tools declared in about half of them."""
+def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> dict:
+    """One training conversation of 1-5 episodes; tools declared in about half of them.
+
+    With ``pieces``, a share of the cities (``PIECE_NAME_P``) are strung from tokenizer pieces."""
     tasks, weights = zip(*TRAIN_MIX, strict=True)
     n_episodes = rng.choice(EPISODE_COUNTS)
     episodes = [rng.choices(tasks, weights)[0] for _ in range(n_episodes)]
@@ -821,7 +856,7 @@ def train_conversation(rng: random.Random) -> dict:
     for task in episodes:
         if task == "tool" and declared:
             tool = rng.choice(declared)
-            ep = tool_episode(rng, tool, _train_city(rng), eval_phrasing=False)
+            ep = tool_episode(rng, tool, _train_city(rng, pieces), eval_phrasing=False)
             think = rng.random() < 0.5
             messages.append({"role": "user", "content": ep["question"]})
             messages.append(
@@ -841,7 +876,7 @@ def train_conversation(rng: random.Random) -> dict:
             if not missing:
                 continue
             tool = rng.choice(missing)
-            ep = tool_episode(rng, tool, _train_city(rng), eval_phrasing=False)
+            ep = tool_episode(rng, tool, _train_city(rng, pieces), eval_phrasing=False)
             say(ep["question"], NO_TOOL_ANSWERS[tool], "There is no tool for this.")
         elif task == "memory":
             n = rng.randint(0, 999)
