@@ -1,49 +1,277 @@
-//! The key/value history of one sequence: per layer, `len` rows of `kv_dim` keys and values.
-//! Grows on demand up to the model's context length, so a short chat does not reserve the full
-//! context up front.
+//! The key/value history of one sequence.
+//!
+//! Stored head-major: per layer and kv head, one contiguous run of `cap` rows of `head_dim`
+//! values, so a query head's attention streams one block of memory front to back (position-major
+//! rows put a head's 512 bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow
+//! poorly). Values are f32, or f16 ([`KvDtype`]: half the bytes each decode step streams, as
+//! llama.cpp's default cache). Grows on demand (doubling) up to the model's context length, so a
+//! short chat does not reserve the full context up front. Slot files keep position-major f32
+//! rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert (exactly, both ways).
+
+use std::ops::Range;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::ops::HeadRows;
+
+/// How the cache stores keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    F16,
+}
+
+impl KvDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        }
+    }
+}
+
+/// One layer's keys or values: `kv_heads` blocks of `cap * head_dim`.
+#[derive(Clone)]
+enum Block {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl Block {
+    fn new(dtype: KvDtype, len: usize) -> Block {
+        match dtype {
+            KvDtype::F32 => Block::F32(vec![0.0; len]),
+            KvDtype::F16 => Block::F16(vec![f16::ZERO; len]),
+        }
+    }
+
+    /// Copies `len` floats from `src[from..]` into `self[to..]` (same dtype).
+    fn copy_within_from(&mut self, to: usize, src: &Block, from: usize, len: usize) {
+        match (self, src) {
+            (Block::F32(d), Block::F32(s)) => d[to..to + len].copy_from_slice(&s[from..from + len]),
+            (Block::F16(d), Block::F16(s)) => d[to..to + len].copy_from_slice(&s[from..from + len]),
+            _ => unreachable!("one cache, one dtype"),
+        }
+    }
+
+    fn store(&mut self, at: usize, src: &[f32]) {
+        match self {
+            Block::F32(d) => d[at..at + src.len()].copy_from_slice(src),
+            Block::F16(d) => d[at..at + src.len()].convert_from_f32_slice(src),
+        }
+    }
+
+    fn load(&self, at: usize, out: &mut [f32]) {
+        match self {
+            Block::F32(d) => out.copy_from_slice(&d[at..at + out.len()]),
+            Block::F16(d) => d[at..at + out.len()].convert_to_f32_slice(out),
+        }
+    }
+
+    fn slice(&self, r: Range<usize>) -> HeadRows<'_> {
+        match self {
+            Block::F32(d) => HeadRows::F32(&d[r]),
+            Block::F16(d) => HeadRows::F16(&d[r]),
+        }
+    }
+}
 
 pub struct KvCache {
-    pub keys: Vec<Vec<f32>>,
-    pub values: Vec<Vec<f32>>,
-    pub kv_dim: usize,
+    keys: Vec<Block>,
+    values: Vec<Block>,
+    dtype: KvDtype,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Positions each head block has room for.
+    cap: usize,
     /// Positions stored (the same in every layer once a forward pass completes).
     pub len: usize,
 }
 
+/// Smallest growth step, in positions.
+const MIN_CAP: usize = 64;
+
 impl KvCache {
-    pub fn new(num_layers: usize, kv_dim: usize) -> KvCache {
+    pub fn new(num_layers: usize, kv_heads: usize, head_dim: usize, dtype: KvDtype) -> KvCache {
         KvCache {
-            keys: vec![Vec::new(); num_layers],
-            values: vec![Vec::new(); num_layers],
-            kv_dim,
+            keys: vec![Block::new(dtype, 0); num_layers],
+            values: vec![Block::new(dtype, 0); num_layers],
+            dtype,
+            kv_heads,
+            head_dim,
+            cap: 0,
             len: 0,
         }
     }
 
+    /// A cache holding `keys`/`values` given per layer as position-major f32 rows of `kv_dim`
+    /// (`positions * kv_dim` floats each, as a slot file stores them).
+    pub fn from_rows(
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+        positions: usize,
+        keys: &[Vec<f32>],
+        values: &[Vec<f32>],
+    ) -> KvCache {
+        let mut kv = KvCache::new(keys.len(), kv_heads, head_dim, dtype);
+        kv.reserve(positions);
+        let kvd = kv.kv_dim();
+        for (li, (k, v)) in keys.iter().zip(values).enumerate() {
+            kv.write(li, 0, &k[..positions * kvd], &v[..positions * kvd]);
+        }
+        kv.len = positions;
+        kv
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    /// Makes room for `extra` positions after `len` (copies the history when it grows).
+    pub fn reserve(&mut self, extra: usize) {
+        let need = self.len + extra;
+        if need <= self.cap {
+            return;
+        }
+        let cap = need.max(self.cap * 2).max(MIN_CAP);
+        let (hd, len, old_cap) = (self.head_dim, self.len, self.cap);
+        for block in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let mut grown = Block::new(self.dtype, self.kv_heads * cap * hd);
+            for h in 0..self.kv_heads {
+                grown.copy_within_from(h * cap * hd, block, h * old_cap * hd, len * hd);
+            }
+            *block = grown;
+        }
+        self.cap = cap;
+    }
+
+    /// Stores position-major f32 rows `k`/`v` (`n * kv_dim` each) of layer `li` at positions
+    /// `start .. start + n`; room for them must have been reserved.
+    pub fn write(&mut self, li: usize, start: usize, k: &[f32], v: &[f32]) {
+        let (hd, cap, kvd) = (self.head_dim, self.cap, self.kv_dim());
+        let n = k.len() / kvd;
+        assert!(start + n <= cap && k.len() == v.len() && k.len() == n * kvd);
+        for (rows, block) in [(k, &mut self.keys[li]), (v, &mut self.values[li])] {
+            for (p, row) in rows.chunks_exact(kvd).enumerate() {
+                for (h, src) in row.chunks_exact(hd).enumerate() {
+                    block.store((h * cap + start + p) * hd, src);
+                }
+            }
+        }
+    }
+
+    /// Keys and values of kv head `head` in layer `li`: `positions` rows of `head_dim` each.
+    pub fn head(&self, li: usize, head: usize, positions: usize) -> (HeadRows<'_>, HeadRows<'_>) {
+        let (hd, cap) = (self.head_dim, self.cap);
+        let r = head * cap * hd..(head * cap + positions) * hd;
+        (self.keys[li].slice(r.clone()), self.values[li].slice(r))
+    }
+
+    /// Position-major f32 keys and values of layer `li` at `positions` (what a slot file
+    /// stores).
+    pub fn rows(&self, li: usize, positions: Range<usize>) -> (Vec<f32>, Vec<f32>) {
+        let (hd, cap, kvd) = (self.head_dim, self.cap, self.kv_dim());
+        let gather = |block: &Block| {
+            let mut out = vec![0.0f32; positions.len() * kvd];
+            for (row, p) in out.chunks_exact_mut(kvd).zip(positions.clone()) {
+                for (h, dst) in row.chunks_exact_mut(hd).enumerate() {
+                    block.load((h * cap + p) * hd, dst);
+                }
+            }
+            out
+        };
+        (gather(&self.keys[li]), gather(&self.values[li]))
+    }
+
     /// Forgets every position (keeps the allocation).
     pub fn clear(&mut self) {
-        for k in &mut self.keys {
-            k.clear();
-        }
-        for v in &mut self.values {
-            v.clear();
-        }
         self.len = 0;
     }
 
     /// Drops positions from `len` on (keeps the common prefix for reuse).
     pub fn truncate(&mut self, len: usize) {
-        for k in &mut self.keys {
-            k.truncate(len * self.kv_dim);
-        }
-        for v in &mut self.values {
-            v.truncate(len * self.kv_dim);
-        }
         self.len = self.len.min(len);
     }
 
-    /// Bytes of KV memory per cached token (f32 keys and values over all layers).
+    /// Bytes of KV memory per cached token (keys and values over all layers).
     pub fn bytes_per_token(&self) -> usize {
-        self.keys.len() * self.kv_dim * 2 * 4
+        self.keys.len() * self.kv_dim() * 2 * self.dtype.bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: usize, kvd: usize, seed: f32) -> Vec<f32> {
+        // Small integers: exact in f16 too, so both dtypes round-trip them.
+        (0..n * kvd).map(|i| seed + (i % 997) as f32).collect()
+    }
+
+    #[test]
+    fn rows_round_trip_through_growth_and_truncation() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            round_trip(dtype);
+        }
+    }
+
+    fn round_trip(dtype: KvDtype) {
+        let (heads, hd) = (3, 4);
+        let kvd = heads * hd;
+        let mut kv = KvCache::new(2, heads, hd, dtype);
+        let (k0, v0) = (rows(5, kvd, 0.0), rows(5, kvd, 100.0));
+        kv.reserve(5);
+        for li in 0..2 {
+            kv.write(li, 0, &k0, &v0);
+        }
+        kv.len = 5;
+        // Grow past the first block: the history moves, the rows stay.
+        let (k1, v1) = (rows(100, kvd, 200.0), rows(100, kvd, 300.0));
+        kv.reserve(100);
+        kv.write(1, 5, &k1, &v1);
+        kv.write(0, 5, &k1, &v1);
+        kv.len = 105;
+        let (k, v) = kv.rows(1, 0..105);
+        assert_eq!(k, [k0.clone(), k1.clone()].concat());
+        assert_eq!(v, [v0.clone(), v1.clone()].concat());
+        // One head's block is its slice of every row, in position order.
+        let want: Vec<f32> = k
+            .chunks_exact(kvd)
+            .flat_map(|r| r[2 * hd..3 * hd].to_vec())
+            .collect();
+        let got: Vec<f32> = match kv.head(0, 2, 105).0 {
+            HeadRows::F32(x) => x.to_vec(),
+            HeadRows::F16(x) => x.iter().map(|v| v.to_f32()).collect(),
+        };
+        assert_eq!(got, want);
+        kv.truncate(3);
+        assert_eq!(kv.len, 3);
+        assert_eq!(kv.rows(0, 1..3).0, k0[kvd..3 * kvd]);
+        let back = KvCache::from_rows(
+            heads,
+            hd,
+            dtype,
+            105,
+            &[k.clone(), k.clone()],
+            &[v.clone(), v.clone()],
+        );
+        assert_eq!(back.rows(0, 0..105), (k, v));
     }
 }

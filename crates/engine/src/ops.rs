@@ -166,17 +166,25 @@ fn prefetch_rows(data: &[f32], starts: impl Iterator<Item = usize>, len: usize) 
     let _ = (data, starts, len);
 }
 
-/// What one query head needs to attend: its KV history and shape.
+/// A kv head's history: `n` rows of `head_dim` values, one per position, contiguous.
+#[derive(Clone, Copy)]
+pub enum HeadRows<'a> {
+    F32(&'a [f32]),
+    /// Half the bytes to stream; widened to f32 a chunk at a time (exactly), so the arithmetic
+    /// is the f32 path's on the rounded values.
+    F16(&'a [half::f16]),
+}
+
+/// What one query head needs to attend: its kv head's history.
 pub struct AttendArgs<'a> {
-    /// `n` rows of `kv_stride` floats each.
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
+    pub keys: HeadRows<'a>,
+    pub values: HeadRows<'a>,
     pub n: usize,
-    pub kv_stride: usize,
-    /// Where this head's kv head starts inside a row.
-    pub kv_off: usize,
     pub scale: f32,
 }
+
+/// Positions widened from f16 at a time (16 KiB of f32 at head_dim 128: stays in L1).
+const F16_CHUNK: usize = 32;
 
 /// One query head attending causally over `a.n` cached positions: `out` (`q.len()` values) is
 /// the softmax-weighted sum of the values. `scores` is scratch of at least `a.n`.
@@ -216,31 +224,66 @@ unsafe fn attend_avx2(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [
 fn attend_generic(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
     let hd = q.len();
     let scores = &mut scores[..a.n];
-    let row = |p: usize| p * a.kv_stride + a.kv_off;
+    out.fill(0.0);
+    match (a.keys, a.values) {
+        (HeadRows::F32(keys), HeadRows::F32(values)) => {
+            score_rows(q, &keys[..a.n * hd], a.scale, scores);
+            softmax(scores);
+            accumulate_rows(scores, &values[..a.n * hd], out);
+        }
+        (HeadRows::F16(keys), HeadRows::F16(values)) => {
+            let mut wide = vec![0.0f32; F16_CHUNK * hd];
+            for (c, s) in scores.chunks_mut(F16_CHUNK).enumerate() {
+                let rows = c * F16_CHUNK * hd..(c * F16_CHUNK + s.len()) * hd;
+                let wide = &mut wide[..rows.len()];
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&keys[rows], wide);
+                score_rows(q, wide, a.scale, s);
+            }
+            softmax(scores);
+            for (c, w) in scores.chunks(F16_CHUNK).enumerate() {
+                let rows = c * F16_CHUNK * hd..(c * F16_CHUNK + w.len()) * hd;
+                let wide = &mut wide[..rows.len()];
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&values[rows], wide);
+                accumulate_rows(w, wide, out);
+            }
+        }
+        _ => unreachable!("keys and values of one cache share a dtype"),
+    }
+}
+
+/// `scores[p] = dot(q, keys row p) * scale` for the `scores.len()` rows of `keys`.
+#[inline(always)]
+fn score_rows(q: &[f32], keys: &[f32], scale: f32, scores: &mut [f32]) {
+    let hd = q.len();
+    let row = |p: usize| p * hd;
     // Four positions at a time: four independent dot products keep the FMA units busy and four
     // rows in flight from memory (each position's arithmetic is exactly `dot`'s).
     let mut p = 0;
-    while p + DOTS <= a.n {
+    while p + DOTS <= scores.len() {
         prefetch_rows(
-            a.keys,
+            keys,
             (p + PREFETCH_AHEAD..p + PREFETCH_AHEAD + DOTS).map(row),
             hd,
         );
-        let keys: [&[f32]; DOTS] = std::array::from_fn(|r| &a.keys[row(p + r)..row(p + r) + hd]);
-        for (s, d) in scores[p..p + DOTS].iter_mut().zip(dots(q, keys)) {
-            *s = d * a.scale;
+        let k: [&[f32]; DOTS] = std::array::from_fn(|r| &keys[row(p + r)..row(p + r) + hd]);
+        for (s, d) in scores[p..p + DOTS].iter_mut().zip(dots(q, k)) {
+            *s = d * scale;
         }
         p += DOTS;
     }
     for (s, p) in scores[p..].iter_mut().zip(p..) {
-        *s = dot(q, &a.keys[row(p)..row(p) + hd]) * a.scale;
+        *s = dot(q, &keys[row(p)..row(p) + hd]) * scale;
     }
-    softmax(scores);
-    out.fill(0.0);
-    for (p, &w) in scores.iter().enumerate() {
-        let start = row(p);
-        prefetch_rows(a.values, std::iter::once(row(p + PREFETCH_AHEAD)), hd);
-        for (o, &x) in out.iter_mut().zip(&a.values[start..start + hd]) {
+}
+
+/// `out += weights[p] * values row p`, in position order.
+#[inline(always)]
+fn accumulate_rows(weights: &[f32], values: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    for (p, &w) in weights.iter().enumerate() {
+        let start = p * hd;
+        prefetch_rows(values, std::iter::once(start + PREFETCH_AHEAD * hd), hd);
+        for (o, &x) in out.iter_mut().zip(&values[start..start + hd]) {
             *o += w * x;
         }
     }
@@ -274,17 +317,15 @@ mod tests {
 
     #[test]
     fn attend_paths_give_identical_bits() {
-        let (n, kvd, hd) = (37, 48, 24);
+        let (n, hd) = (37, 24);
         let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7;
-        let keys: Vec<f32> = (0..n * kvd).map(f).collect();
-        let values: Vec<f32> = (0..n * kvd).map(|i| f(i + 3)).collect();
+        let keys: Vec<f32> = (0..n * hd).map(f).collect();
+        let values: Vec<f32> = (0..n * hd).map(|i| f(i + 3)).collect();
         let q: Vec<f32> = (0..hd).map(|i| f(i * 13)).collect();
         let a = AttendArgs {
-            keys: &keys,
-            values: &values,
+            keys: HeadRows::F32(&keys),
+            values: HeadRows::F32(&values),
             n,
-            kv_stride: kvd,
-            kv_off: hd,
             scale: 0.2,
         };
         let (mut s1, mut s2) = (vec![0.0; n], vec![0.0; n]);
@@ -294,6 +335,38 @@ mod tests {
         assert_eq!(o1, o2);
         let w: f32 = s2.iter().sum();
         assert!((w - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn f16_rows_attend_exactly_as_their_f32_widening() {
+        use half::f16;
+        let hd = 24;
+        let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+        let q: Vec<f32> = (0..hd).map(|i| f(i * 13)).collect();
+        // Lengths around the widening chunk and the four-position groups.
+        for n in [1, 3, 31, 32, 33, 70, 130] {
+            let k16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(f(i))).collect();
+            let v16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(f(i + 3))).collect();
+            let k32: Vec<f32> = k16.iter().map(|x| x.to_f32()).collect();
+            let v32: Vec<f32> = v16.iter().map(|x| x.to_f32()).collect();
+            let half = AttendArgs {
+                keys: HeadRows::F16(&k16),
+                values: HeadRows::F16(&v16),
+                n,
+                scale: 0.2,
+            };
+            let full = AttendArgs {
+                keys: HeadRows::F32(&k32),
+                values: HeadRows::F32(&v32),
+                n,
+                scale: 0.2,
+            };
+            let (mut s1, mut s2) = (vec![0.0; n], vec![0.0; n]);
+            let (mut o1, mut o2) = (vec![0.0; hd], vec![0.0; hd]);
+            attend(&q, &half, &mut s1, &mut o1);
+            attend(&q, &full, &mut s2, &mut o2);
+            assert_eq!(o1, o2, "n {n}");
+        }
     }
 
     #[test]

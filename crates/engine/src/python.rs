@@ -148,6 +148,7 @@ impl Model {
         d.set_item("tokenizer", m.manifest.tokenizer.clone())?;
         d.set_item("tokenizer_config", m.manifest.tokenizer_config.clone())?;
         d.set_item("kv_bytes_per_token", m.new_cache().bytes_per_token())?;
+        d.set_item("kv_dtype", m.kv_dtype.name())?;
         Ok(d)
     }
 

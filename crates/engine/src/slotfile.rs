@@ -16,6 +16,7 @@ use std::borrow::Cow;
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io;
+use std::ops::Range;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -625,13 +626,55 @@ fn u32_le(v: &[u32]) -> Cow<'_, [u8]> {
     }
 }
 
+/// The KV state a slot file persists, read as position-major rows of `kv_dim` floats per layer
+/// (the engine keeps its cache head-major and converts only the rows a record holds).
+pub trait KvRows {
+    fn num_layers(&self) -> usize;
+    /// Positions every layer holds rows for.
+    fn positions(&self) -> usize;
+    /// Keys and values of `layer` at `positions` (within [`KvRows::positions`]), row by row.
+    fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>);
+}
+
+/// Per-layer position-major vectors (`keys[layer][pos * kv_dim ..]`), as [`LoadedSlot`] holds.
+pub struct PositionMajor<'a> {
+    pub keys: &'a [Vec<f32>],
+    pub values: &'a [Vec<f32>],
+    pub kv_dim: usize,
+}
+
+impl KvRows for PositionMajor<'_> {
+    fn num_layers(&self) -> usize {
+        if self.keys.len() == self.values.len() {
+            self.keys.len()
+        } else {
+            usize::MAX // never equal to a file's layer count: refused by `check_state`
+        }
+    }
+
+    fn positions(&self) -> usize {
+        self.keys
+            .iter()
+            .chain(self.values)
+            .map(|v| v.len() / self.kv_dim.max(1))
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+
+    fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        let r = positions.start * self.kv_dim..positions.end * self.kv_dim;
+        (
+            Cow::Borrowed(&self.keys[layer][r.clone()]),
+            Cow::Borrowed(&self.values[layer][r]),
+        )
+    }
+}
+
 /// What a record holds: positions `start..start + tokens.len()` of the state.
 struct RecordData<'a> {
     start: usize,
     tokens: &'a [u32],
-    keys: &'a [Vec<f32>],
-    values: &'a [Vec<f32>],
-    kv_dim: usize,
+    kv: &'a dyn KvRows,
 }
 
 /// Writes one record at `offset`, chained to `chain`; returns (end offset, its checksum).
@@ -661,11 +704,11 @@ fn write_record(
     head[16..24].copy_from_slice(&(n as u64).to_le_bytes());
     w.put(&head)?;
     w.put(&u32_le(rec.tokens))?;
-    for (k, v) in rec.keys.iter().zip(rec.values) {
-        // In bounds: `check_state` saw at least (start + n) * kv_dim floats in every layer.
-        let rows = rec.start * rec.kv_dim..(rec.start + n) * rec.kv_dim;
-        w.put(&f32_le(&k[rows.clone()]))?;
-        w.put(&f32_le(&v[rows]))?;
+    for layer in 0..rec.kv.num_layers() {
+        // In bounds: `check_state` saw at least start + n positions in every layer.
+        let (k, v) = rec.kv.rows(layer, rec.start..rec.start + n);
+        w.put(&f32_le(&k))?;
+        w.put(&f32_le(&v))?;
     }
     let sum = w.hash.digest();
     w.put_raw(&sum.to_le_bytes())?;
@@ -820,6 +863,11 @@ impl SlotFile {
             tuning,
         };
         let empty = LoadedSlot::empty(num_layers);
+        let empty_kv = PositionMajor {
+            keys: &empty.keys,
+            values: &empty.values,
+            kv_dim,
+        };
         let found = match sf.file.metadata() {
             Ok(m) if m.len() == 0 => Ok(None),
             Ok(_) => load_from(&sf.file, fingerprint, num_layers, kv_dim),
@@ -828,11 +876,11 @@ impl SlotFile {
         match found {
             Err(LoadError::Io(e)) => Err(io_err(path)(e)),
             Ok(None) => {
-                sf.replace(&empty.tokens, &empty.keys, &empty.values)?;
+                sf.replace(&empty.tokens, &empty_kv)?;
                 Ok((sf, Opened::Fresh))
             }
             Err(LoadError::Invalid(why)) => {
-                sf.replace(&empty.tokens, &empty.keys, &empty.values)?;
+                sf.replace(&empty.tokens, &empty_kv)?;
                 Ok((sf, Opened::Refused(why)))
             }
             Ok(Some(found)) => {
@@ -897,23 +945,14 @@ impl SlotFile {
         self.end
     }
 
-    fn check_state(
-        &self,
-        what: &str,
-        upto: usize,
-        keys: &[Vec<f32>],
-        values: &[Vec<f32>],
-    ) -> Result<()> {
-        if keys.len() != self.num_layers || values.len() != self.num_layers {
+    fn check_state(&self, what: &str, upto: usize, kv: &dyn KvRows) -> Result<()> {
+        if kv.num_layers() != self.num_layers {
             return Err(Error::Input(format!(
-                "slot file {what}: {} key and {} value layers, the file has {}",
-                keys.len(),
-                values.len(),
+                "slot file {what}: KV of another layer count than the file's {}",
                 self.num_layers
             )));
         }
-        let need = upto.saturating_mul(self.kv_dim);
-        if keys.iter().chain(values).any(|v| v.len() < need) {
+        if kv.positions() < upto {
             return Err(Error::Input(format!(
                 "slot file {what}: KV rows shorter than {upto} positions"
             )));
@@ -934,24 +973,28 @@ impl SlotFile {
         keys: &[Vec<f32>],
         values: &[Vec<f32>],
     ) -> Result<()> {
+        let kv = PositionMajor {
+            keys,
+            values,
+            kv_dim: self.kv_dim,
+        };
+        self.commit_kv(start, tokens, &kv)
+    }
+
+    /// [`SlotFile::commit`] with the rows read through [`KvRows`].
+    pub fn commit_kv(&mut self, start: usize, tokens: &[u32], kv: &dyn KvRows) -> Result<()> {
         if start > self.tokens.len() {
             return Err(Error::Input(format!(
                 "slot file commit: start {start} past the {} persisted tokens",
                 self.tokens.len()
             )));
         }
-        self.check_state("commit", start + tokens.len(), keys, values)?;
+        self.check_state("commit", start + tokens.len(), kv)?;
         if tokens.is_empty() && start == self.tokens.len() {
             return Ok(());
         }
         let path = self.path.clone();
-        let rec = RecordData {
-            start,
-            tokens,
-            keys,
-            values,
-            kv_dim: self.kv_dim,
-        };
+        let rec = RecordData { start, tokens, kv };
         let (end, chain) = write_record(
             &mut *self.io,
             &self.file,
@@ -1011,25 +1054,35 @@ impl SlotFile {
     /// After `Ok`, the persisted state survives a power loss. Compaction rewrites the state into
     /// `<path>.tmp` (fsynced), renames it over the file and fsyncs the directory.
     pub fn sync(&mut self, tokens: &[u32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Result<()> {
+        let kv = PositionMajor {
+            keys,
+            values,
+            kv_dim: self.kv_dim,
+        };
+        self.sync_kv(tokens, &kv)
+    }
+
+    /// [`SlotFile::sync`] with the rows read through [`KvRows`].
+    pub fn sync_kv(&mut self, tokens: &[u32], kv: &dyn KvRows) -> Result<()> {
         let n = self.tokens.len();
         if tokens.len() < n || tokens[..n] != self.tokens[..] {
             return Err(Error::Input(
                 "slot file sync: the tokens passed do not start with the persisted ones".into(),
             ));
         }
-        self.check_state("sync", n, keys, values)?;
+        self.check_state("sync", n, kv)?;
         // fsync first, so a compaction that fails (a full disk) still leaves the turn durable.
         self.io.sync_file(&self.file).map_err(io_err(&self.path))?;
         self.durable = self.current;
         if self.compaction_due() {
-            self.replace(&tokens[..n], keys, values)?;
+            self.replace(&tokens[..n], kv)?;
         }
         Ok(())
     }
 
     /// Replaces the file with a new one holding exactly `tokens` (and their KV rows) as one
     /// record: written to `<path>.tmp`, fsynced, renamed over `path`, directory fsynced.
-    fn replace(&mut self, tokens: &[u32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Result<()> {
+    fn replace(&mut self, tokens: &[u32], kv: &dyn KvRows) -> Result<()> {
         let tmp = tmp_path(&self.path);
         let file = OpenOptions::new()
             .read(true)
@@ -1046,9 +1099,7 @@ impl SlotFile {
             let rec = RecordData {
                 start: 0,
                 tokens,
-                keys,
-                values,
-                kv_dim: self.kv_dim,
+                kv,
             };
             write_record(
                 &mut *self.io,

@@ -5,6 +5,9 @@
 //! Invariant: `tokens.len() == kv.len` — the history is exactly the positions whose keys and
 //! values are stored. A sampled token joins the history when it is fed back (the next step).
 
+use std::borrow::Cow;
+use std::ops::Range;
+
 use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::Model;
@@ -12,16 +15,10 @@ use crate::model::Model;
 /// Where a slot's committed positions are made durable (the slot file, `slotfile.rs`).
 pub trait SlotStore: Send {
     /// Persist positions `start .. start + tokens.len()` after truncating the stored state to
-    /// `start`. `keys`/`values` are the whole per-layer KV of the slot.
-    fn commit(
-        &mut self,
-        start: usize,
-        tokens: &[u32],
-        keys: &[Vec<f32>],
-        values: &[Vec<f32>],
-    ) -> Result<()>;
+    /// `start`. `kv` is the slot's whole KV cache.
+    fn commit(&mut self, start: usize, tokens: &[u32], kv: &KvCache) -> Result<()>;
     /// End of a turn: make everything committed durable.
-    fn sync(&mut self, tokens: &[u32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Result<()>;
+    fn sync(&mut self, tokens: &[u32], kv: &KvCache) -> Result<()>;
 }
 
 pub struct Slot {
@@ -46,13 +43,12 @@ impl Slot {
     pub fn restored(
         model: &Model,
         tokens: Vec<u32>,
-        keys: Vec<Vec<f32>>,
-        values: Vec<Vec<f32>>,
+        keys: &[Vec<f32>],
+        values: &[Vec<f32>],
     ) -> Slot {
-        let mut kv = model.new_cache();
-        kv.len = tokens.len();
-        kv.keys = keys;
-        kv.values = values;
+        let c = &model.cfg;
+        let n = tokens.len();
+        let kv = KvCache::from_rows(c.num_kv_heads, c.head_dim, model.kv_dtype, n, keys, values);
         Slot {
             tokens,
             kv,
@@ -91,7 +87,7 @@ impl Slot {
         let logits = model.forward(tokens, &mut self.kv, false)?;
         self.tokens.extend_from_slice(tokens);
         if let Some(store) = self.store.as_mut() {
-            if let Err(e) = store.commit(start, tokens, &self.kv.keys, &self.kv.values) {
+            if let Err(e) = store.commit(start, tokens, &self.kv) {
                 self.disable_store(e.to_string());
             }
         }
@@ -101,7 +97,7 @@ impl Slot {
     /// End of a turn: the store makes the history durable.
     pub fn end_turn(&mut self) {
         if let Some(store) = self.store.as_mut() {
-            if let Err(e) = store.sync(&self.tokens, &self.kv.keys, &self.kv.values) {
+            if let Err(e) = store.sync(&self.tokens, &self.kv) {
                 self.disable_store(e.to_string());
             }
         }
@@ -116,18 +112,27 @@ impl Slot {
 }
 
 impl SlotStore for crate::slotfile::SlotFile {
-    fn commit(
-        &mut self,
-        start: usize,
-        tokens: &[u32],
-        keys: &[Vec<f32>],
-        values: &[Vec<f32>],
-    ) -> Result<()> {
-        crate::slotfile::SlotFile::commit(self, start, tokens, keys, values)
+    fn commit(&mut self, start: usize, tokens: &[u32], kv: &KvCache) -> Result<()> {
+        self.commit_kv(start, tokens, kv)
     }
 
-    fn sync(&mut self, tokens: &[u32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Result<()> {
-        crate::slotfile::SlotFile::sync(self, tokens, keys, values)
+    fn sync(&mut self, tokens: &[u32], kv: &KvCache) -> Result<()> {
+        self.sync_kv(tokens, kv)
+    }
+}
+
+impl crate::slotfile::KvRows for KvCache {
+    fn num_layers(&self) -> usize {
+        KvCache::num_layers(self)
+    }
+
+    fn positions(&self) -> usize {
+        self.len
+    }
+
+    fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        let (k, v) = KvCache::rows(self, layer, positions);
+        (Cow::Owned(k), Cow::Owned(v))
     }
 }
 
@@ -175,7 +180,7 @@ pub fn open_persistent(
     )?;
     let mut slot = match opened {
         Opened::Loaded(s) if s.tokens.len() < model.cfg.max_positions => {
-            Slot::restored(model, s.tokens, s.keys, s.values)
+            Slot::restored(model, s.tokens, &s.keys, &s.values)
         }
         Opened::Loaded(_) => {
             log(format!(

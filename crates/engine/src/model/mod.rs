@@ -22,7 +22,7 @@ use memmap2::Mmap;
 use crate::config::{FfnKind, ModelConfig, QkNorm};
 use crate::error::{io_err, Error, Result};
 use crate::format::*;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvDtype};
 use crate::linear::{for_each_chunk_mut, matmul_many, matmul_whole, Acts, Job, Linear, WeightRef};
 use crate::ops::{self, Rope, RopeAngles};
 use crate::pool::Pool;
@@ -107,6 +107,25 @@ pub struct Model {
     rope: Rope,
     kernel: Kernel,
     pool: Pool,
+    /// How KV caches of this model store keys and values ([`kv_dtype`]).
+    pub kv_dtype: KvDtype,
+}
+
+/// The KV cache dtype: `COLI_KV_DTYPE` (`f32` or `f16`), else by the weights: f16 for int4
+/// models (llama.cpp's default cache; its rounding is far below int4's, and a decode step streams
+/// half the history), f32 for f32 models (their logits match the reference within 1e-4).
+fn kv_dtype(quant: Quant) -> Result<KvDtype> {
+    match std::env::var("COLI_KV_DTYPE").ok().as_deref() {
+        None | Some("") => Ok(match quant {
+            Quant::Int4 => KvDtype::F16,
+            Quant::F32 => KvDtype::F32,
+        }),
+        Some("f32") => Ok(KvDtype::F32),
+        Some("f16") => Ok(KvDtype::F16),
+        Some(other) => Err(Error::Input(format!(
+            "COLI_KV_DTYPE={other:?}: expected f32 or f16"
+        ))),
+    }
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
@@ -461,6 +480,7 @@ impl Model {
                 .map(|n| n.get())
                 .unwrap_or(1)
         });
+        let kv_dtype = kv_dtype(manifest.quantization.kind)?;
         let pool = Pool::new(threads.max(1))
             .map_err(|e| Error::Input(format!("cannot start worker threads: {e}")))?;
         let prefetch = opts.prefetch && matches!(experts, Some(Experts::Store(_)));
@@ -490,6 +510,7 @@ impl Model {
             layers,
             kernel: quant::kernel(),
             pool,
+            kv_dtype,
         })
     }
 
@@ -508,7 +529,12 @@ impl Model {
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.cfg.num_layers, self.cfg.kv_dim())
+        KvCache::new(
+            self.cfg.num_layers,
+            self.cfg.num_kv_heads,
+            self.cfg.head_dim,
+            self.kv_dtype,
+        )
     }
 
     fn w(&self, l: &Linear) -> WeightRef<'_> {
@@ -628,6 +654,7 @@ impl Model {
         let t0 = Instant::now();
         let mut pass = Pass::default();
         let len0 = kv.len;
+        kv.reserve(n);
         let r = self.forward_inner(tokens, kv, all_logits, &mut pass);
         if r.is_err() {
             // A failed read leaves this pass's positions half written: drop them.
@@ -783,21 +810,19 @@ impl Model {
             self.rope
                 .apply_angles(&mut k[i * kvd..(i + 1) * kvd], hd, ang);
         }
-        kv.keys[li].extend_from_slice(&k);
-        kv.values[li].extend_from_slice(&v);
-        let (keys, values) = (&kv.keys[li], &kv.values[li]);
+        kv.write(li, p0, &k, &v);
+        let kv = &*kv;
         let group = c.num_heads / c.num_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let mut att = vec![0.0f32; n * qd];
         for_each_chunk_mut(&self.pool, &mut att, hd, |idx, out| {
             let (i, head) = (idx / c.num_heads, idx % c.num_heads);
             let qh = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
+            let (keys, values) = kv.head(li, head / group, p0 + i + 1);
             let args = ops::AttendArgs {
                 keys,
                 values,
                 n: p0 + i + 1,
-                kv_stride: kvd,
-                kv_off: (head / group) * hd,
                 scale,
             };
             let mut scores = vec![0.0f32; args.n];
