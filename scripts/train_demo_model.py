@@ -633,6 +633,7 @@ def card(summary: dict, results: dict, args) -> str:
     mix = {t: round(100 * w / total) for t, w in demo_data.TRAIN_MIX}
     think_sum = round(demo_data.ARITH_THINK_P * 100)
     piece_pct = round(demo_data.PIECE_NAME_P * 100)
+    piece_from = round(float(a.get("piece_names_from", "0")) * 100)
     if len(log) >= int(a["steps"]):
         bound = "This run was bound by steps (an idle CPU): a rerun gives the same model."
     else:
@@ -671,12 +672,12 @@ off per assistant turn (50/50; {think_sum}% on for a bare sum). Episode mix:
 three quarters go on with a tool result and an answer that uses it), {mix["no_tool"]}% a tool
 request whose tool is not declared, {mix["chat"]}% plain chat, {mix["memory"]}% multi-turn memory
 (remember a number, 0-2 other turns, recall it), {mix["tool_unneeded"]}% a question that needs no
-tool while tools are declared. Cities in tool calls: {piece_pct}% names strung from 1-4 random
-letter pieces of the tokenizer (a capitalised one first), so every piece is copied in training;
-the rest 6,000 generated city-like names (some accented, some two words), ~90 real cities and the
-capitals. Loss only on the generated
-tokens: the text after each generation prompt, through the `<|user|>` or `<|observation|>` that
-ends the turn.
+tool while tools are declared. Cities in tool calls: from {piece_from}% of the steps on,
+{piece_pct}% are names strung from 1-4 random letter pieces of the tokenizer (a capitalised one
+first), so every piece is copied in training (from the start, the copying never formed: tool calls
+27%); the rest are 6,000 generated city-like names (some accented, some two words), ~90 real
+cities and the capitals. Loss only on the generated tokens: the text after each generation
+prompt, through the `<|user|>` or `<|observation|>` that ends the turn.
 
 Held out of training: 10% of the unordered pairs of 2-digit numbers, four capital phrasings, all
 evaluation cities (60 real ones and freshly generated names), a few tool phrasings.
