@@ -163,14 +163,14 @@ def test_concurrent_generations_on_one_engine_match_sequential_ones(glm):
     assert got == want
 
 
-def test_kv_dtype_is_f32_unless_overridden(converted, monkeypatch):
+def test_kv_dtype_follows_the_weights_and_the_override(converted, monkeypatch):
     monkeypatch.delenv("COLI_KV_DTYPE", raising=False)
-    wide = Engine(converted("glm4_moe", "int4"))
-    f32 = Engine(converted("glm4_moe", "f32"))
-    assert wide.info["kv_dtype"] == "f32" and f32.info["kv_dtype"] == "f32"
-    monkeypatch.setenv("COLI_KV_DTYPE", "f16")
     int4 = Engine(converted("glm4_moe", "int4"))
-    assert int4.info["kv_dtype"] == "f16"
+    f32 = Engine(converted("glm4_moe", "f32"))
+    assert int4.info["kv_dtype"] == "f16" and f32.info["kv_dtype"] == "f32"
+    monkeypatch.setenv("COLI_KV_DTYPE", "f32")
+    wide = Engine(converted("glm4_moe", "int4"))
+    assert wide.info["kv_dtype"] == "f32"
     assert wide.info["kv_bytes_per_token"] == 2 * int4.info["kv_bytes_per_token"]
     # f16 keys and values move the logits far less than int4 weights do (relative, Frobenius:
     # ~2% against ~46% on this random fixture; ~3e-4 with f32 weights).

@@ -195,33 +195,78 @@ const F16_CHUNK: usize = 32;
 pub fn attend(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked just above).
+        let f16c = std::arch::is_x86_feature_detected!("f16c");
+        if std::arch::is_x86_feature_detected!("avx512f") && f16c {
+            // SAFETY: the CPU has AVX-512F and F16C (checked just above).
             return unsafe { attend_avx512(q, a, scores, out) };
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && f16c
         {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
             return unsafe { attend_avx2(q, a, scores, out) };
         }
     }
-    attend_generic(q, a, scores, out)
+    attend_generic(q, a, scores, out, widen_portable)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 unsafe fn attend_avx512(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
-    attend_generic(q, a, scores, out)
+    attend_generic(q, a, scores, out, widen_checked)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
-    attend_generic(q, a, scores, out)
+    attend_generic(q, a, scores, out, widen_checked)
+}
+
+/// `dst[i] = src[i]` widened (exact): the `half` crate's conversion.
+fn widen_portable(src: &[half::f16], dst: &mut [f32]) {
+    half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+}
+
+/// `dst[i] = src[i]` widened with F16C's `vcvtph2ps`, eight at a time (exact, like
+/// [`widen_portable`]). Only reached from the attention paths chosen after detecting F16C.
+#[cfg(target_arch = "x86_64")]
+fn widen_checked(src: &[half::f16], dst: &mut [f32]) {
+    if std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU has F16C and AVX (F16C implies AVX; checked just above).
+        unsafe { widen_f16c(src, dst) }
+    } else {
+        widen_portable(src, dst)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn widen_f16c(src: &[half::f16], dst: &mut [f32]) {
+    use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    let n = src.len().min(dst.len());
+    let whole = n / 8 * 8;
+    for i in (0..whole).step_by(8) {
+        // SAFETY: i + 8 <= n, so 16 bytes of `src` and 32 of `dst` from i are in bounds;
+        // unaligned loads and stores.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+    }
+    for i in whole..n {
+        dst[i] = src[i].to_f32();
+    }
 }
 
 #[inline(always)]
-fn attend_generic(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
+fn attend_generic(
+    q: &[f32],
+    a: &AttendArgs,
+    scores: &mut [f32],
+    out: &mut [f32],
+    widen: fn(&[half::f16], &mut [f32]),
+) {
     let hd = q.len();
     let scores = &mut scores[..a.n];
     out.fill(0.0);
@@ -236,14 +281,14 @@ fn attend_generic(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]
             for (c, s) in scores.chunks_mut(F16_CHUNK).enumerate() {
                 let rows = c * F16_CHUNK * hd..(c * F16_CHUNK + s.len()) * hd;
                 let wide = &mut wide[..rows.len()];
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&keys[rows], wide);
+                widen(&keys[rows], wide);
                 score_rows(q, wide, a.scale, s);
             }
             softmax(scores);
             for (c, w) in scores.chunks(F16_CHUNK).enumerate() {
                 let rows = c * F16_CHUNK * hd..(c * F16_CHUNK + w.len()) * hd;
                 let wide = &mut wide[..rows.len()];
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&values[rows], wide);
+                widen(&values[rows], wide);
                 accumulate_rows(w, wide, out);
             }
         }
@@ -331,10 +376,25 @@ mod tests {
         let (mut s1, mut s2) = (vec![0.0; n], vec![0.0; n]);
         let (mut o1, mut o2) = (vec![0.0; hd], vec![0.0; hd]);
         attend(&q, &a, &mut s1, &mut o1);
-        attend_generic(&q, &a, &mut s2, &mut o2);
+        attend_generic(&q, &a, &mut s2, &mut o2, widen_portable);
         assert_eq!(o1, o2);
         let w: f32 = s2.iter().sum();
         assert!((w - 1.0).abs() < 1e-5);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16c_widening_is_exact_for_every_half() {
+        if !std::arch::is_x86_feature_detected!("f16c") {
+            return;
+        }
+        let all: Vec<half::f16> = (0..=u16::MAX).map(half::f16::from_bits).collect();
+        let (mut a, mut b) = (vec![0.0f32; all.len()], vec![0.0f32; all.len()]);
+        widen_checked(&all, &mut a);
+        widen_portable(&all, &mut b);
+        for (x, y) in a.iter().zip(&b) {
+            assert!(x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+        }
     }
 
     #[test]
