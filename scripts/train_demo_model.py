@@ -538,7 +538,7 @@ def main() -> None:
     )
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--n-eval", type=int, default=200)
-    ap.add_argument("--eval-seed", type=int, default=7)
+    ap.add_argument("--eval-seed", type=int, default=demo_data.EVAL_SEED)
     ap.add_argument("--no-convert", action="store_true", help="stop after the HF checkpoint")
     ap.add_argument("--ship", action="store_true", help="copy the int4 model into the package")
     ap.add_argument(

@@ -785,7 +785,7 @@ class NamePieces:
         self.inner = [p for p in letters if p[0].islower()]
         if not self.initial or not self.inner:
             raise ValueError("the tokenizer has no capitalised or no lower-case letter pieces")
-        self._held_out = set(EVAL_CITIES) | set(eval_city_names(1000, 7))
+        self._held_out = set(EVAL_CITIES) | set(eval_city_names(1000, EVAL_SEED))
 
     def name(self, rng: random.Random) -> str:
         while True:
@@ -900,6 +900,8 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
 # --- evaluation items ---------------------------------------------------------------------------
 
 EVAL_TASKS = ["arith", "capital", "tool_call", "tool_answer", "tool_unneeded", "chat", "memory"]
+# The evaluation's default seed (`colibri eval-demo`, the training script's card).
+EVAL_SEED = 7
 
 
 def eval_items(task: str, n: int, seed: int) -> list[dict]:

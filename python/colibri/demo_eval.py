@@ -87,7 +87,7 @@ def score(item: dict, text: str) -> bool:
 def evaluate(
     model_dir: str | Path = DEFAULT_MODEL,
     n_per_task: int = 200,
-    seed: int = 7,
+    seed: int = demo_data.EVAL_SEED,
     tasks: list[str] | None = None,
     threads: int | None = None,
     max_tokens: int = 96,
@@ -114,7 +114,6 @@ def evaluate(
     }
     for task in tasks or demo_data.EVAL_TASKS:
         items = demo_data.eval_items(task, n_per_task, seed)
-        correct = 0
         by_mode = {True: [0, 0], False: [0, 0]}  # thinking -> [correct, n]
         failures = []
         for item in items:
@@ -132,9 +131,7 @@ def evaluate(
             ok = score(item, text)
             by_mode[item["thinking"]][0] += ok
             by_mode[item["thinking"]][1] += 1
-            if ok:
-                correct += 1
-            elif len(failures) < 10:
+            if not ok and len(failures) < 10:
                 failures.append(
                     {
                         "prompt": item["messages"][-1]["content"],
@@ -143,6 +140,7 @@ def evaluate(
                         "expect": item["expect"],
                     }
                 )
+        correct = by_mode[True][0] + by_mode[False][0]
         out["tasks"][task] = {
             "accuracy": correct / max(1, len(items)),
             "n": len(items),
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m colibri.demo_eval", description=__doc__)
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="colibri model directory")
     ap.add_argument("--n", type=int, default=200, help="prompts per task")
-    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=demo_data.EVAL_SEED)
     ap.add_argument("--tasks", nargs="*", choices=demo_data.EVAL_TASKS)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", help="also write the full result (with failures) here")

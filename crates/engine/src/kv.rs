@@ -54,7 +54,7 @@ impl Block {
     }
 
     /// Copies `len` floats from `src[from..]` into `self[to..]` (same dtype).
-    fn copy_within_from(&mut self, to: usize, src: &Block, from: usize, len: usize) {
+    fn copy_from(&mut self, to: usize, src: &Block, from: usize, len: usize) {
         match (self, src) {
             (Block::F32(d), Block::F32(s)) => d[to..to + len].copy_from_slice(&s[from..from + len]),
             (Block::F16(d), Block::F16(s)) => d[to..to + len].copy_from_slice(&s[from..from + len]),
@@ -155,7 +155,7 @@ impl KvCache {
         for block in self.keys.iter_mut().chain(self.values.iter_mut()) {
             let mut grown = Block::new(self.dtype, self.kv_heads * cap * hd);
             for h in 0..self.kv_heads {
-                grown.copy_within_from(h * cap * hd, block, h * old_cap * hd, len * hd);
+                grown.copy_from(h * cap * hd, block, h * old_cap * hd, len * hd);
             }
             *block = grown;
         }
