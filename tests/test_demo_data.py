@@ -85,6 +85,24 @@ def test_eval_cities_never_occur_in_training():
             assert f'"{args["city"]}"' not in text, args["city"]
 
 
+def test_tool_items_name_the_source_of_their_city():
+    real = set(demo_data.EVAL_CITIES)
+    generated = set(demo_data.eval_city_names(200, 7))
+    seen = set()
+    for item in demo_data.eval_items("tool_call", 200, 7):
+        city = item["expect"]["call"]["arguments"].get("city")
+        expected = "no city" if city is None else "real" if city in real else "generated"
+        assert item["source"] == expected
+        if expected == "generated":
+            assert city in generated
+        seen.add(item["source"])
+    assert seen == {"real", "generated", "no city"}
+    answers = demo_data.eval_items("tool_answer", 40, 7)
+    assert {it["source"] for it in answers} == {"real", "no city"}  # real names come first
+    for task in ("arith", "capital", "chat"):
+        assert all("source" not in it for it in demo_data.eval_items(task, 5, 7))
+
+
 def test_some_eval_cities_are_not_ascii():
     cities = [
         item["expect"]["call"]["arguments"].get("city", "")

@@ -899,6 +899,7 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
 
 # --- evaluation items ---------------------------------------------------------------------------
 
+_EVAL_CITY_SET = frozenset(EVAL_CITIES)
 EVAL_TASKS = ["arith", "capital", "tool_call", "tool_answer", "tool_unneeded", "chat", "memory"]
 # The evaluation's default seed (`colibri eval-demo`, the training script's card).
 EVAL_SEED = 7
@@ -910,6 +911,8 @@ def eval_items(task: str, n: int, seed: int) -> list[dict]:
     Each item: ``messages`` (ending with a user or tool message), ``tools``, ``thinking`` and
     ``expect``: ``{"answer": str}`` (exact text after the reasoning), ``{"contains": [str]}``
     (the answer must contain each) or ``{"call": {"name": str, "arguments": {str: str}}}``.
+    Tool items also carry ``source``: where their city comes from (``city_source``), or
+    ``"no city"`` for a currency conversion.
     """
     rng = random.Random(f"{task}/{seed}")
     items: list[dict] = []
@@ -940,7 +943,9 @@ def eval_items(task: str, n: int, seed: int) -> list[dict]:
             declared = [tool] + [t for t in TOOLS if t != tool and rng.random() < 0.5]
             rng.shuffle(declared)
             tools = [TOOLS[t] for t in declared]
-            ep = tool_episode(rng, tool, cities[i % len(cities)], eval_phrasing=rng.random() < 0.3)
+            city = cities[i % len(cities)]
+            ep = tool_episode(rng, tool, city, eval_phrasing=rng.random() < 0.3)
+            source = "no city" if tool == "convert_currency" else city_source(city)
             messages = [{"role": "user", "content": ep["question"]}]
             if task == "tool_call":
                 expect = {
@@ -988,16 +993,24 @@ def eval_items(task: str, n: int, seed: int) -> list[dict]:
             expect = {"answer": recall_answer(num)}
         else:
             raise ValueError(f"unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
-        items.append(
-            {
-                "task": task,
-                "messages": messages,
-                "tools": tools,
-                "thinking": think,
-                "expect": expect,
-            }
-        )
+        item = {
+            "task": task,
+            "messages": messages,
+            "tools": tools,
+            "thinking": think,
+            "expect": expect,
+        }
+        if task in ("tool_call", "tool_answer"):
+            item["source"] = source
+        items.append(item)
     return items
+
+
+def city_source(city: str) -> str:
+    """Which held-out set an evaluation city is from: ``"real"`` (``EVAL_CITIES``, names the
+    tokenizer cuts into pieces learned from other words) or ``"generated"`` (city-like names
+    from ``eval_city_names``)."""
+    return "real" if city in _EVAL_CITY_SET else "generated"
 
 
 def corpus_texts(rng: random.Random, n: int) -> list[str]:

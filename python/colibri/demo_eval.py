@@ -96,7 +96,8 @@ def evaluate(
 
     Returns ``{"model": dir, "quantization": ..., "tasks": {task: {"accuracy", "n", "correct",
     "accuracy_thinking", "accuracy_no_thinking", "failures": [first few {"prompt", "output",
-    "expect"}]}}, "seconds": ...}``.
+    "expect"}]}}, "seconds": ...}``; the tool tasks add ``"by_source": {source: {"correct",
+    "n", "accuracy"}}``, split by where the city comes from (real, generated, no city).
     """
     from colibri.engine import Engine
 
@@ -115,6 +116,7 @@ def evaluate(
     for task in tasks or demo_data.EVAL_TASKS:
         items = demo_data.eval_items(task, n_per_task, seed)
         by_mode = {True: [0, 0], False: [0, 0]}  # thinking -> [correct, n]
+        by_source: dict[str, list[int]] = {}  # city source -> [correct, n] (tool tasks)
         failures = []
         for item in items:
             prompt = template.render(
@@ -131,6 +133,10 @@ def evaluate(
             ok = score(item, text)
             by_mode[item["thinking"]][0] += ok
             by_mode[item["thinking"]][1] += 1
+            if "source" in item:
+                tally = by_source.setdefault(item["source"], [0, 0])
+                tally[0] += ok
+                tally[1] += 1
             if not ok and len(failures) < 10:
                 failures.append(
                     {
@@ -149,6 +155,10 @@ def evaluate(
             "accuracy_no_thinking": by_mode[False][0] / max(1, by_mode[False][1]),
             "failures": failures,
         }
+        if by_source:
+            out["tasks"][task]["by_source"] = {
+                src: {"correct": c, "n": n, "accuracy": c / n} for src, (c, n) in by_source.items()
+            }
     out["seconds"] = time.time() - t0
     return out
 
@@ -163,6 +173,8 @@ def format_table(result: dict) -> str:
             f"{task:<15} {r['accuracy'] * 100:7.1f}% {r['n']:5d}   "
             f"{r['accuracy_thinking'] * 100:5.1f}% / {r['accuracy_no_thinking'] * 100:5.1f}%"
         )
+        for src, b in sorted(r.get("by_source", {}).items()):
+            lines.append(f"  {src:<13} {b['accuracy'] * 100:7.1f}% {b['n']:5d}")
     return "\n".join(lines)
 
 
