@@ -21,6 +21,14 @@ fn main() {
         let logits = model.forward(&prompt, &mut kv, false).expect("prefill");
         let prefill = t0.elapsed().as_secs_f64();
         model.end_turn().expect("end turn"); // the next turn profiles decode alone
+        let pp = model.last_profile();
+        println!(
+            "prefill ms: attention {:.1}, experts {:.1}, lm head {:.1}, other {:.1}",
+            pp.attention_s * 1e3,
+            pp.expert_matmul_s * 1e3,
+            pp.lm_head_s * 1e3,
+            pp.other_s * 1e3
+        );
         let mut tok = colibri_engine::sampler::argmax(&logits) as u32;
         let t1 = Instant::now();
         for _ in 0..tokens {

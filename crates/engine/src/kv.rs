@@ -92,6 +92,8 @@ pub struct KvCache {
     head_dim: usize,
     /// Positions each head block has room for.
     cap: usize,
+    /// Most positions the cache will ever hold (the model's context): growth stops there.
+    limit: usize,
     /// Positions stored (the same in every layer once a forward pass completes).
     pub len: usize,
 }
@@ -108,8 +110,16 @@ impl KvCache {
             kv_heads,
             head_dim,
             cap: 0,
+            limit: usize::MAX,
             len: 0,
         }
+    }
+
+    /// The same cache, never grown past `limit` positions (doubling would otherwise allocate
+    /// up to twice the context on the last growth).
+    pub fn with_limit(mut self, limit: usize) -> KvCache {
+        self.limit = limit.max(self.cap);
+        self
     }
 
     /// A cache holding `keys`/`values` given per layer as position-major f32 rows of `kv_dim`
@@ -150,7 +160,7 @@ impl KvCache {
         if need <= self.cap {
             return;
         }
-        let cap = need.max(self.cap * 2).max(MIN_CAP);
+        let cap = need.max((self.cap * 2).max(MIN_CAP).min(self.limit));
         let (hd, len, old_cap) = (self.head_dim, self.len, self.cap);
         for block in self.keys.iter_mut().chain(self.values.iter_mut()) {
             let mut grown = Block::new(self.dtype, self.kv_heads * cap * hd);
@@ -223,6 +233,26 @@ mod tests {
     fn rows(n: usize, kvd: usize, seed: f32) -> Vec<f32> {
         // Small integers: exact in f16 too, so both dtypes round-trip them.
         (0..n * kvd).map(|i| seed + (i % 997) as f32).collect()
+    }
+
+    #[test]
+    fn growth_doubles_but_stops_at_the_limit() {
+        let mut kv = KvCache::new(1, 2, 4, KvDtype::F16).with_limit(100);
+        kv.reserve(10);
+        assert_eq!(kv.cap, MIN_CAP);
+        kv.len = 64;
+        kv.reserve(1);
+        assert_eq!(kv.cap, 100, "doubling to 128 would pass the limit");
+        let mut free = KvCache::new(1, 2, 4, KvDtype::F16);
+        free.reserve(65);
+        assert_eq!(free.cap, 65.max(MIN_CAP));
+        free.len = 65;
+        free.reserve(1);
+        assert_eq!(free.cap, 130);
+        // A request past the limit is still served (the model refuses those before).
+        let mut small = KvCache::new(1, 2, 4, KvDtype::F32).with_limit(8);
+        small.reserve(20);
+        assert_eq!(small.cap, 20);
     }
 
     #[test]

@@ -48,7 +48,8 @@ impl Slot {
     ) -> Slot {
         let c = &model.cfg;
         let n = tokens.len();
-        let kv = KvCache::from_rows(c.num_kv_heads, c.head_dim, model.kv_dtype, n, keys, values);
+        let kv = KvCache::from_rows(c.num_kv_heads, c.head_dim, model.kv_dtype, n, keys, values)
+            .with_limit(c.max_positions);
         Slot {
             tokens,
             kv,

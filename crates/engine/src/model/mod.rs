@@ -536,6 +536,7 @@ impl Model {
             self.cfg.head_dim,
             self.kv_dtype,
         )
+        .with_limit(self.cfg.max_positions)
     }
 
     fn w(&self, l: &Linear) -> WeightRef<'_> {
