@@ -261,10 +261,19 @@ def test_spans_per_request(tmp_path):
             json={"model": MODEL, "messages": HELLO, "max_tokens": 5},
         )
         assert r.status_code == 200
+        # A caller's W3C trace context: the request's spans join the caller's trace.
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"traceparent": f"00-{CALLER_TRACE:032x}-{CALLER_SPAN:016x}-01"},
+        )
+        assert r.status_code == 200
     finally:
         stop.set()
         thread.join(timeout=10)
-    spans = {s.name: s for s in exporter.get_finished_spans()}
+    finished = exporter.get_finished_spans()
+    first = next(s for s in finished if s.name == "chat.completions").context.trace_id
+    spans = {s.name: s for s in finished if s.context.trace_id == first}
     assert {"chat.completions", "admission", "render", "prefill", "decode"} <= set(spans)
     root = spans["chat.completions"]
     assert root.attributes["colibri.model"] == MODEL
@@ -273,6 +282,16 @@ def test_spans_per_request(tmp_path):
     assert root.attributes["colibri.slot"] == 0
     for child in ("admission", "render", "prefill", "decode"):
         assert spans[child].parent.span_id == root.context.span_id
+    assert root.parent is None  # no traceparent sent: a trace of its own
+    joined = {s.name: s for s in finished if s.context.trace_id == CALLER_TRACE}
+    assert {"completions", "admission", "prefill", "decode"} <= set(joined)
+    assert joined["completions"].parent.span_id == CALLER_SPAN
+    assert joined["completions"].parent.is_remote
+    assert joined["decode"].parent.span_id == joined["completions"].context.span_id
+
+
+CALLER_TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+CALLER_SPAN = 0x00F067AA0BA902B7
 
 
 def test_streams_abandoned_at_any_moment_never_leak_a_slot(small_queue):

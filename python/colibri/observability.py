@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -28,6 +29,9 @@ from colibri.scheduler import Scheduler
 
 BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+# W3C trace context (`traceparent`, `tracestate`) of incoming requests.
+_TRACE_CONTEXT = TraceContextTextMapPropagator()
 
 _GAUGES = {
     "active": "Requests admitted to a KV slot and not finished",
@@ -139,13 +143,17 @@ class RequestObserver:
         name: str,
         model: str,
         request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        """``headers``: the request's, so a W3C ``traceparent`` from the caller makes this
+        request's spans part of the caller's trace (ignored when absent or malformed)."""
         self._tracer = tracer
         self._metrics = metrics
         attributes = {"colibri.model": model}
         if request_id is not None:
             attributes["colibri.request_id"] = request_id  # spans only, never metric labels
-        self.root: Span = tracer.start_span(name, attributes=attributes)
+        parent = _TRACE_CONTEXT.extract(headers) if headers is not None else None
+        self.root: Span = tracer.start_span(name, context=parent, attributes=attributes)
         self._ctx = trace.set_span_in_context(self.root)
         self._engine_start = 0.0
         self._first_token: float | None = None

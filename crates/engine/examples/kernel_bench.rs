@@ -144,6 +144,9 @@ fn main() {
         let x64: Vec<f32> = (0..n64 * cols).map(|_| rng.f32()).collect();
         let mut a64 = Q8Acts::new();
         a64.quantize(&x64, n64, cols);
+        // An expert's share of a 64-token prefill (64 experts, top-8): ~8 tokens.
+        let mut a8 = Q8Acts::new();
+        a8.quantize(&x64[..8 * cols], 8, cols);
         let mut out = vec![0.0f32; n64 * rows];
         println!(
             "\n== q4 {rows} x {cols} ({:.2} MB per matrix; DRAM set: {set} matrices, {:.0} MB)",
@@ -166,21 +169,26 @@ fn main() {
                 }
                 black_box(&out);
             }) / set as f64;
-            let pre = if k == Kernel::Scalar && quick {
-                f64::NAN
-            } else {
-                time(min, || {
-                    q4_matmul(k, &w0, &a64, &mut out, rows, 0..rows);
-                    black_box(&out);
-                })
+            let batch = |a: &Q8Acts, out: &mut [f32]| {
+                if k == Kernel::Scalar && quick {
+                    f64::NAN
+                } else {
+                    time(min, || {
+                        q4_matmul(k, &w0, a, out, rows, 0..rows);
+                        black_box(&*out);
+                    })
+                }
             };
+            let pre = batch(&a64, &mut out);
+            let pre8 = batch(&a8, &mut out);
             println!(
-                "{:>7}: n=1 hot {:6.2} GB/s | n=1 DRAM {:6.2} GB/s | n=64 {:8.0} tok/s ({:6.1} GMAC/s)",
+                "{:>7}: n=1 hot {:6.2} GB/s | n=1 DRAM {:6.2} GB/s | n=64 {:8.0} tok/s ({:6.1} GMAC/s) | n=8 {:6.1} GMAC/s",
                 k.name(),
                 bytes_one as f64 / hot / 1e9,
                 bytes_one as f64 / dram / 1e9,
                 n64 as f64 / pre,
-                (n64 * rows * cols) as f64 / pre / 1e9
+                (n64 * rows * cols) as f64 / pre / 1e9,
+                (8 * rows * cols) as f64 / pre8 / 1e9
             );
         }
     }

@@ -94,7 +94,7 @@ async def messages(request: Request) -> Response:
     req = parse_messages(await read_json(request), model.config.max_tokens)
     chat = req.chat
     model.check_model(chat.model)
-    observer = model.observe("messages", request_id(request))
+    observer = model.observe("messages", request_id(request), request.headers)
     try:
         spec = chat_spec(model, chat, observer)
     except BaseException:
@@ -273,7 +273,7 @@ async def count_tokens(request: Request) -> Response:
     model = served(request)
     req = parse_messages(await read_json(request), model.config.max_tokens, count_only=True)
     model.check_model(req.chat.model)
-    observer = model.observe("count_tokens", request_id(request))
+    observer = model.observe("count_tokens", request_id(request), request.headers)
     try:
         spec = chat_spec(model, req.chat, observer, check_budget=False)
     finally:

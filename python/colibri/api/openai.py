@@ -70,7 +70,7 @@ async def chat_completions(request: Request) -> Response:
     model = served(request)
     req = parse_chat(await read_json(request), model.config.max_tokens)
     model.check_model(req.model)
-    observer = model.observe("chat.completions", request_id(request))
+    observer = model.observe("chat.completions", request_id(request), request.headers)
     try:
         spec = chat_spec(model, req, observer)
     except BaseException:
@@ -171,7 +171,7 @@ async def completions(request: Request) -> Response:
     model = served(request)
     req = parse_completion(await read_json(request), default_max_tokens=16)
     model.check_model(req.model)
-    observer = model.observe("completions", request_id(request))
+    observer = model.observe("completions", request_id(request), request.headers)
     try:
         ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
         if not ids:

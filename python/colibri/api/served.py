@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from colibri.api.errors import ApiError
@@ -64,8 +65,13 @@ class ServedModel:
     def _released(self, lease: Lease, outcome: str, held_s: float) -> None:
         self.metrics.slot_duration.observe(held_s)
 
-    def observe(self, name: str, request_id: str | None = None) -> RequestObserver:
-        return RequestObserver(self.tracer, self.metrics, name, self.id, request_id)
+    def observe(
+        self,
+        name: str,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> RequestObserver:
+        return RequestObserver(self.tracer, self.metrics, name, self.id, request_id, headers)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:

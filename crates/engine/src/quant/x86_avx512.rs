@@ -203,6 +203,45 @@ unsafe fn q4_rows_tokens<const R: usize>(
     }
 }
 
+/// As [`q4_rows_tokens`], in runs of up to 8 tokens (for tiles of at most 2 rows: 2 x 8
+/// accumulators plus the unpacked weights and one token's activations fill the 32 registers).
+///
+/// # Safety
+/// As `q4_rows`, for rows `r0..r0 + R` and tokens `ts`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4_rows_tokens8<const R: usize>(
+    w: &Q4Matrix,
+    r0: usize,
+    x: &Q8Acts,
+    ts: Range<usize>,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let mut t = ts.start;
+    while t < ts.end {
+        // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
+        unsafe {
+            match ts.end - t {
+                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride),
+                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride),
+                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride),
+                4 => q4_run::<R, 4>(w, r0, x, t, out, out_stride),
+                5 => q4_run::<R, 5>(w, r0, x, t, out, out_stride),
+                6 => q4_run::<R, 6>(w, r0, x, t, out, out_stride),
+                7 => q4_run::<R, 7>(w, r0, x, t, out, out_stride),
+                _ => q4_run::<R, 8>(w, r0, x, t, out, out_stride),
+            }
+        }
+        t += (ts.end - t).min(8);
+    }
+}
+
+/// Prefill tile shape under test (`COLI_TILE=2x8`; default 3 rows x 4 tokens).
+fn tile_2x8() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("COLI_TILE").is_ok_and(|v| v == "2x8"))
+}
+
 /// `out[t * out_stride + r] = dot(w[r], x[t])`.
 ///
 /// # Safety
@@ -230,7 +269,15 @@ pub(crate) unsafe fn q4_rows(
             let left = rows.end - r;
             // SAFETY: rows r..r+R are inside `rows` (R <= left), tokens t0..t1 inside 0..n.
             unsafe {
-                if n > 1 && left >= 3 {
+                if n > 1 && tile_2x8() {
+                    if left >= 2 {
+                        q4_rows_tokens8::<2>(w, r, x, t0..t1, out, out_stride);
+                        r += 2;
+                    } else {
+                        q4_rows_tokens8::<1>(w, r, x, t0..t1, out, out_stride);
+                        r += 1;
+                    }
+                } else if n > 1 && left >= 3 {
                     q4_rows_tokens::<3>(w, r, x, t0..t1, out, out_stride);
                     r += 3;
                 } else if n > 1 && left >= 2 {
