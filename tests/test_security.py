@@ -425,7 +425,8 @@ def test_preflight_accepts_the_sdk_headers(client: TestClient):
         "anthropic-version, anthropic-beta, anthropic-dangerous-direct-browser-access, x-api-key, "
         "content-type, x-stainless-arch, x-stainless-lang, x-stainless-os, "
         "x-stainless-package-version, x-stainless-retry-count, x-stainless-runtime, "
-        "x-stainless-runtime-version, x-stainless-timeout, x-stainless-helper-method, x-request-id"
+        "x-stainless-runtime-version, x-stainless-timeout, x-stainless-helper-method, "
+        "x-request-id, traceparent, tracestate"
     )
     r = client.options("/v1/messages", headers=preflight(VITE, sdk_headers))
     assert r.status_code == 200, r.text

@@ -263,3 +263,32 @@ def test_kv_slots_that_cannot_fit_memory_are_refused():
     check_kv_memory(2, 2048, 512)  # a few MB: fits
     with pytest.raises(StartupRefused, match="--kv-slots 16 needs up to"):
         check_kv_memory(16, 1 << 30, 1 << 20)
+
+
+def test_an_unexpected_error_is_a_500_in_the_protocol_shape_with_cors(monkeypatch):
+    """Fault injection: the engine raising where no one expects it. The 500 still carries the
+    CORS and request-id headers (Starlette's own last-resort handler sits outside them)."""
+    from starlette.testclient import TestClient
+
+    from colibri.api.app import create_app
+    from colibri.api.served import ServedModel, ServerConfig
+
+    served = ServedModel(
+        Engine(builtin_model_dir(), threads=1), ServerConfig(model_id="m"), 0, None
+    )
+
+    def broken() -> list:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(served.engine, "profiles", broken)
+    client = TestClient(
+        create_app(served), base_url="http://127.0.0.1", raise_server_exceptions=False
+    )
+    origin = "http://localhost:5173"
+    r = client.get("/v1/colibri/profile", headers={"Origin": origin})
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
+    assert "injected fault" in r.json()["error"]["message"]
+    assert r.headers["access-control-allow-origin"] == origin
+    assert r.headers["x-request-id"]
+    assert client.get("/health").json()["status"] == "ok"  # and the server goes on

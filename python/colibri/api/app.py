@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from colibri.api import anthropic, openai
 from colibri.api.admission import ClientGone, client_gone_response
@@ -88,6 +89,37 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(request.url.path, err)
 
 
+class InternalErrorMiddleware:
+    """The 500 for an exception escaping a route, answered inside the middleware stack.
+
+    Starlette's handler for ``Exception`` runs outside every middleware, so its response would
+    miss the CORS headers (a browser client would see a CORS failure instead of the error).
+    Innermost, this answers first; once a response has started it can only re-raise.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise
+            response = await _unexpected(Request(scope), exc)
+            await response(scope, receive, send)
+
+
 def create_app(served: ServedModel) -> ASGIApp:
     """The ASGI app: the Starlette routes inside the request-id layer (outermost, so even a
     response from Starlette's last-resort error handler carries an id)."""
@@ -116,11 +148,14 @@ def _starlette_app(served: ServedModel) -> Starlette:
     app = Starlette(
         lifespan=lifespan,
         routes=routes,
-        middleware=security_middleware(
-            api_key=config.api_key,
-            allowed_hosts=config.allowed_hosts,
-            cors_origins=config.cors_origins,
-        ),
+        middleware=[
+            *security_middleware(
+                api_key=config.api_key,
+                allowed_hosts=config.allowed_hosts,
+                cors_origins=config.cors_origins,
+            ),
+            Middleware(InternalErrorMiddleware),
+        ],
         exception_handlers={
             ApiError: _api_error,
             ClientGone: _client_gone,

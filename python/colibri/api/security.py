@@ -53,6 +53,9 @@ CORS_ALLOW_HEADERS = (
     "x-stainless-runtime",
     "x-stainless-runtime-version",
     "x-stainless-timeout",
+    # W3C trace context, from browser OpenTelemetry instrumentation (joins the caller's trace).
+    "traceparent",
+    "tracestate",
 )
 CORS_EXPOSE_HEADERS = ("x-request-id", "x-colibri-queue-wait-ms", "retry-after")
 
