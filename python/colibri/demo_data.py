@@ -738,15 +738,26 @@ SYSTEM_PROMPTS = [
 
 # (task, weight) for one episode of a training conversation.
 TRAIN_MIX = [
-    ("arith", 46),
+    ("arith", 38),
     ("capital", 9),
     ("reverse", 1),
-    ("tool", 28),
+    ("tool", 32),
     ("no_tool", 2),
     ("chat", 3),
     ("memory", 4),
     ("tool_unneeded", 7),
+    ("echo", 4),
 ]
+# A name to say back (training only): short episodes that are nothing but a copy, the skill the
+# tool calls need for cities never seen in training.
+ECHO_QUESTIONS = [
+    "Please repeat this name exactly: {name}",
+    "Say the name {name} back to me.",
+    "Echo this place name: {name}",
+]
+# Share of tool-call turns trained with thinking on (calls without thinking copy the city straight
+# from the question, the harder case: more of those).
+TOOL_THINK_P = 0.4
 # Share of addition turns (and other bare-number answers) trained with thinking on.
 ARITH_THINK_P = 0.25
 # Episodes per conversation. Several per conversation amortise the prompt that only conditions
@@ -857,7 +868,7 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
         if task == "tool" and declared:
             tool = rng.choice(declared)
             ep = tool_episode(rng, tool, _train_city(rng, pieces), eval_phrasing=False)
-            think = rng.random() < 0.5
+            think = rng.random() < TOOL_THINK_P
             messages.append({"role": "user", "content": ep["question"]})
             messages.append(
                 tool_call_message(ep["tool"], ep["arguments"], ep["trace"] if think else None)
@@ -888,6 +899,9 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
             for _ in range(rng.choice([0, 1, 1, 2])):
                 say(*_simple_turn(rng, rng.choice(["arith", "capital", "chat"]), False))
             say(rng.choice(RECALL_QUESTIONS), recall_answer(n), f"The user said {n} earlier.")
+        elif task == "echo":
+            name = _train_city(rng, pieces)
+            say(rng.choice(ECHO_QUESTIONS).format(name=name), name, f"The name is {name}.")
         elif task == "tool_unneeded":
             say(*_simple_turn(rng, rng.choice(["arith", "capital", "chat"]), False))
         else:
