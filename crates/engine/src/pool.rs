@@ -106,6 +106,22 @@ impl Pool {
         self.workers.len() + 1
     }
 
+    /// `[f(0), f(1), ..]` for `i < tasks`, computed over the pool (as [`Pool::run`]).
+    pub fn map<T: Send, F: Fn(usize) -> T + Sync>(&self, tasks: usize, f: F) -> Vec<T> {
+        let outs: Vec<Mutex<Option<T>>> = (0..tasks).map(|_| Mutex::new(None)).collect();
+        self.run(tasks, |i| {
+            let v = f(i);
+            *outs[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(v);
+        });
+        outs.into_iter()
+            .map(|m| {
+                m.into_inner()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .expect("run calls every task once")
+            })
+            .collect()
+    }
+
     /// Calls `f(i)` for every `i < tasks`, spread over the pool; returns when all are done.
     /// A panic in a task is re-raised here.
     pub fn run<F: Fn(usize) + Sync>(&self, tasks: usize, f: F) {
@@ -219,6 +235,18 @@ mod tests {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn map_keeps_the_order_of_the_tasks() {
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).unwrap();
+            for tasks in [0, 1, 5, 64] {
+                let v: Vec<String> = pool.map(tasks, |i| format!("t{i}"));
+                let want: Vec<String> = (0..tasks).map(|i| format!("t{i}")).collect();
+                assert_eq!(v, want);
+            }
         }
     }
 

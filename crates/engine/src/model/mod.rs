@@ -943,21 +943,25 @@ impl Model {
             .expert_layout
             .as_ref()
             .is_some_and(|l| l.parts[0].dtype == DType::Q4);
-        // Inputs per expert: the shared activations when every token goes there (decode).
-        let inputs: Vec<Option<Acts>> = experts
-            .iter()
-            .map(|(_, toks)| {
+        // Inputs per expert: the shared activations when every token goes there (decode);
+        // otherwise gathered and quantized over the pool (serial, they took ~10% of a prefill).
+        let inputs: Vec<Option<Acts>> = if n == 1 {
+            experts.iter().map(|_| None).collect()
+        } else {
+            let xr = &*x;
+            self.pool.map(experts.len(), |j| {
+                let toks = &experts[j].1;
                 (toks.len() != n).then(|| {
                     let mut xs = Vec::with_capacity(toks.len() * h);
                     for &(t, _) in toks {
-                        xs.extend_from_slice(&x.x[t * h..(t + 1) * h]);
+                        xs.extend_from_slice(&xr.x[t * h..(t + 1) * h]);
                     }
                     let mut a = Acts::from_vec(xs, toks.len(), h);
                     a.prepare(q4);
                     a
                 })
             })
-            .collect();
+        };
         x.prepare(q4);
         let x = &*x;
         let mut downs: Vec<Vec<f32>> = vec![Vec::new(); experts.len()];
@@ -1006,13 +1010,25 @@ impl Model {
                 pass.times.io_wait += batch.io_wait();
             }
         }
-        let mut y = vec![0.0f32; n * h];
-        for ((_, toks), d) in experts.iter().zip(&downs) {
+        // Each token's sum runs in expert order (as the reference sums), a token per task.
+        let mut parts: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); n]; // (expert, row, w)
+        for (e, (_, toks)) in experts.iter().enumerate() {
             for (j, &(t, w)) in toks.iter().enumerate() {
-                for (a, b) in y[t * h..(t + 1) * h].iter_mut().zip(&d[j * h..(j + 1) * h]) {
+                parts[t].push((e, j, w));
+            }
+        }
+        let mut y = vec![0.0f32; n * h];
+        let sum = |t: usize, yt: &mut [f32]| {
+            for &(e, j, w) in &parts[t] {
+                for (a, b) in yt.iter_mut().zip(&downs[e][j * h..(j + 1) * h]) {
                     *a += w * *b;
                 }
             }
+        };
+        if n == 1 {
+            sum(0, &mut y);
+        } else {
+            for_each_chunk_mut(&self.pool, &mut y, h, sum);
         }
         Ok(y)
     }
@@ -1039,8 +1055,7 @@ impl Model {
         let toks = |i: usize| experts[i].1.len();
         let threads = self.pool.threads();
         if x.n == 1 && threads > 1 && group.len().is_multiple_of(threads) && whole_experts() {
-            let outs: Vec<Mutex<Vec<f32>>> = group.iter().map(|_| Mutex::default()).collect();
-            self.pool.run(group.len(), |j| {
+            let outs = self.pool.map(group.len(), |j| {
                 let (i, w) = &group[j];
                 let xin = inputs[*i].as_ref().unwrap_or(x);
                 let n = toks(*i);
@@ -1052,10 +1067,10 @@ impl Model {
                 hid.prepare(q4);
                 let mut out = vec![0.0; n * h];
                 matmul_whole(self.kernel, w[2], &hid, &mut out);
-                *outs[j].lock().unwrap_or_else(|e| e.into_inner()) = out;
+                out
             });
             for ((i, _), out) in group.iter().zip(outs) {
-                downs[*i] = out.into_inner().unwrap_or_else(|e| e.into_inner());
+                downs[*i] = out;
             }
             return;
         }
@@ -1078,17 +1093,16 @@ impl Model {
             }
             matmul_many(&self.pool, self.kernel, &mut jobs);
         }
-        let hidden: Vec<Acts> = gate_up
-            .chunks_exact_mut(2)
-            .zip(group)
-            .map(|(gu, (i, _))| {
-                let (g, u) = gu.split_at_mut(1);
-                ops::silu_mul(&mut g[0], &u[0]);
-                let mut a = Acts::from_vec(std::mem::take(&mut g[0]), toks(*i), mi);
-                a.prepare(q4);
-                a
-            })
-            .collect();
+        let pairs: Vec<Mutex<&mut [Vec<f32>]>> =
+            gate_up.chunks_exact_mut(2).map(Mutex::new).collect();
+        let hidden: Vec<Acts> = self.pool.map(group.len(), |j| {
+            let mut gu = pairs[j].lock().unwrap_or_else(|e| e.into_inner());
+            let (g, u) = gu.split_at_mut(1);
+            ops::silu_mul(&mut g[0], &u[0]);
+            let mut a = Acts::from_vec(std::mem::take(&mut g[0]), toks(group[j].0), mi);
+            a.prepare(q4);
+            a
+        });
         let mut outs: Vec<Vec<f32>> = group.iter().map(|&(i, _)| vec![0.0; toks(i) * h]).collect();
         {
             let mut jobs: Vec<Job> = group
