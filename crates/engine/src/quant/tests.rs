@@ -241,8 +241,10 @@ fn q4_matmul_n_zero_and_empty_rows() {
 
 #[test]
 fn prefill_larger_n_matches_scalar() {
-    // Enough tokens to span several token blocks of the SIMD kernels.
-    let (rows, cols, n) = (10, 2080, 70);
+    // Enough tokens to span several token blocks of the SIMD kernels, and (500 rows of 2080
+    // columns) several row chunks with a ragged last one, over the whole range and a sub-range
+    // starting off the tile grid.
+    let (rows, cols, n) = (500, 2080, 70);
     let c = case(rows, cols, n, 4242);
     let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
     let mut a = Q8Acts::new();
@@ -250,9 +252,19 @@ fn prefill_larger_n_matches_scalar() {
     let mut want = vec![0.0; n * rows];
     q4_matmul(Kernel::Scalar, &w, &a, &mut want, rows, 0..rows);
     for k in available() {
-        let mut got = vec![0.0; n * rows];
-        q4_matmul(k, &w, &a, &mut got, rows, 0..rows);
-        assert!(rel_max_diff(&got, &want) < 1e-5, "{}", k.name());
+        for range in [0..rows, 7..rows] {
+            let mut got = want.clone();
+            for t in 0..n {
+                got[t * rows + range.start..(t + 1) * rows].fill(f32::NAN);
+            }
+            q4_matmul(k, &w, &a, &mut got, rows, range.clone());
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "{} left outputs unwritten",
+                k.name()
+            );
+            assert!(rel_max_diff(&got, &want) < 1e-5, "{} {range:?}", k.name());
+        }
     }
 }
 

@@ -35,11 +35,40 @@ impl ActPtr {
     }
 }
 
-/// Activation vectors per block: enough to keep a block's activations (64 bytes per group)
-/// within ~384 KiB of L2 while the weights stream by once per block; a multiple of 4.
-pub(crate) fn token_block(x: &Q8Acts) -> usize {
+/// Activations per token block: at most half of Zen 4's 48 KiB L1d (64 bytes per group).
+/// Measured single-thread at 64 tokens (`kernel_bench`, AVX-512): 16-32 KiB give 180-200
+/// GMAC/s, 48 KiB and more 155-175.
+const L1_BLOCK_BYTES: usize = 24 << 10;
+/// Weights per row chunk: a quarter of a 1 MiB L2, re-read from there by each token block.
+const L2_CHUNK_BYTES: usize = 256 << 10;
+
+/// Calls `f(rows, tokens)` for the blocks of a product over `rows` and every token of `x`:
+/// rows in chunks whose weights stay in L2 (a multiple of 6 rows, so 2- and 3-row tiles fit),
+/// and within a chunk tokens in blocks whose activations stay in L1 (a multiple of 4, the token
+/// tile). The weights then come from memory once and the innermost loop reads activations from
+/// L1; with one block of up to 96 tokens (384 KiB), every tile re-read 4 KiB per token from L2
+/// (AVX-512 at 64 tokens: 157-173 -> 184-204 GMAC/s). Decode (one token) is one block per
+/// chunk, the chunks back to back: one sequential stream per thread as without them.
+pub(crate) fn for_each_block(
+    w: &Q4Matrix,
+    x: &Q8Acts,
+    rows: Range<usize>,
+    mut f: impl FnMut(Range<usize>, Range<usize>),
+) {
     let per_token = x.padded_groups() * 64;
-    ((384 << 10) / per_token.max(1)).clamp(4, 256) / 4 * 4
+    let tb = (L1_BLOCK_BYTES / per_token.max(1)).clamp(4, 256) / 4 * 4;
+    let rc = (L2_CHUNK_BYTES / (w.groups() * 18).max(1)).max(6) / 6 * 6;
+    let mut c0 = rows.start;
+    while c0 < rows.end {
+        let c1 = (c0 + rc).min(rows.end);
+        let mut t0 = 0;
+        while t0 < x.n() {
+            let t1 = (t0 + tb).min(x.n());
+            f(c0..c1, t0..t1);
+            t0 = t1;
+        }
+        c0 = c1;
+    }
 }
 
 #[target_feature(enable = "avx,sse3")]
@@ -237,26 +266,21 @@ pub(crate) unsafe fn q4_rows(
     out_stride: usize,
     rows: Range<usize>,
 ) {
-    let n = x.n();
-    let tb = token_block(x);
-    let mut t0 = 0;
-    while t0 < n {
-        let t1 = (t0 + tb).min(n);
-        let mut r = rows.start;
-        while r < rows.end {
-            // SAFETY: rows r..r+R are inside `rows`, tokens t0..t1 inside 0..n.
+    for_each_block(w, x, rows, |chunk, ts| {
+        let mut r = chunk.start;
+        while r < chunk.end {
+            // SAFETY: rows r..r+R are inside `rows`, tokens `ts` inside 0..n.
             unsafe {
-                if rows.end - r >= 2 {
-                    q4_rows_tokens::<2>(w, r, x, t0..t1, out, out_stride);
+                if chunk.end - r >= 2 {
+                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride);
                     r += 2;
                 } else {
-                    q4_rows_tokens::<1>(w, r, x, t0..t1, out, out_stride);
+                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride);
                     r += 1;
                 }
             }
         }
-        t0 = t1;
-    }
+    });
 }
 
 /// f32 dots of `R` rows with `T` vectors.

@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::x86_avx2::ActPtr;
+use super::x86_avx2::{for_each_block, ActPtr};
 use super::{Q4Matrix, Q8Acts};
 
 /// Software prefetch distance in each row's byte stream, bytes.
@@ -218,62 +218,29 @@ pub(crate) unsafe fn q4_rows(
     rows: Range<usize>,
 ) {
     let n = x.n();
-    let tb = l1_token_block(x);
-    let rc = l2_row_chunk(w);
-    // Rows in chunks whose weights stay in L2, and within a chunk tokens in blocks whose
-    // activations stay in L1: the weights come from memory once and the activations of the
-    // innermost loop from L1 (one block over all rows re-read 4 KiB of activations per token
-    // from L2 for every tile: 160 -> 180-200 GMAC/s at 64 tokens). Decode (n = 1) is one block:
-    // the chunks run back to back, one sequential stream per thread as before.
-    let mut c0 = rows.start;
-    while c0 < rows.end {
-        let c1 = (c0 + rc).min(rows.end);
-        let mut t0 = 0;
-        while t0 < n {
-            let t1 = (t0 + tb).min(n);
-            let mut r = c0;
-            // Single rows for decode (n = 1), 3 rows x 4 tokens for prefill (measured best on
-            // Zen 4): with one row at a time each thread reads its rows as one sequential
-            // stream, which gave ~15% more decode throughput than 2-row tiles at 1 and 2
-            // threads.
-            while r < c1 {
-                let left = c1 - r;
-                // SAFETY: rows r..r+R are inside `rows` (R <= left), tokens t0..t1 inside 0..n.
-                unsafe {
-                    if n > 1 && left >= 3 {
-                        q4_rows_tokens::<3>(w, r, x, t0..t1, out, out_stride);
-                        r += 3;
-                    } else if n > 1 && left >= 2 {
-                        q4_rows_tokens::<2>(w, r, x, t0..t1, out, out_stride);
-                        r += 2;
-                    } else {
-                        q4_rows_tokens::<1>(w, r, x, t0..t1, out, out_stride);
-                        r += 1;
-                    }
+    // Blocks that keep weights in L2 and activations in L1 (see `for_each_block`).
+    for_each_block(w, x, rows, |chunk, ts| {
+        let mut r = chunk.start;
+        // Single rows for decode (n = 1), 3 rows x 4 tokens for prefill (measured best on Zen
+        // 4): with one row at a time each thread reads its rows as one sequential stream, which
+        // gave ~15% more decode throughput than 2-row tiles at 1 and 2 threads.
+        while r < chunk.end {
+            let left = chunk.end - r;
+            // SAFETY: rows r..r+R are inside `rows` (R <= left), tokens `ts` inside 0..n.
+            unsafe {
+                if n > 1 && left >= 3 {
+                    q4_rows_tokens::<3>(w, r, x, ts.clone(), out, out_stride);
+                    r += 3;
+                } else if n > 1 && left >= 2 {
+                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride);
+                    r += 2;
+                } else {
+                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride);
+                    r += 1;
                 }
             }
-            t0 = t1;
         }
-        c0 = c1;
-    }
-}
-
-/// Activations per token block: at most half of Zen 4's 48 KiB L1d (64 bytes per group), a
-/// multiple of 4 (the tile), at least 4. Measured single-thread at 64 tokens (`kernel_bench`):
-/// 16-32 KiB give 180-200 GMAC/s, 48 KiB and more 155-175.
-const L1_BLOCK_BYTES: usize = 24 << 10;
-/// Weights per row chunk: a quarter of the 1 MiB L2, re-read from there by each token block.
-const L2_CHUNK_BYTES: usize = 256 << 10;
-
-fn l1_token_block(x: &Q8Acts) -> usize {
-    let per_token = x.padded_groups() * 64;
-    (L1_BLOCK_BYTES / per_token.max(1)).clamp(4, 256) / 4 * 4
-}
-
-/// Rows per chunk: about `L2_CHUNK_BYTES` of weights, a multiple of 3 (the tile).
-fn l2_row_chunk(w: &Q4Matrix) -> usize {
-    let row_bytes = w.groups() * 18;
-    (L2_CHUNK_BYTES / row_bytes.max(1)).max(3) / 3 * 3
+    });
 }
 
 /// f32 dots of `R` rows with `T` vectors (masked loads for the last partial 16 columns).
