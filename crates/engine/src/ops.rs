@@ -360,13 +360,17 @@ mod tests {
         assert_eq!(&x[4..], &orig[4..], "dims past rotary_dim pass through");
     }
 
+    /// Deterministic test values in [-0.7, 0.7).
+    fn wave(i: usize) -> f32 {
+        ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7
+    }
+
     #[test]
     fn attend_paths_give_identical_bits() {
         let (n, hd) = (37, 24);
-        let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7;
-        let keys: Vec<f32> = (0..n * hd).map(f).collect();
-        let values: Vec<f32> = (0..n * hd).map(|i| f(i + 3)).collect();
-        let q: Vec<f32> = (0..hd).map(|i| f(i * 13)).collect();
+        let keys: Vec<f32> = (0..n * hd).map(wave).collect();
+        let values: Vec<f32> = (0..n * hd).map(|i| wave(i + 3)).collect();
+        let q: Vec<f32> = (0..hd).map(|i| wave(i * 13)).collect();
         let a = AttendArgs {
             keys: HeadRows::F32(&keys),
             values: HeadRows::F32(&values),
@@ -401,12 +405,11 @@ mod tests {
     fn f16_rows_attend_exactly_as_their_f32_widening() {
         use half::f16;
         let hd = 24;
-        let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7;
-        let q: Vec<f32> = (0..hd).map(|i| f(i * 13)).collect();
+        let q: Vec<f32> = (0..hd).map(|i| wave(i * 13)).collect();
         // Lengths around the widening chunk and the four-position groups.
         for n in [1, 3, 31, 32, 33, 70, 130] {
-            let k16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(f(i))).collect();
-            let v16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(f(i + 3))).collect();
+            let k16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(wave(i))).collect();
+            let v16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(wave(i + 3))).collect();
             let k32: Vec<f32> = k16.iter().map(|x| x.to_f32()).collect();
             let v32: Vec<f32> = v16.iter().map(|x| x.to_f32()).collect();
             let half = AttendArgs {
@@ -431,11 +434,10 @@ mod tests {
 
     #[test]
     fn interleaved_dots_are_dot_bit_for_bit() {
-        let f = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7;
         for len in [1, 7, 8, 24, 128, 131] {
-            let q: Vec<f32> = (0..len).map(|i| f(i * 13)).collect();
+            let q: Vec<f32> = (0..len).map(|i| wave(i * 13)).collect();
             let rows: Vec<Vec<f32>> = (0..DOTS)
-                .map(|r| (0..len).map(|i| f(i + 101 * r)).collect())
+                .map(|r| (0..len).map(|i| wave(i + 101 * r)).collect())
                 .collect();
             let got = dots(&q, std::array::from_fn(|r| rows[r].as_slice()));
             for (g, row) in got.iter().zip(&rows) {

@@ -1037,8 +1037,8 @@ impl Model {
     /// matrices)`); writes each expert's down output to `downs`. Decoding (one token) with as
     /// many experts as a whole number of rounds of the pool's threads, each thread takes whole
     /// experts, one parallel region; otherwise every product's rows are split over the threads,
-    /// two regions (gate and up, then down). Either way each output row is one thread's
-    /// computation, so the results are the same.
+    /// three regions (gate and up; SiLU and quantizing each expert's hidden; down). Either way
+    /// each output row is one thread's computation, so the results are the same.
     fn expert_group(
         &self,
         group: &[(usize, [WeightRef; 3])],
