@@ -109,11 +109,15 @@ def builtin_prompt_ids(engine, messages, thinking: bool = False) -> list[int]:
     template: the in-process oracle for prompt sizes and greedy outputs."""
     from colibri.builtin import CHAT_TEMPLATE
     from colibri.chat.families import GLM
+    from colibri.chat.literal import shield, tokenize_shielded
     from colibri.chat.render import render_chat
     from colibri.chat.template import ChatTemplate
 
-    rendered = render_chat(ChatTemplate(CHAT_TEMPLATE), GLM, messages, enable_thinking=thinking)
-    return engine.tokenize(rendered.text)
+    shielded = shield(messages, engine.special_tokens)
+    rendered = render_chat(
+        ChatTemplate(CHAT_TEMPLATE), GLM, shielded.messages, enable_thinking=thinking
+    )
+    return tokenize_shielded(rendered.text, shielded, engine.tokenize, engine.tokenize_literal)
 
 
 def think_open_template() -> str:

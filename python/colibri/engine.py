@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Iterator
@@ -63,6 +64,7 @@ class Engine:
             self._tokenizer = Tokenizer.from_file(str(tok_path))
         except Exception as e:  # tokenizers raises a bare Exception
             raise RuntimeError(f"{tok_path}: cannot load the tokenizer: {e}") from e
+        self._literal_tokenizer: Tokenizer | None = None
         self.tokenizer_config: dict[str, Any] = {}
         if info.get("tokenizer_config"):
             cfg_path = self.path / info["tokenizer_config"]
@@ -85,6 +87,23 @@ class Engine:
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` (special-token strings in it are recognised as such)."""
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def tokenize_literal(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as plain text: special-token strings in it are split into
+        ordinary tokens (for what users and tools wrote, see ``colibri.chat.literal``)."""
+        if self._literal_tokenizer is None:
+            # A second instance: the switch is per tokenizer, and the shared one must keep
+            # recognising special tokens for concurrent requests.
+            literal = Tokenizer.from_str(self._tokenizer.to_str())
+            literal.encode_special_tokens = True
+            self._literal_tokenizer = literal
+        return list(self._literal_tokenizer.encode(text, add_special_tokens=False).ids)
+
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The strings the tokenizer reads as special tokens (turn markers and the like)."""
+        added = self._tokenizer.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special and t.content}))
 
     def token_id(self, token: str) -> int | None:
         """The id of a token's exact text (e.g. a special marker), or None if it is not one."""

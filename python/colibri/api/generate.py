@@ -5,6 +5,7 @@ Anthropic routes are thin encoders on top."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -18,6 +19,7 @@ from colibri.api.errors import ApiError
 from colibri.api.openai_request import ChatRequest, Sampling
 from colibri.api.served import ServedModel
 from colibri.api.tooling import plan_tools
+from colibri.chat.literal import shield, tokenize_shielded
 from colibri.chat.output import Piece, ReasoningState
 from colibri.chat.render import ContinuationRefused, render_chat
 from colibri.chat.template import TemplateRefused
@@ -173,7 +175,9 @@ def chat_spec(
             code="reasoning_not_supported",
             param="reasoning_effort",
         )
-    tooling = plan_tools(req, family)
+    # What users and tools wrote stays text even where it spells a special token.
+    shielded = shield(req.messages, model.engine.special_tokens)
+    tooling = plan_tools(dataclasses.replace(req, messages=shielded.messages), family)
     try:
         with observer.span("render"):
             rendered = render_chat(
@@ -194,7 +198,9 @@ def chat_spec(
             code="template_refused",
             param="messages",
         ) from e
-    ids = model.engine.tokenize(rendered.text)
+    ids = tokenize_shielded(
+        rendered.text, shielded, model.engine.tokenize, model.engine.tokenize_literal
+    )
     max_tokens = 1
     if check_budget:
         max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "messages")
