@@ -17,7 +17,7 @@ from .server import RunningServer
 
 MODEL = "colibri-builtin"
 HELLO = [{"role": "user", "content": "Hello"}]
-LONG = 1900  # tokens: about half a second of the built-in model on two threads
+LONG = 1900  # tokens: ~0.2 s of the built-in model on two threads
 
 
 def metrics(srv: RunningServer, **headers: str) -> dict[str, float]:
@@ -177,12 +177,17 @@ def test_queue_timeout_and_slot_pinning():
         long.join()
     finally:
         srv.stop()
-    srv = RunningServer("--kv-slots", "1", "--max-queue", "1", "--queue-timeout", "0.2")
+    # The holder must outlast the queued request's timeout: one engine thread and the whole
+    # context (max_tokens is clamped to what the context leaves: ~0.25 s on this machine kind,
+    # against a 0.05 s timeout).
+    srv = RunningServer(
+        "--kv-slots", "1", "--max-queue", "1", "--queue-timeout", "0.05", "--threads", "1"
+    )
     try:
         client = OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
         long = threading.Thread(
             target=lambda: client.chat.completions.create(
-                model=MODEL, messages=HELLO, max_tokens=LONG
+                model=MODEL, messages=HELLO, max_tokens=4096
             )
         )
         long.start()

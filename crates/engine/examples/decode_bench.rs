@@ -1,5 +1,6 @@
 //! Decode and prefill speed of a converted model, without Python:
-//! `cargo run --release --example decode_bench -- MODEL_DIR [THREADS] [TOKENS]`.
+//! `cargo run --release --example decode_bench -- MODEL_DIR [THREADS] [TOKENS] [PROMPT_TOKENS]`
+//! (a long prompt, e.g. 2048, measures the prefill attention that grows with its square).
 
 use std::time::Instant;
 
@@ -9,12 +10,15 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let dir = args
         .get(1)
-        .expect("usage: decode_bench MODEL_DIR [THREADS] [TOKENS]");
+        .expect("usage: decode_bench MODEL_DIR [THREADS] [TOKENS] [PROMPT_TOKENS]");
     let threads = args.get(2).and_then(|s| s.parse().ok());
     let tokens: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(32);
     let model = Model::load(std::path::Path::new(dir), threads).expect("load");
     let vocab = model.cfg.vocab_size as u32;
-    let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let prompt_len: u32 = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(64);
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|i| i.wrapping_mul(7919).wrapping_add(13) % vocab)
+        .collect();
     for round in 0..3 {
         let mut kv = model.new_cache();
         let t0 = Instant::now();

@@ -2,6 +2,8 @@
 //! softmax and causal attention over a KV history. All f32, written to match PyTorch's order of
 //! operations closely enough for 1e-4 relative agreement.
 
+use std::ops::Range;
+
 /// `x * rsqrt(mean(x^2) + eps) * weight`, in place, over each `weight.len()`-sized row of `x`.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();
@@ -105,8 +107,10 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = a.len() / 8;
     for c in 0..chunks {
+        // Fixed-size views: no bounds checks inside, so the eight lanes vectorise.
+        let (x, y) = (lanes(a, c), lanes(b, c));
         for j in 0..8 {
-            acc[j] += a[c * 8 + j] * b[c * 8 + j];
+            acc[j] += x[j] * y[j];
         }
     }
     let mut s: f32 = acc.iter().sum();
@@ -114,6 +118,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += a[i] * b[i];
     }
     s
+}
+
+/// Values `8c..8c + 8` of `x` as an array.
+#[inline(always)]
+fn lanes(x: &[f32], c: usize) -> &[f32; 8] {
+    x[c * 8..c * 8 + 8].try_into().expect("eight values")
 }
 
 /// Positions whose scores are computed together in [`attend`].
@@ -128,9 +138,11 @@ fn dots(q: &[f32], k: [&[f32]; DOTS]) -> [f32; DOTS] {
     let mut acc = [[0.0f32; 8]; DOTS];
     let chunks = q.len() / 8;
     for c in 0..chunks {
+        let x = lanes(q, c);
         for (acc, k) in acc.iter_mut().zip(&k) {
+            let y = lanes(k, c);
             for j in 0..8 {
-                acc[j] += q[c * 8 + j] * k[c * 8 + j];
+                acc[j] += x[j] * y[j];
             }
         }
     }
@@ -175,52 +187,60 @@ pub enum HeadRows<'a> {
     F16(&'a [half::f16]),
 }
 
-/// What one query head needs to attend: its kv head's history.
+/// What a block of query positions of one head attends over: its kv head's history.
 pub struct AttendArgs<'a> {
     pub keys: HeadRows<'a>,
     pub values: HeadRows<'a>,
-    pub n: usize,
+    /// Positions the first query of the block sees (at least 1); query `j` sees `n0 + j`.
+    pub n0: usize,
     pub scale: f32,
 }
 
-/// Positions widened from f16 at a time (16 KiB of f32 at head_dim 128: stays in L1).
-const F16_CHUNK: usize = 32;
+/// Positions read (and widened from f16) at a time: 16 KiB of f32 at head_dim 128, so a chunk
+/// stays in L1 while every query of a block uses it.
+const CHUNK: usize = 32;
 
-/// One query head attending causally over `a.n` cached positions: `out` (`q.len()` values) is
-/// the softmax-weighted sum of the values. `scores` is scratch of at least `a.n`.
+/// Consecutive query positions of one head attending causally over its kv head: query `j`
+/// (`qs[j]`, `head_dim` values) sees the first `a.n0 + j` positions, and `out[j * head_dim..]`
+/// receives the softmax-weighted sum of their values.
+///
+/// Each key and value chunk is read (and widened) once for the whole block instead of once per
+/// query, which is what makes long prompts cheaper. Every query's arithmetic is the same as on
+/// its own (the same chunks, the same four-position groups, the same order), so a query gives
+/// the same bits in any block, and prefill agrees with decode bit for bit.
 ///
 /// Compiled three times (plain x86-64, AVX2+FMA, AVX-512) and chosen at run time: the same
 /// arithmetic in the same order, so every path gives the same bits; the wide ones only let the
 /// compiler use wider registers for the dot products and the weighted sum.
-pub fn attend(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
+pub fn attend(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         let f16c = std::arch::is_x86_feature_detected!("f16c");
         if std::arch::is_x86_feature_detected!("avx512f") && f16c {
             // SAFETY: the CPU has AVX-512F and F16C (checked just above).
-            return unsafe { attend_avx512(q, a, scores, out) };
+            return unsafe { attend_avx512(qs, a, out) };
         }
         if std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && f16c
         {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
-            return unsafe { attend_avx2(q, a, scores, out) };
+            return unsafe { attend_avx2(qs, a, out) };
         }
     }
-    attend_generic(q, a, scores, out, widen_portable)
+    attend_generic(qs, a, out, widen_portable, Simd::Portable)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
-unsafe fn attend_avx512(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
-    attend_generic(q, a, scores, out, widen_checked)
+unsafe fn attend_avx512(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
+    attend_generic(qs, a, out, widen_checked, Simd::Avx)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2(q: &[f32], a: &AttendArgs, scores: &mut [f32], out: &mut [f32]) {
-    attend_generic(q, a, scores, out, widen_checked)
+unsafe fn attend_avx2(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
+    attend_generic(qs, a, out, widen_checked, Simd::Avx)
 }
 
 /// `dst[i] = src[i]` widened (exact): the `half` crate's conversion.
@@ -259,46 +279,79 @@ unsafe fn widen_f16c(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
+/// Rows `rows` of a head's history as f32: borrowed, or widened into `wide`.
+#[inline(always)]
+fn chunk_rows<'a>(
+    src: HeadRows<'a>,
+    rows: Range<usize>,
+    wide: &'a mut [f32],
+    widen: fn(&[half::f16], &mut [f32]),
+) -> &'a [f32] {
+    match src {
+        HeadRows::F32(x) => &x[rows],
+        HeadRows::F16(x) => {
+            let wide = &mut wide[..rows.len()];
+            widen(&x[rows], wide);
+            wide
+        }
+    }
+}
+
+/// How the dot products and weighted sums of [`attend`] are computed: plain Rust (which the
+/// compiler leaves scalar here), or AVX vectors holding the same eight partial sums, so both
+/// give the same bits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Simd {
+    Portable,
+    /// Only chosen on CPUs with AVX (the AVX2 and AVX-512 attention paths).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx,
+}
+
 #[inline(always)]
 fn attend_generic(
-    q: &[f32],
+    qs: &[&[f32]],
     a: &AttendArgs,
-    scores: &mut [f32],
     out: &mut [f32],
     widen: fn(&[half::f16], &mut [f32]),
+    simd: Simd,
 ) {
-    let hd = q.len();
-    let scores = &mut scores[..a.n];
+    let Some(q0) = qs.first() else { return };
+    let hd = q0.len();
+    debug_assert!(a.n0 >= 1 && out.len() == qs.len() * hd);
+    let seen = |j: usize| a.n0 + j;
+    let last = seen(qs.len() - 1);
+    let mut scores: Vec<Vec<f32>> = (0..qs.len()).map(|j| vec![0.0f32; seen(j)]).collect();
+    let mut wide = vec![0.0f32; CHUNK * hd];
     out.fill(0.0);
-    match (a.keys, a.values) {
-        (HeadRows::F32(keys), HeadRows::F32(values)) => {
-            score_rows(q, &keys[..a.n * hd], a.scale, scores);
-            softmax(scores);
-            accumulate_rows(scores, &values[..a.n * hd], out);
-        }
-        (HeadRows::F16(keys), HeadRows::F16(values)) => {
-            let mut wide = vec![0.0f32; F16_CHUNK * hd];
-            for (c, s) in scores.chunks_mut(F16_CHUNK).enumerate() {
-                let rows = c * F16_CHUNK * hd..(c * F16_CHUNK + s.len()) * hd;
-                let wide = &mut wide[..rows.len()];
-                widen(&keys[rows], wide);
-                score_rows(q, wide, a.scale, s);
-            }
-            softmax(scores);
-            for (c, w) in scores.chunks(F16_CHUNK).enumerate() {
-                let rows = c * F16_CHUNK * hd..(c * F16_CHUNK + w.len()) * hd;
-                let wide = &mut wide[..rows.len()];
-                widen(&values[rows], wide);
-                accumulate_rows(w, wide, out);
+    for lo in (0..last).step_by(CHUNK) {
+        let hi = (lo + CHUNK).min(last);
+        let keys = chunk_rows(a.keys, lo * hd..hi * hd, &mut wide, widen);
+        for (q, s) in qs.iter().zip(scores.iter_mut()) {
+            let top = hi.min(s.len());
+            if top > lo {
+                score_rows(q, &keys[..(top - lo) * hd], a.scale, &mut s[lo..top], simd);
             }
         }
-        _ => unreachable!("keys and values of one cache share a dtype"),
+    }
+    for s in scores.iter_mut() {
+        softmax(s);
+    }
+    for lo in (0..last).step_by(CHUNK) {
+        let hi = (lo + CHUNK).min(last);
+        let values = chunk_rows(a.values, lo * hd..hi * hd, &mut wide, widen);
+        for (s, o) in scores.iter().zip(out.chunks_exact_mut(hd)) {
+            let top = hi.min(s.len());
+            if top > lo {
+                accumulate_rows(&s[lo..top], &values[..(top - lo) * hd], o, simd);
+            }
+        }
     }
 }
 
 /// `scores[p] = dot(q, keys row p) * scale` for the `scores.len()` rows of `keys`.
 #[inline(always)]
-fn score_rows(q: &[f32], keys: &[f32], scale: f32, scores: &mut [f32]) {
+fn score_rows(q: &[f32], keys: &[f32], scale: f32, scores: &mut [f32], simd: Simd) {
     let hd = q.len();
     let row = |p: usize| p * hd;
     // Four positions at a time: four independent dot products keep the FMA units busy and four
@@ -311,7 +364,14 @@ fn score_rows(q: &[f32], keys: &[f32], scale: f32, scores: &mut [f32]) {
             hd,
         );
         let k: [&[f32]; DOTS] = std::array::from_fn(|r| &keys[row(p + r)..row(p + r) + hd]);
-        for (s, d) in scores[p..p + DOTS].iter_mut().zip(dots(q, k)) {
+        let d = match simd {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Simd::Avx` is only passed by the attention paths that checked for AVX;
+            // every row holds q.len() values.
+            Simd::Avx => unsafe { dots_avx(q, k) },
+            _ => dots(q, k),
+        };
+        for (s, d) in scores[p..p + DOTS].iter_mut().zip(d) {
             *s = d * scale;
         }
         p += DOTS;
@@ -323,7 +383,86 @@ fn score_rows(q: &[f32], keys: &[f32], scale: f32, scores: &mut [f32]) {
 
 /// `out += weights[p] * values row p`, in position order.
 #[inline(always)]
-fn accumulate_rows(weights: &[f32], values: &[f32], out: &mut [f32]) {
+fn accumulate_rows(weights: &[f32], values: &[f32], out: &mut [f32], simd: Simd) {
+    debug_assert!(values.len() >= weights.len() * out.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd == Simd::Avx {
+        // SAFETY: `Simd::Avx` is only passed by the attention paths that checked for AVX;
+        // `values` holds a row of out.len() values per weight (asserted above in debug builds,
+        // and by the callers' chunk arithmetic).
+        match out.len() {
+            64 => return unsafe { accumulate_rows_avx::<8>(weights, values, out) },
+            128 => return unsafe { accumulate_rows_avx::<16>(weights, values, out) },
+            _ => {}
+        }
+    }
+    let _ = simd;
+    accumulate_rows_any(weights, values, out)
+}
+
+/// [`dots`] with AVX: lane `j` of each vector is partial sum `j` (product, then sum, as
+/// there), and the lanes are summed in the same order, so the bits are [`dot`]'s.
+///
+/// # Safety
+/// The CPU has AVX; every `k[r]` holds at least `q.len()` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn dots_avx(q: &[f32], k: [&[f32]; DOTS]) -> [f32; DOTS] {
+    use std::arch::x86_64::*;
+    let chunks = q.len() / 8;
+    assert!(k.iter().all(|k| k.len() >= q.len()));
+    let mut acc = [_mm256_setzero_ps(); DOTS];
+    for c in 0..chunks {
+        // SAFETY: c * 8 + 8 <= q.len() <= k[r].len(); unaligned loads.
+        let x = unsafe { _mm256_loadu_ps(q.as_ptr().add(c * 8)) };
+        for (acc, k) in acc.iter_mut().zip(&k) {
+            // SAFETY: as above.
+            let y = unsafe { _mm256_loadu_ps(k.as_ptr().add(c * 8)) };
+            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, y));
+        }
+    }
+    std::array::from_fn(|r| {
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` has room for 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+        let mut s: f32 = lanes.iter().sum();
+        for i in chunks * 8..q.len() {
+            s += q[i] * k[r][i];
+        }
+        s
+    })
+}
+
+/// [`accumulate_rows`] for a head of `8 * V` values with AVX: the running sums stay in `V`
+/// registers across positions (product, then sum, in position order: the same bits).
+///
+/// # Safety
+/// The CPU has AVX; `out.len() == 8 * V`; `values` holds `weights.len()` rows of `8 * V`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn accumulate_rows_avx<const V: usize>(weights: &[f32], values: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = 8 * V;
+    assert!(out.len() == hd && values.len() >= weights.len() * hd);
+    // SAFETY (all loads and stores below): `out` holds hd values and row p of `values` the hd
+    // values from p * hd (asserted just above); unaligned accesses.
+    let mut acc: [__m256; V] =
+        std::array::from_fn(|i| unsafe { _mm256_loadu_ps(out.as_ptr().add(i * 8)) });
+    for (p, &w) in weights.iter().enumerate() {
+        let row = unsafe { values.as_ptr().add(p * hd) };
+        let wv = _mm256_set1_ps(w);
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let v = unsafe { _mm256_loadu_ps(row.add(i * 8)) };
+            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(wv, v));
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i * 8), *acc) };
+    }
+}
+
+#[inline(always)]
+fn accumulate_rows_any(weights: &[f32], values: &[f32], out: &mut [f32]) {
     let hd = out.len();
     for (p, &w) in weights.iter().enumerate() {
         let start = p * hd;
@@ -365,6 +504,19 @@ mod tests {
         ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7
     }
 
+    /// One query on its own: `attend` with a block of one.
+    fn attend_one(q: &[f32], keys: HeadRows, values: HeadRows, n: usize) -> Vec<f32> {
+        let mut out = vec![0.0; q.len()];
+        let a = AttendArgs {
+            keys,
+            values,
+            n0: n,
+            scale: 0.2,
+        };
+        attend(&[q], &a, &mut out);
+        out
+    }
+
     #[test]
     fn attend_paths_give_identical_bits() {
         let (n, hd) = (37, 24);
@@ -374,16 +526,41 @@ mod tests {
         let a = AttendArgs {
             keys: HeadRows::F32(&keys),
             values: HeadRows::F32(&values),
-            n,
+            n0: n,
             scale: 0.2,
         };
-        let (mut s1, mut s2) = (vec![0.0; n], vec![0.0; n]);
         let (mut o1, mut o2) = (vec![0.0; hd], vec![0.0; hd]);
-        attend(&q, &a, &mut s1, &mut o1);
-        attend_generic(&q, &a, &mut s2, &mut o2, widen_portable);
+        attend(&[&q], &a, &mut o1);
+        attend_generic(&[&q], &a, &mut o2, widen_portable, Simd::Portable);
         assert_eq!(o1, o2);
-        let w: f32 = s2.iter().sum();
-        assert!((w - 1.0).abs() < 1e-5);
+        // Attending over identical values gives those values (the weights sum to one).
+        let same: Vec<f32> = (0..n * hd).map(|i| wave(i % hd)).collect();
+        let o = attend_one(&q, HeadRows::F32(&keys), HeadRows::F32(&same), n);
+        for (d, v) in o.iter().enumerate() {
+            assert!((v - wave(d)).abs() < 1e-5, "dim {d}: {v} vs {}", wave(d));
+        }
+    }
+
+    #[test]
+    fn vector_and_portable_attention_agree_bit_for_bit_at_real_head_sizes() {
+        // 64 and 128 take the register-resident weighted sum; 24 the general one.
+        for hd in [24, 64, 128] {
+            for n in [1, 5, 32, 77] {
+                let keys: Vec<f32> = (0..n * hd).map(|i| wave(i * 3)).collect();
+                let values: Vec<f32> = (0..n * hd).map(|i| wave(i + 11)).collect();
+                let q: Vec<f32> = (0..hd).map(|i| wave(i * 13)).collect();
+                let a = AttendArgs {
+                    keys: HeadRows::F32(&keys),
+                    values: HeadRows::F32(&values),
+                    n0: n,
+                    scale: 0.125,
+                };
+                let (mut o1, mut o2) = (vec![0.0; hd], vec![0.0; hd]);
+                attend(&[&q], &a, &mut o1);
+                attend_generic(&[&q], &a, &mut o2, widen_portable, Simd::Portable);
+                assert_eq!(o1, o2, "hd {hd} n {n}");
+            }
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -406,29 +583,72 @@ mod tests {
         use half::f16;
         let hd = 24;
         let q: Vec<f32> = (0..hd).map(|i| wave(i * 13)).collect();
-        // Lengths around the widening chunk and the four-position groups.
+        // Lengths around the chunk and the four-position groups.
         for n in [1, 3, 31, 32, 33, 70, 130] {
             let k16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(wave(i))).collect();
             let v16: Vec<f16> = (0..n * hd).map(|i| f16::from_f32(wave(i + 3))).collect();
             let k32: Vec<f32> = k16.iter().map(|x| x.to_f32()).collect();
             let v32: Vec<f32> = v16.iter().map(|x| x.to_f32()).collect();
-            let half = AttendArgs {
-                keys: HeadRows::F16(&k16),
-                values: HeadRows::F16(&v16),
-                n,
-                scale: 0.2,
-            };
-            let full = AttendArgs {
-                keys: HeadRows::F32(&k32),
-                values: HeadRows::F32(&v32),
-                n,
-                scale: 0.2,
-            };
-            let (mut s1, mut s2) = (vec![0.0; n], vec![0.0; n]);
-            let (mut o1, mut o2) = (vec![0.0; hd], vec![0.0; hd]);
-            attend(&q, &half, &mut s1, &mut o1);
-            attend(&q, &full, &mut s2, &mut o2);
+            let o1 = attend_one(&q, HeadRows::F16(&k16), HeadRows::F16(&v16), n);
+            let o2 = attend_one(&q, HeadRows::F32(&k32), HeadRows::F32(&v32), n);
             assert_eq!(o1, o2, "n {n}");
+        }
+    }
+
+    #[test]
+    fn a_block_of_queries_gives_each_query_its_own_bits() {
+        use half::f16;
+        let hd = 20;
+        let total = 140;
+        let k32: Vec<f32> = (0..total * hd).map(wave).collect();
+        let v32: Vec<f32> = (0..total * hd).map(|i| wave(i + 5)).collect();
+        let k16: Vec<f16> = k32.iter().map(|&x| f16::from_f32(x)).collect();
+        let v16: Vec<f16> = v32.iter().map(|&x| f16::from_f32(x)).collect();
+        let queries: Vec<Vec<f32>> = (0..12)
+            .map(|j| (0..hd).map(|i| wave(i * 13 + j * 71)).collect())
+            .collect();
+        // Blocks starting before, at and after chunk and four-position boundaries.
+        for (n0, b) in [
+            (1, 1),
+            (1, 12),
+            (3, 5),
+            (29, 8),
+            (31, 2),
+            (32, 7),
+            (60, 12),
+            (128, 12),
+        ] {
+            for f16_rows in [false, true] {
+                let keys = |n: usize| {
+                    if f16_rows {
+                        HeadRows::F16(&k16[..n * hd])
+                    } else {
+                        HeadRows::F32(&k32[..n * hd])
+                    }
+                };
+                let values = |n: usize| {
+                    if f16_rows {
+                        HeadRows::F16(&v16[..n * hd])
+                    } else {
+                        HeadRows::F32(&v32[..n * hd])
+                    }
+                };
+                let last = n0 + b - 1;
+                let qs: Vec<&[f32]> = queries[..b].iter().map(|q| q.as_slice()).collect();
+                let a = AttendArgs {
+                    keys: keys(last),
+                    values: values(last),
+                    n0,
+                    scale: 0.2,
+                };
+                let mut out = vec![f32::NAN; b * hd];
+                attend(&qs, &a, &mut out);
+                for (j, q) in qs.iter().enumerate() {
+                    let n = n0 + j;
+                    let alone = attend_one(q, keys(n), values(n), n);
+                    assert_eq!(&out[j * hd..(j + 1) * hd], alone, "n0 {n0} b {b} j {j}");
+                }
+            }
         }
     }
 

@@ -31,6 +31,10 @@ use crate::store::heat::{Heat, RoutingHeat, HEAT_FILE};
 use crate::store::profile::{PassTimes, Profile, Turns};
 use crate::store::{ExpertOptions, ExpertStore, RecordRef, StoreLayout, StoreStats};
 
+/// Query positions of one head attended together in a prefill (they share each chunk of keys
+/// and values they read).
+const ATTN_BLOCK: usize = 8;
+
 fn fmt_err(msg: impl Into<String>) -> Error {
     Error::Format(msg.into())
 }
@@ -816,20 +820,35 @@ impl Model {
         let kv = &*kv;
         let group = c.num_heads / c.num_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut att = vec![0.0f32; n * qd];
-        for_each_chunk_mut(&self.pool, &mut att, hd, |idx, out| {
-            let (i, head) = (idx / c.num_heads, idx % c.num_heads);
-            let qh = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
-            let (keys, values) = kv.head(li, head / group, p0 + i + 1);
+        // Tasks of (block of ATTN_BLOCK query positions, head), the costliest (latest) blocks
+        // first; each reads its kv head's history once per chunk for the whole block.
+        let heads = c.num_heads;
+        let blocks = n.div_ceil(ATTN_BLOCK);
+        let outs = self.pool.map(blocks * heads, |t| {
+            let (b, head) = (blocks - 1 - t / heads, t % heads);
+            let (i0, i1) = (b * ATTN_BLOCK, ((b + 1) * ATTN_BLOCK).min(n));
+            let qs: Vec<&[f32]> = (i0..i1)
+                .map(|i| &q[i * qd + head * hd..i * qd + (head + 1) * hd])
+                .collect();
+            let (keys, values) = kv.head(li, head / group, p0 + i1);
             let args = ops::AttendArgs {
                 keys,
                 values,
-                n: p0 + i + 1,
+                n0: p0 + i0 + 1,
                 scale,
             };
-            let mut scores = vec![0.0f32; args.n];
-            ops::attend(qh, &args, &mut scores, out);
+            let mut out = vec![0.0f32; qs.len() * hd];
+            ops::attend(&qs, &args, &mut out);
+            out
         });
+        let mut att = vec![0.0f32; n * qd];
+        for (t, out) in outs.iter().enumerate() {
+            let (b, head) = (blocks - 1 - t / heads, t % heads);
+            for (j, o) in out.chunks_exact(hd).enumerate() {
+                let i = b * ATTN_BLOCK + j;
+                att[i * qd + head * hd..i * qd + (head + 1) * hd].copy_from_slice(o);
+            }
+        }
         let mut acts = Acts::from_vec(att, n, qd);
         let mut o = self.project(&[layer.o], &mut acts).remove(0);
         if let Some(b) = &layer.biases[3] {
