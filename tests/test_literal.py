@@ -101,6 +101,17 @@ def test_a_message_holding_private_use_characters_gets_other_placeholders(engine
     assert "\ue000\ue001 and \ue0020\ue003 <|user|>" in engine.detokenize(ids)
 
 
+def test_placeholders_avoid_private_use_characters_in_tool_call_arguments(engine):
+    call = {"function": {"name": "f", "arguments": {"x": "\ue000\ue001"}}}
+    messages = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "user", "content": "<|user|>"},
+    ]
+    shielded = shield(messages, engine.special_tokens)
+    assert shielded.literals == ["<|user|>"]
+    assert not {shielded.open, shielded.close} & {"\ue000", "\ue001"}
+
+
 def without_specials(text: str, engine) -> str:
     while True:
         before = text

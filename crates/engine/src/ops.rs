@@ -107,10 +107,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = a.len() / 8;
     for c in 0..chunks {
-        // Fixed-size views: no bounds checks inside, so the eight lanes vectorise.
-        let (x, y) = (lanes(a, c), lanes(b, c));
         for j in 0..8 {
-            acc[j] += x[j] * y[j];
+            acc[j] += a[c * 8 + j] * b[c * 8 + j];
         }
     }
     let mut s: f32 = acc.iter().sum();
@@ -118,12 +116,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += a[i] * b[i];
     }
     s
-}
-
-/// Values `8c..8c + 8` of `x` as an array.
-#[inline(always)]
-fn lanes(x: &[f32], c: usize) -> &[f32; 8] {
-    x[c * 8..c * 8 + 8].try_into().expect("eight values")
 }
 
 /// Positions whose scores are computed together in [`attend`].
@@ -138,11 +130,9 @@ fn dots(q: &[f32], k: [&[f32]; DOTS]) -> [f32; DOTS] {
     let mut acc = [[0.0f32; 8]; DOTS];
     let chunks = q.len() / 8;
     for c in 0..chunks {
-        let x = lanes(q, c);
         for (acc, k) in acc.iter_mut().zip(&k) {
-            let y = lanes(k, c);
             for j in 0..8 {
-                acc[j] += x[j] * y[j];
+                acc[j] += q[c * 8 + j] * k[c * 8 + j];
             }
         }
     }
@@ -209,9 +199,10 @@ const CHUNK: usize = 32;
 /// its own (the same chunks, the same four-position groups, the same order), so a query gives
 /// the same bits in any block, and prefill agrees with decode bit for bit.
 ///
-/// Compiled three times (plain x86-64, AVX2+FMA, AVX-512) and chosen at run time: the same
-/// arithmetic in the same order, so every path gives the same bits; the wide ones only let the
-/// compiler use wider registers for the dot products and the weighted sum.
+/// Compiled three times (plain x86-64, AVX2+FMA, AVX-512) and chosen at run time. The AVX2 and
+/// AVX-512 paths compute the dot products and the weighted sum with explicit AVX vectors (see
+/// [`Simd`]), the plain one in portable Rust: the same arithmetic in the same order, so every
+/// path gives the same bits.
 pub fn attend(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -388,8 +379,7 @@ fn accumulate_rows(weights: &[f32], values: &[f32], out: &mut [f32], simd: Simd)
     #[cfg(target_arch = "x86_64")]
     if simd == Simd::Avx {
         // SAFETY: `Simd::Avx` is only passed by the attention paths that checked for AVX;
-        // `values` holds a row of out.len() values per weight (asserted above in debug builds,
-        // and by the callers' chunk arithmetic).
+        // `accumulate_rows_avx` checks the lengths itself.
         match out.len() {
             64 => return unsafe { accumulate_rows_avx::<8>(weights, values, out) },
             128 => return unsafe { accumulate_rows_avx::<16>(weights, values, out) },
@@ -517,22 +507,27 @@ mod tests {
         out
     }
 
+    /// `attend` (the path this CPU takes) against the portable path, bit for bit.
+    fn assert_paths_agree(keys: &[f32], values: &[f32], q: &[f32], n: usize, scale: f32) {
+        let a = AttendArgs {
+            keys: HeadRows::F32(keys),
+            values: HeadRows::F32(values),
+            n0: n,
+            scale,
+        };
+        let (mut o1, mut o2) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+        attend(&[q], &a, &mut o1);
+        attend_generic(&[q], &a, &mut o2, widen_portable, Simd::Portable);
+        assert_eq!(o1, o2, "hd {} n {n}", q.len());
+    }
+
     #[test]
     fn attend_paths_give_identical_bits() {
         let (n, hd) = (37, 24);
         let keys: Vec<f32> = (0..n * hd).map(wave).collect();
         let values: Vec<f32> = (0..n * hd).map(|i| wave(i + 3)).collect();
         let q: Vec<f32> = (0..hd).map(|i| wave(i * 13)).collect();
-        let a = AttendArgs {
-            keys: HeadRows::F32(&keys),
-            values: HeadRows::F32(&values),
-            n0: n,
-            scale: 0.2,
-        };
-        let (mut o1, mut o2) = (vec![0.0; hd], vec![0.0; hd]);
-        attend(&[&q], &a, &mut o1);
-        attend_generic(&[&q], &a, &mut o2, widen_portable, Simd::Portable);
-        assert_eq!(o1, o2);
+        assert_paths_agree(&keys, &values, &q, n, 0.2);
         // Attending over identical values gives those values (the weights sum to one).
         let same: Vec<f32> = (0..n * hd).map(|i| wave(i % hd)).collect();
         let o = attend_one(&q, HeadRows::F32(&keys), HeadRows::F32(&same), n);
@@ -549,16 +544,7 @@ mod tests {
                 let keys: Vec<f32> = (0..n * hd).map(|i| wave(i * 3)).collect();
                 let values: Vec<f32> = (0..n * hd).map(|i| wave(i + 11)).collect();
                 let q: Vec<f32> = (0..hd).map(|i| wave(i * 13)).collect();
-                let a = AttendArgs {
-                    keys: HeadRows::F32(&keys),
-                    values: HeadRows::F32(&values),
-                    n0: n,
-                    scale: 0.125,
-                };
-                let (mut o1, mut o2) = (vec![0.0; hd], vec![0.0; hd]);
-                attend(&[&q], &a, &mut o1);
-                attend_generic(&[&q], &a, &mut o2, widen_portable, Simd::Portable);
-                assert_eq!(o1, o2, "hd {hd} n {n}");
+                assert_paths_agree(&keys, &values, &q, n, 0.125);
             }
         }
     }

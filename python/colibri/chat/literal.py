@@ -22,7 +22,7 @@ from typing import Any
 
 # Roles whose text is never template markup.
 SHIELDED_ROLES = frozenset({"system", "developer", "user", "tool"})
-# Placeholders are built from private-use characters: `OPEN` + index + `CLOSE`.
+# Placeholders are built from private-use characters: `open` + index + `close`.
 _PRIVATE_USE = range(0xE000, 0xF8FF)
 
 
@@ -35,15 +35,21 @@ class Shielded:
     open: str
     close: str
 
-    def placeholder(self, i: int) -> str:
-        return f"{self.open}{i}{self.close}"
+    def markers(self) -> re.Pattern[str]:
+        """Matches a placeholder; group 1 is its index into ``literals``."""
+        return re.compile(re.escape(self.open) + r"(\d+)" + re.escape(self.close))
 
 
-def _texts(messages: Iterable[dict[str, Any]]) -> Iterable[str]:
-    for m in messages:
-        for v in m.values():
-            if isinstance(v, str):
-                yield v
+def _texts(value: Any) -> Iterable[str]:
+    """Every string in a message, nested ones (tool-call arguments) included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _texts(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _texts(v)
 
 
 def _free_pair(messages: list[dict[str, Any]]) -> tuple[str, str]:
@@ -62,14 +68,12 @@ def _pattern(specials: tuple[str, ...]) -> re.Pattern[str]:
 def shield(messages: list[dict[str, Any]], specials: Collection[str]) -> Shielded:
     """Replaces the special-token strings in the content of system, user and tool messages."""
     specials = [s for s in specials if s]
-    hit = [
-        m
-        for m in messages
-        if m.get("role") in SHIELDED_ROLES
+    if not any(
+        m.get("role") in SHIELDED_ROLES
         and isinstance(m.get("content"), str)
         and any(s in m["content"] for s in specials)
-    ]
-    if not hit:
+        for m in messages
+    ):
         return Shielded(messages, [], "", "")
     open_, close = _free_pair(messages)
     pattern = _pattern(tuple(specials))
@@ -99,9 +103,8 @@ def tokenize_shielded(
     if not shielded.literals:
         return tokenize(text)
     ids: list[int] = []
-    marker = re.compile(re.escape(shielded.open) + r"(\d+)" + re.escape(shielded.close))
     pos = 0
-    for m in marker.finditer(text):
+    for m in shielded.markers().finditer(text):
         if m.start() > pos:
             ids += tokenize(text[pos : m.start()])
         ids += tokenize_literal(shielded.literals[int(m.group(1))])
@@ -115,5 +118,4 @@ def unshield(text: str, shielded: Shielded) -> str:
     """``text`` with each placeholder back as the string it stands for."""
     if not shielded.literals:
         return text
-    marker = re.compile(re.escape(shielded.open) + r"(\d+)" + re.escape(shielded.close))
-    return marker.sub(lambda m: shielded.literals[int(m.group(1))], text)
+    return shielded.markers().sub(lambda m: shielded.literals[int(m.group(1))], text)

@@ -824,8 +824,9 @@ impl Model {
         // first; each reads its kv head's history once per chunk for the whole block.
         let heads = c.num_heads;
         let blocks = n.div_ceil(ATTN_BLOCK);
+        let task = |t: usize| (blocks - 1 - t / heads, t % heads);
         let outs = self.pool.map(blocks * heads, |t| {
-            let (b, head) = (blocks - 1 - t / heads, t % heads);
+            let (b, head) = task(t);
             let (i0, i1) = (b * ATTN_BLOCK, ((b + 1) * ATTN_BLOCK).min(n));
             let qs: Vec<&[f32]> = (i0..i1)
                 .map(|i| &q[i * qd + head * hd..i * qd + (head + 1) * hd])
@@ -843,7 +844,7 @@ impl Model {
         });
         let mut att = vec![0.0f32; n * qd];
         for (t, out) in outs.iter().enumerate() {
-            let (b, head) = (blocks - 1 - t / heads, t % heads);
+            let (b, head) = task(t);
             for (j, o) in out.chunks_exact(hd).enumerate() {
                 let i = b * ATTN_BLOCK + j;
                 att[i * qd + head * hd..i * qd + (head + 1) * hd].copy_from_slice(o);
