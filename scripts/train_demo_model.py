@@ -198,19 +198,27 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
     return ids, mask
 
 
-def name_pieces(tok):
+def name_pieces(tok, short_p: float = 0.0):
     """The tokenizer's letter pieces, for training city names made of them."""
-    return demo_data.NamePieces([tok.decode([i]) for i in range(tok.get_vocab_size())])
+    return demo_data.NamePieces([tok.decode([i]) for i in range(tok.get_vocab_size())], short_p)
 
 
-def batches(rng: random.Random, tok, template, tokens: int, max_len: int, pieces_after: int):
+def batches(
+    rng: random.Random,
+    tok,
+    template,
+    tokens: int,
+    max_len: int,
+    pieces_after: int,
+    short_p: float = 0.0,
+):
     """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
     conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
     and the batches shuffled. Cities strung from tokenizer pieces join the data once
     ``pieces_after`` batches are out: with them from the start, the copying circuit never formed
     (run 5: 0% on the training pool's own names); formed on name-like cities first, they then
     extend it to every piece."""
-    pieces = name_pieces(tok)
+    pieces = name_pieces(tok, short_p)
     served = 0
     while True:
         pool = []
@@ -236,7 +244,7 @@ def batches(rng: random.Random, tok, template, tokens: int, max_len: int, pieces
 # --- training -----------------------------------------------------------------------------------
 
 
-def build_model(vocab_size: int, eos_ids: list[int], pad_id: int):
+def build_model(vocab_size: int, eos_ids: list[int], pad_id: int, seed: int = SEED):
     import torch
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -250,7 +258,7 @@ def build_model(vocab_size: int, eos_ids: list[int], pad_id: int):
     cfg.pop("model_type")
     config = Glm4MoeConfig(**cfg)
     config.architectures = ["Glm4MoeForCausalLM"]
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = Glm4MoeForCausalLM(config)
     return model
 
@@ -274,10 +282,10 @@ def train(args, tok, template, work: Path) -> dict:
     import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
-    torch.manual_seed(SEED)
+    torch.manual_seed(args.seed)
     eos_ids = [tok.token_to_id(t) for t in EOS_TOKENS]
     pad_id = tok.token_to_id("<|endoftext|>")
-    model = build_model(tok.get_vocab_size(), eos_ids, pad_id)
+    model = build_model(tok.get_vocab_size(), eos_ids, pad_id, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params: {n_params:,}", flush=True)
 
@@ -321,14 +329,16 @@ def train(args, tok, template, work: Path) -> dict:
         q = min(1.0, max(0.0, (p - p0) / (1 - p0)))
         return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * q)))
 
-    rng = random.Random(SEED)
+    rng = random.Random(args.seed)
     log = []
     t0 = time.time()
     ntok = 0
     nreal = 0
     model.train()
     pieces_after = int(args.steps * args.piece_names_from)
-    stream = batches(rng, tok, template, args.batch_tokens, args.max_len, pieces_after)
+    stream = batches(
+        rng, tok, template, args.batch_tokens, args.max_len, pieces_after, args.short_pieces
+    )
     step = 0
     while progress(step, time.time() - t0) < 1.0:
         lr = lr_at(step, progress(step, time.time() - t0))
@@ -518,6 +528,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/colibri-demo"))
     ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument(
+        "--short-pieces",
+        type=float,
+        default=0.0,
+        help="share of the pieces of strung city names drawn from the short ones (a lone "
+        "capital, then at most two letters)",
+    )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=SEED,
+        help="seed of the weights' initialisation and of the data stream (the tokenizer is "
+        f"always built with {SEED})",
+    )
     ap.add_argument("--batch-tokens", type=int, default=6144)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -638,6 +662,13 @@ def card(summary: dict, results: dict, args) -> str:
     mix = {t: round(100 * w / total) for t, w in demo_data.TRAIN_MIX}
     think_sum = round(demo_data.ARITH_THINK_P * 100)
     piece_pct = round(demo_data.PIECE_NAME_P * 100)
+    short_pct = round(float(a.get("short_pieces", "0")) * 100)
+    short_note = (
+        f"; each piece is, in {short_pct}% of the draws, a short one (a lone capital first, "
+        'then at most two letters), the shape of real names\' tokens ("O|den|se", "G|al|way")'
+        if short_pct
+        else ""
+    )
     piece_from = round(float(a.get("piece_names_from", "0")) * 100)
     steps, budget_s = int(a["steps"]), float(a["time_budget_min"]) * 60
     # Steps after the warmup whose schedule position came from the wall time (the CPU was
@@ -697,9 +728,9 @@ Tool calls are trained with thinking on in {round(demo_data.TOOL_THINK_P * 100)}
 Cities in tool calls: from {piece_from}% of the steps on,
 {piece_pct}% are names strung from 1-4 random letter pieces of the tokenizer (a capitalised one
 first), so every piece is copied in training (from the start, the copying never formed: tool calls
-27%); the rest are 6,000 generated city-like names (some accented, some two words), ~90 real
-cities and the capitals. Loss only on the generated tokens: the text after each generation
-prompt, through the `<|user|>` or `<|observation|>` that ends the turn.
+27%){short_note}; the rest are 6,000 generated city-like names (some accented, some two
+words), ~90 real cities and the capitals. Loss only on the generated tokens: the text after
+each generation prompt, through the `<|user|>` or `<|observation|>` that ends the turn.
 
 Held out of training: 10% of the unordered pairs of 2-digit numbers, four capital phrasings, all
 evaluation cities (60 real ones and freshly generated names), a few tool phrasings.
@@ -718,8 +749,9 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 
 ## Training
 
-- Seed {SEED}; {len(log)} steps of about {a["batch_tokens"]} padded tokens
-  ({summary["tokens"]:,} tokens in all); AdamW lr {a["lr"]} (200 warmup steps, cosine to 5%),
+- Seed {a.get("seed", SEED)} (tokenizer: {SEED}); {len(log)} steps of about
+  {a["batch_tokens"]} padded tokens ({summary["tokens"]:,} tokens in all); AdamW lr {a["lr"]}
+  (200 warmup steps, cosine to 5%),
   betas (0.9, 0.95), weight decay 0.05, gradient clip 1.0; expert bias step {a["bias_rate"]}.
   The schedule runs to {a["steps"]} steps or a {a["time_budget_min"]}-minute wall-time budget,
   whichever comes first. {bound} `train.json` logs each step's loss, time and learning rate.
@@ -731,8 +763,9 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 - CPU, 2 threads (torch {_torch_version()}, transformers {_tf_version()}):
   {summary["train_time"] / 60:.1f} minutes. Final loss (mean of the last 100 steps):
   {final_loss:.4f}.
-- Command: `python scripts/train_demo_model.py --steps {a["steps"]} --time-budget-min
-  {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")} --ship`
+- Command: `python scripts/train_demo_model.py --seed {a.get("seed", SEED)} --steps {a["steps"]}
+  --time-budget-min {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")}
+  --short-pieces {a.get("short_pieces", "0")} --ship`
   (torch, transformers and matplotlib needed).
 
 ![training loss](loss.png)

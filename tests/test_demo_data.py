@@ -254,3 +254,35 @@ def test_piece_names_reach_the_training_conversations():
 def test_name_pieces_need_both_cases():
     with pytest.raises(ValueError, match="capitalised"):
         demo_data.NamePieces(["abc", "de"])
+
+
+def test_short_pieces_shape_names_and_leave_the_default_stream_alone():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(
+        str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
+    )
+    vocab = [tok.decode([i]) for i in range(tok.get_vocab_size())]
+    short = demo_data.NamePieces(vocab, short_p=1.0)
+    assert short.short_inner and all(len(p) <= 2 for p in short.short_inner)
+    rng = random.Random(3)
+    for _ in range(500):
+        name = short.name(rng)
+        # A lone capital, then at most 3 pieces of at most two letters each.
+        assert name[0] in short.short_initial and name[1:].islower() and len(name) <= 7
+    # Off (the default), names take exactly the draws they took before short pieces existed,
+    # so the shipped model's recipe still reproduces: one length, then uniform pieces.
+    default = demo_data.NamePieces(vocab)
+    a, b = random.Random(9), random.Random(9)
+    held_out = set(demo_data.EVAL_CITIES) | set(
+        demo_data.eval_city_names(1000, demo_data.EVAL_SEED)
+    )
+    for _ in range(200):
+        while True:
+            n = b.choice([1, 2, 2, 3, 3, 4])
+            word = b.choice(default.initial) + "".join(
+                b.choice(default.inner) for _ in range(n - 1)
+            )
+            if len(word) >= 3 and word not in held_out:
+                break
+        assert default.name(a) == word

@@ -790,18 +790,33 @@ class NamePieces:
     decode to letters only; names start with a capitalised piece like real names do.
     """
 
-    def __init__(self, pieces: list[str]) -> None:
+    def __init__(self, pieces: list[str], short_p: float = 0.0) -> None:
         letters = sorted({p for p in pieces if p.isalpha()})
         self.initial = [p for p in letters if p[0].isupper()]
         self.inner = [p for p in letters if p[0].islower()]
         if not self.initial or not self.inner:
             raise ValueError("the tokenizer has no capitalised or no lower-case letter pieces")
+        # Real names are mostly a lone capital letter then short pieces ("O|den|se",
+        # "G|al|way"): the tokenizer merged long pieces from the generated names, so a uniform
+        # draw practises those. With ``short_p`` > 0, that share of the pieces is drawn from the
+        # short ones (a lone capital first, at most two letters after).
+        self.short_p = short_p
+        self.short_initial = [p for p in self.initial if len(p) == 1] or self.initial
+        self.short_inner = [p for p in self.inner if len(p) <= 2] or self.inner
         self._held_out = set(EVAL_CITIES) | set(eval_city_names(1000, EVAL_SEED))
+
+    def _piece(self, rng: random.Random, every: list[str], short: list[str]) -> str:
+        # No draw at all when off: the stream of names stays what it was before short pieces.
+        if self.short_p > 0 and rng.random() < self.short_p:
+            return rng.choice(short)
+        return rng.choice(every)
 
     def name(self, rng: random.Random) -> str:
         while True:
             n = rng.choice([1, 2, 2, 3, 3, 4])
-            word = rng.choice(self.initial) + "".join(rng.choice(self.inner) for _ in range(n - 1))
+            word = self._piece(rng, self.initial, self.short_initial) + "".join(
+                self._piece(rng, self.inner, self.short_inner) for _ in range(n - 1)
+            )
             if len(word) >= 3 and word not in self._held_out:
                 return word
 
