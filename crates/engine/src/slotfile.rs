@@ -1153,18 +1153,18 @@ mod tests {
     const D: usize = 3;
     const FP: [u8; 32] = [0xa5; 32];
 
-    struct Rng(u64);
+    /// The seeded generator of these tests, with the draws they need.
+    struct Rng(rand::rngs::StdRng);
 
     impl Rng {
+        fn new(seed: u64) -> Rng {
+            Rng(rand::SeedableRng::seed_from_u64(seed))
+        }
         fn next(&mut self) -> u64 {
-            // xorshift64*
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545F4914F6CDD1D)
+            rand::RngExt::random(&mut self.0)
         }
         fn below(&mut self, n: usize) -> usize {
-            (self.next() % n.max(1) as u64) as usize
+            rand::RngExt::random_range(&mut self.0, 0..n.max(1))
         }
         /// Mostly ordinary floats, with NaN payloads, signed zeros, infinities and subnormals.
         fn float(&mut self) -> f32 {
@@ -1414,7 +1414,7 @@ mod tests {
     /// happened, whether it hit a write, and the states the file may now hold.
     fn run_killed(path: &Path, kill_at: usize, tear: Tear) -> (bool, bool, Vec<LoadedSlot>) {
         let (killer, log) = Killer::new(kill_at, tear);
-        let mut rng = Rng(42);
+        let mut rng = Rng::new(42);
         let mut truth = LoadedSlot::empty(L);
         let acceptable = match SlotFile::open_with(path, FP, L, D, Box::new(killer), SMALL) {
             Err(_) => vec![truth],
@@ -1477,7 +1477,7 @@ mod tests {
                 }
                 let mut next = got;
                 let start = next.tokens.len() / 2;
-                advance(&mut next, &mut Rng(kill_at as u64), start, 2, D);
+                advance(&mut next, &mut Rng::new(kill_at as u64), start, 2, D);
                 commit(&mut sf, &next, start).unwrap();
                 sync(&mut sf, &next).unwrap();
                 drop(sf);
@@ -1498,7 +1498,7 @@ mod tests {
     fn a_kill_while_reopening_a_damaged_file_is_harmless() {
         let dir = Scratch::new("reopen");
         let path = dir.file();
-        let mut rng = Rng(5);
+        let mut rng = Rng::new(5);
         let mut s = LoadedSlot::empty(L);
         let (mut sf, _) = SlotFile::open(&path, FP, L, D).unwrap();
         advance(&mut s, &mut rng, 0, 4, D);
@@ -1543,7 +1543,7 @@ mod tests {
             compact_slack: u64::MAX / 4,
         };
         let (mut sf, _) = SlotFile::open_with(&path, FP, L, D, Box::new(killer), tuning).unwrap();
-        let mut rng = Rng(9);
+        let mut rng = Rng::new(9);
         let mut truth = LoadedSlot::empty(L);
         let mut states = vec![truth.clone()];
         let mut synced = 0;
@@ -1626,7 +1626,7 @@ mod tests {
         let dir = Scratch::new("scripted");
         let path = dir.file();
         let (mut sf, _) = SlotFile::open_with(&path, FP, L, D, Box::new(RealIo), tuning).unwrap();
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let mut truth = LoadedSlot::empty(L);
         let mut states = vec![truth.clone()];
         for step in SCRIPT {
@@ -1652,7 +1652,7 @@ mod tests {
     fn commits_round_trip_bit_exact() {
         let dir = Scratch::new("roundtrip");
         let path = dir.file();
-        let mut rng = Rng(1);
+        let mut rng = Rng::new(1);
         let mut truth = LoadedSlot::empty(L);
         let (mut sf, opened) = SlotFile::open(&path, FP, L, D).unwrap();
         assert!(matches!(opened, Opened::Fresh));
@@ -1696,7 +1696,7 @@ mod tests {
             chunk: 7,
             compact_slack: 0,
         };
-        let mut rng = Rng(3);
+        let mut rng = Rng::new(3);
         let mut truth = LoadedSlot::empty(L);
         let (mut sf, _) = SlotFile::open_with(&path, FP, L, D, Box::new(RealIo), tuning).unwrap();
         advance(&mut truth, &mut rng, 0, 50, D);
@@ -1716,7 +1716,7 @@ mod tests {
             chunk: 1 << 20,
             compact_slack: 4096,
         };
-        let mut rng = Rng(4);
+        let mut rng = Rng::new(4);
         let mut truth = LoadedSlot::empty(L);
         let (mut sf, _) = SlotFile::open_with(&path, FP, L, D, Box::new(RealIo), tuning).unwrap();
         advance(&mut truth, &mut rng, 0, 30, D);
@@ -1782,7 +1782,7 @@ mod tests {
         // ...flips in the log are caught, by a refusal or a fallback to an older header.
         assert!(refused < offsets.len());
         // ...and random damage: bytes, ranges, truncations, u64::MAX over a field.
-        let mut rng = Rng(123);
+        let mut rng = Rng::new(123);
         for i in 0..4000 {
             let mut b = bytes.clone();
             for _ in 0..1 + rng.below(3) {
@@ -1874,7 +1874,7 @@ mod tests {
         let dir = Scratch::new("foreign");
         let path = dir.file();
         let mut s = LoadedSlot::empty(L);
-        advance(&mut s, &mut Rng(8), 0, 3, D);
+        advance(&mut s, &mut Rng::new(8), 0, 3, D);
         let (mut sf, _) = SlotFile::open(&path, FP, L, D).unwrap();
         commit(&mut sf, &s, 0).unwrap();
         sync(&mut sf, &s).unwrap();
@@ -1928,7 +1928,7 @@ mod tests {
         let dir = Scratch::new("args");
         let path = dir.file();
         let mut s = LoadedSlot::empty(L);
-        advance(&mut s, &mut Rng(2), 0, 4, D);
+        advance(&mut s, &mut Rng::new(2), 0, 4, D);
         let (mut sf, _) = SlotFile::open(&path, FP, L, D).unwrap();
         assert!(sf.commit(1, &s.tokens, &s.keys, &s.values).is_err()); // past the persisted
         assert!(sf.commit(0, &s.tokens, &s.keys[..1], &s.values).is_err()); // a layer short
