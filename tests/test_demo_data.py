@@ -211,13 +211,13 @@ def test_scoring_accepts_the_trained_shapes_only():
     assert not score(contains, "\nIn Lisbon it is 12 degrees.<|user|>")
 
 
-def _shipped_pieces() -> demo_data.NamePieces:
+def _shipped_pieces(short_p: float = 0.0) -> demo_data.NamePieces:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(
         str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
     )
-    return demo_data.NamePieces([tok.decode([i]) for i in range(tok.get_vocab_size())])
+    return demo_data.NamePieces([tok.decode([i]) for i in range(tok.get_vocab_size())], short_p)
 
 
 def test_piece_names_use_every_letter_piece_and_never_an_eval_city():
@@ -257,13 +257,7 @@ def test_name_pieces_need_both_cases():
 
 
 def test_short_pieces_shape_names_and_leave_the_default_stream_alone():
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(
-        str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
-    )
-    vocab = [tok.decode([i]) for i in range(tok.get_vocab_size())]
-    short = demo_data.NamePieces(vocab, short_p=1.0)
+    short = _shipped_pieces(short_p=1.0)
     assert short.short_inner and all(len(p) <= 2 for p in short.short_inner)
     rng = random.Random(3)
     for _ in range(500):
@@ -272,7 +266,7 @@ def test_short_pieces_shape_names_and_leave_the_default_stream_alone():
         assert name[0] in short.short_initial and name[1:].islower() and len(name) <= 7
     # Off (the default), names take exactly the draws they took before short pieces existed,
     # so the shipped model's recipe still reproduces: one length, then uniform pieces.
-    default = demo_data.NamePieces(vocab)
+    default = _shipped_pieces()
     a, b = random.Random(9), random.Random(9)
     held_out = set(demo_data.EVAL_CITIES) | set(
         demo_data.eval_city_names(1000, demo_data.EVAL_SEED)

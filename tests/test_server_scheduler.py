@@ -181,7 +181,7 @@ def test_queue_timeout_and_slot_pinning():
     finally:
         srv.stop()
     # The holder must outlast the queued request's timeout: one engine thread and the whole
-    # context (max_tokens is clamped to what the context leaves: ~0.25 s on this machine kind,
+    # context (max_tokens is clamped to what the context leaves: ~0.4 s on this machine kind,
     # against a 0.05 s timeout).
     srv = RunningServer(
         "--kv-slots", "1", "--max-queue", "1", "--queue-timeout", "0.05", "--threads", "1"
