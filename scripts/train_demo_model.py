@@ -203,9 +203,11 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
     return ids, mask
 
 
-def name_pieces(tok, short_p: float = 0.0):
+def name_pieces(tok, short_p: float = 0.0, share: float | None = None):
     """The tokenizer's letter pieces, for training city names made of them."""
-    return demo_data.NamePieces([tok.decode([i]) for i in range(tok.get_vocab_size())], short_p)
+    return demo_data.NamePieces(
+        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share
+    )
 
 
 def batches(
@@ -216,6 +218,7 @@ def batches(
     max_len: int,
     pieces_after: int,
     short_p: float = 0.0,
+    piece_share: float | None = None,
 ):
     """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
     conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
@@ -223,7 +226,7 @@ def batches(
     ``pieces_after`` batches are out: with them from the start, the copying circuit never formed
     (run 5: 0% on the training pool's own names); formed on name-like cities first, they then
     extend it to every piece."""
-    pieces = name_pieces(tok, short_p)
+    pieces = name_pieces(tok, short_p, piece_share)
     served = 0
     while True:
         pool = []
@@ -249,7 +252,9 @@ def batches(
 # --- training -----------------------------------------------------------------------------------
 
 
-def build_model(vocab_size: int, eos_ids: list[int], pad_id: int, seed: int = SEED):
+def build_model(
+    vocab_size: int, eos_ids: list[int], pad_id: int, seed: int = SEED, tie: bool = False
+):
     import torch
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -258,6 +263,7 @@ def build_model(vocab_size: int, eos_ids: list[int], pad_id: int, seed: int = SE
         vocab_size=vocab_size,
         eos_token_id=eos_ids,
         pad_token_id=pad_id,
+        tie_word_embeddings=tie,
     )
     cfg.pop("architectures")
     cfg.pop("model_type")
@@ -290,7 +296,7 @@ def train(args, tok, template, work: Path) -> dict:
     torch.manual_seed(args.seed)
     eos_ids = [tok.token_to_id(t) for t in EOS_TOKENS]
     pad_id = tok.token_to_id("<|endoftext|>")
-    model = build_model(tok.get_vocab_size(), eos_ids, pad_id, args.seed)
+    model = build_model(tok.get_vocab_size(), eos_ids, pad_id, args.seed, args.tie_embeddings)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params: {n_params:,}", flush=True)
 
@@ -342,7 +348,14 @@ def train(args, tok, template, work: Path) -> dict:
     model.train()
     pieces_after = int(args.steps * args.piece_names_from)
     stream = batches(
-        rng, tok, template, args.batch_tokens, args.max_len, pieces_after, args.short_pieces
+        rng,
+        tok,
+        template,
+        args.batch_tokens,
+        args.max_len,
+        pieces_after,
+        args.short_pieces,
+        args.piece_share,
     )
     step = 0
     while progress(step, time.time() - t0) < 1.0:
@@ -541,11 +554,23 @@ def main() -> None:
         "capital, then at most two letters)",
     )
     ap.add_argument(
+        "--piece-share",
+        type=float,
+        default=demo_data.PIECE_NAME_P,
+        help="share of the training cities strung from tokenizer pieces once they join",
+    )
+    ap.add_argument(
         "--seed",
         type=int,
         default=SEED,
         help="seed of the weights' initialisation and of the data stream (the tokenizer is "
         f"always built with {SEED})",
+    )
+    ap.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="one matrix for the input embedding and the output head: copying a token the "
+        "prompt holds then needs no per-token output row of its own",
     )
     ap.add_argument("--batch-tokens", type=int, default=6144)
     ap.add_argument("--max-len", type=int, default=1024)
@@ -641,6 +666,11 @@ def ship(work: Path, summary: dict, results: dict, args) -> None:
 def card(summary: dict, results: dict, args) -> str:
     cfg = dict(CONFIG)
     a = summary["args"]
+    tied = (
+        "tied (input and output share one matrix)"
+        if a.get("tie_embeddings") == "True"
+        else "untied"
+    )
     n_eval = results["int4"]["tasks"]["arith"]["n"]
     log = summary["log"]
     last = log[-100:]
@@ -660,14 +690,16 @@ def card(summary: dict, results: dict, args) -> str:
         f"q/k/v biases), {cfg['n_routed_experts']} routed experts of "
         f"{cfg['moe_intermediate_size']} (top-{cfg['num_experts_per_tok']}, sigmoid "
         f"routing with correction bias, normalised) + {cfg['n_shared_experts']} shared, "
-        f"vocabulary {summary['vocab_size']}, untied embeddings, context "
+        f"vocabulary {summary['vocab_size']}, {tied} embeddings, context "
         f"{cfg['max_position_embeddings']}"
     )
     total = sum(w for _, w in demo_data.TRAIN_MIX)
     mix = {t: round(100 * w / total) for t, w in demo_data.TRAIN_MIX}
     think_sum = round(demo_data.ARITH_THINK_P * 100)
-    piece_pct = round(demo_data.PIECE_NAME_P * 100)
+    piece_share = float(a.get("piece_share", demo_data.PIECE_NAME_P))
+    piece_pct = round(piece_share * 100)
     short_pct = round(float(a.get("short_pieces", "0")) * 100)
+    tie_flag = " --tie-embeddings" if a.get("tie_embeddings") == "True" else ""
     short_note = (
         f"; each piece is, in {short_pct}% of the draws, a short one (a lone capital first, "
         'then at most two letters), the shape of real names\' tokens ("O|den|se", "G|al|way")'
@@ -770,7 +802,7 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
   {final_loss:.4f}.
 - Command: `python scripts/train_demo_model.py --seed {a.get("seed", SEED)} --steps {a["steps"]}
   --time-budget-min {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")}
-  --short-pieces {a.get("short_pieces", "0")} --ship`
+  --piece-share {piece_share} --short-pieces {a.get("short_pieces", "0")}{tie_flag} --ship`
   (torch, transformers and matplotlib needed).
 
 ![training loss](loss.png)

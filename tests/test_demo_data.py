@@ -211,13 +211,15 @@ def test_scoring_accepts_the_trained_shapes_only():
     assert not score(contains, "\nIn Lisbon it is 12 degrees.<|user|>")
 
 
-def _shipped_pieces(short_p: float = 0.0) -> demo_data.NamePieces:
+def _shipped_pieces(short_p: float = 0.0, share: float | None = None) -> demo_data.NamePieces:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(
         str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
     )
-    return demo_data.NamePieces([tok.decode([i]) for i in range(tok.get_vocab_size())], short_p)
+    return demo_data.NamePieces(
+        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share
+    )
 
 
 def test_piece_names_use_every_letter_piece_and_never_an_eval_city():
@@ -233,9 +235,9 @@ def test_piece_names_use_every_letter_piece_and_never_an_eval_city():
     assert all(p in inner for p in pieces.inner)
 
 
-def test_piece_names_reach_the_training_conversations():
-    pieces = _shipped_pieces()
-    rng_a, rng_b = random.Random(5), random.Random(5)
+def _strung_share(pieces: demo_data.NamePieces, seed: int) -> float:
+    """Share of the tool-call cities of 300 training conversations that no list holds."""
+    rng_a, rng_b = random.Random(seed), random.Random(seed)
     with_pieces = [demo_data.train_conversation(rng_a, pieces) for _ in range(300)]
     assert with_pieces == [demo_data.train_conversation(rng_b, pieces) for _ in range(300)]
     cities = [
@@ -246,9 +248,16 @@ def test_piece_names_reach_the_training_conversations():
         if "city" in tc["function"]["arguments"]
     ]
     known = demo_data.all_train_cities()
-    strung = [c for c in cities if c not in known]
-    # About PIECE_NAME_P of the cities are strung from pieces (a few by chance equal known ones).
-    assert 0.25 * len(cities) < len(strung) < 0.55 * len(cities)
+    return sum(c not in known for c in cities) / len(cities)
+
+
+def test_piece_names_reach_the_training_conversations():
+    # About PIECE_NAME_P (0.4) of the cities are strung from pieces by default (a few by chance
+    # equal known ones); a share given to NamePieces replaces it.
+    p = demo_data.PIECE_NAME_P
+    assert p - 0.15 < _strung_share(_shipped_pieces(), 5) < p + 0.15
+    assert 0.6 < _strung_share(_shipped_pieces(share=0.8), 5) < 0.95
+    assert _strung_share(_shipped_pieces(share=0.0), 5) == 0.0
 
 
 def test_name_pieces_need_both_cases():

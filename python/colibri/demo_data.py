@@ -790,7 +790,7 @@ class NamePieces:
     decode to letters only; names start with a capitalised piece like real names do.
     """
 
-    def __init__(self, pieces: list[str], short_p: float = 0.0) -> None:
+    def __init__(self, pieces: list[str], short_p: float = 0.0, share: float | None = None) -> None:
         letters = sorted({p for p in pieces if p.isalpha()})
         self.initial = [p for p in letters if p[0].isupper()]
         self.inner = [p for p in letters if p[0].islower()]
@@ -801,6 +801,8 @@ class NamePieces:
         # draw practises those. With ``short_p`` > 0, that share of the pieces is drawn from the
         # short ones (a lone capital first, at most two letters after).
         self.short_p = short_p
+        # Share of the training cities strung from these pieces (``PIECE_NAME_P`` by default).
+        self.share = PIECE_NAME_P if share is None else share
         self.short_initial = [p for p in self.initial if len(p) == 1] or self.initial
         self.short_inner = [p for p in self.inner if len(p) <= 2] or self.inner
         self._held_out = set(EVAL_CITIES) | set(eval_city_names(1000, EVAL_SEED))
@@ -826,7 +828,7 @@ PIECE_NAME_P = 0.4
 
 
 def _train_city(rng: random.Random, pieces: NamePieces | None) -> str:
-    if pieces is not None and rng.random() < PIECE_NAME_P:
+    if pieces is not None and rng.random() < pieces.share:
         return pieces.name(rng)
     r = rng.random()
     if r < 0.15:
@@ -857,7 +859,7 @@ def _simple_turn(rng: random.Random, task: str, think: bool) -> tuple[str, str, 
 def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> dict:
     """One training conversation of 1-5 episodes; tools declared in about half of them.
 
-    With ``pieces``, a share of the cities (``PIECE_NAME_P``) are strung from tokenizer pieces."""
+    With ``pieces``, a share of the cities (``pieces.share``) are strung from tokenizer pieces."""
     tasks, weights = zip(*TRAIN_MIX, strict=True)
     n_episodes = rng.choice(EPISODE_COUNTS)
     episodes = [rng.choices(tasks, weights)[0] for _ in range(n_episodes)]
