@@ -24,7 +24,12 @@ recipe tells nothing; compare recipes over several seeds (~1 hour of idle CPU ea
 ``--tie-embeddings`` (seed 1234) made 93.5%, the same as the shipped recipe, and failed on the
 same real cities in the same way (one piece of the name swapped for another: "Uppsala" ->
 "Ukarasala"), although tying gave the rarely trained pieces ("pp", "den", "way") embeddings as
-large as the common ones' (untied: ~0.4 against ~1.3).
+large as the common ones' (untied: ~0.4 against ~1.3). The swapped-in pieces are common pieces
+of the training names ("hagen", "ville", "ring"): the model's prior over names outvotes the copy.
+``--piece-share 0.7`` (fewer names it can learn by heart) copied 41 of the 45 real cities (the
+shipped model 36) but only 95 of 105 generated ones (some run on past the name's end:
+"Pechžltru" -> "Pechžltruririg") and 41 of 50 currency calls: 88.5% in all (seed 1234; its sums
+without thinking fell to 89% too, which looks like the draw).
 """
 
 from __future__ import annotations
