@@ -29,7 +29,9 @@ of the training names ("hagen", "ville", "ring"): the model's prior over names o
 ``--piece-share 0.7`` (fewer names it can learn by heart) copied 41 of the 45 real cities (the
 shipped model 36) but only 95 of 105 generated ones (some run on past the name's end:
 "Pechžltru" -> "Pechžltruririg") and 41 of 50 currency calls: 88.5% in all (seed 1234; its sums
-without thinking fell to 89% too, which looks like the draw).
+without thinking fell to 89% too, which looks like the draw). The same recipe with seed 1236
+(run 18) lagged from step ~1000 on and made 84% (real cities 33/45, sums without thinking 9%):
+seeds 1235 and 1236 were poor draws for both recipes tried on them, seed 1234 a good one for all.
 """
 
 from __future__ import annotations
