@@ -677,11 +677,8 @@ def ship(work: Path, summary: dict, results: dict, args) -> None:
 def card(summary: dict, results: dict, args) -> str:
     cfg = dict(CONFIG)
     a = summary["args"]
-    tied = (
-        "tied (input and output share one matrix)"
-        if a.get("tie_embeddings") == "True"
-        else "untied"
-    )
+    tie = a.get("tie_embeddings") == "True"
+    tied = "tied (input and output share one matrix)" if tie else "untied"
     n_eval = results["int4"]["tasks"]["arith"]["n"]
     log = summary["log"]
     last = log[-100:]
@@ -710,7 +707,7 @@ def card(summary: dict, results: dict, args) -> str:
     piece_share = float(a.get("piece_share", demo_data.PIECE_NAME_P))
     piece_pct = round(piece_share * 100)
     short_pct = round(float(a.get("short_pieces", "0")) * 100)
-    tie_flag = " --tie-embeddings" if a.get("tie_embeddings") == "True" else ""
+    tie_flag = " --tie-embeddings" if tie else ""
     short_note = (
         f"; each piece is, in {short_pct}% of the draws, a short one (a lone capital first, "
         'then at most two letters), the shape of real names\' tokens ("O|den|se", "G|al|way")'
