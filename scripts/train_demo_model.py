@@ -214,10 +214,10 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
     return ids, mask
 
 
-def name_pieces(tok, short_p: float = 0.0, share: float | None = None):
+def name_pieces(tok, short_p: float = 0.0, share: float | None = None, near_miss: float = 0.0):
     """The tokenizer's letter pieces, for training city names made of them."""
     return demo_data.NamePieces(
-        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share
+        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share, near_miss
     )
 
 
@@ -230,6 +230,7 @@ def batches(
     pieces_after: int,
     short_p: float = 0.0,
     piece_share: float | None = None,
+    near_miss: float = 0.0,
 ):
     """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
     conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
@@ -237,7 +238,7 @@ def batches(
     ``pieces_after`` batches are out: with them from the start, the copying circuit never formed
     (run 5: 0% on the training pool's own names); formed on name-like cities first, they then
     extend it to every piece."""
-    pieces = name_pieces(tok, short_p, piece_share)
+    pieces = name_pieces(tok, short_p, piece_share, near_miss)
     served = 0
     while True:
         pool = []
@@ -333,7 +334,7 @@ def train(args, tok, template, work: Path) -> dict:
         betas=(0.9, 0.95),
         eps=1e-8,
     )
-    warm = min(200, args.steps // 10 + 1)
+    warm = min(args.warmup, args.steps // 10 + 1)
     budget = args.time_budget_min * 60.0
 
     def progress(step: int, elapsed: float) -> float:
@@ -367,6 +368,7 @@ def train(args, tok, template, work: Path) -> dict:
         pieces_after,
         args.short_pieces,
         args.piece_share,
+        args.near_miss,
     )
     step = 0
     while progress(step, time.time() - t0) < 1.0:
@@ -386,10 +388,12 @@ def train(args, tok, template, work: Path) -> dict:
         masters = [(p, p.data) for p in decay] if qat else []
         for p, master in masters:
             p.data = fake_int4(master)
-        logits = model(input_ids=x).logits
-        loss = F.cross_entropy(
-            logits.view(-1, logits.size(-1)).float(), y.view(-1), ignore_index=-100
-        )
+        # The head runs only where the loss is taken (the generated text, ~1/4 of the tokens):
+        # the same loss, ~5% faster a step.
+        hidden = model.model(input_ids=x).last_hidden_state
+        taken = y != -100
+        logits = model.lm_head(hidden[taken])
+        loss = F.cross_entropy(logits.float(), y[taken])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         # Straight-through: the gradient taken at the int4 weights updates the f32 masters.
@@ -571,6 +575,13 @@ def main() -> None:
         help="share of the training cities strung from tokenizer pieces once they join",
     )
     ap.add_argument(
+        "--near-miss",
+        type=float,
+        default=0.0,
+        help="share of the other training cities (not strung from pieces) that start like a "
+        "known name and then go elsewhere, once strung names join",
+    )
+    ap.add_argument(
         "--seed",
         type=int,
         default=SEED,
@@ -586,6 +597,7 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=6144)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=200, help="steps of linear lr warmup")
     ap.add_argument("--bias-rate", type=float, default=5e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
@@ -715,10 +727,19 @@ def card(summary: dict, results: dict, args) -> str:
         else ""
     )
     piece_from = round(float(a.get("piece_names_from", "0")) * 100)
+    near_miss = float(a.get("near_miss", "0"))
+    near_note = (
+        f"; of the others, {round(near_miss * 100)}% are near misses of a known name (its first"
+        " letters, then the tail of another known name, one or two pieces or nothing: on them"
+        ' only the copy is right, where "Córdoba" came out as "Córhagena" without them)'
+        if near_miss
+        else ""
+    )
     steps, budget_s = int(a["steps"]), float(a["time_budget_min"]) * 60
     # Steps after the warmup whose schedule position came from the wall time (the CPU was
     # shared then); the warmup itself counts steps only.
-    warm = min(200, steps // 10 + 1)
+    warmup = int(a.get("warmup", 200))
+    warm = min(warmup, steps // 10 + 1)
     time_led = sum(
         1
         for r in log
@@ -773,7 +794,7 @@ Tool calls are trained with thinking on in {round(demo_data.TOOL_THINK_P * 100)}
 Cities in tool calls: from {piece_from}% of the steps on,
 {piece_pct}% are names strung from 1-4 random letter pieces of the tokenizer (a capitalised one
 first), so every piece is copied in training (from the start, the copying never formed: tool calls
-27%){short_note}; the rest are 6,000 generated city-like names (some accented, some two
+27%){short_note}{near_note}; the rest are 6,000 generated city-like names (some accented, some two
 words), ~90 real cities and the capitals. Loss only on the generated tokens: the text after
 each generation prompt, through the `<|user|>` or `<|observation|>` that ends the turn.
 
@@ -796,7 +817,7 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 
 - Seed {a.get("seed", SEED)} (tokenizer: {SEED}); {len(log)} steps of about
   {a["batch_tokens"]} padded tokens ({summary["tokens"]:,} tokens in all); AdamW lr {a["lr"]}
-  (200 warmup steps, cosine to 5%),
+  ({warm} warmup steps, cosine to 5%),
   betas (0.9, 0.95), weight decay 0.05, gradient clip 1.0; expert bias step {a["bias_rate"]}.
   The schedule runs to {a["steps"]} steps or a {a["time_budget_min"]}-minute wall-time budget,
   whichever comes first. {bound} `train.json` logs each step's loss, time and learning rate.
@@ -810,7 +831,8 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
   {final_loss:.4f}.
 - Command: `python scripts/train_demo_model.py --seed {a.get("seed", SEED)} --steps {a["steps"]}
   --time-budget-min {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")}
-  --piece-share {piece_share} --short-pieces {a.get("short_pieces", "0")}{tie_flag} --ship`
+  --piece-share {piece_share} --short-pieces {a.get("short_pieces", "0")} --warmup {warmup}
+  --lr {a["lr"]} --near-miss {near_miss}{tie_flag} --ship`
   (torch, transformers and matplotlib needed).
 
 ![training loss](loss.png)

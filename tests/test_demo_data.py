@@ -7,6 +7,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from colibri import demo_data
 from colibri.chat.template import ChatTemplate
@@ -211,14 +213,16 @@ def test_scoring_accepts_the_trained_shapes_only():
     assert not score(contains, "\nIn Lisbon it is 12 degrees.<|user|>")
 
 
-def _shipped_pieces(short_p: float = 0.0, share: float | None = None) -> demo_data.NamePieces:
+def _shipped_pieces(
+    short_p: float = 0.0, share: float | None = None, near_miss: float = 0.0
+) -> demo_data.NamePieces:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(
         str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
     )
     return demo_data.NamePieces(
-        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share
+        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share, near_miss
     )
 
 
@@ -289,3 +293,27 @@ def test_short_pieces_shape_names_and_leave_the_default_stream_alone():
             if len(word) >= 3 and word not in held_out:
                 break
         assert default.name(a) == word
+
+
+_NEAR_MISS = _shipped_pieces(near_miss=0.5)
+_KNOWN = demo_data.all_train_cities()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32))
+def test_near_miss_names_start_like_a_known_name_and_are_never_held_out(seed):
+    name = _NEAR_MISS.near_miss_name(random.Random(seed))
+    assert len(name) >= 3 and name[-1].isalpha()
+    assert any(k.startswith(name[:2]) for k in _KNOWN)
+    assert name not in set(demo_data.EVAL_CITIES)
+    assert name not in set(demo_data.eval_city_names(1000, demo_data.EVAL_SEED))
+
+
+def test_near_misses_reach_the_training_conversations_only_when_asked():
+    rng = random.Random(4)
+    names = [_NEAR_MISS.near_miss_name(rng) for _ in range(2000)]
+    # Most are new names; some end early, some run on past the known name they start like.
+    assert sum(n not in _KNOWN for n in names) > 0.9 * len(names)
+    assert any(any(k.startswith(n) and k != n for k in _KNOWN) for n in names[:200])
+    # Half the unstrung cities, on top of the 40% strung: the strung-or-new share rises.
+    assert _strung_share(_NEAR_MISS, 5) > _strung_share(_shipped_pieces(), 5) + 0.15

@@ -14,8 +14,9 @@ What is held out of training, so the evaluation measures generalisation:
 - lookups: the table is fixed, so the question phrasings are held out (``CAPITAL_EVAL_QUESTIONS``);
 - tool calls: the evaluation's cities (real ones from ``EVAL_CITIES`` and generated names from
   another seed) never occur in training, whose cities come from ``TRAIN_CITIES``, the capitals,
-  ``train_city_pool()`` and names strung from tokenizer pieces (``NamePieces``, which refuses
-  the evaluation's names); a few question phrasings are held out too.
+  ``train_city_pool()``, names strung from tokenizer pieces and near misses of known names
+  (both from ``NamePieces``, which refuses the evaluation's names); a few question phrasings are
+  held out too.
 """
 
 from __future__ import annotations
@@ -790,7 +791,13 @@ class NamePieces:
     decode to letters only; names start with a capitalised piece like real names do.
     """
 
-    def __init__(self, pieces: list[str], short_p: float = 0.0, share: float | None = None) -> None:
+    def __init__(
+        self,
+        pieces: list[str],
+        short_p: float = 0.0,
+        share: float | None = None,
+        near_miss: float = 0.0,
+    ) -> None:
         letters = sorted({p for p in pieces if p.isalpha()})
         self.initial = [p for p in letters if p[0].isupper()]
         self.inner = [p for p in letters if p[0].islower()]
@@ -805,6 +812,8 @@ class NamePieces:
         self.share = PIECE_NAME_P if share is None else share
         self.short_initial = [p for p in self.initial if len(p) == 1] or self.initial
         self.short_inner = [p for p in self.inner if len(p) <= 2] or self.inner
+        # Share of the other cities (not strung) that are near misses of a known name.
+        self.near_miss = near_miss
         self._held_out = set(EVAL_CITIES) | set(eval_city_names(1000, EVAL_SEED))
 
     def _piece(self, rng: random.Random, every: list[str], short: list[str]) -> str:
@@ -822,6 +831,36 @@ class NamePieces:
             if len(word) >= 3 and word not in self._held_out:
                 return word
 
+    def near_miss_name(self, rng: random.Random) -> str:
+        """A name that starts like one the model learns by heart and then goes elsewhere: the
+        known name's first letters, then the tail of another known name, one or two pieces, or
+        nothing (it ends early). Copying a held-out city fails exactly there: the model copies
+        "Cór" of "Córdoba" and goes on with "hagen" of a name it knows ("Córhagena"); on these
+        names, only the copy is right."""
+        known = _known_cities()
+        while True:
+            head = rng.choice(known)
+            if len(head) < 3:
+                continue
+            cut = rng.randrange(2, len(head))
+            r = rng.random()
+            if r < 0.5:
+                other = rng.choice(known)
+                tail = other[rng.randrange(1, len(other)) :] if len(other) > 1 else ""
+            elif r < 0.8:
+                tail = "".join(rng.choice(self.inner) for _ in range(rng.choice([1, 2])))
+            else:
+                tail = ""
+            word = head[:cut] + tail
+            if len(word) >= 3 and word[-1].isalpha() and word not in self._held_out:
+                return word
+
+
+def _known_cities() -> list[str]:
+    """Every city name training shows as itself (the generated pool, the real ones, the capitals),
+    in a fixed order."""
+    return train_city_pool() + TRAIN_CITIES + list(CAPITALS.values())
+
 
 # Share of training cities strung from tokenizer pieces when ``train_conversation`` gets them.
 PIECE_NAME_P = 0.4
@@ -830,6 +869,9 @@ PIECE_NAME_P = 0.4
 def _train_city(rng: random.Random, pieces: NamePieces | None) -> str:
     if pieces is not None and rng.random() < pieces.share:
         return pieces.name(rng)
+    # No draw at all when off: the stream stays what it was before near misses.
+    if pieces is not None and pieces.near_miss > 0 and rng.random() < pieces.near_miss:
+        return pieces.near_miss_name(rng)
     r = rng.random()
     if r < 0.15:
         return rng.choice(TRAIN_CITIES)
