@@ -176,10 +176,16 @@ def build_tokenizer(template, seed: int):
 # --- data ---------------------------------------------------------------------------------------
 
 
+# Labels of the loss-carrying tokens, for the loss of each task in the log: the turn's kind,
+# with "/think" when the turn was generated with thinking on.
+LOSS_LABELS = [k + t for k in demo_data.TURN_KINDS for t in ("", "/think")]
+
+
 def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]]:
-    """Token ids of a rendered conversation and a parallel 0/1 mask of what the model generates:
+    """Token ids of a rendered conversation and a parallel mask of what the model generates:
     for each assistant message, the text after the generation prompt (thinking on or off as that
-    turn had it) up to and including the marker that ends the turn."""
+    turn had it) up to and including the marker that ends the turn. The mask is 0 elsewhere and
+    1 + the turn's index in ``LOSS_LABELS`` on those tokens."""
     msgs, tools = conv["messages"], conv["tools"]
     ids: list[int] = []
     mask: list[int] = []
@@ -198,6 +204,7 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
         if msg["role"] != "assistant":
             continue
         think = conv["thinking"][turn]
+        label = 1 + LOSS_LABELS.index(conv["kinds"][turn] + ("/think" if think else ""))
         turn += 1
         prompt = template.render(
             msgs[:i], add_generation_prompt=True, tools=tools, enable_thinking=think
@@ -210,7 +217,7 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
         nxt = msgs[i + 1]["role"] if i + 1 < len(msgs) else "user"
         end = "<|observation|>" if nxt == "tool" else "<|user|>"
         # The marker that ends the turn is where the next message's render starts.
-        add(upto[len(prompt) :] + end, 1)
+        add(upto[len(prompt) :] + end, label)
     return ids, mask
 
 
@@ -370,6 +377,8 @@ def train(args, tok, template, work: Path) -> dict:
         args.piece_share,
         args.near_miss,
     )
+    label_sum = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.float64)
+    label_n = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.long)
     step = 0
     while progress(step, time.time() - t0) < 1.0:
         lr = lr_at(step, progress(step, time.time() - t0))
@@ -377,11 +386,13 @@ def train(args, tok, template, work: Path) -> dict:
         L = max(len(s[0]) for s in seqs)
         x = torch.full((len(seqs), L), pad_id, dtype=torch.long)
         y = torch.full((len(seqs), L), -100, dtype=torch.long)
+        labels = torch.zeros((len(seqs), L), dtype=torch.long)
         for j, (ids, mask) in enumerate(seqs):
             x[j, : len(ids)] = torch.tensor(ids)
             tgt = torch.tensor(ids[1:] + [pad_id])
-            m = torch.tensor(mask[1:] + [0], dtype=torch.bool)
-            y[j, : len(ids)] = torch.where(m, tgt, torch.full_like(tgt, -100))
+            lab = torch.tensor(mask[1:] + [0])
+            labels[j, : len(ids)] = lab
+            y[j, : len(ids)] = torch.where(lab > 0, tgt, torch.full_like(tgt, -100))
         for g in opt.param_groups:
             g["lr"] = lr
         qat = progress(step, time.time() - t0) >= 1.0 - args.qat_frac
@@ -393,7 +404,12 @@ def train(args, tok, template, work: Path) -> dict:
         hidden = model.model(input_ids=x).last_hidden_state
         taken = y != -100
         logits = model.lm_head(hidden[taken])
-        loss = F.cross_entropy(logits.float(), y[taken])
+        token_loss = F.cross_entropy(logits.float(), y[taken], reduction="none")
+        loss = token_loss.mean()
+        with torch.no_grad():
+            lab = labels[taken]
+            label_sum += torch.bincount(lab, token_loss.detach(), len(LOSS_LABELS) + 1)
+            label_n += torch.bincount(lab, minlength=len(LOSS_LABELS) + 1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         # Straight-through: the gradient taken at the int4 weights updates the f32 masters.
@@ -432,6 +448,16 @@ def train(args, tok, template, work: Path) -> dict:
                 f"max/mean expert load {spread}",
                 flush=True,
             )
+            # The loss of each task since the last log line: which circuit is late.
+            task_loss = {
+                name: round(float(label_sum[i + 1] / label_n[i + 1]), 4)
+                for i, name in enumerate(LOSS_LABELS)
+                if label_n[i + 1] > 0
+            }
+            log[-1]["task_loss"] = task_loss
+            print("  " + " ".join(f"{k} {v:.3f}" for k, v in task_loss.items()), flush=True)
+            label_sum.zero_()
+            label_n.zero_()
         step += 1
     train_time = time.time() - t0
     print(f"stopped after {step} steps, {train_time:.0f}s", flush=True)

@@ -317,3 +317,15 @@ def test_near_misses_reach_the_training_conversations_only_when_asked():
     assert any(any(k.startswith(n) and k != n for k in _KNOWN) for n in names[:200])
     # Half the unstrung cities, on top of the 40% strung: the strung-or-new share rises.
     assert _strung_share(_NEAR_MISS, 5) > _strung_share(_shipped_pieces(), 5) + 0.15
+
+
+def test_every_assistant_turn_names_its_task():
+    seen = set()
+    for conv in _convs(11, 400):
+        assistant = [m for m in conv["messages"] if m["role"] == "assistant"]
+        assert len(conv["kinds"]) == len(assistant) == len(conv["thinking"])
+        for kind, msg in zip(conv["kinds"], assistant, strict=True):
+            assert kind in demo_data.TURN_KINDS
+            assert (kind == "tool_call") == bool(msg.get("tool_calls"))
+        seen.update(conv["kinds"])
+    assert seen == set(demo_data.TURN_KINDS)

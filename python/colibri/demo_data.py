@@ -5,9 +5,11 @@ conversations from here and ``colibri.demo_eval`` samples held-out prompts, so b
 the same formats. Every function takes its randomness from a ``random.Random`` or a seed, so a seed
 gives the same data on any machine.
 
-A conversation is a dict ``{"messages": [...], "tools": [...] | None, "thinking": [bool, ...]}``
-in the OpenAI shape the chat template renders (``thinking`` has one flag per assistant message:
-whether that turn was generated with thinking on; a thinking turn carries ``reasoning_content``).
+A conversation is a dict ``{"messages": [...], "tools": [...] | None, "thinking": [bool, ...],
+"kinds": [str, ...]}`` in the OpenAI shape the chat template renders (``thinking`` has one flag
+per assistant message: whether that turn was generated with thinking on; a thinking turn carries
+``reasoning_content``; ``kinds`` names each assistant message's task, one of ``TURN_KINDS``, so
+training can log the loss of each task apart).
 
 What is held out of training, so the evaluation measures generalisation:
 - arithmetic: 10% of the unordered pairs of 2-digit numbers (``EVAL_PAIRS``);
@@ -898,6 +900,20 @@ def _simple_turn(rng: random.Random, task: str, think: bool) -> tuple[str, str, 
     return rng.choice(prompts), answer, trace
 
 
+# What an assistant message of a training conversation answers (``kinds`` of the conversation).
+TURN_KINDS = [
+    "arith",
+    "capital",
+    "reverse",
+    "chat",
+    "memory",
+    "echo",
+    "no_tool",
+    "tool_call",
+    "tool_answer",
+]
+
+
 def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> dict:
     """One training conversation of 1-5 episodes; tools declared in about half of them.
 
@@ -913,15 +929,17 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
         tools = [TOOLS[t] for t in declared]
     messages: list[dict] = []
     thinking: list[bool] = []
+    kinds: list[str] = []
     if rng.random() < 0.15:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
 
-    def say(question: str, answer: str, trace: str) -> None:
+    def say(question: str, answer: str, trace: str, kind: str) -> None:
         # A bare sum is the hardest answer to learn (no trace to compute it in): more of those.
         think = rng.random() < (ARITH_THINK_P if answer.isdigit() else 0.5)
         messages.append({"role": "user", "content": question})
         messages.append(_assistant(answer, trace if think else None))
         thinking.append(think)
+        kinds.append(kind)
 
     for task in episodes:
         if task == "tool" and declared:
@@ -933,11 +951,13 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
                 tool_call_message(ep["tool"], ep["arguments"], ep["trace"] if think else None)
             )
             thinking.append(think)
+            kinds.append("tool_call")
             if rng.random() < 0.75:
                 messages.append({"role": "tool", "content": ep["tool_result"]})
                 think = rng.random() < 0.5
                 messages.append(_assistant(ep["answer"], ep["result_trace"] if think else None))
                 thinking.append(think)
+                kinds.append("tool_answer")
             else:
                 break  # the conversation ends on the call
         elif task in ("tool", "no_tool"):
@@ -947,27 +967,32 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
                 continue
             tool = rng.choice(missing)
             ep = tool_episode(rng, tool, _train_city(rng, pieces), eval_phrasing=False)
-            say(ep["question"], NO_TOOL_ANSWERS[tool], "There is no tool for this.")
+            say(ep["question"], NO_TOOL_ANSWERS[tool], "There is no tool for this.", "no_tool")
         elif task == "memory":
             n = rng.randint(0, 999)
             say(
                 rng.choice(REMEMBER_QUESTIONS).format(n=n),
                 remember_answer(n),
                 f"The user gives me the number {n}.",
+                "memory",
             )
             for _ in range(rng.choice([0, 1, 1, 2])):
-                say(*_simple_turn(rng, rng.choice(["arith", "capital", "chat"]), False))
-            say(rng.choice(RECALL_QUESTIONS), recall_answer(n), f"The user said {n} earlier.")
+                sub = rng.choice(["arith", "capital", "chat"])
+                say(*_simple_turn(rng, sub, False), sub)
+            recall = f"The user said {n} earlier."
+            say(rng.choice(RECALL_QUESTIONS), recall_answer(n), recall, "memory")
         elif task == "echo":
             name = _train_city(rng, pieces)
-            say(rng.choice(ECHO_QUESTIONS).format(name=name), name, f"The name is {name}.")
+            question = rng.choice(ECHO_QUESTIONS).format(name=name)
+            say(question, name, f"The name is {name}.", "echo")
         elif task == "tool_unneeded":
-            say(*_simple_turn(rng, rng.choice(["arith", "capital", "chat"]), False))
+            sub = rng.choice(["arith", "capital", "chat"])
+            say(*_simple_turn(rng, sub, False), sub)
         else:
-            say(*_simple_turn(rng, task, False))
+            say(*_simple_turn(rng, task, False), task)
     if not thinking:
-        say(*_simple_turn(rng, "chat", False))
-    return {"messages": messages, "tools": tools, "thinking": thinking}
+        say(*_simple_turn(rng, "chat", False), "chat")
+    return {"messages": messages, "tools": tools, "thinking": thinking, "kinds": kinds}
 
 
 # --- evaluation items ---------------------------------------------------------------------------
