@@ -238,6 +238,7 @@ def batches(
     short_p: float = 0.0,
     piece_share: float | None = None,
     near_miss: float = 0.0,
+    trailing: bool = False,
 ):
     """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
     conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
@@ -250,7 +251,9 @@ def batches(
     while True:
         pool = []
         while len(pool) < 512:
-            conv = demo_data.train_conversation(rng, pieces if served >= pieces_after else None)
+            conv = demo_data.train_conversation(
+                rng, pieces if served >= pieces_after else None, trailing
+            )
             ids, mask = encode_conversation(tok, template, conv)
             if len(ids) <= max_len:
                 pool.append((ids, mask))
@@ -376,6 +379,7 @@ def train(args, tok, template, work: Path) -> dict:
         args.short_pieces,
         args.piece_share,
         args.near_miss,
+        args.trailing_phrasings,
     )
     label_sum = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.float64)
     label_n = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.long)
@@ -606,6 +610,12 @@ def main() -> None:
         default=0.0,
         help="share of the other training cities (not strung from pieces) that start like a "
         "known name and then go elsewhere, once strung names join",
+    )
+    ap.add_argument(
+        "--trailing-phrasings",
+        action="store_true",
+        help='also train tool questions with words after the city ("... in Lisbon this '
+        'morning?"): the copy must stop where the name does',
     )
     ap.add_argument(
         "--seed",

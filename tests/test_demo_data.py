@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -329,3 +330,28 @@ def test_every_assistant_turn_names_its_task():
             assert (kind == "tool_call") == bool(msg.get("tool_calls"))
         seen.update(conv["kinds"])
     assert seen == set(demo_data.TURN_KINDS)
+
+
+def test_trailing_phrasings_are_opt_in_and_never_eval_phrasings():
+    trailing = demo_data.WEATHER_TRAILING_QUESTIONS + demo_data.TIME_TRAILING_QUESTIONS
+    evals = demo_data.WEATHER_EVAL_QUESTIONS + demo_data.TIME_EVAL_QUESTIONS
+    assert not set(trailing) & set(evals)
+    # Words follow the city in every one, and none of them is the evaluation's "right now".
+    assert all(not q.split("{city}")[1][0].isalnum() and "right" not in q for q in trailing)
+    assert all(q.split("{city}")[1].strip(" ?.") for q in trailing)
+
+    def questions(rng: random.Random, on: bool) -> list[str]:
+        return [
+            m["content"]
+            for _ in range(300)
+            for m in demo_data.train_conversation(rng, None, on)["messages"]
+            if m["role"] == "user"
+        ]
+
+    shapes = [re.compile(re.escape(q).replace(re.escape("{city}"), ".+")) for q in trailing]
+    assert any(r.fullmatch(q) for q in questions(random.Random(2), True) for r in shapes)
+    assert not any(r.fullmatch(q) for q in questions(random.Random(2), False) for r in shapes)
+    # Off, the stream is exactly the one before these phrasings existed.
+    assert questions(random.Random(6), False) == [
+        m["content"] for c in _convs(6, 300) for m in c["messages"] if m["role"] == "user"
+    ]

@@ -526,6 +526,21 @@ TIME_TRAIN_QUESTIONS = [
     "What is the time in {city} now?",
 ]
 TIME_EVAL_QUESTIONS = ["Do you know what time it is in {city}?"]
+# Training phrasings with words after the city (``train_conversation(trailing=True)``): a copy
+# must stop where the name stops, not at the question mark ("Galway right now?" came out as
+# "Galway right" without them). None is an evaluation phrasing.
+WEATHER_TRAILING_QUESTIONS = [
+    "What's the weather in {city} this morning?",
+    "Is it sunny in {city} at the moment?",
+    "How hot is it in {city} these days?",
+    "Is it windy in {city} tonight?",
+    "Weather in {city} for the weekend?",
+]
+TIME_TRAILING_QUESTIONS = [
+    "What time is it in {city} at the moment?",
+    "Tell me the current time in {city} please.",
+    "What's the time in {city} over there?",
+]
 CURRENCY_TRAIN_QUESTIONS = [
     "Convert {amount} {src} to {dst}.",
     "How much is {amount} {src} in {dst}?",
@@ -598,8 +613,11 @@ def _fmt_money(x: float) -> str:
     return s
 
 
-def tool_episode(rng: random.Random, tool: str, place: str, eval_phrasing: bool) -> dict:
-    """One tool request: question, expected call, a tool result and the answer that uses it."""
+def tool_episode(
+    rng: random.Random, tool: str, place: str, eval_phrasing: bool, trailing: bool = False
+) -> dict:
+    """One tool request: question, expected call, a tool result and the answer that uses it.
+    ``trailing`` adds the training phrasings with words after the city."""
     if tool == "convert_currency":
         amount = _amount(rng)
         src, dst = rng.sample(CURRENCIES, 2)
@@ -621,6 +639,8 @@ def tool_episode(rng: random.Random, tool: str, place: str, eval_phrasing: bool)
         must = [result_text, dst]
     elif tool == "get_time":
         qs = TIME_EVAL_QUESTIONS if eval_phrasing else TIME_TRAIN_QUESTIONS
+        if trailing and not eval_phrasing:
+            qs = qs + TIME_TRAILING_QUESTIONS
         question = rng.choice(qs).format(city=place)
         args = {"city": place}
         hhmm = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
@@ -631,6 +651,8 @@ def tool_episode(rng: random.Random, tool: str, place: str, eval_phrasing: bool)
         must = [hhmm, place]
     else:
         qs = WEATHER_EVAL_QUESTIONS if eval_phrasing else WEATHER_TRAIN_QUESTIONS
+        if trailing and not eval_phrasing:
+            qs = qs + WEATHER_TRAILING_QUESTIONS
         question = rng.choice(qs).format(city=place)
         args = {"city": place}
         temp = rng.randint(-12, 41)
@@ -914,10 +936,13 @@ TURN_KINDS = [
 ]
 
 
-def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> dict:
+def train_conversation(
+    rng: random.Random, pieces: NamePieces | None = None, trailing: bool = False
+) -> dict:
     """One training conversation of 1-5 episodes; tools declared in about half of them.
 
-    With ``pieces``, a share of the cities (``pieces.share``) are strung from tokenizer pieces."""
+    With ``pieces``, a share of the cities (``pieces.share``) are strung from tokenizer pieces.
+    ``trailing`` adds tool phrasings with words after the city."""
     tasks, weights = zip(*TRAIN_MIX, strict=True)
     n_episodes = rng.choice(EPISODE_COUNTS)
     episodes = [rng.choices(tasks, weights)[0] for _ in range(n_episodes)]
@@ -944,7 +969,7 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
     for task in episodes:
         if task == "tool" and declared:
             tool = rng.choice(declared)
-            ep = tool_episode(rng, tool, _train_city(rng, pieces), eval_phrasing=False)
+            ep = tool_episode(rng, tool, _train_city(rng, pieces), False, trailing)
             think = rng.random() < TOOL_THINK_P
             messages.append({"role": "user", "content": ep["question"]})
             messages.append(
@@ -966,7 +991,7 @@ def train_conversation(rng: random.Random, pieces: NamePieces | None = None) -> 
             if not missing:
                 continue
             tool = rng.choice(missing)
-            ep = tool_episode(rng, tool, _train_city(rng, pieces), eval_phrasing=False)
+            ep = tool_episode(rng, tool, _train_city(rng, pieces), False, trailing)
             say(ep["question"], NO_TOOL_ANSWERS[tool], "There is no tool for this.", "no_tool")
         elif task == "memory":
             n = rng.randint(0, 999)
