@@ -32,6 +32,11 @@ shipped model 36) but only 95 of 105 generated ones (some run on past the name's
 without thinking fell to 89% too, which looks like the draw). The same recipe with seed 1236
 (run 18) lagged from step ~1000 on and made 84% (real cities 33/45, sums without thinking 9%):
 seeds 1235 and 1236 were poor draws for both recipes tried on them, seed 1234 a good one for all.
+``--near-miss 0.5`` (run 19, seed 1234: half the unstrung cities start like a known name and
+then go elsewhere) made 92.5% (real cities 37/45, generated 98/105): swaps went on ("Incheon" ->
+"Imoneyon") and a new failure showed, copies running past the name into the held-out phrasing's
+next word ("Galway right now?" -> "Galway right"), hence ``--trailing-phrasings``. The loss of
+each task is logged (``task_loss`` in ``train.json``) to see which circuit forms late.
 """
 
 from __future__ import annotations
@@ -764,6 +769,14 @@ def card(summary: dict, results: dict, args) -> str:
     )
     piece_from = round(float(a.get("piece_names_from", "0")) * 100)
     near_miss = float(a.get("near_miss", "0"))
+    trailing = a.get("trailing_phrasings") == "True"
+    trailing_flag = " --trailing-phrasings" if trailing else ""
+    trailing_note = (
+        ' Weather and time questions are also asked with words after the city ("... in Lisbon'
+        ' this morning?"), so a copy learns to stop where the name does.'
+        if trailing
+        else ""
+    )
     near_note = (
         f"; of the others, {round(near_miss * 100)}% are near misses of a known name (its first"
         " letters, then the tail of another known name, one or two pieces or nothing: on them"
@@ -831,8 +844,9 @@ Cities in tool calls: from {piece_from}% of the steps on,
 {piece_pct}% are names strung from 1-4 random letter pieces of the tokenizer (a capitalised one
 first), so every piece is copied in training (from the start, the copying never formed: tool calls
 27%){short_note}{near_note}; the rest are 6,000 generated city-like names (some accented, some two
-words), ~90 real cities and the capitals. Loss only on the generated tokens: the text after
-each generation prompt, through the `<|user|>` or `<|observation|>` that ends the turn.
+words), ~90 real cities and the capitals.{trailing_note} Loss only on the generated tokens: the
+text after each generation prompt, through the `<|user|>` or `<|observation|>` that ends the
+turn.
 
 Held out of training: 10% of the unordered pairs of 2-digit numbers, four capital phrasings, all
 evaluation cities (60 real ones and freshly generated names), a few tool phrasings.
@@ -868,7 +882,7 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 - Command: `python scripts/train_demo_model.py --seed {a.get("seed", SEED)} --steps {a["steps"]}
   --time-budget-min {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")}
   --piece-share {piece_share} --short-pieces {a.get("short_pieces", "0")} --warmup {warmup}
-  --lr {a["lr"]} --near-miss {near_miss}{tie_flag} --ship`
+  --lr {a["lr"]} --near-miss {near_miss}{tie_flag}{trailing_flag} --ship`
   (torch, transformers and matplotlib needed).
 
 ![training loss](loss.png)
