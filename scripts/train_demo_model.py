@@ -226,10 +226,16 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
     return ids, mask
 
 
-def name_pieces(tok, short_p: float = 0.0, share: float | None = None, near_miss: float = 0.0):
+def name_pieces(
+    tok,
+    short_p: float = 0.0,
+    share: float | None = None,
+    near_miss: float = 0.0,
+    drill: float = 0.0,
+):
     """The tokenizer's letter pieces, for training city names made of them."""
     return demo_data.NamePieces(
-        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share, near_miss
+        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share, near_miss, drill
     )
 
 
@@ -244,6 +250,7 @@ def batches(
     piece_share: float | None = None,
     near_miss: float = 0.0,
     trailing: bool = False,
+    drill: float = 0.0,
 ):
     """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
     conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
@@ -251,7 +258,7 @@ def batches(
     ``pieces_after`` batches are out: with them from the start, the copying circuit never formed
     (run 5: 0% on the training pool's own names); formed on name-like cities first, they then
     extend it to every piece."""
-    pieces = name_pieces(tok, short_p, piece_share, near_miss)
+    pieces = name_pieces(tok, short_p, piece_share, near_miss, drill)
     served = 0
     while True:
         pool = []
@@ -385,6 +392,7 @@ def train(args, tok, template, work: Path) -> dict:
         args.piece_share,
         args.near_miss,
         args.trailing_phrasings,
+        args.copy_drill,
     )
     label_sum = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.float64)
     label_n = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.long)
@@ -617,6 +625,13 @@ def main() -> None:
         "known name and then go elsewhere, once strung names join",
     )
     ap.add_argument(
+        "--copy-drill",
+        type=float,
+        default=0.0,
+        help="share of the episodes, once strung names join, that are copy drills (say 2-4 "
+        "strung names back): many more copies of each tokenizer piece per step",
+    )
+    ap.add_argument(
         "--trailing-phrasings",
         action="store_true",
         help='also train tool questions with words after the city ("... in Lisbon this '
@@ -770,6 +785,14 @@ def card(summary: dict, results: dict, args) -> str:
     piece_from = round(float(a.get("piece_names_from", "0")) * 100)
     near_miss = float(a.get("near_miss", "0"))
     trailing = a.get("trailing_phrasings") == "True"
+    drill = float(a.get("copy_drill", "0"))
+    drill_note = (
+        f" From then on, {round(drill * 100)}% of the episodes are copy drills instead: say 2-4"
+        " strung names back, so each piece is copied many times (a rarely copied piece is where"
+        ' a real name failed: "Incheon" came out as "Imoneyon").'
+        if drill
+        else ""
+    )
     trailing_flag = " --trailing-phrasings" if trailing else ""
     trailing_note = (
         ' Weather and time questions are also asked with words after the city ("... in Lisbon'
@@ -844,9 +867,9 @@ Cities in tool calls: from {piece_from}% of the steps on,
 {piece_pct}% are names strung from 1-4 random letter pieces of the tokenizer (a capitalised one
 first), so every piece is copied in training (from the start, the copying never formed: tool calls
 27%){short_note}{near_note}; the rest are 6,000 generated city-like names (some accented, some two
-words), ~90 real cities and the capitals.{trailing_note} Loss only on the generated tokens: the
-text after each generation prompt, through the `<|user|>` or `<|observation|>` that ends the
-turn.
+words), ~90 real cities and the capitals.{drill_note}{trailing_note}
+Loss only on the generated tokens: the text after each generation prompt, through the `<|user|>`
+or `<|observation|>` that ends the turn.
 
 Held out of training: 10% of the unordered pairs of 2-digit numbers, four capital phrasings, all
 evaluation cities (60 real ones and freshly generated names), a few tool phrasings.
@@ -882,7 +905,8 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 - Command: `python scripts/train_demo_model.py --seed {a.get("seed", SEED)} --steps {a["steps"]}
   --time-budget-min {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")}
   --piece-share {piece_share} --short-pieces {a.get("short_pieces", "0")} --warmup {warmup}
-  --lr {a["lr"]} --near-miss {near_miss}{tie_flag}{trailing_flag} --ship`
+  --lr {a["lr"]} --near-miss {near_miss} --copy-drill {drill}{tie_flag}{trailing_flag}
+  --ship`
   (torch, transformers and matplotlib needed).
 
 ![training loss](loss.png)

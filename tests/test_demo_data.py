@@ -215,7 +215,7 @@ def test_scoring_accepts_the_trained_shapes_only():
 
 
 def _shipped_pieces(
-    short_p: float = 0.0, share: float | None = None, near_miss: float = 0.0
+    short_p: float = 0.0, share: float | None = None, near_miss: float = 0.0, drill: float = 0.0
 ) -> demo_data.NamePieces:
     from tokenizers import Tokenizer
 
@@ -223,7 +223,7 @@ def _shipped_pieces(
         str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
     )
     return demo_data.NamePieces(
-        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share, near_miss
+        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share, near_miss, drill
     )
 
 
@@ -329,7 +329,8 @@ def test_every_assistant_turn_names_its_task():
             assert kind in demo_data.TURN_KINDS
             assert (kind == "tool_call") == bool(msg.get("tool_calls"))
         seen.update(conv["kinds"])
-    assert seen == set(demo_data.TURN_KINDS)
+    # Copy drills come only with strung names (``NamePieces.drill``).
+    assert seen == set(demo_data.TURN_KINDS) - {"drill"}
 
 
 def test_trailing_phrasings_are_opt_in_and_never_eval_phrasings():
@@ -355,3 +356,24 @@ def test_trailing_phrasings_are_opt_in_and_never_eval_phrasings():
     assert questions(random.Random(6), False) == [
         m["content"] for c in _convs(6, 300) for m in c["messages"] if m["role"] == "user"
     ]
+
+
+def test_copy_drills_say_strung_names_back_only_when_asked():
+    held_out = set(demo_data.EVAL_CITIES) | set(
+        demo_data.eval_city_names(1000, demo_data.EVAL_SEED)
+    )
+    drills = _shipped_pieces(drill=0.3)
+    convs = [demo_data.train_conversation(random.Random(i), drills) for i in range(200)]
+    said = 0
+    for conv in convs:
+        assistant = [m for m in conv["messages"] if m["role"] == "assistant"]
+        for kind, msg in zip(conv["kinds"], assistant, strict=True):
+            if kind == "drill":
+                names = msg["content"].split(", ")
+                assert 2 <= len(names) <= 4 and not set(names) & held_out
+                assert all(n[0].isupper() and n.isalpha() for n in names)
+                said += 1
+    assert said > 50
+    # Off (the default), no episode becomes a drill and the stream is the one before drills.
+    off = [demo_data.train_conversation(random.Random(i), _shipped_pieces()) for i in range(50)]
+    assert all("drill" not in c["kinds"] for c in off)

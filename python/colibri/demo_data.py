@@ -780,6 +780,14 @@ ECHO_QUESTIONS = [
     "Say the name {name} back to me.",
     "Echo this place name: {name}",
 ]
+# Names to say back, strung from tokenizer pieces (``NamePieces.drill``): a real city fails
+# where one of its pieces is one the model copied too rarely ("Incheon" -> "Imoneyon": "nch"),
+# even in a bare echo; with ~15 pieces copied a step, each piece is practised ~30 times in a
+# run. A drill copies 5-10 pieces in ~40 tokens.
+COPY_DRILL_QUESTIONS = [
+    "Please repeat these names exactly: {names}",
+    "Say these names back to me: {names}",
+]
 # Share of tool-call turns trained with thinking on (calls without thinking copy the city straight
 # from the question, the harder case: more of those).
 TOOL_THINK_P = 0.4
@@ -821,6 +829,7 @@ class NamePieces:
         short_p: float = 0.0,
         share: float | None = None,
         near_miss: float = 0.0,
+        drill: float = 0.0,
     ) -> None:
         letters = sorted({p for p in pieces if p.isalpha()})
         self.initial = [p for p in letters if p[0].isupper()]
@@ -838,6 +847,8 @@ class NamePieces:
         self.short_inner = [p for p in self.inner if len(p) <= 2] or self.inner
         # Share of the other cities (not strung) that are near misses of a known name.
         self.near_miss = near_miss
+        # Share of the episodes that are copy drills (``COPY_DRILL_QUESTIONS``).
+        self.drill = drill
         self._held_out = set(EVAL_CITIES) | set(eval_city_names(1000, EVAL_SEED))
 
     def _piece(self, rng: random.Random, every: list[str], short: list[str]) -> str:
@@ -930,6 +941,7 @@ TURN_KINDS = [
     "chat",
     "memory",
     "echo",
+    "drill",
     "no_tool",
     "tool_call",
     "tool_answer",
@@ -946,6 +958,9 @@ def train_conversation(
     tasks, weights = zip(*TRAIN_MIX, strict=True)
     n_episodes = rng.choice(EPISODE_COUNTS)
     episodes = [rng.choices(tasks, weights)[0] for _ in range(n_episodes)]
+    # No draw at all when off: the stream stays what it was before copy drills.
+    if pieces is not None and pieces.drill > 0:
+        episodes = ["drill" if rng.random() < pieces.drill else t for t in episodes]
     wants_tool = "tool" in episodes or "tool_unneeded" in episodes
     tools: list[dict] | None = None
     declared: list[str] = []
@@ -1010,6 +1025,10 @@ def train_conversation(
             name = _train_city(rng, pieces)
             question = rng.choice(ECHO_QUESTIONS).format(name=name)
             say(question, name, f"The name is {name}.", "echo")
+        elif task == "drill" and pieces is not None:
+            names = ", ".join(pieces.name(rng) for _ in range(rng.randint(2, 4)))
+            question = rng.choice(COPY_DRILL_QUESTIONS).format(names=names)
+            say(question, names, f"The names are {names}.", "drill")
         elif task == "tool_unneeded":
             sub = rng.choice(["arith", "capital", "chat"])
             say(*_simple_turn(rng, sub, False), sub)
