@@ -37,6 +37,13 @@ then go elsewhere) made 92.5% (real cities 37/45, generated 98/105): swaps went 
 "Imoneyon") and a new failure showed, copies running past the name into the held-out phrasing's
 next word ("Galway right now?" -> "Galway right"), hence ``--trailing-phrasings``. The loss of
 each task is logged (``task_loss`` in ``train.json``) to see which circuit forms late.
+``--trailing-phrasings`` (run 20, seed 1234) made 89% (real 34/45, generated 94/105): no run-on
+left, but more swaps. Its task losses show when each skill forms: lookups and sums with a trace
+by step ~1000, copying a name said back ("echo", the pure copy) only at 2000-2400 (loss 3.1 at
+2000, 0.8 at 2800), sums without a trace at ~3200: the copy forms late and is still improving
+when training ends. Every failing real city fails in a bare echo too ("Incheon" -> "Imoneyon"),
+at a piece copied rarely in training ("nch"; ~30 copies of each piece in a run), hence
+``--copy-drill``.
 """
 
 from __future__ import annotations
