@@ -41,9 +41,9 @@ each task is logged (``task_loss`` in ``train.json``) to see which circuit forms
 left, but more swaps. Its task losses show when each skill forms: lookups and sums with a trace
 by step ~1000, copying a name said back ("echo", the pure copy) only at 2000-2400 (loss 3.1 at
 2000, 0.8 at 2800), sums without a trace at ~3200: the copy forms late and is still improving
-when training ends. Every failing real city fails in a bare echo too ("Incheon" -> "Imoneyon"),
-at a piece copied rarely in training ("nch"; ~30 copies of each piece in a run), hence
-``--copy-drill``.
+when training ends. Run 19's failing real cities that were tried (Uppsala, Antalya, Incheon)
+fail the same way in a bare echo with no tools declared ("Incheon" -> "Imoneyon"), at a piece
+copied rarely in training ("nch"; ~30 copies of each piece in a run), hence ``--copy-drill``.
 """
 
 from __future__ import annotations
