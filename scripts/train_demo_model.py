@@ -44,6 +44,14 @@ by step ~1000, copying a name said back ("echo", the pure copy) only at 2000-240
 when training ends. Run 19's failing real cities that were tried (Uppsala, Antalya, Incheon)
 fail the same way in a bare echo with no tools declared ("Incheon" -> "Imoneyon"), at a piece
 copied rarely in training ("nch"; ~30 copies of each piece in a run), hence ``--copy-drill``.
+``--copy-drill 0.15 --trailing-phrasings`` (run 21, seed 1234; identical to run 20 up to step
+1440, where drills join) made 98% of the tool calls in int4 (real cities 43/45, generated
+103/105, currency 50/50; f32 98.5%), its echo loss fell to 0.004 (run 20: 0.42) and "Incheon",
+"Antalya" copy. But lookups fell to 96.5% (target 98%): every miss was the held-out "Please name
+the capital of X." answered "The capital of" and nothing more, as if asked for a drill ("Please
+repeat these names exactly"; other phrasings answer); sums without thinking 93%. So the drill
+phrasings no longer say "please" or "name"; rerun with them next (and perhaps a 0.1 share,
+as the sums without thinking form last and drills take their episodes).
 """
 
 from __future__ import annotations

@@ -783,10 +783,12 @@ ECHO_QUESTIONS = [
 # Names to say back, strung from tokenizer pieces (``NamePieces.drill``): a real city fails
 # where one of its pieces is one the model copied too rarely ("Incheon" -> "Imoneyon": "nch"),
 # even in a bare echo; with ~15 pieces copied a step, each piece is practised ~30 times in a
-# run. A drill copies 5-10 pieces in ~40 tokens.
+# run. A drill copies 5-10 pieces in ~40 tokens. No "please" and no "name" in them: with
+# "Please repeat these names exactly" in 15% of the episodes (run 21), the held-out "Please name
+# the capital of Japan." came out as "The capital of" and nothing more.
 COPY_DRILL_QUESTIONS = [
-    "Please repeat these names exactly: {names}",
-    "Say these names back to me: {names}",
+    "Repeat after me: {names}",
+    "Copy this list exactly: {names}",
 ]
 # Share of tool-call turns trained with thinking on (calls without thinking copy the city straight
 # from the question, the harder case: more of those).
