@@ -250,7 +250,11 @@ def name_pieces(
 ):
     """The tokenizer's letter pieces, for training city names made of them."""
     return demo_data.NamePieces(
-        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share, near_miss, drill
+        [tok.decode([i]) for i in range(tok.get_vocab_size())],
+        short_p=short_p,
+        share=share,
+        near_miss=near_miss,
+        drill=drill,
     )
 
 
@@ -273,13 +277,13 @@ def batches(
     ``pieces_after`` batches are out: with them from the start, the copying circuit never formed
     (run 5: 0% on the training pool's own names); formed on name-like cities first, they then
     extend it to every piece."""
-    pieces = name_pieces(tok, short_p, piece_share, near_miss, drill)
+    pieces = name_pieces(tok, short_p=short_p, share=piece_share, near_miss=near_miss, drill=drill)
     served = 0
     while True:
         pool = []
         while len(pool) < 512:
             conv = demo_data.train_conversation(
-                rng, pieces if served >= pieces_after else None, trailing
+                rng, pieces if served >= pieces_after else None, trailing=trailing
             )
             ids, mask = encode_conversation(tok, template, conv)
             if len(ids) <= max_len:
@@ -403,11 +407,11 @@ def train(args, tok, template, work: Path) -> dict:
         args.batch_tokens,
         args.max_len,
         pieces_after,
-        args.short_pieces,
-        args.piece_share,
-        args.near_miss,
-        args.trailing_phrasings,
-        args.copy_drill,
+        short_p=args.short_pieces,
+        piece_share=args.piece_share,
+        near_miss=args.near_miss,
+        trailing=args.trailing_phrasings,
+        drill=args.copy_drill,
     )
     label_sum = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.float64)
     label_n = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.long)
@@ -809,6 +813,11 @@ def card(summary: dict, results: dict, args) -> str:
         else ""
     )
     trailing_flag = " --trailing-phrasings" if trailing else ""
+    task_log = (
+        ", and with each log line the loss of each task since the last one"
+        if any("task_loss" in r for r in log)
+        else ""
+    )
     trailing_note = (
         ' Weather and time questions are also asked with words after the city ("... in Lisbon'
         ' this morning?"), so a copy learns to stop where the name does.'
@@ -818,7 +827,7 @@ def card(summary: dict, results: dict, args) -> str:
     near_note = (
         f"; of the others, {round(near_miss * 100)}% are near misses of a known name (its first"
         " letters, then the tail of another known name, one or two pieces or nothing: on them"
-        ' only the copy is right, where "Córdoba" came out as "Córhagena" without them)'
+        " only the copy is right)"
         if near_miss
         else ""
     )
@@ -908,7 +917,8 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
   ({warm} warmup steps, cosine to 5%),
   betas (0.9, 0.95), weight decay 0.05, gradient clip 1.0; expert bias step {a["bias_rate"]}.
   The schedule runs to {a["steps"]} steps or a {a["time_budget_min"]}-minute wall-time budget,
-  whichever comes first. {bound} `train.json` logs each step's loss, time and learning rate.
+  whichever comes first. {bound} `train.json` logs each step's loss, time and learning
+  rate{task_log}.
 - Quantization-aware for the last {float(a["qat_frac"]) * 100:.0f}% of the schedule: the
   forward and backward passes see every matrix the converter stores as int4 (embedding, attention,
   MLPs, experts, output head; not the router) rounded to groups of 32 with one scale each, and the

@@ -223,7 +223,11 @@ def _shipped_pieces(
         str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
     )
     return demo_data.NamePieces(
-        [tok.decode([i]) for i in range(tok.get_vocab_size())], short_p, share, near_miss, drill
+        [tok.decode([i]) for i in range(tok.get_vocab_size())],
+        short_p=short_p,
+        share=share,
+        near_miss=near_miss,
+        drill=drill,
     )
 
 

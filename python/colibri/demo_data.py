@@ -986,7 +986,9 @@ def train_conversation(
     for task in episodes:
         if task == "tool" and declared:
             tool = rng.choice(declared)
-            ep = tool_episode(rng, tool, _train_city(rng, pieces), False, trailing)
+            ep = tool_episode(
+                rng, tool, _train_city(rng, pieces), eval_phrasing=False, trailing=trailing
+            )
             think = rng.random() < TOOL_THINK_P
             messages.append({"role": "user", "content": ep["question"]})
             messages.append(
@@ -1008,7 +1010,9 @@ def train_conversation(
             if not missing:
                 continue
             tool = rng.choice(missing)
-            ep = tool_episode(rng, tool, _train_city(rng, pieces), False, trailing)
+            ep = tool_episode(
+                rng, tool, _train_city(rng, pieces), eval_phrasing=False, trailing=trailing
+            )
             say(ep["question"], NO_TOOL_ANSWERS[tool], "There is no tool for this.", "no_tool")
         elif task == "memory":
             n = rng.randint(0, 999)
