@@ -270,6 +270,7 @@ def batches(
     near_miss: float = 0.0,
     trailing: bool = False,
     drill: float = 0.0,
+    arith_weight: int | None = None,
 ):
     """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
     conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
@@ -278,12 +279,13 @@ def batches(
     (run 5: 0% on the training pool's own names); formed on name-like cities first, they then
     extend it to every piece."""
     pieces = name_pieces(tok, short_p=short_p, share=piece_share, near_miss=near_miss, drill=drill)
+    mix = demo_data.train_mix(arith_weight)
     served = 0
     while True:
         pool = []
         while len(pool) < 512:
             conv = demo_data.train_conversation(
-                rng, pieces if served >= pieces_after else None, trailing=trailing
+                rng, pieces if served >= pieces_after else None, trailing=trailing, mix=mix
             )
             ids, mask = encode_conversation(tok, template, conv)
             if len(ids) <= max_len:
@@ -412,6 +414,7 @@ def train(args, tok, template, work: Path) -> dict:
         near_miss=args.near_miss,
         trailing=args.trailing_phrasings,
         drill=args.copy_drill,
+        arith_weight=args.arith_weight,
     )
     label_sum = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.float64)
     label_n = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.long)
@@ -651,6 +654,13 @@ def main() -> None:
         "strung names back): many more copies of each tokenizer piece per step",
     )
     ap.add_argument(
+        "--arith-weight",
+        type=int,
+        default=None,
+        help=f"weight of the addition episodes in the task mix (default "
+        f"{dict(demo_data.TRAIN_MIX)['arith']}): sums without a trace form last",
+    )
+    ap.add_argument(
         "--trailing-phrasings",
         action="store_true",
         help='also train tool questions with words after the city ("... in Lisbon this '
@@ -788,8 +798,10 @@ def card(summary: dict, results: dict, args) -> str:
         f"vocabulary {summary['vocab_size']}, {tied} embeddings, context "
         f"{cfg['max_position_embeddings']}"
     )
-    total = sum(w for _, w in demo_data.TRAIN_MIX)
-    mix = {t: round(100 * w / total) for t, w in demo_data.TRAIN_MIX}
+    arith_weight = a.get("arith_weight", "None")
+    train_mix = demo_data.train_mix(None if arith_weight == "None" else int(arith_weight))
+    total = sum(w for _, w in train_mix)
+    mix = {t: round(100 * w / total) for t, w in train_mix}
     think_sum = round(demo_data.ARITH_THINK_P * 100)
     piece_share = float(a.get("piece_share", demo_data.PIECE_NAME_P))
     piece_pct = round(piece_share * 100)
@@ -813,6 +825,7 @@ def card(summary: dict, results: dict, args) -> str:
         else ""
     )
     trailing_flag = " --trailing-phrasings" if trailing else ""
+    arith_flag = "" if arith_weight == "None" else f" --arith-weight {arith_weight}"
     task_log = (
         ", and with each log line the loss of each task since the last one"
         if any("task_loss" in r for r in log)
@@ -930,7 +943,7 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 - Command: `python scripts/train_demo_model.py --seed {a.get("seed", SEED)} --steps {a["steps"]}
   --time-budget-min {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")}
   --piece-share {piece_share} --short-pieces {a.get("short_pieces", "0")} --warmup {warmup}
-  --lr {a["lr"]} --near-miss {near_miss} --copy-drill {drill}{tie_flag}{trailing_flag}
+  --lr {a["lr"]} --near-miss {near_miss} --copy-drill {drill}{tie_flag}{trailing_flag}{arith_flag}
   --ship`
   (torch, transformers and matplotlib needed).
 

@@ -387,3 +387,25 @@ def test_copy_drills_say_strung_names_back_only_when_asked():
     # Off (the default), no episode becomes a drill and the stream is the one before drills.
     off = [demo_data.train_conversation(random.Random(i), _shipped_pieces()) for i in range(50)]
     assert all("drill" not in c["kinds"] for c in off)
+
+
+def test_the_addition_weight_reweighs_only_the_sums():
+    assert demo_data.train_mix() == demo_data.TRAIN_MIX
+    heavier = dict(demo_data.train_mix(60))
+    assert heavier["arith"] == 60
+    assert {t: w for t, w in heavier.items() if t != "arith"} == {
+        t: w for t, w in demo_data.TRAIN_MIX if t != "arith"
+    }
+    with pytest.raises(ValueError, match="addition weight"):
+        demo_data.train_mix(-1)
+
+    def sums(mix) -> int:
+        rng = random.Random(3)
+        convs = [demo_data.train_conversation(rng, mix=mix) for _ in range(400)]
+        return sum(c["kinds"].count("arith") for c in convs)
+
+    # The default mix is the stream as it was; a heavier weight draws more sums.
+    assert [demo_data.train_conversation(random.Random(i)) for i in range(20)] == [
+        demo_data.train_conversation(random.Random(i), mix=demo_data.TRAIN_MIX) for i in range(20)
+    ]
+    assert sums(demo_data.train_mix(76)) > 1.3 * sums(demo_data.TRAIN_MIX)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from typing import Any
 
 # --- fixed tables -------------------------------------------------------------------------------
@@ -773,6 +774,15 @@ TRAIN_MIX = [
     ("tool_unneeded", 7),
     ("echo", 4),
 ]
+
+
+def train_mix(arith: int | None = None) -> list[tuple[str, int]]:
+    """``TRAIN_MIX`` with the addition episodes' weight set to ``arith`` (None: as it is)."""
+    if arith is not None and arith < 0:
+        raise ValueError(f"the addition weight must be >= 0, got {arith}")
+    return [(t, arith if t == "arith" and arith is not None else w) for t, w in TRAIN_MIX]
+
+
 # A name to say back (training only): short episodes that are nothing but a copy, the skill the
 # tool calls need for cities never seen in training.
 ECHO_QUESTIONS = [
@@ -951,13 +961,17 @@ TURN_KINDS = [
 
 
 def train_conversation(
-    rng: random.Random, pieces: NamePieces | None = None, trailing: bool = False
+    rng: random.Random,
+    pieces: NamePieces | None = None,
+    trailing: bool = False,
+    mix: Sequence[tuple[str, int]] = TRAIN_MIX,
 ) -> dict:
     """One training conversation of 1-5 episodes; tools declared in about half of them.
 
     With ``pieces``, a share of the cities (``pieces.share``) are strung from tokenizer pieces.
-    ``trailing`` adds tool phrasings with words after the city."""
-    tasks, weights = zip(*TRAIN_MIX, strict=True)
+    ``trailing`` adds tool phrasings with words after the city. ``mix`` weighs the episodes'
+    tasks (``TRAIN_MIX``, or ``train_mix``'s reweighting of it)."""
+    tasks, weights = zip(*mix, strict=True)
     n_episodes = rng.choice(EPISODE_COUNTS)
     episodes = [rng.choices(tasks, weights)[0] for _ in range(n_episodes)]
     # No draw at all when off: the stream stays what it was before copy drills.
