@@ -50,8 +50,12 @@ copied rarely in training ("nch"; ~30 copies of each piece in a run), hence ``--
 "Antalya" copy. But lookups fell to 96.5% (target 98%): every miss was the held-out "Please name
 the capital of X." answered "The capital of" and nothing more, as if asked for a drill ("Please
 repeat these names exactly"; other phrasings answer); sums without thinking 93%. So the drill
-phrasings no longer say "please" or "name"; rerun with them next (and perhaps a 0.1 share,
-as the sums without thinking form last and drills take their episodes).
+phrasings no longer say "please" or "name". With them (run 22, same flags): lookups 100%, tool
+calls 98.5% (real 43/45, generated 104/105), tool answers 98.5%, int4 equal to f32; but sums
+without thinking never formed (10%; their loss stuck at ~0.6 from step 2200 on, where runs 20
+and 21 dropped to ~0.1 at 3000 and 2100). ``--copy-drill 0.1 --steps 4000`` (run 23) the same:
+lookups 100%, tool calls 97.5% (f32 98%), sums without thinking 4%. Drills replace episodes of
+every task, sums included, and the sums form last: hence ``--arith-weight``.
 """
 
 from __future__ import annotations
