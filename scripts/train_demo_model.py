@@ -56,6 +56,13 @@ without thinking never formed (10%; their loss stuck at ~0.6 from step 2200 on, 
 and 21 dropped to ~0.1 at 3000 and 2100). ``--copy-drill 0.1 --steps 4000`` (run 23) the same:
 lookups 100%, tool calls 97.5% (f32 98%), sums without thinking 4%. Drills replace episodes of
 every task, sums included, and the sums form last: hence ``--arith-weight``.
+``--arith-weight 60`` with run 23's flags (run 24): sums formed early (no-think loss 0.35 at step
+1800, 0.08 at 2600; int4 arith 99%, without thinking 98%), lookups 100%, but the copy formed
+~400 steps later than in run 23 (echo loss 1.5 at 2800, 0.42 at 3600) and tool calls fell to
+86.5% (f32 86%; real 38/45, generated 85/105): names swapped in pieces ("Incheon" -> "Rencheon")
+and, new, `get_weather` called for the held-out "Do you know what time it is in X?". The
+skills form in turn and compete for the same steps: sums and the copy each formed in time in
+some run, never both at 3600-4000 steps once drills take their share.
 """
 
 from __future__ import annotations
