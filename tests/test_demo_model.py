@@ -124,9 +124,9 @@ def test_readme_main_command_and_curl_answer(server):
     assert reply["choices"][0]["message"]["content"]
 
 
-def test_eval_demo_reports_tool_calls_by_city_source(tmp_path, capsys):
+def test_eval_demo_reports_tool_calls_by_city_source_and_tool(tmp_path, capsys):
     """`colibri eval-demo` through the real engine on the packaged model: the table, the JSON,
-    and the tool tasks split by where the city comes from."""
+    and the tool tasks split by where the city comes from and by the tool asked for."""
     from colibri.cli import main
 
     out = tmp_path / "eval.json"
@@ -139,5 +139,11 @@ def test_eval_demo_reports_tool_calls_by_city_source(tmp_path, capsys):
     assert sum(s["n"] for s in sources.values()) == call["n"] == 8
     assert sum(s["correct"] for s in sources.values()) == call["correct"]
     assert "by_source" not in result["tasks"]["arith"]
+    # ... and split by the tool the prompt asks for.
+    tools = call["by_tool"]
+    assert set(tools) <= {"get_weather", "get_time", "convert_currency"}
+    assert sum(t["n"] for t in tools.values()) == 8
+    assert sum(t["correct"] for t in tools.values()) == call["correct"]
+    assert "get_weather" in table and "by_tool" not in result["tasks"]["arith"]
     # The shipped model is far above chance on both (its card: ~99% and ~89% on 200 prompts).
     assert result["tasks"]["arith"]["correct"] >= 6 and call["correct"] >= 5

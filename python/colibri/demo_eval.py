@@ -97,7 +97,9 @@ def evaluate(
     Returns ``{"model": dir, "quantization": ..., "tasks": {task: {"accuracy", "n", "correct",
     "accuracy_thinking", "accuracy_no_thinking", "failures": [first few {"prompt", "output",
     "expect"}]}}, "seconds": ...}``; the tool tasks add ``"by_source": {source: {"correct",
-    "n", "accuracy"}}``, split by where the city comes from (real, generated, no city).
+    "n", "accuracy"}}``, split by where the city comes from (real, generated, no city), and
+    the tool-call task ``"by_tool"`` in the same shape, split by the tool the prompt asks for
+    (a wrong tool shows there, a badly copied city in ``by_source``).
     """
     from colibri.engine import Engine
 
@@ -117,6 +119,7 @@ def evaluate(
         items = demo_data.eval_items(task, n_per_task, seed)
         by_mode = {True: [0, 0], False: [0, 0]}  # thinking -> [correct, n]
         by_source: dict[str, list[int]] = {}  # city source -> [correct, n] (tool tasks)
+        by_tool: dict[str, list[int]] = {}  # expected tool -> [correct, n] (tool calls)
         failures = []
         for item in items:
             prompt = template.render(
@@ -137,6 +140,10 @@ def evaluate(
                 tally = by_source.setdefault(item["source"], [0, 0])
                 tally[0] += ok
                 tally[1] += 1
+            if "call" in item["expect"]:
+                tally = by_tool.setdefault(item["expect"]["call"]["name"], [0, 0])
+                tally[0] += ok
+                tally[1] += 1
             if not ok and len(failures) < 10:
                 failures.append(
                     {
@@ -155,10 +162,11 @@ def evaluate(
             "accuracy_no_thinking": by_mode[False][0] / max(1, by_mode[False][1]),
             "failures": failures,
         }
-        if by_source:
-            out["tasks"][task]["by_source"] = {
-                src: {"correct": c, "n": n, "accuracy": c / n} for src, (c, n) in by_source.items()
-            }
+        for key, tallies in (("by_source", by_source), ("by_tool", by_tool)):
+            if tallies:
+                out["tasks"][task][key] = {
+                    k: {"correct": c, "n": n, "accuracy": c / n} for k, (c, n) in tallies.items()
+                }
     out["seconds"] = time.time() - t0
     return out
 
@@ -166,15 +174,17 @@ def evaluate(
 def format_table(result: dict) -> str:
     lines = [
         f"{result['model']} ({result['quantization']})",
-        "task            accuracy     n   thinking on / off",
+        "task               accuracy     n   thinking on / off",
     ]
     for task, r in result["tasks"].items():
         lines.append(
-            f"{task:<15} {r['accuracy'] * 100:7.1f}% {r['n']:5d}   "
+            f"{task:<18} {r['accuracy'] * 100:7.1f}% {r['n']:5d}   "
             f"{r['accuracy_thinking'] * 100:5.1f}% / {r['accuracy_no_thinking'] * 100:5.1f}%"
         )
         for src, b in sorted(r.get("by_source", {}).items()):
-            lines.append(f"  {src:<13} {b['accuracy'] * 100:7.1f}% {b['n']:5d}")
+            lines.append(f"  {src:<16} {b['accuracy'] * 100:7.1f}% {b['n']:5d}")
+        for tool, b in sorted(r.get("by_tool", {}).items()):
+            lines.append(f"  {tool:<16} {b['accuracy'] * 100:7.1f}% {b['n']:5d}")
     return "\n".join(lines)
 
 
