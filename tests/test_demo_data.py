@@ -380,9 +380,9 @@ def test_copy_drills_say_strung_names_back_only_when_asked():
     assert said > 50
     # Run 21's drills ("Please repeat these names exactly: ...") captured the held-out "Please
     # name the capital of X.": no drill phrasing starts like a held-out question or says "name".
+    held = demo_data.CAPITAL_EVAL_QUESTIONS + demo_data.WEATHER_EVAL_QUESTIONS
     for q in demo_data.COPY_DRILL_QUESTIONS:
         assert "name" not in q.replace("{names}", "").lower()
-        held = demo_data.CAPITAL_EVAL_QUESTIONS + demo_data.WEATHER_EVAL_QUESTIONS
         assert all(q.split()[0] != h.split()[0] for h in held)
     # Off (the default), no episode becomes a drill and the stream is the one before drills.
     off = [demo_data.train_conversation(random.Random(i), _shipped_pieces()) for i in range(50)]

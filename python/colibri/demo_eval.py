@@ -84,6 +84,13 @@ def score(item: dict, text: str) -> bool:
     return all(s in answer for s in expect["contains"])
 
 
+def _count(tallies: dict[str, list[int]], key: str, ok: bool) -> None:
+    """One more scored item under ``key``: ``tallies[key]`` is [correct, n]."""
+    tally = tallies.setdefault(key, [0, 0])
+    tally[0] += ok
+    tally[1] += 1
+
+
 def evaluate(
     model_dir: str | Path = DEFAULT_MODEL,
     n_per_task: int = 200,
@@ -137,13 +144,9 @@ def evaluate(
             by_mode[item["thinking"]][0] += ok
             by_mode[item["thinking"]][1] += 1
             if "source" in item:
-                tally = by_source.setdefault(item["source"], [0, 0])
-                tally[0] += ok
-                tally[1] += 1
+                _count(by_source, item["source"], ok)
             if "call" in item["expect"]:
-                tally = by_tool.setdefault(item["expect"]["call"]["name"], [0, 0])
-                tally[0] += ok
-                tally[1] += 1
+                _count(by_tool, item["expect"]["call"]["name"], ok)
             if not ok and len(failures) < 10:
                 failures.append(
                     {
@@ -181,10 +184,9 @@ def format_table(result: dict) -> str:
             f"{task:<18} {r['accuracy'] * 100:7.1f}% {r['n']:5d}   "
             f"{r['accuracy_thinking'] * 100:5.1f}% / {r['accuracy_no_thinking'] * 100:5.1f}%"
         )
-        for src, b in sorted(r.get("by_source", {}).items()):
-            lines.append(f"  {src:<16} {b['accuracy'] * 100:7.1f}% {b['n']:5d}")
-        for tool, b in sorted(r.get("by_tool", {}).items()):
-            lines.append(f"  {tool:<16} {b['accuracy'] * 100:7.1f}% {b['n']:5d}")
+        for key in ("by_source", "by_tool"):
+            for part, b in sorted(r.get(key, {}).items()):
+                lines.append(f"  {part:<16} {b['accuracy'] * 100:7.1f}% {b['n']:5d}")
     return "\n".join(lines)
 
 
