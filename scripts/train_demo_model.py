@@ -245,9 +245,10 @@ def encode_conversation(tok, template, conv: dict) -> tuple[list[int], list[int]
         )
         assert prompt.startswith(done) and upto.startswith(prompt), (prompt, upto)
         add(prompt[len(done) :], 0)
-        nxt = msgs[i + 1]["role"] if i + 1 < len(msgs) else "user"
-        end = "<|observation|>" if nxt == "tool" else "<|user|>"
-        # The marker that ends the turn is where the next message's render starts.
+        # The marker that ends the turn is where the next message's render starts. A tool call
+        # always ends on <|observation|>, also when the conversation stops at the call (before
+        # run 26 those calls were trained to end on <|user|>: a quarter of the calls).
+        end = "<|observation|>" if msg.get("tool_calls") else "<|user|>"
         add(upto[len(prompt) :] + end, label)
     return ids, mask
 
