@@ -289,6 +289,7 @@ def batches(
     trailing: bool = False,
     drill: float = 0.0,
     arith_weight: int | None = None,
+    tool_extra: int = 0,
 ):
     """Endless batches of (input ids, mask) lists, about ``tokens`` tokens each once padded:
     conversations are drawn 512 at a time, sorted by length (little padding), cut into batches
@@ -303,7 +304,11 @@ def batches(
         pool = []
         while len(pool) < 512:
             conv = demo_data.train_conversation(
-                rng, pieces if served >= pieces_after else None, trailing=trailing, mix=mix
+                rng,
+                pieces if served >= pieces_after else None,
+                trailing=trailing,
+                mix=mix,
+                tool_extra=tool_extra,
             )
             ids, mask = encode_conversation(tok, template, conv)
             if len(ids) <= max_len:
@@ -433,6 +438,7 @@ def train(args, tok, template, work: Path) -> dict:
         trailing=args.trailing_phrasings,
         drill=args.copy_drill,
         arith_weight=args.arith_weight,
+        tool_extra=args.tool_extra,
     )
     label_sum = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.float64)
     label_n = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.long)
@@ -679,6 +685,14 @@ def main() -> None:
         f"{dict(demo_data.TRAIN_MIX)['arith']}): sums without a trace form last",
     )
     ap.add_argument(
+        "--tool-extra",
+        type=int,
+        default=0,
+        help="episodes added to each conversation that declares tools (which then never stops "
+        "at a call): the declarations, half of all tokens and never trained on, serve more "
+        "trained answers, so a step teaches more for the same cost",
+    )
+    ap.add_argument(
         "--trailing-phrasings",
         action="store_true",
         help='also train tool questions with words after the city ("... in Lisbon this '
@@ -843,7 +857,18 @@ def card(summary: dict, results: dict, args) -> str:
         else ""
     )
     trailing_flag = " --trailing-phrasings" if trailing else ""
-    arith_flag = "" if arith_weight == "None" else f" --arith-weight {arith_weight}"
+    arith_flag = "" if arith_weight == "None" else f"--arith-weight {arith_weight}"
+    tool_extra = int(a.get("tool_extra", "0"))
+    extra_flag = f"--tool-extra {tool_extra}" if tool_extra else ""
+    # The flags newer than the first runs, each followed by a space when given.
+    later_flags = "".join(f + " " for f in (arith_flag, extra_flag) if f)
+    extra_note = (
+        f"; a conversation that declares tools gets {tool_extra} more, and every call in it is"
+        " answered"
+        if tool_extra
+        else ""
+    )
+    answered = "all" if tool_extra else "three quarters"
     task_log = (
         ", and with each log line the loss of each task since the last one"
         if any("task_loss" in r for r in log)
@@ -908,12 +933,12 @@ was trained on and nothing else.
 
 Conversations of {min(demo_data.EPISODE_COUNTS)}-{max(demo_data.EPISODE_COUNTS)} episodes
 (mean {sum(demo_data.EPISODE_COUNTS) / len(demo_data.EPISODE_COUNTS):.1f}, so the tool
-declarations of the prompt serve several trained answers), a system prompt in 15%, thinking on or
-off per assistant turn (50/50; {think_sum}% on for a bare sum). Episode mix:
+declarations of the prompt serve several trained answers{extra_note}), a system prompt in
+15%, thinking on or off per assistant turn (50/50; {think_sum}% on for a bare sum). Episode mix:
 {mix["arith"]}% 2-digit addition, {mix["capital"]}% capitals of 50 countries
 (+{mix["reverse"]}% the reverse question), {mix["tool"]}% tool requests
 (`get_weather(city)`, `get_time(city)`, `convert_currency(amount, from_currency, to_currency)`;
-three quarters go on with a tool result and an answer that uses it), {mix["no_tool"]}% a tool
+{answered} go on with a tool result and an answer that uses it), {mix["no_tool"]}% a tool
 request whose tool is not declared, {mix["chat"]}% plain chat, {mix["memory"]}% multi-turn memory
 (remember a number, 0-2 other turns, recall it), {mix["tool_unneeded"]}% a question that needs no
 tool while tools are declared, {mix.get("echo", 0)}% a name to say back (a copy and nothing else).
@@ -961,8 +986,8 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 - Command: `python scripts/train_demo_model.py --seed {a.get("seed", SEED)} --steps {a["steps"]}
   --time-budget-min {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")}
   --piece-share {piece_share} --short-pieces {a.get("short_pieces", "0")} --warmup {warmup}
-  --lr {a["lr"]} --near-miss {near_miss} --copy-drill {drill}{tie_flag}{trailing_flag}{arith_flag}
-  --ship`
+  --lr {a["lr"]} --near-miss {near_miss} --copy-drill {drill}{tie_flag}{trailing_flag}
+  {later_flags}--ship`
   (torch, transformers and matplotlib needed).
 
 ![training loss](loss.png)

@@ -409,3 +409,31 @@ def test_the_addition_weight_reweighs_only_the_sums():
         demo_data.train_conversation(random.Random(i), mix=demo_data.TRAIN_MIX) for i in range(20)
     ]
     assert sums(demo_data.train_mix(76)) > 1.3 * sums(demo_data.TRAIN_MIX)
+
+
+def test_extra_episodes_join_only_conversations_that_declare_tools():
+    def convs(extra: int) -> list[dict]:
+        rng = random.Random(5)
+        return [demo_data.train_conversation(rng, tool_extra=extra) for _ in range(300)]
+
+    def turns(cs: list[dict], with_tools: bool) -> float:
+        picked = [len(c["kinds"]) for c in cs if bool(c["tools"]) == with_tools]
+        return sum(picked) / len(picked)
+
+    plain, extra = convs(0), convs(3)
+    # Off (the default) is the stream as it was: the same draws as a call without the argument.
+    rng = random.Random(5)
+    assert plain == [demo_data.train_conversation(rng) for _ in range(300)]
+    # On: conversations under tool declarations carry more answers; the others do not change
+    # in kind (their length is drawn as before).
+    assert turns(extra, True) > turns(plain, True) + 2
+    assert abs(turns(extra, False) - turns(plain, False)) < 0.5
+    # Every call is answered: no conversation stops at a call, so the episodes after it are kept.
+    ends_on_call = [c for c in plain if c["messages"][-1].get("tool_calls")]
+    assert ends_on_call
+    for c in extra:
+        for i, m in enumerate(c["messages"]):
+            if m.get("tool_calls"):
+                assert c["messages"][i + 1]["role"] == "tool"
+    with pytest.raises(ValueError, match="tool_extra"):
+        demo_data.train_conversation(random.Random(0), tool_extra=-1)

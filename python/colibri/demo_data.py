@@ -965,24 +965,35 @@ def train_conversation(
     pieces: NamePieces | None = None,
     trailing: bool = False,
     mix: Sequence[tuple[str, int]] = TRAIN_MIX,
+    tool_extra: int = 0,
 ) -> dict:
-    """One training conversation of 1-5 episodes; tools declared in about half of them.
+    """One training conversation of 1-5 episodes; tools declared in about two thirds of them.
 
     With ``pieces``, a share of the cities (``pieces.share``) are strung from tokenizer pieces.
     ``trailing`` adds tool phrasings with words after the city. ``mix`` weighs the episodes'
-    tasks (``TRAIN_MIX``, or ``train_mix``'s reweighting of it)."""
+    tasks (``TRAIN_MIX``, or ``train_mix``'s reweighting of it). ``tool_extra`` more episodes
+    join a conversation that declares tools, and it then never stops at a call: the
+    declarations (~270 tokens, half of all the tokens, never trained on) are amortised over
+    more trained answers. A call's own targets are the same whether a result follows or not."""
+    if tool_extra < 0:
+        raise ValueError(f"tool_extra must be >= 0, got {tool_extra}")
     tasks, weights = zip(*mix, strict=True)
-    n_episodes = rng.choice(EPISODE_COUNTS)
-    episodes = [rng.choices(tasks, weights)[0] for _ in range(n_episodes)]
-    # No draw at all when off: the stream stays what it was before copy drills.
-    if pieces is not None and pieces.drill > 0:
-        episodes = ["drill" if rng.random() < pieces.drill else t for t in episodes]
+
+    def draw(n: int) -> list[str]:
+        drawn = [rng.choices(tasks, weights)[0] for _ in range(n)]
+        # No draw at all when off: the stream stays what it was before copy drills.
+        if pieces is not None and pieces.drill > 0:
+            drawn = ["drill" if rng.random() < pieces.drill else t for t in drawn]
+        return drawn
+
+    episodes = draw(rng.choice(EPISODE_COUNTS))
     wants_tool = "tool" in episodes or "tool_unneeded" in episodes
     tools: list[dict] | None = None
     declared: list[str] = []
     if wants_tool or rng.random() < 0.1:
         declared = rng.sample(list(TOOLS), rng.randint(1, 3))
         tools = [TOOLS[t] for t in declared]
+        episodes += draw(tool_extra)
     messages: list[dict] = []
     thinking: list[bool] = []
     kinds: list[str] = []
@@ -1010,7 +1021,7 @@ def train_conversation(
             )
             thinking.append(think)
             kinds.append("tool_call")
-            if rng.random() < 0.75:
+            if rng.random() < 0.75 or tool_extra:
                 messages.append({"role": "tool", "content": ep["tool_result"]})
                 think = rng.random() < 0.5
                 messages.append(_assistant(ep["answer"], ep["result_trace"] if think else None))
