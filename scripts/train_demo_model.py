@@ -69,6 +69,14 @@ copy again formed late (echo loss 1.34 at 3000, 0.32 at 4000) and tool calls mad
 82.5%; real cities 32/45, generated 84/105): every failure a half-copied name ("Bologna" ->
 "Bolog", "Incheon" -> "Isweron"), the right tool each time. The copy was still improving when
 the schedule ended, hence more steps (a faster CPU here made 4000 steps 33 minutes).
+The same flags with ``--steps 5000 --piece-names-from 0.32`` (run 26, strung names joining at
+step 1600 as before; first run with every call trained to end on ``<|observation|>``; 42
+minutes): the copy formed by step 2600 (echo loss 0.25) and sums without thinking by 3200
+(0.11). int4: sums 99.5%, lookups 100%, tool calls 94.0% (f32 95.0%; real cities 42/45,
+generated 100/105, currency 46/50), tool answers 98%. The misses: digits of an amount changed
+with thinking on ("139" -> "1199"), a two-word city cut short ("Ottawa Falls" -> "Ottawa"), a
+run-on ("Jexcrailthu" -> "Jexcrailthuriri"), an accented capital ("Çeikri" -> "Ôeikri").
+Shipped (tool calls one point short of the target, above run 8's 93%).
 """
 
 from __future__ import annotations
