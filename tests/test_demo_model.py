@@ -145,5 +145,5 @@ def test_eval_demo_reports_tool_calls_by_city_source_and_tool(tmp_path, capsys):
     assert sum(t["n"] for t in tools.values()) == 8
     assert sum(t["correct"] for t in tools.values()) == call["correct"]
     assert "get_weather" in table and "by_tool" not in result["tasks"]["arith"]
-    # The shipped model is far above chance on both (its card: 99.5% and 94% on 200 prompts).
+    # The shipped model is far above chance on both (its card: 99% and 99% on 200 prompts).
     assert result["tasks"]["arith"]["correct"] >= 6 and call["correct"] >= 5
