@@ -967,7 +967,8 @@ def train_conversation(
     mix: Sequence[tuple[str, int]] = TRAIN_MIX,
     tool_extra: int = 0,
 ) -> dict:
-    """One training conversation of 1-5 episodes; tools declared in about two thirds of them.
+    """One training conversation of 1-5 episodes (more with ``tool_extra``); tools declared in
+    about two thirds of them.
 
     With ``pieces``, a share of the cities (``pieces.share``) are strung from tokenizer pieces.
     ``trailing`` adds tool phrasings with words after the city. ``mix`` weighs the episodes'
