@@ -79,7 +79,7 @@ run-on ("Jexcrailthu" -> "Jexcrailthuriri"), an accented capital ("Çeikri" -> "
 Shipped for a while (tool calls one point short of the target, above run 8's 93%).
 Half of all the tokens are tool declarations, never trained on; ``--tool-extra 3`` (run 27, run
 26's flags otherwise) gives each conversation that declares them three more episodes (33% more
-trained turns per token; steps ~15% slower, 49 minutes): sums without thinking formed by step
+trained turns per token; steps ~16% slower, 49 minutes): sums without thinking formed by step
 1400 (loss 0.33; run 26: 0.75) and the copy by 2000 (echo 0.34; run 26: 2.48), both ~1000
 steps earlier. int4: sums 99.0% (without thinking 98%), lookups 100%, tool calls 99.0% (real
 cities 43/45, generated 105/105, currency 50/50), tool answers 99%, int4 equal to f32 or
