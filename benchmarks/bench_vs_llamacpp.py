@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist whose vendor/llama.cpp we build
 LLAMA_TARGETS = ["llama-bench", "llama-quantize"]
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -58,6 +59,11 @@ LLAMA_CMAKE_FLAGS = [
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
+    # Everything -march=native gives except AMX: llama.cpp's AMX path crashes on machines of
+    # this kind (SIGSEGV in ggml_backend_amx_mul_mat at the first prompt, the unfixed upstream
+    # issue ggml-org/llama.cpp#20824). GCC keeps explicit -mno-* flags over -march's defaults.
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
 ]
 BITS_PER_WEIGHT = 4.5  # Q4_0: 32 4-bit weights + one f16 scale per block
 NICE = ["nice", "-n", "10"]  # heavy setup steps yield to other work; measurements do not
@@ -110,7 +116,7 @@ class Paths:
         self.llama_src = (
             cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
         )
-        self.llama_build = cache / f"llama.cpp-build-{LLAMA_CPP_PYTHON_VERSION}"
+        self.llama_build = cache / f"llama.cpp-build-{LLAMA_CPP_PYTHON_VERSION}-noamx"
         self.llama_bench = self.llama_build / "bin" / "llama-bench"
         self.llama_quantize = self.llama_build / "bin" / "llama-quantize"
         self.bandwidth = cache / "bin" / "bandwidth"

@@ -52,6 +52,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod prefetch;
 mod q4;
 mod q8;
 mod scalar;

@@ -11,11 +11,59 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::prefetch::{prefetch_level, PrefetchLevel};
 use super::q8::TokenActs;
 use super::{Q4Matrix, Q8Acts};
 
 /// Software prefetch distance in each row's byte stream, bytes.
 const PREFETCH: usize = 8192;
+
+/// The software prefetch of one tile's weights, PREFETCH bytes ahead, each cache line once,
+/// keeping pace with the tile's chunks (the hardware prefetcher alone reaches about half of the
+/// DRAM bandwidth on the machines measured). A tile's rows are consecutive rows of one matrix,
+/// so their bytes are one contiguous range and one stream covers them; the next tile continues
+/// where this one ends, so a thread's rows are one sequential stream. Prefetching past the end
+/// of the buffer is harmless (a prefetch never faults).
+pub(super) struct TilePrefetch {
+    base: *const u8,
+    bytes: usize,
+    /// Into L2 (else L1); see `super::prefetch`.
+    l2: bool,
+    /// Offset from `base` of the next cache line to prefetch.
+    cursor: usize,
+}
+
+impl TilePrefetch {
+    #[inline(always)]
+    pub(super) fn new(base: *const u8, bytes: usize, l2: bool) -> Self {
+        let cursor = PREFETCH - (base as usize).wrapping_add(PREFETCH) % 64;
+        TilePrefetch {
+            base,
+            bytes,
+            l2,
+            cursor,
+        }
+    }
+
+    /// Prefetches up to PREFETCH bytes past the end of chunk `c` of `nch`.
+    #[inline(always)]
+    pub(super) fn chunk(&mut self, c: usize, nch: usize) {
+        let target = (c + 1) * self.bytes / nch + PREFETCH;
+        while self.cursor < target {
+            let p = self.base.wrapping_add(self.cursor).cast();
+            // SAFETY: a prefetch is a hint that never faults, whatever the address; SSE is
+            // part of x86_64.
+            unsafe {
+                if self.l2 {
+                    _mm_prefetch::<_MM_HINT_T1>(p);
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(p);
+                }
+            }
+            self.cursor += 64;
+        }
+    }
+}
 
 /// Raw pointers to one activation vector's arrays (see `q8`'s layout).
 #[derive(Clone, Copy)]
@@ -92,6 +140,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     wr: [*const u8; R],
     groups: usize,
     a: [ActPtr; T],
+    l2: bool,
 ) -> [[f32; T]; R] {
     let full = groups / 8;
     let nch = groups.div_ceil(8);
@@ -99,10 +148,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     // Scales at the start of the row, nibbles after them.
     let ws = wr;
     let wq: [*const u8; R] = std::array::from_fn(|r| wr[r].wrapping_add(groups * 2));
-    // Offset from the row start of the next cache line to prefetch, per row (starting at the
-    // line holding byte PREFETCH).
-    let mut cursor: [usize; R] =
-        std::array::from_fn(|r| PREFETCH - (wr[r] as usize).wrapping_add(PREFETCH) % 64);
+    let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, l2);
     // The last partial chunk of 8 groups is copied into zero-filled buffers (zero scales make
     // the padding groups contribute nothing; the activations are zero there as well).
     let mut tq = [[0u8; 128]; R];
@@ -123,18 +169,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for c in 0..nch {
-        // Software prefetch PREFETCH bytes ahead in the row's byte stream, each cache line
-        // once, keeping pace with the chunks (the hardware prefetcher alone reaches about half
-        // of the DRAM bandwidth here). The next row continues where this one ends, so
-        // consecutive rows see one sequential stream. Prefetching past the end of the buffer
-        // is harmless.
-        for r in 0..R {
-            let target = (c + 1) * row_bytes / nch + PREFETCH;
-            while cursor[r] < target {
-                _mm_prefetch::<_MM_HINT_T0>(wr[r].wrapping_add(cursor[r]).cast());
-                cursor[r] += 64;
-            }
-        }
+        prefetch.chunk(c, nch);
         let mut q = [std::ptr::null::<u8>(); R];
         let mut dw = [_mm256_setzero_ps(); R];
         for r in 0..R {
@@ -212,12 +247,13 @@ unsafe fn q4_run<const R: usize, const T: usize>(
     t0: usize,
     out: *mut f32,
     out_stride: usize,
+    l2: bool,
 ) {
     let wr: [*const u8; R] = std::array::from_fn(|i| w.row(r0 + i).as_ptr());
     let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
     // SAFETY: the pointers come from row slices of `w` (groups*18 bytes: scales, then nibbles)
     // and from activation vectors padded to a multiple of 8 groups >= w.groups() (cols agree).
-    let res = unsafe { q4_tile::<R, T>(wr, w.groups(), a) };
+    let res = unsafe { q4_tile::<R, T>(wr, w.groups(), a, l2) };
     for (i, row) in res.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
             // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
@@ -237,16 +273,17 @@ unsafe fn q4_rows_tokens<const R: usize>(
     ts: Range<usize>,
     out: *mut f32,
     out_stride: usize,
+    l2: bool,
 ) {
     let mut t = ts.start;
     while t < ts.end {
         // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
         unsafe {
             match ts.end - t {
-                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride),
-                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride),
-                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride),
-                _ => q4_run::<R, 4>(w, r0, x, t, out, out_stride),
+                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride, l2),
+                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride, l2),
+                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride, l2),
+                _ => q4_run::<R, 4>(w, r0, x, t, out, out_stride, l2),
             }
         }
         t += (ts.end - t).min(4);
@@ -266,16 +303,17 @@ pub(crate) unsafe fn q4_rows(
     out_stride: usize,
     rows: Range<usize>,
 ) {
+    let l2 = prefetch_level() == PrefetchLevel::L2;
     for_each_block(w, x, rows, |chunk, ts| {
         let mut r = chunk.start;
         while r < chunk.end {
             // SAFETY: rows r..r+R are inside `rows`, tokens `ts` inside 0..n.
             unsafe {
                 if chunk.end - r >= 2 {
-                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride);
+                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride, l2);
                     r += 2;
                 } else {
-                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride);
+                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride, l2);
                     r += 1;
                 }
             }

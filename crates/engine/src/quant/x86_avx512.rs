@@ -10,11 +10,9 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::x86_avx2::{for_each_block, ActPtr};
+use super::prefetch::{prefetch_level, PrefetchLevel};
+use super::x86_avx2::{for_each_block, ActPtr, TilePrefetch};
 use super::{Q4Matrix, Q8Acts};
-
-/// Software prefetch distance in each row's byte stream, bytes.
-const PREFETCH: usize = 8192;
 
 /// Dots of `R` rows with `T` activation vectors.
 ///
@@ -28,6 +26,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     wr: [*const u8; R],
     groups: usize,
     a: [ActPtr; T],
+    l2: bool,
 ) -> [[f32; T]; R] {
     let full = groups / 8;
     let nch = groups.div_ceil(8);
@@ -35,10 +34,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     // Scales at the start of the row, nibbles after them.
     let ws = wr;
     let wq: [*const u8; R] = std::array::from_fn(|r| wr[r].wrapping_add(groups * 2));
-    // Offset from the row start of the next cache line to prefetch, per row (starting at the
-    // line holding byte PREFETCH).
-    let mut cursor: [usize; R] =
-        std::array::from_fn(|r| PREFETCH - (wr[r] as usize).wrapping_add(PREFETCH) % 64);
+    let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, l2);
     // The last partial chunk of 8 groups is copied into zero-filled buffers (zero scales make
     // the padding groups contribute nothing; the activations are zero there as well).
     let mut tq = [[0u8; 128]; R];
@@ -58,18 +54,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     let m4 = _mm512_set1_epi8(0x0f);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     for c in 0..nch {
-        // Software prefetch PREFETCH bytes ahead in the row's byte stream, each cache line
-        // once, keeping pace with the chunks (the hardware prefetcher alone reaches about half
-        // of the DRAM bandwidth here). The next row continues where this one ends, so
-        // consecutive rows see one sequential stream. Prefetching past the end of the buffer
-        // is harmless.
-        for r in 0..R {
-            let target = (c + 1) * row_bytes / nch + PREFETCH;
-            while cursor[r] < target {
-                _mm_prefetch::<_MM_HINT_T0>(wr[r].wrapping_add(cursor[r]).cast());
-                cursor[r] += 64;
-            }
-        }
+        prefetch.chunk(c, nch);
         let mut q = [std::ptr::null::<u8>(); R];
         let mut dw = [_mm512_setzero_ps(); R];
         for r in 0..R {
@@ -162,12 +147,13 @@ unsafe fn q4_run<const R: usize, const T: usize>(
     t0: usize,
     out: *mut f32,
     out_stride: usize,
+    l2: bool,
 ) {
     let wr: [*const u8; R] = std::array::from_fn(|i| w.row(r0 + i).as_ptr());
     let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
     // SAFETY: the pointers come from row slices of `w` (groups*18 bytes: scales, then nibbles)
     // and from activation vectors padded to a multiple of 8 groups >= w.groups() (cols agree).
-    let res = unsafe { q4_tile::<R, T>(wr, w.groups(), a) };
+    let res = unsafe { q4_tile::<R, T>(wr, w.groups(), a, l2) };
     for (i, row) in res.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
             // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
@@ -187,16 +173,17 @@ unsafe fn q4_rows_tokens<const R: usize>(
     ts: Range<usize>,
     out: *mut f32,
     out_stride: usize,
+    l2: bool,
 ) {
     let mut t = ts.start;
     while t < ts.end {
         // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
         unsafe {
             match ts.end - t {
-                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride),
-                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride),
-                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride),
-                _ => q4_run::<R, 4>(w, r0, x, t, out, out_stride),
+                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride, l2),
+                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride, l2),
+                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride, l2),
+                _ => q4_run::<R, 4>(w, r0, x, t, out, out_stride, l2),
             }
         }
         t += (ts.end - t).min(4);
@@ -217,6 +204,7 @@ pub(crate) unsafe fn q4_rows(
     out_stride: usize,
     rows: Range<usize>,
 ) {
+    let l2 = prefetch_level() == PrefetchLevel::L2;
     let n = x.n();
     // Blocks that keep weights in L2 and activations in L1 (see `for_each_block`).
     for_each_block(w, x, rows, |chunk, ts| {
@@ -229,13 +217,13 @@ pub(crate) unsafe fn q4_rows(
             // SAFETY: rows r..r+R are inside `rows` (R <= left), tokens `ts` inside 0..n.
             unsafe {
                 if n > 1 && left >= 3 {
-                    q4_rows_tokens::<3>(w, r, x, ts.clone(), out, out_stride);
+                    q4_rows_tokens::<3>(w, r, x, ts.clone(), out, out_stride, l2);
                     r += 3;
                 } else if n > 1 && left >= 2 {
-                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride);
+                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride, l2);
                     r += 2;
                 } else {
-                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride);
+                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride, l2);
                     r += 1;
                 }
             }
