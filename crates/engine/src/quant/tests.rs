@@ -337,3 +337,43 @@ fn q4_matmul_checks_output_length() {
     let mut o = vec![0.0; 7];
     q4_matmul(Kernel::Scalar, &w, &a, &mut o, 4, 0..4);
 }
+
+#[test]
+fn decode_path_equals_batched_tiles_bit_for_bit() {
+    // One token goes through its own row loop (AVX-512: `q4_decode_rows` when the groups fill
+    // whole chunks of 8); the same vector repeated in a batch goes through the multi-row,
+    // multi-token tiles. Both do the same arithmetic in the same order per output.
+    for &(rows, cols) in &[(37usize, 256usize), (64, 2048), (5, 1024), (9, 288)] {
+        let c = case(rows, cols, 1, 77 + cols as u64);
+        let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
+        let mut one = Q8Acts::new();
+        one.quantize(&c.x, 1, cols);
+        let n = 5;
+        let xs: Vec<f32> = (0..n).flat_map(|_| c.x.iter().copied()).collect();
+        let mut many = Q8Acts::new();
+        many.quantize(&xs, n, cols);
+        for k in available() {
+            for range in [0..rows, 3..rows] {
+                let mut got1 = vec![0.0; rows];
+                q4_matmul(k, &w, &one, &mut got1, rows, range.clone());
+                let mut gotn = vec![0.0; n * rows];
+                q4_matmul(k, &w, &many, &mut gotn, rows, range.clone());
+                for t in 0..n {
+                    let batched = &gotn[t * rows..(t + 1) * rows];
+                    assert_eq!(
+                        got1[range.clone()]
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                        batched[range.clone()]
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                        "{} {rows}x{cols} {range:?} token {t}",
+                        k.name()
+                    );
+                }
+            }
+        }
+    }
+}

@@ -16,7 +16,7 @@ use super::q8::TokenActs;
 use super::{Q4Matrix, Q8Acts};
 
 /// Software prefetch distance in each row's byte stream, bytes.
-const PREFETCH: usize = 8192;
+pub(super) const PREFETCH: usize = 8192;
 
 /// The software prefetch of one tile's weights, PREFETCH bytes ahead, each cache line once,
 /// keeping pace with the tile's chunks (the hardware prefetcher alone reaches about half of the

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::prefetch::{prefetch_level, PrefetchLevel};
-use super::x86_avx2::{for_each_block, ActPtr, TilePrefetch};
+use super::x86_avx2::{for_each_block, ActPtr, TilePrefetch, PREFETCH};
 use super::{Q4Matrix, Q8Acts};
 
 /// Dots of `R` rows with `T` activation vectors.
@@ -192,6 +192,74 @@ unsafe fn q4_rows_tokens<const R: usize>(
 
 /// `out[t * out_stride + r] = dot(w[r], x[t])`.
 ///
+/// Decode (one token) over rows whose groups fill whole chunks of 8: the rows one after another,
+/// each read as one sequential stream as by the one-row tile, with the per-row setup (pointers,
+/// the zero-filled tail buffers, the prefetch cursor) hoisted out of the row loop; the prefetch
+/// runs PREFETCH bytes ahead of the reads across row ends. The arithmetic is that of
+/// `q4_tile::<1, 1>` in the same order, so the results are bit-identical to it.
+///
+/// # Safety
+/// As [`q4_rows`], with `x.n() == 1`, `w.groups()` a multiple of 8 and `rows` not empty.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4_decode_rows(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, rows: Range<usize>, l2: bool) {
+    let groups = w.groups();
+    let nch = groups / 8;
+    let row_bytes = groups * 18;
+    let a = ActPtr::new(&x.token(0));
+    // Consecutive rows are contiguous: one byte range from the first row on.
+    let base = w.row(rows.start).as_ptr();
+    let m4 = _mm512_set1_epi8(0x0f);
+    let idx = [
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+    ];
+    let mut cursor = PREFETCH - (base as usize).wrapping_add(PREFETCH) % 64;
+    let mut target = PREFETCH;
+    let step = row_bytes / nch;
+    for (i, r) in rows.enumerate() {
+        let ws = base.wrapping_add(i * row_bytes);
+        let wq = ws.wrapping_add(groups * 2);
+        let mut acc = _mm512_setzero_ps();
+        for c in 0..nch {
+            target += step;
+            while cursor < target {
+                // A prefetch never faults, whatever the address.
+                let p = base.wrapping_add(cursor).cast();
+                if l2 {
+                    _mm_prefetch::<_MM_HINT_T1>(p);
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(p);
+                }
+                cursor += 64;
+            }
+            // SAFETY: chunk c < nch lies inside row r (c*16 + 16 <= groups*2 scale bytes,
+            // c*128 + 128 <= groups*16 nibble bytes); the activation arrays hold at least
+            // `groups` groups (c*256 + 256 bytes of qs, c*32 + 32 values of corr/dexp).
+            unsafe {
+                let h = _mm_loadu_si128(ws.add(c * 16).cast());
+                let dw = _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+                for (s, ix) in idx.iter().enumerate() {
+                    let v = _mm512_loadu_si512(wq.add(c * 128 + s * 64).cast());
+                    let wlo = _mm512_and_si512(v, m4);
+                    let whi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    let dwe = _mm512_permutexvar_ps(*ix, dw);
+                    let aoff = c * 256 + s * 128;
+                    let loff = c * 32 + s * 16;
+                    let alo = _mm512_loadu_si512(a.qs.add(aoff).cast());
+                    let ahi = _mm512_loadu_si512(a.qs.add(aoff + 64).cast());
+                    let corr = _mm512_loadu_si512(a.corr.add(loff).cast());
+                    let de = _mm512_loadu_ps(a.dexp.add(loff));
+                    let i = _mm512_dpbusd_epi32(corr, wlo, alo);
+                    let i = _mm512_dpbusd_epi32(i, whi, ahi);
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dwe, de), acc);
+                }
+            }
+        }
+        // SAFETY: r is in `rows`, token 0: the caller guarantees out + r writable.
+        unsafe { *out.add(r) = _mm512_reduce_add_ps(acc) };
+    }
+}
+
 /// # Safety
 /// The CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `rows.end <= w.rows`;
 /// `x.cols() == w.cols`; every `out + t * out_stride + r` (`t < x.n()`, `r in rows`) is valid
@@ -206,6 +274,11 @@ pub(crate) unsafe fn q4_rows(
 ) {
     let l2 = prefetch_level() == PrefetchLevel::L2;
     let n = x.n();
+    if n == 1 && w.groups().is_multiple_of(8) && !rows.is_empty() {
+        // SAFETY: forwarded contract; whole chunks of 8 groups, one token.
+        unsafe { q4_decode_rows(w, x, out, rows, l2) };
+        return;
+    }
     // Blocks that keep weights in L2 and activations in L1 (see `for_each_block`).
     for_each_block(w, x, rows, |chunk, ts| {
         let mut r = chunk.start;
