@@ -2,9 +2,9 @@
 //!
 //! The kernels prefetch each thread's weight stream 8 KiB ahead. On the AMD (Zen 4) machines
 //! this project first measured on, prefetching into L1 was best; on Intel (Sapphire-Rapids-class)
-//! machines, prefetching into L2 decodes ~19% faster (OLMoE-1B-7B-shaped int4, 2 threads: 29.5
-//! -> 35.2 tok/s in paired runs), because L2 prefetches are not limited by the core's few L1
-//! fill buffers. So the default follows the CPU vendor, and `COLI_KERNEL_PREFETCH=l1|l2` forces
+//! machines, prefetching into L2 decodes 20-30% faster (OLMoE-1B-7B-shaped int4, 2 threads,
+//! paired runs: 27.9-29.9 -> 33.5-37.6 tok/s), as L2 prefetches are not limited by the core's
+//! few L1 fill buffers. So the default follows the CPU vendor, and `COLI_KERNEL_PREFETCH=l1|l2` forces
 //! one level (for measuring either on any machine).
 
 use std::sync::OnceLock;
