@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
@@ -27,6 +29,54 @@ def test_info_describes_the_model(glm):
     assert info["context_length"] == 256
     assert info["quantization"] == "int4"
     assert info["kernel"] in ("scalar", "avx2", "avx512")
+    assert info["kernel_prefetch"] in ("l1", "l2")
+
+
+@pytest.mark.parametrize("level", ["l1", "l2", "L2 "])
+def test_kernel_prefetch_override_reaches_the_engine(converted, level):
+    # The level is decided once per process, so each setting gets its own interpreter; the
+    # greedy tokens must not depend on it (a prefetch is only a hint).
+    import subprocess
+    import sys
+
+    model = converted("glm4_moe", "int4")
+    code = (
+        "import json, sys; from colibri import Engine; e = Engine(sys.argv[1]); "
+        "print(json.dumps([e.info['kernel_prefetch'], list(e.generate([1, 2, 3], 8))]))"
+    )
+    env = {**os.environ, "COLI_KERNEL_PREFETCH": level}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    got_level, tokens = json.loads(out.stdout)
+    assert got_level == level.strip().lower()
+    assert tokens == list(Engine(model).generate([1, 2, 3], 8))
+
+
+def test_kernel_prefetch_unknown_value_warns_and_runs(converted):
+    import subprocess
+    import sys
+
+    model = converted("glm4_moe", "int4")
+    code = (
+        "import sys; from colibri import Engine; print(Engine(sys.argv[1]).info['kernel_prefetch'])"
+    )
+    env = {**os.environ, "COLI_KERNEL_PREFETCH": "l3"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() in ("l1", "l2")
+    assert "COLI_KERNEL_PREFETCH=l3: unknown level (expected l1|l2)" in out.stderr
 
 
 def test_tokenize_matches_the_hf_tokenizer(glm):

@@ -188,6 +188,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "architecture": engine.info["architecture"],
         "quantization": engine.info["quantization"],
         "kernel": engine.info["kernel"],
+        "kernel_prefetch": engine.info["kernel_prefetch"],
         "threads": engine.info["threads"],
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,

@@ -141,6 +141,10 @@ impl Model {
         d.set_item("num_experts", c.num_experts)?;
         d.set_item("experts_per_token", c.top_k)?;
         d.set_item("kernel", m.kernel().name())?;
+        d.set_item(
+            "kernel_prefetch",
+            crate::quant::prefetch::prefetch_level().name(),
+        )?;
         d.set_item("threads", m.threads())?;
         d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
         d.set_item("bos_token_id", c.bos_token_id)?;
