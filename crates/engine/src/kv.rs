@@ -65,7 +65,7 @@ impl Block {
     fn store(&mut self, at: usize, src: &[f32]) {
         match self {
             Block::F32(d) => d[at..at + src.len()].copy_from_slice(src),
-            Block::F16(d) => d[at..at + src.len()].convert_from_f32_slice(src),
+            Block::F16(d) => crate::ops::narrow_to_f16(src, &mut d[at..at + src.len()]),
         }
     }
 
