@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -32,56 +34,43 @@ def test_info_describes_the_model(glm):
     assert info["kernel_prefetch"] in ("l1", "l2")
 
 
+def run_engine_script(code: str, model, prefetch: str) -> subprocess.CompletedProcess:
+    """Runs `code` (with the model path as sys.argv[1]) in a fresh interpreter: the prefetch
+    level is decided once per process."""
+    return subprocess.run(
+        [sys.executable, "-c", code, str(model)],
+        env={**os.environ, "COLI_KERNEL_PREFETCH": prefetch},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+
+
 @pytest.mark.parametrize("level", ["l1", "l2", "L2 "])
 def test_kernel_prefetch_override_reaches_the_engine(converted, level):
-    # The level is decided once per process, so each setting gets its own interpreter; the
-    # greedy tokens must not depend on it (a prefetch is only a hint).
-    import subprocess
-    import sys
-
+    # The greedy tokens must not depend on the level (a prefetch is only a hint).
     model = converted("glm4_moe", "int4")
     code = (
         "import json, sys; from colibri import Engine; e = Engine(sys.argv[1]); "
         "print(json.dumps([e.info['kernel_prefetch'], list(e.generate([1, 2, 3], 8))]))"
     )
-    env = {**os.environ, "COLI_KERNEL_PREFETCH": level}
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(model)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    got_level, tokens = json.loads(out.stdout)
+    got_level, tokens = json.loads(run_engine_script(code, model, level).stdout)
     assert got_level == level.strip().lower()
     assert tokens == list(Engine(model).generate([1, 2, 3], 8))
 
 
 def test_kernel_prefetch_unknown_value_warns_and_runs(converted):
-    import subprocess
-    import sys
-
     model = converted("glm4_moe", "int4")
     code = (
         "import sys; from colibri import Engine; print(Engine(sys.argv[1]).info['kernel_prefetch'])"
     )
-    env = {**os.environ, "COLI_KERNEL_PREFETCH": "l3"}
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(model)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = run_engine_script(code, model, "l3")
     assert out.stdout.strip() in ("l1", "l2")
     assert "COLI_KERNEL_PREFETCH=l3: unknown level (expected l1|l2)" in out.stderr
 
 
 def test_tokenize_matches_the_hf_tokenizer(glm):
-    import json
-
     cases = json.loads((FIXTURES / "glm4_moe" / "tokenizer_cases.json").read_text())
     for case in cases["encode"]:
         assert glm.tokenize(case["text"]) == case["ids"], case["text"]

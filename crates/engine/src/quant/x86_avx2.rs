@@ -50,17 +50,22 @@ impl TilePrefetch {
     pub(super) fn chunk(&mut self, c: usize, nch: usize) {
         let target = (c + 1) * self.bytes / nch + PREFETCH;
         while self.cursor < target {
-            let p = self.base.wrapping_add(self.cursor).cast();
-            // SAFETY: a prefetch is a hint that never faults, whatever the address; SSE is
-            // part of x86_64.
-            unsafe {
-                if self.l2 {
-                    _mm_prefetch::<_MM_HINT_T1>(p);
-                } else {
-                    _mm_prefetch::<_MM_HINT_T0>(p);
-                }
-            }
+            prefetch_line(self.base.wrapping_add(self.cursor), self.l2);
             self.cursor += 64;
+        }
+    }
+}
+
+/// Prefetches the cache line holding `p` into L2 if `l2`, else into L1.
+#[inline(always)]
+pub(super) fn prefetch_line(p: *const u8, l2: bool) {
+    // SAFETY: a prefetch is a hint that never faults, whatever the address; SSE is part of
+    // x86_64.
+    unsafe {
+        if l2 {
+            _mm_prefetch::<_MM_HINT_T1>(p.cast());
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(p.cast());
         }
     }
 }

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::prefetch::{prefetch_level, PrefetchLevel};
-use super::x86_avx2::{for_each_block, ActPtr, TilePrefetch, PREFETCH};
+use super::x86_avx2::{for_each_block, prefetch_line, ActPtr, TilePrefetch, PREFETCH};
 use super::{Q4Matrix, Q8Acts};
 
 /// Dots of `R` rows with `T` activation vectors.
@@ -190,8 +190,6 @@ unsafe fn q4_rows_tokens<const R: usize>(
     }
 }
 
-/// `out[t * out_stride + r] = dot(w[r], x[t])`.
-///
 /// Decode (one token) over rows whose groups fill whole chunks of 8: the rows one after another,
 /// each read as one sequential stream as by the one-row tile, with the per-row setup (pointers,
 /// the zero-filled tail buffers, the prefetch cursor) hoisted out of the row loop; the prefetch
@@ -223,13 +221,7 @@ unsafe fn q4_decode_rows(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, rows: Range<us
         for c in 0..nch {
             target += step;
             while cursor < target {
-                // A prefetch never faults, whatever the address.
-                let p = base.wrapping_add(cursor).cast();
-                if l2 {
-                    _mm_prefetch::<_MM_HINT_T1>(p);
-                } else {
-                    _mm_prefetch::<_MM_HINT_T0>(p);
-                }
+                prefetch_line(base.wrapping_add(cursor), l2);
                 cursor += 64;
             }
             // SAFETY: chunk c < nch lies inside row r (c*16 + 16 <= groups*2 scale bytes,
@@ -260,6 +252,8 @@ unsafe fn q4_decode_rows(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, rows: Range<us
     }
 }
 
+/// `out[t * out_stride + r] = dot(w[r], x[t])`.
+///
 /// # Safety
 /// The CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `rows.end <= w.rows`;
 /// `x.cols() == w.cols`; every `out + t * out_stride + r` (`t < x.n()`, `r in rows`) is valid
