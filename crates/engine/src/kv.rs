@@ -4,15 +4,17 @@
 //! values, so a query head's attention streams one block of memory front to back (position-major
 //! rows put a head's 512 bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow
 //! poorly). Values are f32, or f16 ([`KvDtype`]: half the bytes each decode step streams, as
-//! llama.cpp's default cache). Grows on demand (doubling) up to the model's context length, so a
-//! short chat does not reserve the full context up front. Slot files keep position-major f32
-//! rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert (exactly, both ways).
+//! llama.cpp's default cache). Grows on demand (doubling, with headroom past a long request) up
+//! to the model's context length, so a short chat does not reserve the full context up front.
+//! Slot files keep position-major f32 rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert
+//! (exactly, both ways).
 
 use std::ops::Range;
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
+use crate::hugebuf::HugeBuf;
 use crate::ops::HeadRows;
 
 /// How the cache stores keys and values.
@@ -41,15 +43,16 @@ impl KvDtype {
 /// One layer's keys or values: `kv_heads` blocks of `cap * head_dim`.
 #[derive(Clone)]
 enum Block {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
+    F32(HugeBuf<f32>),
+    /// f16 bit patterns (viewed as `f16` through `half`'s safe reinterpretation).
+    F16(HugeBuf<u16>),
 }
 
 impl Block {
     fn new(dtype: KvDtype, len: usize) -> Block {
         match dtype {
-            KvDtype::F32 => Block::F32(vec![0.0; len]),
-            KvDtype::F16 => Block::F16(vec![f16::ZERO; len]),
+            KvDtype::F32 => Block::F32(HugeBuf::zeroed(len)),
+            KvDtype::F16 => Block::F16(HugeBuf::zeroed(len)),
         }
     }
 
@@ -65,21 +68,25 @@ impl Block {
     fn store(&mut self, at: usize, src: &[f32]) {
         match self {
             Block::F32(d) => d[at..at + src.len()].copy_from_slice(src),
-            Block::F16(d) => crate::ops::narrow_to_f16(src, &mut d[at..at + src.len()]),
+            Block::F16(d) => {
+                crate::ops::narrow_to_f16(src, d[at..at + src.len()].reinterpret_cast_mut())
+            }
         }
     }
 
     fn load(&self, at: usize, out: &mut [f32]) {
         match self {
             Block::F32(d) => out.copy_from_slice(&d[at..at + out.len()]),
-            Block::F16(d) => d[at..at + out.len()].convert_to_f32_slice(out),
+            Block::F16(d) => d[at..at + out.len()]
+                .reinterpret_cast::<f16>()
+                .convert_to_f32_slice(out),
         }
     }
 
     fn slice(&self, r: Range<usize>) -> HeadRows<'_> {
         match self {
             Block::F32(d) => HeadRows::F32(&d[r]),
-            Block::F16(d) => HeadRows::F16(&d[r]),
+            Block::F16(d) => HeadRows::F16(d[r].reinterpret_cast()),
         }
     }
 }
@@ -160,7 +167,10 @@ impl KvCache {
         if need <= self.cap {
             return;
         }
-        let cap = need.max((self.cap * 2).max(MIN_CAP).min(self.limit));
+        // Doubling, and half again past a long request (a prompt, a restored slot): otherwise
+        // the first decoded token after a 1k-token prompt would copy the whole history.
+        let grown = (self.cap * 2).max(need + need / 2).max(MIN_CAP);
+        let cap = need.max(grown.min(self.limit));
         let (hd, len, old_cap) = (self.head_dim, self.len, self.cap);
         for block in self.keys.iter_mut().chain(self.values.iter_mut()) {
             let mut grown = Block::new(self.dtype, self.kv_heads * cap * hd);
@@ -236,7 +246,7 @@ mod tests {
     }
 
     #[test]
-    fn growth_doubles_but_stops_at_the_limit() {
+    fn growth_doubles_leaves_headroom_and_stops_at_the_limit() {
         let mut kv = KvCache::new(1, 2, 4, KvDtype::F16).with_limit(100);
         kv.reserve(10);
         assert_eq!(kv.cap, MIN_CAP);
@@ -244,11 +254,17 @@ mod tests {
         kv.reserve(1);
         assert_eq!(kv.cap, 100, "doubling to 128 would pass the limit");
         let mut free = KvCache::new(1, 2, 4, KvDtype::F16);
-        free.reserve(65);
-        assert_eq!(free.cap, 65.max(MIN_CAP));
-        free.len = 65;
+        free.reserve(1000);
+        assert_eq!(
+            free.cap, 1500,
+            "a long request leaves half again for what follows"
+        );
+        free.len = 1000;
         free.reserve(1);
-        assert_eq!(free.cap, 130);
+        assert_eq!(free.cap, 1500, "the next token fits without a copy");
+        free.len = 1500;
+        free.reserve(1);
+        assert_eq!(free.cap, 3000);
         // A request past the limit is still served (the model refuses those before).
         let mut small = KvCache::new(1, 2, 4, KvDtype::F32).with_limit(8);
         small.reserve(20);

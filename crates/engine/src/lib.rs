@@ -6,11 +6,13 @@
 //! and parallel matmul), `ops` (norms, rope, attention), `model` (load + forward per family),
 //! `kv` (KV history), `sampler`, `engine` (generation), `python` (bindings).
 
+pub mod attend_f16;
 pub mod config;
 pub mod convert;
 pub mod engine;
 pub mod error;
 pub mod format;
+pub mod hugebuf;
 pub mod kv;
 pub mod linear;
 pub mod model;

@@ -206,6 +206,12 @@ const CHUNK: usize = 32;
 pub fn attend(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
+        // Decode over an f16 history: widened in registers, nothing to share between queries.
+        if let ([q], HeadRows::F16(keys), HeadRows::F16(values)) = (qs, a.keys, a.values) {
+            if crate::attend_f16::supported(q.len()) {
+                return crate::attend_f16::attend_one(q, keys, values, a.n0, a.scale, out);
+            }
+        }
         let f16c = std::arch::is_x86_feature_detected!("f16c");
         if std::arch::is_x86_feature_detected!("avx512f") && f16c {
             // SAFETY: the CPU has AVX-512F and F16C (checked just above).
