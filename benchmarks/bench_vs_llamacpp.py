@@ -15,7 +15,9 @@ already in the cache, ~/.cache/colibri-bench by default):
   measure N rounds; each round measures the machine's read bandwidth, then
           llama.cpp and colibri one after the other, the order swapping every
           round (A/B, B/A, ...), so that slow drift of a noisy machine hits
-          both engines alike
+          both engines alike; then both again decoding after --depth tokens
+          of context (default 1024; llama-bench -d), where reading the KV
+          history starts to matter as much as the weights
   report  medians with min/max per metric, colibri/llama.cpp ratios, the
           decode ceiling (bandwidth / bytes read per decoded token) and each
           engine's fraction of it; printed and written as markdown (--out)
@@ -498,7 +500,26 @@ def measure_llama(p: Paths, a) -> dict:
     return res
 
 
-def measure_colibri(exe: Path, p: Paths, a) -> dict:
+def measure_llama_depth(p: Paths, a) -> dict:
+    """Decode after --depth tokens of context (llama-bench fills the depth once, untimed)."""
+    cmd = [p.llama_bench, "-m", p.gguf_q4, "-t", a.threads, "-p", 0, "-n", a.gen_tokens]
+    cmd += ["-d", a.depth, "-r", a.reps, "-o", "json"]
+    r = run_with_rss(cmd, 1800)
+    out = r["out"]
+    if r["rc"] != 0:
+        raise SystemExit(f"llama-bench -d failed ({r['rc']}):\n{r['err'].strip()[-3000:]}")
+    try:
+        rows = [row for row in json.loads(out) if row.get("n_gen", 0) > 0]
+    except ValueError:
+        raise SystemExit(f"could not parse llama-bench JSON:\n{out[-2000:]}") from None
+    if not rows:
+        raise SystemExit(f"unexpected llama-bench output:\n{out[-2000:]}")
+    return {"decode_tok_s": median_ts(rows[0]), "others_cpu": r["others_cpu"]}
+
+
+def measure_colibri(exe: Path, p: Paths, a, prompt_tokens: int | None = None) -> dict:
+    """`colibri bench`; its decode runs after the prompt, so a `prompt_tokens` of --depth
+    measures decode at that depth."""
     cmd = [
         exe,
         "bench",
@@ -507,14 +528,14 @@ def measure_colibri(exe: Path, p: Paths, a) -> dict:
         "--threads",
         a.threads,
         "--prompt-tokens",
-        a.prompt_tokens,
+        prompt_tokens or a.prompt_tokens,
         "--gen-tokens",
         a.gen_tokens,
         "--repeat",
         a.reps,
         "--json",
     ]
-    r = run_with_rss(cmd, 900)
+    r = run_with_rss(cmd, 1800)
     obj = last_json_object(r["out"]) if r["rc"] == 0 else None
     if not obj or "decode_tok_s" not in obj or "prefill_tok_s" not in obj:
         msg = (r["err"] or r["out"]).strip()[-3000:]
@@ -657,6 +678,26 @@ def build_report(
         xs = [x for x in xs if x is not None]
         return max(xs) if xs else None
 
+    def depth_rows() -> list[str]:
+        cd = stats([r["colibri_depth"]["decode_tok_s"] for r in rounds if r.get("colibri_depth")])
+        ld = stats([r["llama_depth"]["decode_tok_s"] for r in rounds if r.get("llama_depth")])
+        if not cd and not ld:
+            return []
+        paired = [
+            r["colibri_depth"]["decode_tok_s"] / r["llama_depth"]["decode_tok_s"]
+            for r in rounds
+            if r.get("colibri_depth") and r.get("llama_depth")
+        ]
+        ratio_d = (
+            f"**{cd[0] / ld[0]:.2f}** (per round {min(paired):.2f}–{max(paired):.2f})"
+            if cd and ld and paired
+            else "n/a"
+        )
+        return [
+            f"| decode tok/s after a {a.depth}-token context | {fmt(cd, 2)} | {fmt(ld, 2)} | "
+            f"{ratio_d} |"
+        ]
+
     worst = max((b for b in map(round_busy, rounds) if b is not None), default=None)
     ceiling = stats([r["bw"]["gb_s"] / gb_per_tok for r in rounds if r.get("bw")])
     when = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -674,6 +715,7 @@ def build_report(
         f"{ratio('decode_tok_s')} |",
         f"| prefill tok/s ({a.prompt_tokens}-token prompt) | {fmt(C['prefill_tok_s'], 1)} | "
         f"{fmt(L['prefill_tok_s'], 1)} | {ratio('prefill_tok_s')} |",
+        *depth_rows(),
         f"| peak RSS, MB | {fmt(C['peak_rss_mb'], 0)} | {fmt(L['peak_rss_mb'], 0)} | |",
         f"| decode as % of bandwidth ceiling | {of_ceiling('colibri')} | {of_ceiling('llama')} | |",
         f"| same, ceiling from the probe's median pass | {of_ceiling('colibri', 'median_gb_s')} | "
@@ -692,7 +734,9 @@ def build_report(
         "",
         f"{when}; {cpu_name()}, {os.cpu_count()} cores, {mem_total_gb():.0f} GB; "
         f"llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (llama-bench "
-        f"`-t {a.threads} -p {a.prompt_tokens} -n {a.gen_tokens} -r {a.reps}`); "
+        f"`-t {a.threads} -p {a.prompt_tokens} -n {a.gen_tokens} -r {a.reps}`"
+        + (f", and `-p 0 -n {a.gen_tokens} -d {a.depth}`" if a.depth else "")
+        + "); "
         f"colibri: {colibri_ver or 'n/a'}, repo at {git_rev()}.",
     ]
     if worst is not None and worst > a.max_others:
@@ -740,6 +784,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument(
+        "--depth",
+        type=int,
+        default=1024,
+        help="also measure decode after this many tokens of context (llama-bench -d; "
+        "colibri: a prompt that long); 0 = skip (default 1024)",
+    )
     ap.add_argument(
         "--reps",
         type=int,
@@ -935,6 +986,17 @@ def main(argv: list[str] | None = None) -> int:
                         if colibri_failures >= 2:
                             log("[colibri] failed twice in a row; continuing with llama.cpp only")
                             exe = None
+        if a.depth:
+            for eng in engines:
+                if eng == "llama":
+                    r["llama_depth"] = clean(lambda: measure_llama_depth(p, a), "llama.cpp -d")
+                elif exe is not None:
+                    try:
+                        r["colibri_depth"] = clean(
+                            lambda x=exe: measure_colibri(x, p, a, a.depth), "colibri depth"
+                        )
+                    except RuntimeError as e:
+                        colibri_errors.append(f"round {i + 1} at depth {a.depth}: {e}"[-500:])
         rounds.append(r)
         parts = [f"bw {r['bw']['gb_s']:.1f} GB/s"]
         for eng in ("llama", "colibri"):
@@ -943,6 +1005,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{eng} decode {r[eng]['decode_tok_s']:.2f} "
                     f"prefill {r[eng]['prefill_tok_s']:.1f} tok/s"
                 )
+        for eng in ("llama_depth", "colibri_depth"):
+            if r.get(eng):
+                parts.append(f"{eng} decode {r[eng]['decode_tok_s']:.2f}")
         busy = [r[k]["others_cpu"] for k in ("bw", "llama", "colibri") if r.get(k)]
         busy = [b for b in busy if b is not None]
         if busy:
