@@ -6,6 +6,7 @@
 //! and parallel matmul), `ops` (norms, rope, attention), `model` (load + forward per family),
 //! `kv` (KV history), `sampler`, `engine` (generation), `python` (bindings).
 
+pub mod alloc;
 pub mod attend_f16;
 pub mod config;
 pub mod convert;

@@ -270,6 +270,7 @@ impl Model {
     /// The routing heat is read from `routing-heat.json` in `dir` (if there) and, with
     /// `pin_bytes`, its hottest experts are loaded into the pinned part of the cache.
     pub fn load_with(dir: &Path, threads: Option<usize>, opts: &ExpertOptions) -> Result<Model> {
+        crate::alloc::tune_once();
         let mpath = dir.join(MANIFEST);
         let text = fs::read_to_string(&mpath).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
