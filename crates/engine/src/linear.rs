@@ -87,6 +87,26 @@ impl Acts {
         self.q8_ready = false;
     }
 
+    /// Rows `rows` of these activations (in that order), as a product input: the 8-bit form
+    /// is copied when it is ready (the same bits as quantizing the gathered rows), and the f32
+    /// values only when `f32_too` (an f32 weight will read them); otherwise `x` stays empty.
+    pub fn gather(&self, rows: &[usize], f32_too: bool) -> Acts {
+        let mut a = Acts::new();
+        a.n = rows.len();
+        a.cols = self.cols;
+        if f32_too || !self.q8_ready {
+            a.x = Vec::with_capacity(rows.len() * self.cols);
+            for &r in rows {
+                a.x.extend_from_slice(&self.x[r * self.cols..(r + 1) * self.cols]);
+            }
+        }
+        if self.q8_ready {
+            a.q8.gather(&self.q8, rows);
+            a.q8_ready = true;
+        }
+        a
+    }
+
     /// Makes the 8-bit form available if any of `weights` is int4.
     pub fn prepare(&mut self, needs_q8: bool) {
         if needs_q8 && !self.q8_ready {

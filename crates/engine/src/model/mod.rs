@@ -965,26 +965,21 @@ impl Model {
             .as_ref()
             .is_some_and(|l| l.parts[0].dtype == DType::Q4);
         // Inputs per expert: the shared activations when every token goes there (decode);
-        // otherwise gathered and quantized over the pool (serial, they took ~10% of a prefill).
+        // otherwise its tokens' rows, gathered over the pool from the activations quantized
+        // once (quantizing per expert again took ~5% of a prefill).
+        x.prepare(q4);
+        let x = &*x;
         let inputs: Vec<Option<Acts>> = if n == 1 {
             experts.iter().map(|_| None).collect()
         } else {
-            let xr = &*x;
             self.pool.map(experts.len(), |j| {
                 let toks = &experts[j].1;
                 (toks.len() != n).then(|| {
-                    let mut xs = Vec::with_capacity(toks.len() * h);
-                    for &(t, _) in toks {
-                        xs.extend_from_slice(&xr.x[t * h..(t + 1) * h]);
-                    }
-                    let mut a = Acts::from_vec(xs, toks.len(), h);
-                    a.prepare(q4);
-                    a
+                    let rows: Vec<usize> = toks.iter().map(|&(t, _)| t).collect();
+                    x.gather(&rows, !q4)
                 })
             })
         };
-        x.prepare(q4);
-        let x = &*x;
         let mut downs: Vec<Vec<f32>> = vec![Vec::new(); experts.len()];
         let lay = self
             .expert_layout

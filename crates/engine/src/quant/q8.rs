@@ -167,6 +167,30 @@ impl Q8Acts {
         }
     }
 
+    /// Becomes the vectors `rows` of `src`, in that order: exactly what quantizing those rows
+    /// of its input would give (each vector is quantized on its own), without redoing it.
+    pub fn gather(&mut self, src: &Q8Acts, rows: &[usize]) {
+        let (gp, n) = (src.gp, rows.len());
+        self.n = n;
+        self.cols = src.cols;
+        self.gp = gp;
+        self.qs.set_len(n * gp * GROUP);
+        self.corr.set_len(n * gp * 4);
+        self.dexp.set_len(n * gp * 4);
+        let (qs, corr, dexp) = (
+            self.qs.as_mut_slice(),
+            self.corr.as_mut_slice(),
+            self.dexp.as_mut_slice(),
+        );
+        for (t, &r) in rows.iter().enumerate() {
+            assert!(r < src.n, "Q8Acts::gather: row {r} of {}", src.n);
+            let from = src.token(r);
+            qs[t * gp * GROUP..(t + 1) * gp * GROUP].copy_from_slice(from.qs);
+            corr[t * gp * 4..(t + 1) * gp * 4].copy_from_slice(from.corr);
+            dexp[t * gp * 4..(t + 1) * gp * 4].copy_from_slice(from.dexp);
+        }
+    }
+
     /// The data of vector `t`.
     pub(crate) fn token(&self, t: usize) -> TokenActs<'_> {
         let gp = self.gp;
@@ -215,6 +239,36 @@ fn quantize_group(x: &[f32; GROUP]) -> ([i8; GROUP], f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gathered_rows_are_the_rows_quantized_alone() {
+        let (n, cols) = (7, 300);
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % 13) as f32))
+            .collect();
+        let mut all = Q8Acts::new();
+        all.quantize(&x, n, cols);
+        let rows = [5, 0, 5, 3];
+        let mut got = Q8Acts::new();
+        got.gather(&all, &rows);
+        let picked: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| x[r * cols..(r + 1) * cols].to_vec())
+            .collect();
+        let mut want = Q8Acts::new();
+        want.quantize(&picked, rows.len(), cols);
+        assert_eq!((got.n(), got.cols()), (want.n(), want.cols()));
+        assert_eq!(got.qs.as_slice(), want.qs.as_slice());
+        assert_eq!(got.corr.as_slice(), want.corr.as_slice());
+        let bits = |a: &Q8Acts| {
+            a.dexp
+                .as_slice()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&got), bits(&want));
+    }
 
     #[test]
     fn q8_awkward_cols_roundtrip_and_layout() {
