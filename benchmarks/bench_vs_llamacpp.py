@@ -465,30 +465,20 @@ def median_ts(row: dict) -> float:
     return float(statistics.median(samples))
 
 
-def measure_llama(p: Paths, a) -> dict:
-    cmd = [
-        p.llama_bench,
-        "-m",
-        p.gguf_q4,
-        "-t",
-        a.threads,
-        "-p",
-        a.prompt_tokens,
-        "-n",
-        a.gen_tokens,
-        "-r",
-        a.reps,
-        "-o",
-        "json",
-    ]
-    r = run_with_rss(cmd, 900)
-    out = r["out"]
+def run_llama_bench(p: Paths, a, args: list, timeout: int) -> tuple[list[dict], dict]:
+    """llama-bench on the Q4_0 model with `args` (its test sizes): its JSON rows and the run."""
+    cmd = [p.llama_bench, "-m", p.gguf_q4, "-t", a.threads, *args, "-r", a.reps, "-o", "json"]
+    r = run_with_rss(cmd, timeout)
     if r["rc"] != 0:
         raise SystemExit(f"llama-bench failed ({r['rc']}):\n{r['err'].strip()[-3000:]}")
     try:
-        rows = json.loads(out)
+        return json.loads(r["out"]), r
     except ValueError:
-        raise SystemExit(f"could not parse llama-bench JSON:\n{out[-2000:]}") from None
+        raise SystemExit(f"could not parse llama-bench JSON:\n{r['out'][-2000:]}") from None
+
+
+def measure_llama(p: Paths, a) -> dict:
+    rows, r = run_llama_bench(p, a, ["-p", a.prompt_tokens, "-n", a.gen_tokens], 900)
     res = {"peak_rss_mb": r["rss_mb"], "others_cpu": r["others_cpu"]}
     for row in rows:
         if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
@@ -496,24 +486,16 @@ def measure_llama(p: Paths, a) -> dict:
         elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
             res["decode_tok_s"] = median_ts(row)
     if "prefill_tok_s" not in res or "decode_tok_s" not in res:
-        raise SystemExit(f"unexpected llama-bench output:\n{out[-2000:]}")
+        raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
     return res
 
 
 def measure_llama_depth(p: Paths, a) -> dict:
     """Decode after --depth tokens of context (llama-bench fills the depth once, untimed)."""
-    cmd = [p.llama_bench, "-m", p.gguf_q4, "-t", a.threads, "-p", 0, "-n", a.gen_tokens]
-    cmd += ["-d", a.depth, "-r", a.reps, "-o", "json"]
-    r = run_with_rss(cmd, 1800)
-    out = r["out"]
-    if r["rc"] != 0:
-        raise SystemExit(f"llama-bench -d failed ({r['rc']}):\n{r['err'].strip()[-3000:]}")
-    try:
-        rows = [row for row in json.loads(out) if row.get("n_gen", 0) > 0]
-    except ValueError:
-        raise SystemExit(f"could not parse llama-bench JSON:\n{out[-2000:]}") from None
+    rows, r = run_llama_bench(p, a, ["-p", 0, "-n", a.gen_tokens, "-d", a.depth], 1800)
+    rows = [row for row in rows if row.get("n_gen", 0) > 0]
     if not rows:
-        raise SystemExit(f"unexpected llama-bench output:\n{out[-2000:]}")
+        raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
     return {"decode_tok_s": median_ts(rows[0]), "others_cpu": r["others_cpu"]}
 
 

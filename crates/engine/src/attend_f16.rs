@@ -14,10 +14,8 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use crate::ops::softmax;
+use crate::ops::{softmax, DOTS};
 
-/// Positions whose scores are computed together (four independent dot products).
-const DOTS: usize = 4;
 /// How far ahead of the reads the history is prefetched (one group of four 128-dim rows:
 /// measured best of 0.5-16 KiB, +3% over the hardware prefetcher alone).
 const AHEAD_BYTES: usize = 1024;
@@ -35,12 +33,10 @@ pub fn supported(head_dim: usize) -> bool {
 /// # Panics
 /// If [`supported`] is false for `q.len()`, or a length disagrees.
 pub fn attend_one(q: &[f32], keys: &[f16], values: &[f16], n: usize, scale: f32, out: &mut [f32]) {
-    let avx512 = std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512vl");
-    attend_one_with(q, keys, values, n, scale, out, avx512)
+    attend_one_with(q, keys, values, n, scale, out, true)
 }
 
-/// [`attend_one`] with the AVX-512 register file (`avx512`, where the CPU has it) or without.
+/// [`attend_one`] with the AVX-512 register file if `avx512` and the CPU has it, else without.
 fn attend_one_with(
     q: &[f32],
     keys: &[f16],

@@ -169,8 +169,8 @@ impl KvCache {
         }
         // Doubling, and half again past a long request (a prompt, a restored slot): otherwise
         // the first decoded token after a 1k-token prompt would copy the whole history.
-        let grown = (self.cap * 2).max(need + need / 2).max(MIN_CAP);
-        let cap = need.max(grown.min(self.limit));
+        let wanted = (self.cap * 2).max(need + need / 2).max(MIN_CAP);
+        let cap = need.max(wanted.min(self.limit));
         let (hd, len, old_cap) = (self.head_dim, self.len, self.cap);
         for block in self.keys.iter_mut().chain(self.values.iter_mut()) {
             let mut grown = Block::new(self.dtype, self.kv_heads * cap * hd);

@@ -144,7 +144,7 @@ impl Q8Acts {
         let qs = self.qs.as_mut_slice();
         let corr = self.corr.as_mut_slice();
         let dexp = self.dexp.as_mut_slice();
-        // Whole groups with AVX-512 when the CPU has it (the same bits, tested): the scalar
+        // Whole groups with AVX-512 under the AVX-512 kernel (the same bits, tested): the scalar
         // loop took ~2 ns a value, ~1.5% of a decode step.
         let full = if avx512_quantize() { cols / GROUP } else { 0 };
         for t in 0..n {
@@ -158,21 +158,7 @@ impl Q8Acts {
                 // and their places in qs/corr/dexp are in bounds (sizes set just above).
                 unsafe { quantize_groups_avx512(&xt[..full * GROUP], qs, corr, dexp) };
             }
-            let mut buf = [0.0f32; GROUP];
-            for g in full..gp {
-                let lo = (g * GROUP).min(cols);
-                let hi = ((g + 1) * GROUP).min(cols);
-                buf.fill(0.0);
-                buf[..hi - lo].copy_from_slice(&xt[lo..hi]);
-                let (q, d) = quantize_group(&buf);
-                let (blk, i) = (g / 4, g % 4);
-                let base = blk * 128 + i * 16;
-                qs[base..base + 16].copy_from_slice(&q[..16]);
-                qs[base + 64..base + 80].copy_from_slice(&q[16..]);
-                let sum: i32 = q.iter().map(|&v| v as i32).sum();
-                corr[g * 4..g * 4 + 4].fill(-2 * sum);
-                dexp[g * 4..g * 4 + 4].fill(d);
-            }
+            quantize_groups_scalar(xt, full..gp, qs, corr, dexp);
         }
     }
 
@@ -212,7 +198,7 @@ impl Q8Acts {
 
     /// Quantized value `j` of group `g` of vector `t` (j < 32).
     pub(crate) fn q_at(a: &TokenActs, g: usize, j: usize) -> i8 {
-        let base = (g / 4) * 128 + (g % 4) * 16;
+        let base = qs_base(g);
         if j < 16 {
             a.qs[base + j]
         } else {
@@ -227,6 +213,40 @@ impl Q8Acts {
         (0..self.cols)
             .map(|c| Self::q_at(&a, c / GROUP, c % GROUP) as f32 * a.dexp[(c / GROUP) * 4])
             .collect()
+    }
+}
+
+/// Offset in a vector's `qs` of group `g`'s first 16 values (its last 16 are 64 bytes on).
+fn qs_base(g: usize) -> usize {
+    (g / 4) * 128 + (g % 4) * 16
+}
+
+/// 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to nearest, ties to even.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
+/// Groups `groups` of one vector `xt` (`cols` values; groups past them are zero padding),
+/// quantized with [`quantize_group`] and stored in the vector's `qs`, `corr` and `dexp`.
+fn quantize_groups_scalar(
+    xt: &[f32],
+    groups: std::ops::Range<usize>,
+    qs: &mut [i8],
+    corr: &mut [i32],
+    dexp: &mut [f32],
+) {
+    let cols = xt.len();
+    let mut buf = [0.0f32; GROUP];
+    for g in groups {
+        let lo = (g * GROUP).min(cols);
+        let hi = ((g + 1) * GROUP).min(cols);
+        buf.fill(0.0);
+        buf[..hi - lo].copy_from_slice(&xt[lo..hi]);
+        let (q, d) = quantize_group(&buf);
+        let base = qs_base(g);
+        qs[base..base + 16].copy_from_slice(&q[..16]);
+        qs[base + 64..base + 80].copy_from_slice(&q[16..]);
+        let sum: i32 = q.iter().map(|&v| v as i32).sum();
+        corr[g * 4..g * 4 + 4].fill(-2 * sum);
+        dexp[g * 4..g * 4 + 4].fill(d);
     }
 }
 
@@ -256,12 +276,11 @@ fn avx512_quantize() -> bool {
 #[target_feature(enable = "avx512f")]
 unsafe fn quantize_groups_avx512(x: &[f32], qs: &mut [i8], corr: &mut [i32], dexp: &mut [f32]) {
     use std::arch::x86_64::*;
-    const MAGIC: f32 = 12_582_912.0;
     let groups = x.len() / GROUP;
     assert!(qs.len() >= groups.div_ceil(4) * 128 && corr.len() >= groups * 4);
     assert!(dexp.len() >= groups * 4);
     let (magic, lo, hi) = (
-        _mm512_set1_ps(MAGIC),
+        _mm512_set1_ps(ROUND_MAGIC),
         _mm512_set1_ps(-127.0),
         _mm512_set1_ps(127.0),
     );
@@ -289,7 +308,7 @@ unsafe fn quantize_groups_avx512(x: &[f32], qs: &mut [i8], corr: &mut [i32], dex
         };
         let (q0, q1) = (round(v0), round(v1));
         let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        let base = (g / 4) * 128 + (g % 4) * 16;
+        let base = qs_base(g);
         // SAFETY: base + 80 <= groups.div_ceil(4) * 128 <= qs.len() (asserted); unaligned.
         unsafe {
             _mm_storeu_si128(qs.as_mut_ptr().add(base).cast(), _mm512_cvtepi32_epi8(q0));
@@ -309,10 +328,8 @@ fn quantize_group(x: &[f32; GROUP]) -> ([i8; GROUP], f32) {
     let d = amax / 127.0;
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
     let mut q = [0i8; GROUP];
-    // 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to nearest, ties to even.
-    const MAGIC: f32 = 12_582_912.0;
     for (qi, &v) in q.iter_mut().zip(x) {
-        let r = (v * id + MAGIC) - MAGIC;
+        let r = (v * id + ROUND_MAGIC) - ROUND_MAGIC;
         *qi = r.clamp(-127.0, 127.0) as i8;
     }
     (q, d)
@@ -322,30 +339,24 @@ fn quantize_group(x: &[f32; GROUP]) -> ([i8; GROUP], f32) {
 mod tests {
     use super::*;
 
-    /// The scalar layout of `x` (`n` vectors of `cols`), group by group with `quantize_group`.
+    /// The scalar layout of `x` (`n` vectors of `cols`): every group with the scalar code.
     fn scalar_reference(x: &[f32], n: usize, cols: usize) -> (Vec<i8>, Vec<i32>, Vec<u32>) {
         let gp = cols.div_ceil(GROUP).next_multiple_of(8);
         let (mut qs, mut corr, mut dexp) = (
             vec![0i8; n * gp * GROUP],
             vec![0i32; n * gp * 4],
-            vec![0u32; n * gp * 4],
+            vec![0f32; n * gp * 4],
         );
         for t in 0..n {
-            for g in 0..gp {
-                let mut buf = [0.0f32; GROUP];
-                let (lo, hi) = ((g * GROUP).min(cols), ((g + 1) * GROUP).min(cols));
-                buf[..hi - lo].copy_from_slice(&x[t * cols + lo..t * cols + hi]);
-                let (q, d) = quantize_group(&buf);
-                let base = t * gp * GROUP + (g / 4) * 128 + (g % 4) * 16;
-                qs[base..base + 16].copy_from_slice(&q[..16]);
-                qs[base + 64..base + 80].copy_from_slice(&q[16..]);
-                let sum: i32 = q.iter().map(|&v| v as i32).sum();
-                let at = (t * gp + g) * 4;
-                corr[at..at + 4].fill(-2 * sum);
-                dexp[at..at + 4].fill(d.to_bits());
-            }
+            quantize_groups_scalar(
+                &x[t * cols..(t + 1) * cols],
+                0..gp,
+                &mut qs[t * gp * GROUP..(t + 1) * gp * GROUP],
+                &mut corr[t * gp * 4..(t + 1) * gp * 4],
+                &mut dexp[t * gp * 4..(t + 1) * gp * 4],
+            );
         }
-        (qs, corr, dexp)
+        (qs, corr, dexp.iter().map(|v| v.to_bits()).collect())
     }
 
     #[test]
