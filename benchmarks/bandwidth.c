@@ -1,7 +1,8 @@
 /*
  * Sustained memory read bandwidth, N threads (default 2).
  *
- * Allocates one buffer (default 1 GiB, far larger than any cache), each thread
+ * Allocates one buffer (default 1 GiB; it must be several times the CPU caches, and
+ * bench_vs_llamacpp.py passes 8x their total, since some VMs report L3s of 480 MB), each thread
  * first-touches its own contiguous slice, then every pass all threads sum
  * their slices at once (pure streaming reads, vectorised by the compiler) and
  * the pass's wall time gives bytes/second. Prints the median and best pass.
