@@ -224,3 +224,33 @@ def test_kv_dtype_follows_the_weights_and_the_override(converted, monkeypatch):
     monkeypatch.setenv("COLI_KV_DTYPE", "bf16")
     with pytest.raises(Exception, match="COLI_KV_DTYPE"):
         Engine(converted("glm4_moe", "int4"))
+
+
+def test_long_prompts_run_in_chunks_with_the_same_results(converted, monkeypatch):
+    model = converted("qwen3_moe", "int4")
+    monkeypatch.delenv("COLI_PREFILL_CHUNK", raising=False)
+    whole = Engine(model)
+    assert whole.info["prefill_chunk"] == 512
+    monkeypatch.setenv("COLI_PREFILL_CHUNK", "7")
+    chunked = Engine(model)
+    assert chunked.info["prefill_chunk"] == 7
+    ids = [(i * 31 + 3) % whole.info["vocab_size"] for i in range(60)]
+    assert np.array_equal(whole.logits(ids), chunked.logits(ids))
+    assert list(whole.generate(ids, 12)) == list(chunked.generate(ids, 12))
+
+
+def test_prefill_chunk_setting_that_is_not_a_number_warns_and_runs(converted):
+    model = converted("qwen3_moe", "int4")
+    code = (
+        "import sys; from colibri import Engine; print(Engine(sys.argv[1]).info['prefill_chunk'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model)],
+        env={**os.environ, "COLI_PREFILL_CHUNK": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "512"
+    assert "COLI_PREFILL_CHUNK=0: expected a number of positions >= 1" in out.stderr
