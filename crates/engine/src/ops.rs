@@ -705,10 +705,16 @@ mod tests {
         }
     }
 
+    /// At the general head size and at the two with register-resident weighted sums.
     #[test]
     fn a_block_of_queries_gives_each_query_its_own_bits() {
+        for hd in [20, 64, 128] {
+            block_of_queries_gives_each_query_its_own_bits(hd);
+        }
+    }
+
+    fn block_of_queries_gives_each_query_its_own_bits(hd: usize) {
         use half::f16;
-        let hd = 20;
         let total = 140;
         let k32: Vec<f32> = (0..total * hd).map(wave).collect();
         let v32: Vec<f32> = (0..total * hd).map(|i| wave(i + 5)).collect();
@@ -753,10 +759,20 @@ mod tests {
                 };
                 let mut out = vec![f32::NAN; b * hd];
                 attend(&qs, &a, &mut out);
+                let mut portable = vec![f32::NAN; b * hd];
+                attend_generic(&qs, &a, &mut portable, widen_portable, Simd::Portable);
+                assert_eq!(
+                    out, portable,
+                    "hd {hd} n0 {n0} b {b}: against the portable path"
+                );
                 for (j, q) in qs.iter().enumerate() {
                     let n = n0 + j;
                     let alone = attend_one(q, keys(n), values(n), n);
-                    assert_eq!(&out[j * hd..(j + 1) * hd], alone, "n0 {n0} b {b} j {j}");
+                    assert_eq!(
+                        &out[j * hd..(j + 1) * hd],
+                        alone,
+                        "hd {hd} n0 {n0} b {b} j {j}"
+                    );
                 }
             }
         }
