@@ -74,3 +74,39 @@ def test_incremental_decode_equals_full_forward(reference, converted):
     # Greedy generation feeds its own tokens back: its picks are the full pass's argmaxes.
     got = list(eng.generate(prompt, max_tokens=5))
     assert got == [int(x) for x in full[len(prompt) - 1 :].argmax(axis=1)]
+
+
+def test_avx2_kernel_gives_the_same_logits_with_and_without_avx_vnni(reference, converted):
+    """AVX-VNNI changes how the AVX2 kernel forms its exact integer dot products, not what they
+    are: the logits are the same bits with COLI_AVX_VNNI=0 (decided once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    if "avx2" not in available_kernels():
+        pytest.skip("avx2 not available on this CPU")
+    model = converted(reference.arch, "int4")
+    prompt = reference.prompts[2]
+    code = (
+        "import sys, json; from colibri import Engine; e = Engine(sys.argv[1], kernel='avx2'); "
+        "sys.stdout.buffer.write(json.dumps(e.info['kernel_avx_vnni']).encode() + b'\\n' + "
+        "e.logits(json.loads(sys.argv[2])).tobytes())"
+    )
+
+    def run(setting: str) -> tuple[bool, bytes]:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(model), str(prompt)],
+            env={**os.environ, "COLI_AVX_VNNI": setting},
+            capture_output=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        flag, logits = out.split(b"\n", 1)
+        return flag == b"true", logits
+
+    plain_flag, plain = run("0")
+    auto_flag, auto = run("1")
+    assert not plain_flag
+    assert auto_flag == Engine(model, kernel="avx2").info["kernel_avx_vnni"]
+    assert plain == auto
+    assert len(plain) == len(prompt) * Engine(model).info["vocab_size"] * 4

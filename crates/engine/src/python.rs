@@ -145,6 +145,10 @@ impl Model {
             "kernel_prefetch",
             crate::quant::prefetch::prefetch_level().name(),
         )?;
+        d.set_item(
+            "kernel_avx_vnni",
+            m.kernel() == Kernel::Avx2 && crate::quant::avx2_uses_avx_vnni(),
+        )?;
         d.set_item("threads", m.threads())?;
         d.set_item("prefill_chunk", m.prefill_chunk())?;
         d.set_item("eos_token_ids", c.eos_token_ids.clone())?;

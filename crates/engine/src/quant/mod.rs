@@ -191,6 +191,19 @@ pub fn kernel() -> Kernel {
     })
 }
 
+/// Whether the AVX2 kernel's int8 dots use AVX-VNNI in this process (the CPU has it and
+/// `COLI_AVX_VNNI` is not `0`); the results are the same bits either way.
+pub fn avx2_uses_avx_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86_avx2::avx_vnni()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 fn check_kernel(k: Kernel) {
     assert!(
         k.available(),

@@ -377,3 +377,30 @@ fn decode_path_equals_batched_tiles_bit_for_bit() {
         }
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_kernel_with_avx_vnni_gives_the_same_bits() {
+    if !(Kernel::Avx2.available() && std::arch::is_x86_feature_detected!("avxvnni")) {
+        println!("no AVX2 + AVX-VNNI here: nothing to compare");
+        return;
+    }
+    let mut a = Q8Acts::new();
+    for &(rows, cols) in SHAPES {
+        for &n in NS {
+            let c = case(rows, cols, n, (rows * 7 + cols * 3 + n) as u64);
+            let w = Q4Matrix::new(&c.bytes, c.rows, c.cols).unwrap();
+            a.quantize(&c.x, n, cols);
+            let run = |vnni: bool| {
+                let mut out = vec![f32::NAN; n * rows];
+                // SAFETY: AVX2/FMA/F16C (available) and AVX-VNNI (detected) are present; the
+                // rows are w's, the activations have its width, `out` holds n * rows values.
+                unsafe {
+                    super::x86_avx2::q4_rows_with(vnni, &w, &a, out.as_mut_ptr(), rows, 0..rows)
+                };
+                out.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+            };
+            assert_eq!(run(true), run(false), "{rows}x{cols} n={n}");
+        }
+    }
+}

@@ -7,6 +7,12 @@
 //! converted to f32 and accumulated with FMA against `weight scale * activation scale`.
 //! Tiles of `R` rows × `T` tokens reuse each unpacked weight vector for `T` tokens and each
 //! activation vector for `R` rows.
+//!
+//! On CPUs with AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`: Intel Core from Alder Lake on,
+//! which have no AVX-512) the two multiplies, the widening add and the offset become two
+//! `_mm256_dpbusd_avx_epi32`, starting from the offset lanes. Each i32 lane then holds the
+//! same exact integer (the same four low- and four high-nibble products and the same offset),
+//! so the results are the same bits; `COLI_AVX_VNNI=0` turns it off (see [`avx_vnni`]).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -133,119 +139,165 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Whether the int4 kernel uses AVX-VNNI: the CPU has it and `COLI_AVX_VNNI` is not `0`
+/// (decided once per process).
+pub(crate) fn avx_vnni() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avxvnni")
+            && std::env::var("COLI_AVX_VNNI").map_or(true, |v| v.trim() != "0")
+    })
+}
+
+/// The exact i32 lanes of two groups' dot products: per lane four low-nibble products with
+/// `alo`, four high-nibble products with `ahi`, plus the offset lane of `corr`.
+///
+/// # Safety
+/// The CPU has AVX2, and AVX-VNNI if `VNNI`; inlined into functions enabling them.
+#[inline(always)]
+unsafe fn dot_lanes<const VNNI: bool>(
+    wlo: __m256i,
+    whi: __m256i,
+    alo: __m256i,
+    ahi: __m256i,
+    corr: __m256i,
+) -> __m256i {
+    // SAFETY: forwarded contract (register operations only).
+    unsafe {
+        if VNNI {
+            _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(corr, wlo, alo), whi, ahi)
+        } else {
+            let p = _mm256_add_epi16(
+                _mm256_maddubs_epi16(wlo, alo),
+                _mm256_maddubs_epi16(whi, ahi),
+            );
+            _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), corr)
+        }
+    }
+}
+
 /// Dots of `R` rows with `T` activation vectors.
 ///
 /// # Safety
-/// `wr[r]` points at the `groups * 18` readable bytes of one row (`groups * 2` bytes of scales,
-/// then `groups * 16` bytes of nibbles); each `a[t]` points at the arrays of one activation
-/// vector with at least `groups.next_multiple_of(8)` groups (`qs`: 32 bytes, `corr`/`dexp`: 4
-/// values per group).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_tile<const R: usize, const T: usize>(
+/// The CPU has AVX2, FMA and F16C, and AVX-VNNI if `VNNI` (inlined into the entry points that
+/// enable them); `wr[r]` points at the `groups * 18` readable bytes of one row (`groups * 2`
+/// bytes of scales, then `groups * 16` bytes of nibbles); each `a[t]` points at the arrays of
+/// one activation vector with at least `groups.next_multiple_of(8)` groups (`qs`: 32 bytes,
+/// `corr`/`dexp`: 4 values per group).
+#[inline(always)]
+unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
     wr: [*const u8; R],
     groups: usize,
     a: [ActPtr; T],
     l2: bool,
 ) -> [[f32; T]; R] {
-    let full = groups / 8;
-    let nch = groups.div_ceil(8);
-    let row_bytes = groups * 18;
-    // Scales at the start of the row, nibbles after them.
-    let ws = wr;
-    let wq: [*const u8; R] = std::array::from_fn(|r| wr[r].wrapping_add(groups * 2));
-    let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, l2);
-    // The last partial chunk of 8 groups is copied into zero-filled buffers (zero scales make
-    // the padding groups contribute nothing; the activations are zero there as well).
-    let mut tq = [[0u8; 128]; R];
-    let mut ts = [[0u8; 16]; R];
-    if nch > full {
-        let rem = groups - full * 8;
-        for r in 0..R {
-            // SAFETY: row r has groups*16 nibble bytes and groups*2 scale bytes; the copies
-            // read [full*128, groups*16) and [full*16, groups*2) of them into 128/16-byte
-            // buffers (rem < 8 groups).
-            unsafe {
-                std::ptr::copy_nonoverlapping(wq[r].add(full * 128), tq[r].as_mut_ptr(), rem * 16);
-                std::ptr::copy_nonoverlapping(ws[r].add(full * 16), ts[r].as_mut_ptr(), rem * 2);
-            }
-        }
-    }
-    let m4 = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    for c in 0..nch {
-        prefetch.chunk(c, nch);
-        let mut q = [std::ptr::null::<u8>(); R];
-        let mut dw = [_mm256_setzero_ps(); R];
-        for r in 0..R {
-            let s = if c < full {
-                // SAFETY: chunk c < full lies inside the row (c*128 + 128 <= groups*16,
-                // c*16 + 16 <= groups*2).
-                q[r] = unsafe { wq[r].add(c * 128) };
-                // SAFETY: as above.
-                unsafe { ws[r].add(c * 16) }
-            } else {
-                q[r] = tq[r].as_ptr();
-                ts[r].as_ptr()
-            };
-            // SAFETY: s points at 16 readable bytes (8 f16 scales), see above.
-            dw[r] = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(s.cast()) });
-        }
-        for s2 in 0..4 {
-            let g = 2 * s2 as i32;
-            let idx = _mm256_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1);
-            let mut wlo = [_mm256_setzero_si256(); R];
-            let mut whi = [_mm256_setzero_si256(); R];
-            let mut dwe = [_mm256_setzero_ps(); R];
+    // SAFETY: the caller enables AVX2, FMA and F16C (and AVX-VNNI if VNNI) around this
+    // inlined body; every pointer read is inside a row or activation vector by the
+    // function's contract, as the comments below say for each.
+    unsafe {
+        let full = groups / 8;
+        let nch = groups.div_ceil(8);
+        let row_bytes = groups * 18;
+        // Scales at the start of the row, nibbles after them.
+        let ws = wr;
+        let wq: [*const u8; R] = std::array::from_fn(|r| wr[r].wrapping_add(groups * 2));
+        let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, l2);
+        // The last partial chunk of 8 groups is copied into zero-filled buffers (zero scales make
+        // the padding groups contribute nothing; the activations are zero there as well).
+        let mut tq = [[0u8; 128]; R];
+        let mut ts = [[0u8; 16]; R];
+        if nch > full {
+            let rem = groups - full * 8;
             for r in 0..R {
-                // SAFETY: q[r] points at 128 readable bytes (this chunk's nibbles).
-                let v = unsafe { _mm256_loadu_si256(q[r].add(s2 * 32).cast()) };
-                wlo[r] = _mm256_and_si256(v, m4);
-                whi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                dwe[r] = _mm256_permutevar8x32_ps(dw[r], idx);
-            }
-            // Groups 8c + 2*s2 + {0, 1}: in 4-group block 2c + s2/2, slot (s2%2)*2.
-            let aoff = c * 256 + (s2 / 2) * 128 + (s2 % 2) * 32;
-            let loff = c * 32 + s2 * 8;
-            for t in 0..T {
-                // SAFETY: chunk c < nch <= padded groups / 8, so qs[aoff..aoff+96] and
-                // corr/dexp[loff..loff+8] are inside the vector's arrays.
-                let (alo, ahi, corr, de) = unsafe {
-                    (
-                        _mm256_loadu_si256(a[t].qs.add(aoff).cast()),
-                        _mm256_loadu_si256(a[t].qs.add(aoff + 64).cast()),
-                        _mm256_loadu_si256(a[t].corr.add(loff).cast()),
-                        _mm256_loadu_ps(a[t].dexp.add(loff)),
-                    )
-                };
-                for r in 0..R {
-                    let p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(wlo[r], alo),
-                        _mm256_maddubs_epi16(whi[r], ahi),
+                // Row r has groups*16 nibble bytes and groups*2 scale bytes; the copies
+                // read [full*128, groups*16) and [full*16, groups*2) of them into 128/16-byte
+                // buffers (rem < 8 groups).
+                {
+                    std::ptr::copy_nonoverlapping(
+                        wq[r].add(full * 128),
+                        tq[r].as_mut_ptr(),
+                        rem * 16,
                     );
-                    let i = _mm256_add_epi32(_mm256_madd_epi16(p, ones), corr);
-                    acc[r][t] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(i),
-                        _mm256_mul_ps(dwe[r], de),
-                        acc[r][t],
+                    std::ptr::copy_nonoverlapping(
+                        ws[r].add(full * 16),
+                        ts[r].as_mut_ptr(),
+                        rem * 2,
                     );
                 }
             }
         }
-    }
-    let mut res = [[0.0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            res[r][t] = hsum(acc[r][t]);
+        let m4 = _mm256_set1_epi8(0x0f);
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        for c in 0..nch {
+            prefetch.chunk(c, nch);
+            let mut q = [std::ptr::null::<u8>(); R];
+            let mut dw = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                let s = if c < full {
+                    // Chunk c < full lies inside the row (c*128 + 128 <= groups*16,
+                    // c*16 + 16 <= groups*2).
+                    q[r] = wq[r].add(c * 128);
+                    ws[r].add(c * 16)
+                } else {
+                    q[r] = tq[r].as_ptr();
+                    ts[r].as_ptr()
+                };
+                // s points at 16 readable bytes (8 f16 scales), see above.
+                dw[r] = _mm256_cvtph_ps(_mm_loadu_si128(s.cast()));
+            }
+            for s2 in 0..4 {
+                let g = 2 * s2 as i32;
+                let idx = _mm256_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1);
+                let mut wlo = [_mm256_setzero_si256(); R];
+                let mut whi = [_mm256_setzero_si256(); R];
+                let mut dwe = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    // q[r] points at 128 readable bytes (this chunk's nibbles).
+                    let v = _mm256_loadu_si256(q[r].add(s2 * 32).cast());
+                    wlo[r] = _mm256_and_si256(v, m4);
+                    whi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    dwe[r] = _mm256_permutevar8x32_ps(dw[r], idx);
+                }
+                // Groups 8c + 2*s2 + {0, 1}: in 4-group block 2c + s2/2, slot (s2%2)*2.
+                let aoff = c * 256 + (s2 / 2) * 128 + (s2 % 2) * 32;
+                let loff = c * 32 + s2 * 8;
+                for t in 0..T {
+                    // Chunk c < nch <= padded groups / 8, so qs[aoff..aoff+96] and
+                    // corr/dexp[loff..loff+8] are inside the vector's arrays.
+                    let (alo, ahi, corr, de) = {
+                        (
+                            _mm256_loadu_si256(a[t].qs.add(aoff).cast()),
+                            _mm256_loadu_si256(a[t].qs.add(aoff + 64).cast()),
+                            _mm256_loadu_si256(a[t].corr.add(loff).cast()),
+                            _mm256_loadu_ps(a[t].dexp.add(loff)),
+                        )
+                    };
+                    for r in 0..R {
+                        // The features this tile's caller enables (contract).
+                        let i = dot_lanes::<VNNI>(wlo[r], whi[r], alo, ahi, corr);
+                        acc[r][t] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(i),
+                            _mm256_mul_ps(dwe[r], de),
+                            acc[r][t],
+                        );
+                    }
+                }
+            }
         }
+        let mut res = [[0.0f32; T]; R];
+        for r in 0..R {
+            for t in 0..T {
+                res[r][t] = hsum(acc[r][t]);
+            }
+        }
+        res
     }
-    res
 }
 
 /// # Safety
-/// As [`q4_rows`], for rows `r0..r0 + R` and tokens `t0..t0 + T`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_run<const R: usize, const T: usize>(
+/// As [`q4_rows`] (and AVX-VNNI if `VNNI`), for rows `r0..r0 + R` and tokens `t0..t0 + T`.
+#[inline(always)]
+unsafe fn q4_run<const R: usize, const T: usize, const VNNI: bool>(
     w: &Q4Matrix,
     r0: usize,
     x: &Q8Acts,
@@ -258,7 +310,7 @@ unsafe fn q4_run<const R: usize, const T: usize>(
     let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
     // SAFETY: the pointers come from row slices of `w` (groups*18 bytes: scales, then nibbles)
     // and from activation vectors padded to a multiple of 8 groups >= w.groups() (cols agree).
-    let res = unsafe { q4_tile::<R, T>(wr, w.groups(), a, l2) };
+    let res = unsafe { q4_tile::<R, T, VNNI>(wr, w.groups(), a, l2) };
     for (i, row) in res.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
             // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
@@ -269,9 +321,9 @@ unsafe fn q4_run<const R: usize, const T: usize>(
 }
 
 /// # Safety
-/// As `q4_rows`, for rows `r0..r0 + R` and tokens `ts`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_rows_tokens<const R: usize>(
+/// As `q4_rows` (and AVX-VNNI if `VNNI`), for rows `r0..r0 + R` and tokens `ts`.
+#[inline(always)]
+unsafe fn q4_rows_tokens<const R: usize, const VNNI: bool>(
     w: &Q4Matrix,
     r0: usize,
     x: &Q8Acts,
@@ -285,22 +337,21 @@ unsafe fn q4_rows_tokens<const R: usize>(
         // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
         unsafe {
             match ts.end - t {
-                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride, l2),
-                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride, l2),
-                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride, l2),
-                _ => q4_run::<R, 4>(w, r0, x, t, out, out_stride, l2),
+                1 => q4_run::<R, 1, VNNI>(w, r0, x, t, out, out_stride, l2),
+                2 => q4_run::<R, 2, VNNI>(w, r0, x, t, out, out_stride, l2),
+                3 => q4_run::<R, 3, VNNI>(w, r0, x, t, out, out_stride, l2),
+                _ => q4_run::<R, 4, VNNI>(w, r0, x, t, out, out_stride, l2),
             }
         }
         t += (ts.end - t).min(4);
     }
 }
 
-/// `out[t * out_stride + r] = dot(w[r], x[t])`.
+/// `out[t * out_stride + r] = dot(w[r], x[t])`, with AVX-VNNI when [`avx_vnni`] says so.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `rows.end <= w.rows`; `x.cols() == w.cols`; every
 /// `out + t * out_stride + r` (`t < x.n()`, `r in rows`) is valid for writes.
-#[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4_rows(
     w: &Q4Matrix,
     x: &Q8Acts,
@@ -308,22 +359,89 @@ pub(crate) unsafe fn q4_rows(
     out_stride: usize,
     rows: Range<usize>,
 ) {
+    // SAFETY: forwarded contract; `avx_vnni` is only true on CPUs with AVX-VNNI.
+    unsafe { q4_rows_with(avx_vnni(), w, x, out, out_stride, rows) }
+}
+
+/// [`q4_rows`] with AVX-VNNI or without (`vnni` only where the CPU has it).
+///
+/// # Safety
+/// As [`q4_rows`], and the CPU has AVX-VNNI if `vnni`.
+pub(crate) unsafe fn q4_rows_with(
+    vnni: bool,
+    w: &Q4Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    out_stride: usize,
+    rows: Range<usize>,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if vnni {
+            q4_rows_vnni(w, x, out, out_stride, rows)
+        } else {
+            q4_rows_plain(w, x, out, out_stride, rows)
+        }
+    }
+}
+
+/// # Safety
+/// As [`q4_rows`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_rows_plain(
+    w: &Q4Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    stride: usize,
+    rows: Range<usize>,
+) {
+    let l2 = prefetch_level() == PrefetchLevel::L2;
+    // The closure is defined here so that it has this function's target features.
+    for_each_block(w, x, rows, |chunk, ts| {
+        // SAFETY: forwarded contract; this function enables the features the block needs.
+        unsafe { q4_block::<false>(w, x, chunk, ts, out, stride, l2) }
+    });
+}
+
+/// # Safety
+/// As [`q4_rows`], and the CPU has AVX-VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn q4_rows_vnni(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, stride: usize, rows: Range<usize>) {
     let l2 = prefetch_level() == PrefetchLevel::L2;
     for_each_block(w, x, rows, |chunk, ts| {
-        let mut r = chunk.start;
-        while r < chunk.end {
-            // SAFETY: rows r..r+R are inside `rows`, tokens `ts` inside 0..n.
-            unsafe {
-                if chunk.end - r >= 2 {
-                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride, l2);
-                    r += 2;
-                } else {
-                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride, l2);
-                    r += 1;
-                }
+        // SAFETY: as above.
+        unsafe { q4_block::<true>(w, x, chunk, ts, out, stride, l2) }
+    });
+}
+
+/// One block of `for_each_block`: rows `chunk` for tokens `ts`, in tiles of 2 rows.
+///
+/// # Safety
+/// As [`q4_rows`] (and AVX-VNNI if `VNNI`), for `chunk` inside its rows and `ts` inside its
+/// tokens; inlined into a function enabling the features.
+#[inline(always)]
+unsafe fn q4_block<const VNNI: bool>(
+    w: &Q4Matrix,
+    x: &Q8Acts,
+    chunk: Range<usize>,
+    ts: Range<usize>,
+    out: *mut f32,
+    out_stride: usize,
+    l2: bool,
+) {
+    let mut r = chunk.start;
+    while r < chunk.end {
+        // SAFETY: rows r..r+R are inside `chunk`, tokens `ts` inside 0..n (contract).
+        unsafe {
+            if chunk.end - r >= 2 {
+                q4_rows_tokens::<2, VNNI>(w, r, x, ts.clone(), out, out_stride, l2);
+                r += 2;
+            } else {
+                q4_rows_tokens::<1, VNNI>(w, r, x, ts.clone(), out, out_stride, l2);
+                r += 1;
             }
         }
-    });
+    }
 }
 
 /// f32 dots of `R` rows with `T` vectors.
