@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,3 +49,16 @@ def converted(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+def run_engine_script(code: str, model: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Runs `code` (with the model path as sys.argv[1]) in a fresh interpreter with `env` added
+    to the environment: engine settings read from it are decided once per process."""
+    return subprocess.run(
+        [sys.executable, "-c", code, str(model)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,7 +13,7 @@ from hypothesis import strategies as st
 
 from colibri import Engine
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, run_engine_script
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +31,6 @@ def test_info_describes_the_model(glm):
     assert info["kernel_prefetch"] in ("l1", "l2")
 
 
-def run_engine_script(code: str, model, prefetch: str) -> subprocess.CompletedProcess:
-    """Runs `code` (with the model path as sys.argv[1]) in a fresh interpreter: the prefetch
-    level is decided once per process."""
-    return subprocess.run(
-        [sys.executable, "-c", code, str(model)],
-        env={**os.environ, "COLI_KERNEL_PREFETCH": prefetch},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-
-
 @pytest.mark.parametrize("level", ["l1", "l2", "L2 "])
 def test_kernel_prefetch_override_reaches_the_engine(converted, level):
     # The greedy tokens must not depend on the level (a prefetch is only a hint).
@@ -55,7 +39,9 @@ def test_kernel_prefetch_override_reaches_the_engine(converted, level):
         "import json, sys; from colibri import Engine; e = Engine(sys.argv[1]); "
         "print(json.dumps([e.info['kernel_prefetch'], list(e.generate([1, 2, 3], 8))]))"
     )
-    got_level, tokens = json.loads(run_engine_script(code, model, level).stdout)
+    got_level, tokens = json.loads(
+        run_engine_script(code, model, {"COLI_KERNEL_PREFETCH": level}).stdout
+    )
     assert got_level == level.strip().lower()
     assert tokens == list(Engine(model).generate([1, 2, 3], 8))
 
@@ -65,7 +51,7 @@ def test_kernel_prefetch_unknown_value_warns_and_runs(converted):
     code = (
         "import sys; from colibri import Engine; print(Engine(sys.argv[1]).info['kernel_prefetch'])"
     )
-    out = run_engine_script(code, model, "l3")
+    out = run_engine_script(code, model, {"COLI_KERNEL_PREFETCH": "l3"})
     assert out.stdout.strip() in ("l1", "l2")
     assert "COLI_KERNEL_PREFETCH=l3: unknown level (expected l1|l2)" in out.stderr
 
@@ -244,13 +230,6 @@ def test_prefill_chunk_setting_that_is_not_a_number_warns_and_runs(converted):
     code = (
         "import sys; from colibri import Engine; print(Engine(sys.argv[1]).info['prefill_chunk'])"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(model)],
-        env={**os.environ, "COLI_PREFILL_CHUNK": "0"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = run_engine_script(code, model, {"COLI_PREFILL_CHUNK": "0"})
     assert out.stdout.strip() == "512"
     assert "COLI_PREFILL_CHUNK=0: expected a number of positions >= 1" in out.stderr

@@ -8,6 +8,8 @@ import pytest
 from colibri import Engine
 from colibri._engine import available_kernels
 
+from .conftest import run_engine_script
+
 
 def rel_max(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
@@ -79,30 +81,19 @@ def test_incremental_decode_equals_full_forward(reference, converted):
 def test_avx2_kernel_gives_the_same_logits_with_and_without_avx_vnni(reference, converted):
     """AVX-VNNI changes how the AVX2 kernel forms its exact integer dot products, not what they
     are: the logits are the same bits with COLI_AVX_VNNI=0 (decided once per process)."""
-    import os
-    import subprocess
-    import sys
-
     if "avx2" not in available_kernels():
         pytest.skip("avx2 not available on this CPU")
     model = converted(reference.arch, "int4")
     prompt = reference.prompts[2]
     code = (
         "import sys, json; from colibri import Engine; e = Engine(sys.argv[1], kernel='avx2'); "
-        "sys.stdout.buffer.write(json.dumps(e.info['kernel_avx_vnni']).encode() + b'\\n' + "
-        "e.logits(json.loads(sys.argv[2])).tobytes())"
+        f"print(json.dumps(e.info['kernel_avx_vnni'])); print(e.logits({prompt!r}).tobytes().hex())"
     )
 
     def run(setting: str) -> tuple[bool, bytes]:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(model), str(prompt)],
-            env={**os.environ, "COLI_AVX_VNNI": setting},
-            capture_output=True,
-            timeout=120,
-            check=True,
-        ).stdout
-        flag, logits = out.split(b"\n", 1)
-        return flag == b"true", logits
+        out = run_engine_script(code, model, {"COLI_AVX_VNNI": setting}).stdout
+        flag, logits = out.split()
+        return flag == "true", bytes.fromhex(logits)
 
     plain_flag, plain = run("0")
     auto_flag, auto = run("1")

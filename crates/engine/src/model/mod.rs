@@ -1219,13 +1219,23 @@ mod tests {
     use super::*;
     use serde_json::{json, Value};
 
+    /// The committed `arch` fixture converted at `quant` into a fresh scratch directory named
+    /// by `tag` (the caller removes it).
+    fn convert_fixture(arch: &str, quant: Quant, tag: &str) -> PathBuf {
+        let hf = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures")
+            .join(arch)
+            .join("hf");
+        let d = std::env::temp_dir().join(format!("colibri-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        crate::convert::convert(&hf, &d, quant, &mut |_, _, _| {}).unwrap();
+        d
+    }
+
     /// Converts the GLM fixture (f32) into a scratch directory, edits its manifest, loads it
     /// (and runs a forward pass if it loads), and removes the directory again.
     fn load_edited(tag: &str, edit: impl FnOnce(&mut Value)) -> Result<Model> {
-        let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/glm4_moe/hf");
-        let d = std::env::temp_dir().join(format!("colibri-load-{}-{tag}", std::process::id()));
-        let _ = fs::remove_dir_all(&d);
-        crate::convert::convert(&hf, &d, Quant::F32, &mut |_, _, _| {}).unwrap();
+        let d = convert_fixture("glm4_moe", Quant::F32, &format!("load-{tag}"));
         let mut m: Value =
             serde_json::from_str(&fs::read_to_string(d.join(MANIFEST)).unwrap()).unwrap();
         edit(&mut m);
@@ -1254,16 +1264,7 @@ mod tests {
     fn chunked_prefill_gives_the_same_bits() {
         for arch in ["olmoe", "qwen3_moe", "glm4_moe"] {
             for quant in [Quant::Int4, Quant::F32] {
-                let hf = Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("../../tests/fixtures")
-                    .join(arch)
-                    .join("hf");
-                let d = std::env::temp_dir().join(format!(
-                    "colibri-chunk-{}-{arch}-{quant:?}",
-                    std::process::id()
-                ));
-                let _ = fs::remove_dir_all(&d);
-                crate::convert::convert(&hf, &d, quant, &mut |_, _, _| {}).unwrap();
+                let d = convert_fixture(arch, quant, &format!("chunk-{arch}-{quant:?}"));
                 let mut model = Model::load(&d, Some(2)).unwrap();
                 fs::remove_dir_all(&d).unwrap();
                 let vocab = model.cfg.vocab_size as u32;
