@@ -219,11 +219,6 @@ unsafe fn q4_decode_rows(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, rows: Range<us
         let wq = ws.wrapping_add(groups * 2);
         let mut acc = _mm512_setzero_ps();
         for c in 0..nch {
-            target += step;
-            while cursor < target {
-                prefetch_line(base.wrapping_add(cursor), l2);
-                cursor += 64;
-            }
             // SAFETY: chunk c < nch lies inside row r (c*16 + 16 <= groups*2 scale bytes,
             // c*128 + 128 <= groups*16 nibble bytes); the activation arrays hold at least
             // `groups` groups (c*256 + 256 bytes of qs, c*32 + 32 values of corr/dexp).
@@ -231,6 +226,11 @@ unsafe fn q4_decode_rows(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, rows: Range<us
                 let h = _mm_loadu_si128(ws.add(c * 16).cast());
                 let dw = _mm512_castps256_ps512(_mm256_cvtph_ps(h));
                 for (s, ix) in idx.iter().enumerate() {
+                    target += step / 2;
+                    while cursor < target {
+                        prefetch_line(base.wrapping_add(cursor), l2);
+                        cursor += 64;
+                    }
                     let v = _mm512_loadu_si512(wq.add(c * 128 + s * 64).cast());
                     let wlo = _mm512_and_si512(v, m4);
                     let whi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
