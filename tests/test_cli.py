@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from colibri.builtin import builtin_name
 
@@ -158,3 +161,66 @@ def test_convert_shows_progress_on_a_terminal(tmp_path):
     assert "converting 100%" in out and "converted Glm4MoeForCausalLM" in out
     piped = run("convert", str(FIXTURES / "glm4_moe" / "hf"), str(tmp_path / "m2"))
     assert piped.returncode == 0 and "converting" not in piped.stderr
+
+
+def v3_nibble_order(groups: int) -> np.ndarray:
+    """Where format v3 keeps each nibble byte of a row (docs/FORMATS.md), indexed by its v2
+    position (group g's 16 bytes together at g * 16): blocks of 16 groups, byte j of the
+    block's group i at (j // 4) * 4m + 4i + j % 4."""
+    order = np.empty(groups * 16, dtype=np.int64)
+    for g in range(groups):
+        b, i = divmod(g, 16)
+        m = min(16, groups - 16 * b)
+        for j in range(16):
+            order[g * 16 + j] = b * 256 + (j // 4) * 4 * m + 4 * i + j % 4
+    return order
+
+
+def write_v2(v3: Path, v2: Path) -> None:
+    """The v3 model directory `v3` stored as format v2 would have stored it."""
+    shutil.copytree(v3, v2)
+    manifest = json.loads((v3 / "manifest.json").read_text())
+
+    def back(buf: np.ndarray, entries) -> None:
+        for e in entries:
+            if e["dtype"] != "q4":
+                continue
+            rows, cols = e["shape"]
+            groups = -(-cols // 32)
+            m = buf[e["offset"] : e["offset"] + e["nbytes"]].reshape(rows, groups * 18)
+            m[:, groups * 2 :] = m[:, groups * 2 :][:, v3_nibble_order(groups)]
+
+    res = np.fromfile(v3 / manifest["resident"]["file"], dtype=np.uint8)
+    back(res, manifest["resident"]["tensors"].values())
+    res.tofile(v2 / manifest["resident"]["file"])
+    x = manifest["experts"]
+    recs = np.fromfile(v3 / x["file"], dtype=np.uint8).reshape(-1, x["record_size"])
+    for rec in recs:
+        back(rec, x["parts"].values())
+    recs.tofile(v2 / x["file"])
+    manifest["version"] = 2
+    (v2 / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_upgrade_reencodes_a_v2_directory_losslessly(tmp_path, converted):
+    v3 = converted("glm4_moe", "int4")
+    v2 = tmp_path / "v2"
+    write_v2(v3, v2)
+    assert (v2 / "resident.bin").read_bytes() != (v3 / "resident.bin").read_bytes()
+    refused = run("generate", "--model", str(v2), "--prompt", "Hi", "--max-tokens", "2")
+    assert refused.returncode != 0 and "colibri upgrade" in refused.stderr
+    up = tmp_path / "up"
+    r = run("upgrade", str(v2), str(up))
+    assert r.returncode == 0, r.stderr
+    assert "int4 matrices re-encoded" in r.stdout
+    for f in ("resident.bin", "experts.bin", "tokenizer.json"):
+        assert (up / f).read_bytes() == (v3 / f).read_bytes(), f
+    a = run("generate", "--model", str(up), "--prompt", "Hello", "--max-tokens", "6")
+    b = run("generate", "--model", str(v3), "--prompt", "Hello", "--max-tokens", "6")
+    assert a.returncode == 0 and a.stdout == b.stdout
+    # Again, or into a directory that exists: a one-line error naming the reason.
+    again = run("upgrade", str(up), str(tmp_path / "x"))
+    assert again.returncode != 0 and "already format v3" in again.stderr
+    exists = run("upgrade", str(v2), str(up))
+    assert exists.returncode != 0 and "already exists" in exists.stderr
+    assert "Traceback" not in again.stderr + exists.stderr

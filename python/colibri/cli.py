@@ -1,4 +1,4 @@
-"""`colibri` / `coli` command line: serve, generate, convert, bench."""
+"""`colibri` / `coli` command line: serve, generate, convert, upgrade, bench."""
 
 from __future__ import annotations
 
@@ -132,6 +132,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         shown = text
     text = engine.detokenize(out)
     sys.stdout.write(text[len(shown) :] + "\n")
+    return 0
+
+
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    from colibri.engine import upgrade
+
+    t0 = time.perf_counter()
+    summary = upgrade(args.old_dir, args.new_dir)
+    print(
+        f"upgraded {args.old_dir} to {args.new_dir}: {summary['matrices']} int4 matrices "
+        f"re-encoded, {summary['bytes'] / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 
@@ -342,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir")
     c.add_argument("--quant", choices=["int4", "f32"], default="int4")
     c.set_defaults(func=cmd_convert)
+
+    u = sub.add_parser(
+        "upgrade", help="re-encode a model directory of an older format (lossless) into a new one"
+    )
+    u.add_argument("old_dir")
+    u.add_argument("new_dir")
+    u.set_defaults(func=cmd_upgrade)
 
     # Listed for --help; main() hands its arguments to colibri.demo_eval.
     sub.add_parser("eval-demo", help="accuracy of the demo model on held-out prompts")

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub const FORMAT_NAME: &str = "colibri-model";
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 pub const MANIFEST: &str = "manifest.json";
 pub const RESIDENT_FILE: &str = "resident.bin";
 pub const EXPERTS_FILE: &str = "experts.bin";

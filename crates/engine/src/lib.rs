@@ -24,6 +24,7 @@ pub mod sampler;
 pub mod slotfile;
 pub mod slots;
 pub mod store;
+pub mod upgrade;
 
 #[cfg(feature = "python")]
 mod python;

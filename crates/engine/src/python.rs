@@ -370,6 +370,19 @@ fn convert_checkpoint<'py>(
     Ok(d)
 }
 
+/// Re-encodes the format-v2 model directory `src` as v3 into the new directory `dst`
+/// (lossless: a permutation of each int4 row's nibble bytes).
+#[pyfunction]
+fn upgrade_model<'py>(py: Python<'py>, src: PathBuf, dst: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let s = py
+        .detach(|| crate::upgrade::upgrade(&src, &dst))
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("matrices", s.matrices)?;
+    d.set_item("bytes", s.bytes)?;
+    Ok(d)
+}
+
 /// Name of the kernel chosen for this CPU (after any `COLI_KERNEL` override).
 #[pyfunction]
 fn default_kernel() -> &'static str {
@@ -391,6 +404,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Model>()?;
     m.add_class::<TokenStream>()?;
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(upgrade_model, m)?)?;
     m.add_function(wrap_pyfunction!(default_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
     m.add("FORMAT_VERSION", crate::format::FORMAT_VERSION)?;

@@ -326,7 +326,8 @@ impl Model {
         if manifest.format != FORMAT_NAME || manifest.version != FORMAT_VERSION {
             return Err(fmt_err(format!(
                 "{}: format {} v{} is not supported (expected {FORMAT_NAME} v{FORMAT_VERSION}); \
-                 convert the checkpoint again with `colibri convert`",
+                 convert the checkpoint again with `colibri convert`, or re-encode a v2 \
+                 directory losslessly with `colibri upgrade OLD_DIR NEW_DIR`",
                 mpath.display(),
                 manifest.format,
                 manifest.version

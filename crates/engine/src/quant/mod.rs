@@ -11,29 +11,38 @@
 //! ```text
 //! row r at r * kp/32 * 18:
 //!   [scales: kp/32 f16, little-endian]   group g at + g*2
-//!   [nibbles: kp/2 bytes]                group g at + kp/32 * 2 + g*16
+//!   [nibbles: kp/2 bytes]                in blocks of 16 groups (256 bytes; the last may be
+//!                                        shorter), see below
 //! ```
 //!
 //! Within a group of 32 weights, nibble byte `j` (0..16) holds element `j` in its low nibble and
-//! element `j + 16` in its high nibble; the weight is `(q - 8) * scale`. Padding columns hold
+//! element `j + 16` in its high nibble; the weight is `(q - 8) * scale`. The nibble bytes of 16
+//! groups form a block, interleaved by dword: byte `j` of the block's group `i` is at
+//! `(j / 4) * 4m + 4i + j % 4`, `m` the block's groups (16 but in a row's last block), so each
+//! 64 bytes hold one dword of each of 16 groups (`q4::nibble_offset`). Padding columns hold
 //! `q = 8` (weight 0). The buffer may sit at any alignment: every kernel uses unaligned loads.
 //! Rows are not padded: when `kp` is a multiple of 256 they and their nibbles are 16-byte
 //! aligned relative to the buffer, otherwise as little as 2-byte aligned (measured no slower).
 //!
 //! # Kernels
 //!
-//! [`Kernel::Scalar`] is the reference; [`Kernel::Avx2`] (AVX2 + FMA + F16C) and
-//! [`Kernel::Avx512Vnni`] (AVX-512 F/BW/VL/VNNI) compute the same integer dot product per group
-//! (exact) and differ from it only in the order of the f32 accumulation over groups.
-//! A group's dot is `dw * da * (sum q*a - 8 * sum a)` with `q` the unsigned nibbles and `a` the
-//! i8 activations; `-8 * sum a` comes precomputed with the activations ([`Q8Acts`]).
+//! [`Kernel::Scalar`] is the reference; [`Kernel::Avx2`] (AVX2 + FMA + F16C, with AVX-VNNI
+//! where the CPU has it) and [`Kernel::Avx512Vnni`] (AVX-512 F/BW/VL/VNNI) compute the same
+//! integer dot product per group (exact) and differ from it only in the order of the f32
+//! accumulation over groups. A group's dot is `dw * da * (sum q*a - 8 * sum a)` with `q` the
+//! unsigned nibbles and `a` the i8 activations; `-8 * sum a` comes precomputed with the
+//! activations ([`Q8Acts`], laid out in the same blocks). Because a block's dword `k` of 16
+//! groups is one 64-byte vector, each i32 lane of the SIMD kernels is one group: the four
+//! dwords accumulate into the same lanes, and the conversion to f32 and the FMA with the scales
+//! happen once per 16 groups (AVX-512) or 8 (AVX2), where one lane per dword needed them four
+//! times as often (format v2: AVX-512 decode +3-4%, its in-cache rate +20%).
 //! The SIMD kernels work on tiles of rows x tokens (AVX2: 2 x 4; AVX-512: 1 x 1 for decode,
-//! i.e. n = 1, and 3 x 4 (2 x 4 for the last rows) for prefill), so each unpacked weight vector
-//! serves up to 4 tokens and each activation vector several rows; tokens go in blocks whose
-//! activations stay in L2 while the weights stream past once per block. They software-prefetch
-//! each row's byte stream 8 KiB ahead (which doubled the DRAM throughput of decode on Zen 4;
-//! storing each row's scales next to its nibbles, one stream instead of two, added ~20% at 1
-//! thread and ~7% at 2).
+//! i.e. n = 1, and 2 x 4 for prefill), so each unpacked weight vector serves up to 4 tokens and
+//! each activation vector several rows; tokens go in blocks whose activations stay in L1
+//! while the weights stream past once per block. They software-prefetch each row's byte
+//! stream 8 KiB ahead (which doubled the DRAM throughput of decode on Zen 4; storing each
+//! row's scales next to its nibbles, one stream instead of two, added ~20% at 1 thread and ~7%
+//! at 2).
 //! `f32_matmul` uses AVX2+FMA for [`Kernel::Avx2`] and AVX-512F for [`Kernel::Avx512Vnni`].
 //!
 //! Asking a function here for a kernel the CPU lacks panics; [`kernel()`] never returns one.
@@ -66,7 +75,8 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 pub use q4::{
-    q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn, Q4Matrix, GROUP,
+    q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn, v2_nibbles_to_v3,
+    v3_nibbles_to_v2, Q4Matrix, GROUP,
 };
 pub use q8::Q8Acts;
 

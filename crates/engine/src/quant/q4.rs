@@ -1,6 +1,8 @@
 //! The int4 format: layout arithmetic, quantization, dequantization (see the module doc of
 //! `quant` for the layout).
 
+use std::mem::MaybeUninit;
+
 use half::f16;
 use rayon::prelude::*;
 
@@ -163,10 +165,127 @@ fn quantize_group(x: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
     }
 }
 
+/// Groups per nibble block: the kernels take 16 groups (256 nibble bytes) at a time, one i32
+/// lane per group.
+pub const BLOCK_GROUPS: usize = 16;
+
+/// Offset within a row's nibbles of nibble byte `j` (0..16) of group `g`, in a row of `groups`
+/// groups. The nibbles go in blocks of 16 groups (the last block may have fewer, `m`); within
+/// a block, the four bytes `4k..4k + 4` of every group come together, group after group:
+/// byte `j` of the block's group `i` is at `(j / 4) * 4m + 4i + j % 4`. So 64 bytes hold
+/// one dword of each of 16 groups, and a vector's i32 lane `i` always belongs to group `i`.
 #[inline(always)]
-fn pack_group(q: &[u8; GROUP], out: &mut [u8]) {
-    for j in 0..GROUP / 2 {
-        out[j] = q[j] | (q[j + GROUP / 2] << 4);
+pub(crate) fn nibble_offset(groups: usize, g: usize, j: usize) -> usize {
+    let b = g / BLOCK_GROUPS;
+    let m = (groups - b * BLOCK_GROUPS).min(BLOCK_GROUPS);
+    b * BLOCK_GROUPS * 16 + (j / 4) * 4 * m + (g % BLOCK_GROUPS) * 4 + j % 4
+}
+
+/// Bytes of nibbles per block of 16 groups.
+pub(crate) const BLOCK_NIBBLES: usize = BLOCK_GROUPS * 16;
+
+/// Row `r`'s blocks as (nibbles, scales) pointers: block `c < full` in place, the last partial
+/// block (if any) from zero-filled copies with the full-block spacing (zero scales make the
+/// padding groups contribute nothing; the activations are zero there as well).
+pub(crate) struct RowBlocks {
+    nib: *const u8,
+    sc: *const u8,
+    full: usize,
+    /// The partial last block's copy (256 bytes of nibbles, then 32 of scales), or null.
+    tail: *const u8,
+}
+
+/// Room for a row's partial last block: its nibbles at the full-block spacing, then its
+/// scales, zero-padded. Written only for rows that have one, so tiles of rows without one
+/// neither zero nor copy it (the caller's buffer stays uninitialised; [`RowBlocks`] itself is
+/// a few pointers, cheap to build per tile).
+pub(crate) type TailBuf = MaybeUninit<[u8; BLOCK_NIBBLES + BLOCK_GROUPS * 2]>;
+
+impl RowBlocks {
+    /// # Safety
+    /// `row` points at the `groups * 18` readable bytes of one row; `tail` outlives the uses
+    /// of the pointers [`RowBlocks::block`] returns.
+    #[inline(always)]
+    pub(crate) unsafe fn new(row: *const u8, groups: usize, tail: &mut TailBuf) -> Self {
+        let full = groups / BLOCK_GROUPS;
+        let m = groups - full * BLOCK_GROUPS;
+        let nib = row.wrapping_add(groups * 2);
+        let mut b = RowBlocks {
+            nib,
+            sc: row,
+            full,
+            tail: std::ptr::null(),
+        };
+        if m > 0 {
+            let t = tail
+                .write([0; BLOCK_NIBBLES + BLOCK_GROUPS * 2])
+                .as_mut_ptr();
+            // SAFETY: the partial block's nibbles are bytes [full*256, groups*16) of the row's
+            // nibbles, dword k of its m groups at full*256 + k*4m (4m bytes); its scales are
+            // bytes [full*32, groups*2); the buffer holds 4 x 64 + 32 bytes.
+            unsafe {
+                for k in 0..4 {
+                    std::ptr::copy_nonoverlapping(
+                        nib.add(full * BLOCK_NIBBLES + k * 4 * m),
+                        t.add(k * 64),
+                        4 * m,
+                    );
+                }
+                std::ptr::copy_nonoverlapping(row.add(full * 32), t.add(BLOCK_NIBBLES), 2 * m);
+            }
+            b.tail = t;
+        }
+        b
+    }
+
+    /// Block `c`'s nibbles (256 bytes, dword `k` at `k * 64`) and scales (16 f16), for `c`
+    /// below the row's `groups.div_ceil(16)` blocks (so a block past the full ones is the
+    /// partial one `new` copied).
+    #[inline(always)]
+    pub(crate) fn block(&self, c: usize) -> (*const u8, *const u8) {
+        if c < self.full {
+            (
+                self.nib.wrapping_add(c * BLOCK_NIBBLES),
+                self.sc.wrapping_add(c * 32),
+            )
+        } else {
+            (self.tail, self.tail.wrapping_add(BLOCK_NIBBLES))
+        }
+    }
+}
+
+/// Reorders one row's nibble bytes (`groups * 16`) from format v2 (each group's 16 bytes
+/// together) to v3 ([`nibble_offset`]) into `out`. A pure permutation: no value changes.
+pub fn v2_nibbles_to_v3(groups: usize, v2: &[u8], out: &mut [u8]) {
+    assert!(v2.len() == groups * 16 && out.len() == groups * 16);
+    for g in 0..groups {
+        for j in (0..16).step_by(4) {
+            let at = nibble_offset(groups, g, j);
+            out[at..at + 4].copy_from_slice(&v2[g * 16 + j..g * 16 + j + 4]);
+        }
+    }
+}
+
+/// The inverse of [`v2_nibbles_to_v3`] (for tests of the upgrade).
+pub fn v3_nibbles_to_v2(groups: usize, v3: &[u8], out: &mut [u8]) {
+    assert!(v3.len() == groups * 16 && out.len() == groups * 16);
+    for g in 0..groups {
+        for j in (0..16).step_by(4) {
+            let at = nibble_offset(groups, g, j);
+            out[g * 16 + j..g * 16 + j + 4].copy_from_slice(&v3[at..at + 4]);
+        }
+    }
+}
+
+/// Packs group `g`'s 32 nibbles (`q`, each 0..16) into the row's nibble bytes `nrow`: byte
+/// `j` holds element `j` (low nibble) and element `j + 16` (high nibble).
+#[inline(always)]
+fn pack_group(q: &[u8; GROUP], groups: usize, g: usize, nrow: &mut [u8]) {
+    for j in (0..GROUP / 2).step_by(4) {
+        let at = nibble_offset(groups, g, j);
+        for i in 0..4 {
+            nrow[at + i] = q[j + i] | (q[j + i + GROUP / 2] << 4);
+        }
     }
 }
 
@@ -177,7 +296,8 @@ fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool) {
     let (srow, nrow) = out.split_at_mut(out.len() / 9);
     let mut x = [0.0f32; GROUP];
     let mut q = [0u8; GROUP];
-    for g in 0..srow.len() / 2 {
+    let groups = srow.len() / 2;
+    for g in 0..groups {
         let lo = g * GROUP;
         let hi = (lo + GROUP).min(cols);
         x.fill(0.0);
@@ -187,7 +307,7 @@ fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool) {
         } else {
             rtn_group(&x, &mut q)
         };
-        pack_group(&q, &mut nrow[g * 16..g * 16 + 16]);
+        pack_group(&q, groups, g, nrow);
         srow[g * 2..g * 2 + 2].copy_from_slice(&d.to_le_bytes());
     }
 }
@@ -324,7 +444,7 @@ impl<'a> Q4Matrix<'a> {
         for (g, chunk) in out.chunks_mut(GROUP).enumerate() {
             let d = self.scale(r, g);
             for j in 0..GROUP / 2 {
-                let b = nib[g * 16 + j];
+                let b = nib[nibble_offset(self.groups(), g, j)];
                 buf[j] = ((b & 15) as f32 - 8.0) * d;
                 buf[j + 16] = ((b >> 4) as f32 - 8.0) * d;
             }
@@ -497,11 +617,21 @@ mod tests {
         // Padding columns 72..96 of every row hold q = 8 (weight 0).
         for r in 0..rows {
             let nib = m.row_nibbles(r);
-            for j in 72 - 64..16 {
-                assert_eq!(nib[2 * 16 + j] >> 4, 8, "row {r} col {}", 64 + 16 + j);
+            for j in 0..16 {
+                assert_eq!(
+                    nib[nibble_offset(3, 2, j)] >> 4,
+                    8,
+                    "row {r} col {}",
+                    64 + 16 + j
+                );
             }
             for j in 8..16 {
-                assert_eq!(nib[2 * 16 + j] & 15, 8, "row {r} col {}", 64 + j);
+                assert_eq!(
+                    nib[nibble_offset(3, 2, j)] & 15,
+                    8,
+                    "row {r} col {}",
+                    64 + j
+                );
             }
         }
         // Each row is one stream: its scales, then its nibbles.
@@ -542,6 +672,42 @@ mod tests {
             let hi = (nib[j] >> 4) as f32 - 8.0;
             assert_eq!(lo * s, w[j]);
             assert_eq!(hi * s, w[j + 16]);
+        }
+    }
+
+    #[test]
+    fn nibble_blocks_interleave_dwords_of_16_groups() {
+        // Every nibble byte of every group has its own place, and rows of 16, 17, 44 and 48
+        // groups (one partial block of 1 and 12 groups) are laid out as the docs say.
+        for groups in [1, 3, 16, 17, 44, 48] {
+            let mut seen = vec![false; groups * 16];
+            for g in 0..groups {
+                let (b, i) = (g / 16, g % 16);
+                let m = (groups - b * 16).min(16);
+                for j in 0..16 {
+                    let at = nibble_offset(groups, g, j);
+                    assert_eq!(at, b * 256 + (j / 4) * 4 * m + 4 * i + j % 4);
+                    assert!(!seen[at], "{groups} groups: {g}/{j} collides");
+                    seen[at] = true;
+                }
+            }
+            assert!(seen.iter().all(|&v| v));
+        }
+        // Weight k of group g, exactly representable, comes back from its place.
+        let (rows, cols) = (2, 17 * 32);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 5 + i / 32) % 16) as f32 - 8.0)
+            .collect();
+        let b = quantize_q4(&w, rows, cols);
+        let m = Q4Matrix::new(&b, rows, cols).unwrap();
+        for r in 0..rows {
+            let nib = m.row_nibbles(r);
+            for c in 0..cols {
+                let (g, e) = (c / 32, c % 32);
+                let byte = nib[nibble_offset(17, g, e % 16)];
+                let q = if e < 16 { byte & 15 } else { byte >> 4 };
+                assert_eq!((q as f32 - 8.0) * m.scale(r, g), w[r * cols + c], "{r}/{c}");
+            }
         }
     }
 }

@@ -1,17 +1,18 @@
 //! Activations quantized to 8 bits per group of 32, in the order the kernels read them.
 //!
-//! Per activation vector, with `gp` = groups rounded up to a multiple of 8 (the padding groups
-//! are all zero):
-//! * `qs`: `gp * 32` i8 in blocks of 4 groups (128 bytes): `[g0 0..16][g1 0..16][g2 0..16]
-//!   [g3 0..16][g0 16..32][g1 16..32][g2 16..32][g3 16..32]`, i.e. the low halves of the 4 groups
-//!   then their high halves, matching the low and high nibbles of 64 bytes of int4 weights;
-//! * `corr`: 4 i32 per group, each `-2 * sum(q of the group)` (together the `-8 * sum` that
-//!   undoes the int4 offset);
-//! * `dexp`: 4 f32 per group, each the group's scale.
+//! Per activation vector, with `gp` = groups rounded up to a multiple of 16 (the padding groups
+//! are all zero), in blocks of 16 groups that mirror the int4 nibble blocks (`q4::nibble_offset`):
+//! * `qs`: `gp * 32` i8; block `b` is 512 bytes, and value `j` of its group `i` sits at
+//!   `(j % 16 / 4) * 128 + (j / 16) * 64 + 4i + j % 4`: for each dword `k` of the weights'
+//!   nibble bytes, 64 bytes of the values the low nibbles multiply (values `4k..4k + 4` of the 16
+//!   groups), then 64 of the values the high nibbles multiply (`16 + 4k..`);
+//! * `corr`: 1 i32 per group, `-8 * sum(q of the group)` (undoes the int4 offset);
+//! * `dexp`: 1 f32 per group, the group's scale.
 //!
-//! The kernels reduce each group in 4 i32 lanes, which is why `corr` and `dexp` come 4 per group.
-//! All three arrays start 64-byte aligned, and so does every vector within them.
+//! The kernels reduce each group in one i32 lane, which is why the values are interleaved by
+//! dword. All three arrays start 64-byte aligned, and so does every vector within them.
 
+use super::q4::BLOCK_GROUPS;
 use super::GROUP;
 
 /// 64 bytes, 64-byte aligned: the allocation unit of [`AVec`].
@@ -74,7 +75,7 @@ impl<T: Pod> AVec<T> {
 pub struct Q8Acts {
     n: usize,
     cols: usize,
-    /// Groups per vector, padded to a multiple of 8.
+    /// Groups per vector, padded to a multiple of 16.
     gp: usize,
     qs: AVec<i8>,
     corr: AVec<i32>,
@@ -117,7 +118,7 @@ impl Q8Acts {
         self.cols
     }
 
-    /// Groups per vector as stored (a multiple of 8, covering `cols`).
+    /// Groups per vector as stored (a multiple of 16, covering `cols`).
     pub(crate) fn padded_groups(&self) -> usize {
         self.gp
     }
@@ -131,13 +132,13 @@ impl Q8Acts {
             x.len()
         );
         let groups = cols.div_ceil(GROUP);
-        let gp = groups.next_multiple_of(8);
+        let gp = groups.next_multiple_of(BLOCK_GROUPS);
         self.n = n;
         self.cols = cols;
         self.gp = gp;
         self.qs.set_len(n * gp * GROUP);
-        self.corr.set_len(n * gp * 4);
-        self.dexp.set_len(n * gp * 4);
+        self.corr.set_len(n * gp);
+        self.dexp.set_len(n * gp);
         if n == 0 || gp == 0 {
             return;
         }
@@ -150,8 +151,8 @@ impl Q8Acts {
         for t in 0..n {
             let xt = &x[t * cols..(t + 1) * cols];
             let qs = &mut qs[t * gp * GROUP..(t + 1) * gp * GROUP];
-            let corr = &mut corr[t * gp * 4..(t + 1) * gp * 4];
-            let dexp = &mut dexp[t * gp * 4..(t + 1) * gp * 4];
+            let corr = &mut corr[t * gp..(t + 1) * gp];
+            let dexp = &mut dexp[t * gp..(t + 1) * gp];
             #[cfg(target_arch = "x86_64")]
             if full > 0 {
                 // SAFETY: the CPU has AVX-512F (`avx512_quantize`); `full` whole groups of `xt`
@@ -170,8 +171,8 @@ impl Q8Acts {
         self.cols = src.cols;
         self.gp = gp;
         self.qs.set_len(n * gp * GROUP);
-        self.corr.set_len(n * gp * 4);
-        self.dexp.set_len(n * gp * 4);
+        self.corr.set_len(n * gp);
+        self.dexp.set_len(n * gp);
         let (qs, corr, dexp) = (
             self.qs.as_mut_slice(),
             self.corr.as_mut_slice(),
@@ -181,8 +182,8 @@ impl Q8Acts {
             assert!(r < src.n, "Q8Acts::gather: row {r} of {}", src.n);
             let from = src.token(r);
             qs[t * gp * GROUP..(t + 1) * gp * GROUP].copy_from_slice(from.qs);
-            corr[t * gp * 4..(t + 1) * gp * 4].copy_from_slice(from.corr);
-            dexp[t * gp * 4..(t + 1) * gp * 4].copy_from_slice(from.dexp);
+            corr[t * gp..(t + 1) * gp].copy_from_slice(from.corr);
+            dexp[t * gp..(t + 1) * gp].copy_from_slice(from.dexp);
         }
     }
 
@@ -191,19 +192,14 @@ impl Q8Acts {
         let gp = self.gp;
         TokenActs {
             qs: &self.qs.as_slice()[t * gp * GROUP..(t + 1) * gp * GROUP],
-            corr: &self.corr.as_slice()[t * gp * 4..(t + 1) * gp * 4],
-            dexp: &self.dexp.as_slice()[t * gp * 4..(t + 1) * gp * 4],
+            corr: &self.corr.as_slice()[t * gp..(t + 1) * gp],
+            dexp: &self.dexp.as_slice()[t * gp..(t + 1) * gp],
         }
     }
 
     /// Quantized value `j` of group `g` of vector `t` (j < 32).
     pub(crate) fn q_at(a: &TokenActs, g: usize, j: usize) -> i8 {
-        let base = qs_base(g);
-        if j < 16 {
-            a.qs[base + j]
-        } else {
-            a.qs[base + 64 + j - 16]
-        }
+        a.qs[qs_offset(g, j)]
     }
 
     /// Vector `t` dequantized (`cols` values): what the kernels actually multiply with.
@@ -211,14 +207,19 @@ impl Q8Acts {
         assert!(t < self.n);
         let a = self.token(t);
         (0..self.cols)
-            .map(|c| Self::q_at(&a, c / GROUP, c % GROUP) as f32 * a.dexp[(c / GROUP) * 4])
+            .map(|c| Self::q_at(&a, c / GROUP, c % GROUP) as f32 * a.dexp[c / GROUP])
             .collect()
     }
 }
 
-/// Offset in a vector's `qs` of group `g`'s first 16 values (its last 16 are 64 bytes on).
-fn qs_base(g: usize) -> usize {
-    (g / 4) * 128 + (g % 4) * 16
+/// Offset in a vector's `qs` of value `j` (0..32) of group `g` (see the module doc).
+#[inline(always)]
+pub(crate) fn qs_offset(g: usize, j: usize) -> usize {
+    (g / BLOCK_GROUPS) * BLOCK_GROUPS * GROUP
+        + (j % 16 / 4) * 128
+        + (j / 16) * 64
+        + (g % BLOCK_GROUPS) * 4
+        + j % 4
 }
 
 /// 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to nearest, ties to even.
@@ -241,12 +242,12 @@ fn quantize_groups_scalar(
         buf.fill(0.0);
         buf[..hi - lo].copy_from_slice(&xt[lo..hi]);
         let (q, d) = quantize_group(&buf);
-        let base = qs_base(g);
-        qs[base..base + 16].copy_from_slice(&q[..16]);
-        qs[base + 64..base + 80].copy_from_slice(&q[16..]);
+        for (j, &v) in q.iter().enumerate() {
+            qs[qs_offset(g, j)] = v;
+        }
         let sum: i32 = q.iter().map(|&v| v as i32).sum();
-        corr[g * 4..g * 4 + 4].fill(-2 * sum);
-        dexp[g * 4..g * 4 + 4].fill(d);
+        corr[g] = -8 * sum;
+        dexp[g] = d;
     }
 }
 
@@ -277,8 +278,8 @@ fn avx512_quantize() -> bool {
 unsafe fn quantize_groups_avx512(x: &[f32], qs: &mut [i8], corr: &mut [i32], dexp: &mut [f32]) {
     use std::arch::x86_64::*;
     let groups = x.len() / GROUP;
-    assert!(qs.len() >= groups.div_ceil(4) * 128 && corr.len() >= groups * 4);
-    assert!(dexp.len() >= groups * 4);
+    assert!(qs.len() >= groups.div_ceil(BLOCK_GROUPS) * BLOCK_GROUPS * GROUP);
+    assert!(corr.len() >= groups && dexp.len() >= groups);
     let (magic, lo, hi) = (
         _mm512_set1_ps(ROUND_MAGIC),
         _mm512_set1_ps(-127.0),
@@ -308,17 +309,19 @@ unsafe fn quantize_groups_avx512(x: &[f32], qs: &mut [i8], corr: &mut [i32], dex
         };
         let (q0, q1) = (round(v0), round(v1));
         let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        let base = qs_base(g);
-        // SAFETY: base + 80 <= groups.div_ceil(4) * 128 <= qs.len() (asserted); unaligned.
+        // Values 0..16 and 16..32 as bytes; each dword goes to its place in the block.
+        let mut bytes = [0i8; GROUP];
+        // SAFETY: `bytes` has 32 bytes, two 16-byte unaligned stores.
         unsafe {
-            _mm_storeu_si128(qs.as_mut_ptr().add(base).cast(), _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128(
-                qs.as_mut_ptr().add(base + 64).cast(),
-                _mm512_cvtepi32_epi8(q1),
-            );
+            _mm_storeu_si128(bytes.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128(bytes.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(q1));
         }
-        corr[g * 4..g * 4 + 4].fill(-2 * sum);
-        dexp[g * 4..g * 4 + 4].fill(d);
+        for j in (0..GROUP).step_by(4) {
+            let at = qs_offset(g, j);
+            qs[at..at + 4].copy_from_slice(&bytes[j..j + 4]);
+        }
+        corr[g] = -8 * sum;
+        dexp[g] = d;
     }
 }
 
@@ -341,19 +344,19 @@ mod tests {
 
     /// The scalar layout of `x` (`n` vectors of `cols`): every group with the scalar code.
     fn scalar_reference(x: &[f32], n: usize, cols: usize) -> (Vec<i8>, Vec<i32>, Vec<u32>) {
-        let gp = cols.div_ceil(GROUP).next_multiple_of(8);
+        let gp = cols.div_ceil(GROUP).next_multiple_of(BLOCK_GROUPS);
         let (mut qs, mut corr, mut dexp) = (
             vec![0i8; n * gp * GROUP],
-            vec![0i32; n * gp * 4],
-            vec![0f32; n * gp * 4],
+            vec![0i32; n * gp],
+            vec![0f32; n * gp],
         );
         for t in 0..n {
             quantize_groups_scalar(
                 &x[t * cols..(t + 1) * cols],
                 0..gp,
                 &mut qs[t * gp * GROUP..(t + 1) * gp * GROUP],
-                &mut corr[t * gp * 4..(t + 1) * gp * 4],
-                &mut dexp[t * gp * 4..(t + 1) * gp * 4],
+                &mut corr[t * gp..(t + 1) * gp],
+                &mut dexp[t * gp..(t + 1) * gp],
             );
         }
         (qs, corr, dexp.iter().map(|v| v.to_bits()).collect())
@@ -444,7 +447,7 @@ mod tests {
             a.quantize(&x, n, cols);
             assert_eq!((a.n(), a.cols()), (n, cols));
             let gp = a.padded_groups();
-            assert_eq!(gp % 8, 0);
+            assert_eq!(gp % 16, 0);
             assert!(gp * GROUP >= cols);
             for t in 0..n {
                 let xt = &x[t * cols..(t + 1) * cols];
@@ -452,22 +455,28 @@ mod tests {
                 let tok = a.token(t);
                 for (g, (xg, dg)) in xt.chunks(GROUP).zip(d.chunks(GROUP)).enumerate() {
                     let amax = xg.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
-                    let scale = tok.dexp[g * 4];
+                    let scale = tok.dexp[g];
                     assert!((scale - amax / 127.0).abs() <= 1e-6 * amax);
                     for (&u, &v) in xg.iter().zip(dg) {
                         assert!((u - v).abs() <= scale * 0.5 * (1.0 + 1e-5), "{u} vs {v}");
                     }
                     let sum: i32 = (0..GROUP).map(|j| Q8Acts::q_at(&tok, g, j) as i32).sum();
-                    assert!(tok.corr[g * 4..g * 4 + 4].iter().all(|&c| c == -2 * sum));
-                    assert!(tok.dexp[g * 4..g * 4 + 4].iter().all(|&s| s == scale));
+                    assert_eq!(tok.corr[g], -8 * sum);
+                    // Each value has its own place in the block.
+                    for j in 0..GROUP {
+                        let at = qs_offset(g, j);
+                        assert_eq!(at / 512, g / 16);
+                        assert_eq!((at % 128) / 64, j / 16);
+                        assert_eq!((at % 64) / 4, g % 16);
+                    }
                 }
                 // Everything past cols is zero: padding columns and padding groups.
                 for c in cols..gp * GROUP {
                     assert_eq!(Q8Acts::q_at(&tok, c / GROUP, c % GROUP), 0, "col {c}");
                 }
                 for g in cols.div_ceil(GROUP)..gp {
-                    assert!(tok.corr[g * 4..g * 4 + 4].iter().all(|&c| c == 0));
-                    assert!(tok.dexp[g * 4..g * 4 + 4].iter().all(|&s| s == 0.0));
+                    assert_eq!(tok.corr[g], 0);
+                    assert_eq!(tok.dexp[g], 0.0);
                 }
                 assert_eq!(tok.qs.as_ptr() as usize % 64, 0);
                 assert_eq!(tok.corr.as_ptr() as usize % 64, 0);

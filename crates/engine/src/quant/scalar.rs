@@ -2,34 +2,31 @@
 
 use std::ops::Range;
 
-use super::q8::TokenActs;
+use super::q4::nibble_offset;
+use super::q8::{qs_offset, TokenActs};
 use super::{Q4Matrix, Q8Acts};
 
-/// Exact integer dot product of int4 group `g` (16 nibble bytes) with activation group `g`,
-/// including the -8 offset.
+/// Exact integer dot product of int4 group `g` of a row's nibbles `nib` (a row of `groups`
+/// groups) with activation group `g`, including the -8 offset.
 #[inline]
-pub(crate) fn group_dot(nib: &[u8], a: &TokenActs, g: usize) -> i32 {
-    let base = (g / 4) * 128 + (g % 4) * 16;
-    let lo = &a.qs[base..base + 16];
-    let hi = &a.qs[base + 64..base + 80];
+pub(crate) fn group_dot(nib: &[u8], groups: usize, a: &TokenActs, g: usize) -> i32 {
     let mut s = 0i32;
     for j in 0..16 {
-        s += (nib[j] & 15) as i32 * lo[j] as i32 + (nib[j] >> 4) as i32 * hi[j] as i32;
+        let b = nib[nibble_offset(groups, g, j)];
+        s += (b & 15) as i32 * a.qs[qs_offset(g, j)] as i32
+            + (b >> 4) as i32 * a.qs[qs_offset(g, j + 16)] as i32;
     }
-    // corr holds -2 * sum per lane, 4 lanes per group: -8 * sum in total.
-    s + 4 * a.corr[g * 4]
+    s + a.corr[g]
 }
 
 /// Dot of row `r` of `w` with activation vector `a`: per group the exact integer sum times
 /// (weight scale * activation scale), accumulated in f32 in group order.
 pub(crate) fn q4_row_dot(w: &Q4Matrix, r: usize, a: &TokenActs) -> f32 {
     let nib = w.row_nibbles(r);
-    let sc = w.row_scales(r);
     let mut acc = 0.0f32;
     for g in 0..w.groups() {
-        let dw = half::f16::from_le_bytes([sc[2 * g], sc[2 * g + 1]]).to_f32();
-        let s = group_dot(&nib[g * 16..g * 16 + 16], a, g);
-        acc += s as f32 * (dw * a.dexp[g * 4]);
+        let s = group_dot(nib, w.groups(), a, g);
+        acc += s as f32 * (w.scale(r, g) * a.dexp[g]);
     }
     acc
 }

@@ -44,6 +44,8 @@ const SHAPES: &[(usize, usize)] = &[
     (9, 288),
     (4, 1000),
     (6, 1024),
+    (3, 544),
+    (7, 1408),
 ];
 const NS: &[usize] = &[1, 3, 5, 8];
 
@@ -341,9 +343,17 @@ fn q4_matmul_checks_output_length() {
 #[test]
 fn decode_path_equals_batched_tiles_bit_for_bit() {
     // One token goes through its own row loop (AVX-512: `q4_decode_rows` when the groups fill
-    // whole chunks of 8); the same vector repeated in a batch goes through the multi-row,
-    // multi-token tiles. Both do the same arithmetic in the same order per output.
-    for &(rows, cols) in &[(37usize, 256usize), (64, 2048), (5, 1024), (9, 288)] {
+    // whole blocks of 16); the same vector repeated in a batch goes through the multi-row,
+    // multi-token tiles. Both compute the same exact integer per group and do the same float
+    // arithmetic in the same order per output.
+    for &(rows, cols) in &[
+        (37usize, 256usize),
+        (64, 2048),
+        (5, 1024),
+        (9, 288),
+        (6, 1408),
+        (3, 544),
+    ] {
         let c = case(rows, cols, 1, 77 + cols as u64);
         let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
         let mut one = Q8Acts::new();

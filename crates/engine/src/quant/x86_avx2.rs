@@ -1,12 +1,13 @@
 //! AVX2 + FMA + F16C kernels.
 //!
-//! int4 × int8: per 2 groups, 32 weight bytes are split into low and high nibbles (two vectors
-//! of 2 x 16 unsigned values), multiplied with the matching activation halves by
+//! int4 × int8, per half block of 8 groups: dword `k` of each of the 8 groups' nibble bytes is
+//! one 32-byte vector (`q4::nibble_offset`), so i32 lane `i` is group `i` throughout. Its low
+//! and high nibbles are multiplied with the matching activation vectors by
 //! `_mm256_maddubs_epi16` (u8 × i8 → i16 pairs, at most 2·15·127 so no saturation), summed to
-//! 4 i32 lanes per group by `_mm256_madd_epi16`, offset by the precomputed `-8 * sum(a)` lanes,
-//! converted to f32 and accumulated with FMA against `weight scale * activation scale`.
-//! Tiles of `R` rows × `T` tokens reuse each unpacked weight vector for `T` tokens and each
-//! activation vector for `R` rows.
+//! i32 lanes by `_mm256_madd_epi16` and added up over the four dwords, starting from the
+//! precomputed `-8 * sum(a)` of each group; then one conversion to f32 and one FMA against
+//! `weight scale * activation scale` per 8 groups. Tiles of `R` rows × `T` tokens reuse each
+//! unpacked weight vector for `T` tokens and each activation vector for `R` rows.
 //!
 //! On CPUs with AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`: Intel Core from Alder Lake on,
 //! which have no AVX-512) the two multiplies, the widening add and the offset become two
@@ -18,6 +19,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::prefetch::{prefetch_level, PrefetchLevel};
+use super::q4::{RowBlocks, TailBuf, BLOCK_GROUPS};
 use super::q8::TokenActs;
 use super::{Q4Matrix, Q8Acts};
 
@@ -149,8 +151,8 @@ pub(crate) fn avx_vnni() -> bool {
     })
 }
 
-/// The exact i32 lanes of two groups' dot products: per lane four low-nibble products with
-/// `alo`, four high-nibble products with `ahi`, plus the offset lane of `corr`.
+/// `acc` plus, per i32 lane, four low-nibble products with `alo` and four high-nibble products
+/// with `ahi` (exact).
 ///
 /// # Safety
 /// The CPU has AVX2, and AVX-VNNI if `VNNI`; inlined into functions enabling them.
@@ -160,18 +162,18 @@ unsafe fn dot_lanes<const VNNI: bool>(
     whi: __m256i,
     alo: __m256i,
     ahi: __m256i,
-    corr: __m256i,
+    acc: __m256i,
 ) -> __m256i {
     // SAFETY: forwarded contract (register operations only).
     unsafe {
         if VNNI {
-            _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(corr, wlo, alo), whi, ahi)
+            _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, wlo, alo), whi, ahi)
         } else {
             let p = _mm256_add_epi16(
                 _mm256_maddubs_epi16(wlo, alo),
                 _mm256_maddubs_epi16(whi, ahi),
             );
-            _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), corr)
+            _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), acc)
         }
     }
 }
@@ -182,8 +184,7 @@ unsafe fn dot_lanes<const VNNI: bool>(
 /// The CPU has AVX2, FMA and F16C, and AVX-VNNI if `VNNI` (inlined into the entry points that
 /// enable them); `wr[r]` points at the `groups * 18` readable bytes of one row (`groups * 2`
 /// bytes of scales, then `groups * 16` bytes of nibbles); each `a[t]` points at the arrays of
-/// one activation vector with at least `groups.next_multiple_of(8)` groups (`qs`: 32 bytes,
-/// `corr`/`dexp`: 4 values per group).
+/// one activation vector with at least `groups.next_multiple_of(16)` groups.
 #[inline(always)]
 unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
     wr: [*const u8; R],
@@ -195,89 +196,62 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
     // inlined body; every pointer read is inside a row or activation vector by the
     // function's contract, as the comments below say for each.
     unsafe {
-        let full = groups / 8;
-        let nch = groups.div_ceil(8);
+        let nb = groups.div_ceil(BLOCK_GROUPS);
         let row_bytes = groups * 18;
-        // Scales at the start of the row, nibbles after them.
-        let ws = wr;
-        let wq: [*const u8; R] = std::array::from_fn(|r| wr[r].wrapping_add(groups * 2));
+        let mut tails: [TailBuf; R] = [const { TailBuf::uninit() }; R];
+        // Row r is one row of `groups` groups (contract); `tails` lives to the end.
+        let blocks: [RowBlocks; R] =
+            std::array::from_fn(|r| RowBlocks::new(wr[r], groups, &mut tails[r]));
         let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, l2);
-        // The last partial chunk of 8 groups is copied into zero-filled buffers (zero scales make
-        // the padding groups contribute nothing; the activations are zero there as well).
-        let mut tq = [[0u8; 128]; R];
-        let mut ts = [[0u8; 16]; R];
-        if nch > full {
-            let rem = groups - full * 8;
-            for r in 0..R {
-                // Row r has groups*16 nibble bytes and groups*2 scale bytes; the copies
-                // read [full*128, groups*16) and [full*16, groups*2) of them into 128/16-byte
-                // buffers (rem < 8 groups).
-                {
-                    std::ptr::copy_nonoverlapping(
-                        wq[r].add(full * 128),
-                        tq[r].as_mut_ptr(),
-                        rem * 16,
-                    );
-                    std::ptr::copy_nonoverlapping(
-                        ws[r].add(full * 16),
-                        ts[r].as_mut_ptr(),
-                        rem * 2,
-                    );
-                }
-            }
-        }
         let m4 = _mm256_set1_epi8(0x0f);
         let mut acc = [[_mm256_setzero_ps(); T]; R];
-        for c in 0..nch {
-            prefetch.chunk(c, nch);
+        for c in 0..nb {
+            prefetch.chunk(c, nb);
             let mut q = [std::ptr::null::<u8>(); R];
-            let mut dw = [_mm256_setzero_ps(); R];
+            let mut sc = [std::ptr::null::<u8>(); R];
             for r in 0..R {
-                let s = if c < full {
-                    // Chunk c < full lies inside the row (c*128 + 128 <= groups*16,
-                    // c*16 + 16 <= groups*2).
-                    q[r] = wq[r].add(c * 128);
-                    ws[r].add(c * 16)
-                } else {
-                    q[r] = tq[r].as_ptr();
-                    ts[r].as_ptr()
-                };
-                // s points at 16 readable bytes (8 f16 scales), see above.
-                dw[r] = _mm256_cvtph_ps(_mm_loadu_si128(s.cast()));
+                (q[r], sc[r]) = blocks[r].block(c);
             }
-            for s2 in 0..4 {
-                let g = 2 * s2 as i32;
-                let idx = _mm256_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1);
-                let mut wlo = [_mm256_setzero_si256(); R];
-                let mut whi = [_mm256_setzero_si256(); R];
-                let mut dwe = [_mm256_setzero_ps(); R];
+            // Groups 16c + 8h..: block c < nb <= padded groups / 16, so the activation reads
+            // (qs[c*512..c*512 + 512], corr/dexp[c*16..c*16 + 16]) are inside each vector.
+            for h in 0..2 {
+                let mut dw = [_mm256_setzero_ps(); R];
                 for r in 0..R {
-                    // q[r] points at 128 readable bytes (this chunk's nibbles).
-                    let v = _mm256_loadu_si256(q[r].add(s2 * 32).cast());
-                    wlo[r] = _mm256_and_si256(v, m4);
-                    whi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    dwe[r] = _mm256_permutevar8x32_ps(dw[r], idx);
+                    // sc[r] points at the block's 16 f16 scales (32 bytes).
+                    dw[r] = _mm256_cvtph_ps(_mm_loadu_si128(sc[r].add(h * 16).cast()));
                 }
-                // Groups 8c + 2*s2 + {0, 1}: in 4-group block 2c + s2/2, slot (s2%2)*2.
-                let aoff = c * 256 + (s2 / 2) * 128 + (s2 % 2) * 32;
-                let loff = c * 32 + s2 * 8;
+                let mut ints = [[_mm256_setzero_si256(); T]; R];
                 for t in 0..T {
-                    // Chunk c < nch <= padded groups / 8, so qs[aoff..aoff+96] and
-                    // corr/dexp[loff..loff+8] are inside the vector's arrays.
-                    let (alo, ahi, corr, de) = {
-                        (
-                            _mm256_loadu_si256(a[t].qs.add(aoff).cast()),
-                            _mm256_loadu_si256(a[t].qs.add(aoff + 64).cast()),
-                            _mm256_loadu_si256(a[t].corr.add(loff).cast()),
-                            _mm256_loadu_ps(a[t].dexp.add(loff)),
-                        )
-                    };
+                    let corr = _mm256_loadu_si256(a[t].corr.add(c * 16 + h * 8).cast());
+                    for row in ints.iter_mut() {
+                        row[t] = corr;
+                    }
+                }
+                for k in 0..4 {
+                    let mut wlo = [_mm256_setzero_si256(); R];
+                    let mut whi = [_mm256_setzero_si256(); R];
                     for r in 0..R {
-                        // The features this tile's caller enables (contract).
-                        let i = dot_lanes::<VNNI>(wlo[r], whi[r], alo, ahi, corr);
+                        // q[r] points at the block's 256 nibble bytes.
+                        let v = _mm256_loadu_si256(q[r].add(k * 64 + h * 32).cast());
+                        wlo[r] = _mm256_and_si256(v, m4);
+                        whi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                    let aoff = c * 512 + k * 128 + h * 32;
+                    for t in 0..T {
+                        let alo = _mm256_loadu_si256(a[t].qs.add(aoff).cast());
+                        let ahi = _mm256_loadu_si256(a[t].qs.add(aoff + 64).cast());
+                        for r in 0..R {
+                            // The features this tile's caller enables (contract).
+                            ints[r][t] = dot_lanes::<VNNI>(wlo[r], whi[r], alo, ahi, ints[r][t]);
+                        }
+                    }
+                }
+                for t in 0..T {
+                    let de = _mm256_loadu_ps(a[t].dexp.add(c * 16 + h * 8));
+                    for r in 0..R {
                         acc[r][t] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(i),
-                            _mm256_mul_ps(dwe[r], de),
+                            _mm256_cvtepi32_ps(ints[r][t]),
+                            _mm256_mul_ps(dw[r], de),
                             acc[r][t],
                         );
                     }
@@ -309,7 +283,7 @@ unsafe fn q4_run<const R: usize, const T: usize, const VNNI: bool>(
     let wr: [*const u8; R] = std::array::from_fn(|i| w.row(r0 + i).as_ptr());
     let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
     // SAFETY: the pointers come from row slices of `w` (groups*18 bytes: scales, then nibbles)
-    // and from activation vectors padded to a multiple of 8 groups >= w.groups() (cols agree).
+    // and from activation vectors padded to a multiple of 16 groups >= w.groups() (cols agree).
     let res = unsafe { q4_tile::<R, T, VNNI>(wr, w.groups(), a, l2) };
     for (i, row) in res.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
