@@ -10,7 +10,9 @@
 //!   `model.safetensors` written next to it, then [`convert::convert`] runs.
 //! * [`model_dir`]: byte 0 picks a converted tiny model, byte 1 which file to break (the manifest
 //!   replaced by the rest, or `resident.bin` / `experts.bin` / the manifest patched by the ops
-//!   that follow); then [`Model::load`] and a prefill + one decode step run.
+//!   that follow); then [`Model::load`] and a prefill + one decode step run; then the same
+//!   directory, labelled format v2, goes through [`colibri_engine::upgrade::upgrade`] (and a
+//!   directory it produces is loaded and run).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -618,6 +620,25 @@ pub fn model_dir(data: &[u8]) {
         fs::write(dir.join(name), bytes).unwrap();
     }
     run_model(dir);
+    upgrade_as_v2(dir);
+}
+
+/// The same (broken) directory labelled format v2 and upgraded into a sibling directory; if
+/// that succeeds, the result is loaded and run too.
+fn upgrade_as_v2(dir: &Path) {
+    let manifest = dir.join(MANIFEST);
+    if let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(&fs::read(&manifest).unwrap()) {
+        if let Some(m) = v.as_object_mut() {
+            m.insert("version".into(), 2.into());
+            fs::write(&manifest, serde_json::to_vec(&v).unwrap()).unwrap();
+        }
+    }
+    let up = dir.with_extension("upgraded");
+    let _ = fs::remove_dir_all(&up);
+    if colibri_engine::upgrade::upgrade(dir, &up).is_ok() {
+        run_model(&up);
+    }
+    let _ = fs::remove_dir_all(&up);
 }
 
 /// Loads a model directory and runs a prefill and one decode step; errors are fine.

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{io_err, Error, Result};
 use crate::format::{DType, Manifest, TensorEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST};
-use crate::quant::{q4_byte_len, q4_row_bytes, v2_nibbles_to_v3, GROUP};
+use crate::quant::{q4_row_bytes, v2_nibbles_to_v3, Q4Matrix, GROUP};
 
 /// The only version this module upgrades from.
 const FROM_VERSION: u32 = 2;
@@ -61,22 +61,15 @@ fn read_v2_manifest(src: &Path) -> Result<Manifest> {
     Ok(m)
 }
 
-/// Checks an int4 entry's shape and size and returns `(rows, cols)`.
+/// An int4 entry's `(rows, cols)`, if its shape is a matrix's.
 fn q4_shape(name: &str, e: &TensorEntry) -> Result<(usize, usize)> {
-    let [rows, cols] = e.shape[..] else {
-        return Err(fmt_err(format!(
+    match e.shape[..] {
+        [rows, cols] => Ok((rows, cols)),
+        _ => Err(fmt_err(format!(
             "{name}: int4 tensor with shape {:?}",
             e.shape
-        )));
-    };
-    if q4_byte_len(rows, cols) != e.nbytes {
-        return Err(fmt_err(format!(
-            "{name}: {} bytes for a {rows}x{cols} int4 matrix (expected {})",
-            e.nbytes,
-            q4_byte_len(rows, cols)
-        )));
+        ))),
     }
-    Ok((rows, cols))
 }
 
 /// Re-encodes the int4 matrix `bytes` (`rows x cols`, v2 layout) in place as v3.
@@ -106,6 +99,9 @@ fn reencode_all<'a>(
         let Some(end) = end else {
             return Err(fmt_err(format!("{name}: bytes past the end of its file")));
         };
+        // The length check of the int4 layout (overflow-safe), before touching the bytes.
+        Q4Matrix::new(&buf[e.offset..end], rows, cols)
+            .map_err(|err| fmt_err(format!("{name}: {err}")))?;
         reencode(&mut buf[e.offset..end], rows, cols);
         n += 1;
     }
