@@ -96,7 +96,7 @@ impl ActPtr {
     }
 }
 
-/// Activations per token block: at most half of Zen 4's 48 KiB L1d (64 bytes per group).
+/// Activations per token block: at most half of Zen 4's 48 KiB L1d (40 bytes per group).
 /// Measured single-thread at 64 tokens (`kernel_bench`, AVX-512): 16-32 KiB give 180-200
 /// GMAC/s, 48 KiB and more 155-175.
 const L1_BLOCK_BYTES: usize = 24 << 10;
@@ -116,7 +116,10 @@ pub(crate) fn for_each_block(
     rows: Range<usize>,
     mut f: impl FnMut(Range<usize>, Range<usize>),
 ) {
-    let per_token = x.padded_groups() * 64;
+    // A token's activations: 32 bytes of values, 4 of offset and 4 of scale per group (the
+    // v2 layout's 64 kept the blocks at 24 KiB / 64 B; 40 gives 8-token blocks at 2048 columns
+    // where 64 gave 4: prefill of 512 tokens +2%).
+    let per_token = x.padded_groups() * 40;
     let tb = (L1_BLOCK_BYTES / per_token.max(1)).clamp(4, 256) / 4 * 4;
     let rc = (L2_CHUNK_BYTES / (w.groups() * 18).max(1)).max(6) / 6 * 6;
     let mut c0 = rows.start;
