@@ -126,20 +126,13 @@ def test_coli_kernel_environment_override_selects_each_path():
     assert bad.returncode == 0 and "COLI_KERNEL" in bad.stderr, "unknown value: one warning line"
 
 
-def test_convert_shows_progress_on_a_terminal(tmp_path):
-    """On a terminal the converter reports progress; piped, it prints only the summary."""
+def run_on_a_terminal(*args: str) -> str:
+    """`colibri ARGS` with a pseudo-terminal as stdin/stdout/stderr; everything it printed."""
     import pty
 
     parent, child = pty.openpty()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "colibri",
-            "convert",
-            str(FIXTURES / "glm4_moe" / "hf"),
-            str(tmp_path / "m"),
-        ],
+        [sys.executable, "-m", "colibri", *args],
         stdin=child,
         stdout=child,
         stderr=child,
@@ -157,7 +150,12 @@ def test_convert_shows_progress_on_a_terminal(tmp_path):
         chunks.append(data)
     assert proc.wait(timeout=120) == 0
     os.close(parent)
-    out = b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_convert_shows_progress_on_a_terminal(tmp_path):
+    """On a terminal the converter reports progress; piped, it prints only the summary."""
+    out = run_on_a_terminal("convert", str(FIXTURES / "glm4_moe" / "hf"), str(tmp_path / "m"))
     assert "converting 100%" in out and "converted Glm4MoeForCausalLM" in out
     piped = run("convert", str(FIXTURES / "glm4_moe" / "hf"), str(tmp_path / "m2"))
     assert piped.returncode == 0 and "converting" not in piped.stderr
@@ -224,3 +222,6 @@ def test_upgrade_reencodes_a_v2_directory_losslessly(tmp_path, converted):
     exists = run("upgrade", str(v2), str(up))
     assert exists.returncode != 0 and "already exists" in exists.stderr
     assert "Traceback" not in again.stderr + exists.stderr
+    assert "upgrading" not in r.stderr  # piped: the summary only
+    shown = run_on_a_terminal("upgrade", str(v2), str(tmp_path / "up2"))
+    assert "upgrading 100%" in shown and "int4 matrices re-encoded" in shown

@@ -635,7 +635,7 @@ fn upgrade_as_v2(dir: &Path) {
     }
     let up = dir.with_extension("upgraded");
     let _ = fs::remove_dir_all(&up);
-    if colibri_engine::upgrade::upgrade(dir, &up).is_ok() {
+    if colibri_engine::upgrade::upgrade(dir, &up, &mut |_, _, _| {}).is_ok() {
         run_model(&up);
     }
     let _ = fs::remove_dir_all(&up);

@@ -139,7 +139,7 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     from colibri.engine import upgrade
 
     t0 = time.perf_counter()
-    summary = upgrade(args.old_dir, args.new_dir)
+    summary = upgrade(args.old_dir, args.new_dir, progress=sys.stderr.isatty())
     print(
         f"upgraded {args.old_dir} to {args.new_dir}: {summary['matrices']} int4 matrices "
         f"re-encoded, {summary['bytes'] / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s"

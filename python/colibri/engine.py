@@ -207,7 +207,7 @@ def convert(
     return dict(_engine.convert_checkpoint(str(hf_dir), str(out_dir), quant, progress))
 
 
-def upgrade(src: str | Path, dst: str | Path) -> dict:
+def upgrade(src: str | Path, dst: str | Path, progress: bool = False) -> dict:
     """Re-encodes a format-v2 colibri model directory as the current format into the new
     directory ``dst``, losslessly (the same weights; no checkpoint needed)."""
-    return dict(_engine.upgrade_model(str(src), str(dst)))
+    return dict(_engine.upgrade_model(str(src), str(dst), progress))

@@ -349,13 +349,7 @@ fn convert_checkpoint<'py>(
         .detach(|| {
             let mut report = |done: usize, total: usize, what: &str| {
                 if progress {
-                    use std::io::Write;
-                    let pct = (done * 100).checked_div(total).unwrap_or(100);
-                    let mut e = std::io::stderr().lock();
-                    let _ = write!(e, "\r\x1b[2Kconverting {pct:3}% ({done}/{total}) {what}");
-                    if done == total {
-                        let _ = writeln!(e);
-                    }
+                    show_progress("converting", done, total, what);
                 }
             };
             convert::convert(&hf_dir, &out_dir, q, &mut report)
@@ -371,16 +365,41 @@ fn convert_checkpoint<'py>(
 }
 
 /// Re-encodes the format-v2 model directory `src` as v3 into the new directory `dst`
-/// (lossless: a permutation of each int4 row's nibble bytes).
+/// (lossless: a permutation of each int4 row's nibble bytes); with `progress`, the expert
+/// records done are shown on stderr.
 #[pyfunction]
-fn upgrade_model<'py>(py: Python<'py>, src: PathBuf, dst: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(signature = (src, dst, progress=false))]
+fn upgrade_model<'py>(
+    py: Python<'py>,
+    src: PathBuf,
+    dst: PathBuf,
+    progress: bool,
+) -> PyResult<Bound<'py, PyDict>> {
     let s = py
-        .detach(|| crate::upgrade::upgrade(&src, &dst))
+        .detach(|| {
+            let mut report = |done: usize, total: usize, what: &str| {
+                if progress {
+                    show_progress("upgrading", done, total, what);
+                }
+            };
+            crate::upgrade::upgrade(&src, &dst, &mut report)
+        })
         .map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("matrices", s.matrices)?;
     d.set_item("bytes", s.bytes)?;
     Ok(d)
+}
+
+/// One progress line on stderr, redrawn in place (`verb pct% (done/total) what`).
+fn show_progress(verb: &str, done: usize, total: usize, what: &str) {
+    use std::io::Write;
+    let pct = (done * 100).checked_div(total).unwrap_or(100);
+    let mut e = std::io::stderr().lock();
+    let _ = write!(e, "\r\x1b[2K{verb} {pct:3}% ({done}/{total}) {what}");
+    if done == total {
+        let _ = writeln!(e);
+    }
 }
 
 /// Name of the kernel chosen for this CPU (after any `COLI_KERNEL` override).

@@ -11,6 +11,7 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+use crate::convert::Progress;
 use crate::error::{io_err, Error, Result};
 use crate::format::{DType, Manifest, TensorEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST};
 use crate::quant::{q4_row_bytes, v2_nibbles_to_v3, Q4Matrix, GROUP};
@@ -119,8 +120,14 @@ fn member(dir: &Path, name: &str) -> Result<PathBuf> {
     Ok(dir.join(p))
 }
 
-/// Writes `dst/experts`: `src`'s records one at a time, each record's int4 parts re-encoded.
-fn upgrade_experts(src: &Path, dst: &Path, m: &Manifest) -> Result<(usize, u64)> {
+/// Writes `dst/experts`: `src`'s records one at a time, each record's int4 parts re-encoded,
+/// reporting `(records done, records)` to `progress`.
+fn upgrade_experts(
+    src: &Path,
+    dst: &Path,
+    m: &Manifest,
+    progress: Progress,
+) -> Result<(usize, u64)> {
     let Some(x) = &m.experts else {
         return Ok((0, 0));
     };
@@ -137,18 +144,20 @@ fn upgrade_experts(src: &Path, dst: &Path, m: &Manifest) -> Result<(usize, u64)>
     let mut out = BufWriter::new(File::create(&to).map_err(io_err(&to))?);
     let mut record = vec![0u8; x.record_size];
     let (mut matrices, records) = (0, len / x.record_size as u64);
-    for _ in 0..records {
+    for done in 0..records as usize {
         input.read_exact(&mut record).map_err(io_err(&from))?;
         matrices += reencode_all(&mut record, x.parts.iter())?;
         out.write_all(&record).map_err(io_err(&to))?;
+        progress(done + 1, records as usize, "experts");
     }
     let f = out.into_inner().map_err(|e| io_err(&to)(e.into_error()))?;
     f.sync_all().map_err(io_err(&to))?;
     Ok((matrices, len))
 }
 
-/// Upgrades the v2 model directory `src` into the new directory `dst` (which must not exist).
-pub fn upgrade(src: &Path, dst: &Path) -> Result<UpgradeSummary> {
+/// Upgrades the v2 model directory `src` into the new directory `dst` (which must not exist),
+/// reporting the expert records done to `progress`.
+pub fn upgrade(src: &Path, dst: &Path, progress: Progress) -> Result<UpgradeSummary> {
     let mut m = read_v2_manifest(src)?;
     if dst.exists() {
         return Err(Error::Input(format!(
@@ -173,7 +182,7 @@ pub fn upgrade(src: &Path, dst: &Path) -> Result<UpgradeSummary> {
         let mut resident = fs::read(&from).map_err(io_err(&from))?;
         let mut matrices = reencode_all(&mut resident, m.resident.tensors.iter())?;
         fs::write(&to, &resident).map_err(io_err(&to))?;
-        let (xm, xbytes) = upgrade_experts(src, &tmp, &m)?;
+        let (xm, xbytes) = upgrade_experts(src, &tmp, &m, progress)?;
         matrices += xm;
         // Everything else (tokenizer, configs, card, routing heat) as it is.
         let weights = [Some(&m.resident.file), m.experts.as_ref().map(|x| &x.file)];
@@ -289,7 +298,7 @@ mod tests {
                 .to_string();
             assert!(err.contains("colibri upgrade"), "{err}");
             let up = root.join(format!("{arch}-up"));
-            let s = upgrade(&v2, &up).unwrap();
+            let s = upgrade(&v2, &up, &mut |_, _, _| {}).unwrap();
             assert!(s.matrices > 0);
             for f in ["resident.bin", "experts.bin", "tokenizer.json"] {
                 assert_eq!(
@@ -307,9 +316,13 @@ mod tests {
             let lb = b.forward(&ids, &mut b.new_cache(), true).unwrap();
             assert_eq!(la, lb, "{arch}");
             // Upgrading again, or into an existing directory, is refused with a reason.
-            let again = upgrade(&up, &root.join("x")).unwrap_err().to_string();
+            let again = upgrade(&up, &root.join("x"), &mut |_, _, _| {})
+                .unwrap_err()
+                .to_string();
             assert!(again.contains("already format v3"), "{again}");
-            let exists = upgrade(&v2, &up).unwrap_err().to_string();
+            let exists = upgrade(&v2, &up, &mut |_, _, _| {})
+                .unwrap_err()
+                .to_string();
             assert!(exists.contains("already exists"), "{exists}");
             assert!(!root.join(format!(".{arch}-up.upgrading")).exists());
         }
@@ -326,7 +339,9 @@ mod tests {
         let x = fs::read(v2.join("experts.bin")).unwrap();
         fs::write(v2.join("experts.bin"), &x[..x.len() - 100]).unwrap();
         let up = root.join("up");
-        let err = upgrade(&v2, &up).unwrap_err().to_string();
+        let err = upgrade(&v2, &up, &mut |_, _, _| {})
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("whole number"), "{err}");
         assert!(!up.exists() && !root.join(".up.upgrading").exists());
         fs::remove_dir_all(&root).unwrap();
