@@ -36,8 +36,9 @@
 //! dwords accumulate into the same lanes, and the conversion to f32 and the FMA with the scales
 //! happen once per 16 groups (AVX-512) or 8 (AVX2), where one lane per dword needed them four
 //! times as often (format v2: AVX-512 decode +3-4%, its in-cache rate +20%).
-//! The SIMD kernels work on tiles of rows x tokens (AVX2: 2 x 4; AVX-512: 1 x 1 for decode,
-//! i.e. n = 1, and 2 x 4 for prefill), so each unpacked weight vector serves up to 4 tokens and
+//! The SIMD kernels work on tiles of rows x tokens (2 x 4 for prefill; for decode, n = 1, both
+//! run a row loop of their own with the 1 x 1 tile's arithmetic), so each unpacked weight vector
+//! serves up to 4 tokens and
 //! each activation vector several rows; tokens go in blocks whose activations stay in L1
 //! while the weights stream past once per block. They software-prefetch each row's byte
 //! stream 8 KiB ahead (which doubled the DRAM throughput of decode on Zen 4; storing each

@@ -342,8 +342,8 @@ fn q4_matmul_checks_output_length() {
 
 #[test]
 fn decode_path_equals_batched_tiles_bit_for_bit() {
-    // One token goes through its own row loop (AVX-512: `q4_decode_rows` when the groups fill
-    // whole blocks of 16); the same vector repeated in a batch goes through the multi-row,
+    // One token goes through its own row loop (AVX-512 and AVX2: `q4_decode_rows` when the
+    // groups fill whole blocks of 16); the same vector repeated in a batch goes through the multi-row,
     // multi-token tiles. Both compute the same exact integer per group and do the same float
     // arithmetic in the same order per output.
     for &(rows, cols) in &[

@@ -373,6 +373,11 @@ unsafe fn q4_rows_plain(
     rows: Range<usize>,
 ) {
     let l2 = prefetch_level() == PrefetchLevel::L2;
+    if decode_rows_apply(w, x, &rows) {
+        // SAFETY: forwarded contract; whole blocks of 16 groups, one token.
+        unsafe { q4_decode_rows::<false>(w, x, out, rows, l2) };
+        return;
+    }
     // The closure is defined here so that it has this function's target features.
     for_each_block(w, x, rows, |chunk, ts| {
         // SAFETY: forwarded contract; this function enables the features the block needs.
@@ -385,10 +390,83 @@ unsafe fn q4_rows_plain(
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 unsafe fn q4_rows_vnni(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, stride: usize, rows: Range<usize>) {
     let l2 = prefetch_level() == PrefetchLevel::L2;
+    if decode_rows_apply(w, x, &rows) {
+        // SAFETY: forwarded contract; whole blocks of 16 groups, one token.
+        unsafe { q4_decode_rows::<true>(w, x, out, rows, l2) };
+        return;
+    }
     for_each_block(w, x, rows, |chunk, ts| {
         // SAFETY: as above.
         unsafe { q4_block::<true>(w, x, chunk, ts, out, stride, l2) }
     });
+}
+
+/// Whether a product goes through [`q4_decode_rows`]: one token, whole blocks of 16 groups.
+fn decode_rows_apply(w: &Q4Matrix, x: &Q8Acts, rows: &Range<usize>) -> bool {
+    x.n() == 1 && w.groups().is_multiple_of(BLOCK_GROUPS) && !rows.is_empty()
+}
+
+/// Decode (one token) over rows of whole blocks of 16 groups: the rows one after another as
+/// one sequential stream, the prefetch running PREFETCH bytes ahead across row ends, a line
+/// per 32 bytes of nibbles read (the tiles prefetched a tile's block at a time). The same
+/// operations in the same order as `q4_tile::<1, 1, VNNI>`, so the same bits.
+///
+/// # Safety
+/// As [`q4_rows`] (and AVX-VNNI if `VNNI`), with `x.n() == 1`, `w.groups()` a multiple of 16
+/// and `rows` not empty; inlined into a function enabling the features.
+#[inline(always)]
+unsafe fn q4_decode_rows<const VNNI: bool>(
+    w: &Q4Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    rows: Range<usize>,
+    l2: bool,
+) {
+    let groups = w.groups();
+    let nb = groups / BLOCK_GROUPS;
+    let row_bytes = groups * 18;
+    let a = ActPtr::new(&x.token(0));
+    let base = w.row(rows.start).as_ptr();
+    let mut cursor = PREFETCH - (base as usize).wrapping_add(PREFETCH) % 64;
+    let mut target = PREFETCH;
+    // Row bytes per 32 bytes of nibbles (scales included): 36.
+    let step = row_bytes / (nb * 8);
+    // SAFETY: block c < nb lies inside each row (c*32 + 32 <= groups*2 scale bytes, c*256 +
+    // 256 <= groups*16 nibble bytes); the activation arrays hold at least `groups` groups
+    // (c*512 + 512 bytes of qs, c*16 + 16 values of corr/dexp); the caller enables the
+    // features (contract).
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0f);
+        for (i, r) in rows.enumerate() {
+            let ws = base.wrapping_add(i * row_bytes);
+            let wq = ws.wrapping_add(groups * 2);
+            let mut acc = _mm256_setzero_ps();
+            for c in 0..nb {
+                for h in 0..2 {
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(c * 32 + h * 16).cast()));
+                    let mut ints = _mm256_loadu_si256(a.corr.add(c * 16 + h * 8).cast());
+                    for k in 0..4 {
+                        target += step;
+                        while cursor < target {
+                            prefetch_line(base.wrapping_add(cursor), l2);
+                            cursor += 64;
+                        }
+                        let v = _mm256_loadu_si256(wq.add(c * 256 + k * 64 + h * 32).cast());
+                        let wlo = _mm256_and_si256(v, m4);
+                        let whi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        let aoff = c * 512 + k * 128 + h * 32;
+                        let alo = _mm256_loadu_si256(a.qs.add(aoff).cast());
+                        let ahi = _mm256_loadu_si256(a.qs.add(aoff + 64).cast());
+                        ints = dot_lanes::<VNNI>(wlo, whi, alo, ahi, ints);
+                    }
+                    let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(dw, de), acc);
+                }
+            }
+            // r is in `rows`, token 0: the caller guarantees out + r writable.
+            *out.add(r) = hsum(acc);
+        }
+    }
 }
 
 /// One block of `for_each_block`: rows `chunk` for tokens `ts`, in tiles of 2 rows.
