@@ -594,18 +594,11 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
 mod tests {
     use super::*;
 
-    fn fixture(arch: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures")
-            .join(arch)
-            .join("hf")
-    }
+    use crate::testutil::{fixture, scratch_dir};
 
     /// A fresh copy of a fixture checkpoint in a scratch directory.
     fn scratch_copy(arch: &str, tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("colibri-convert-{}-{tag}", std::process::id()));
-        let _ = fs::remove_dir_all(&d);
-        fs::create_dir_all(&d).unwrap();
+        let d = scratch_dir("convert", tag);
         for e in fs::read_dir(fixture(arch)).unwrap().flatten() {
             fs::copy(e.path(), d.join(e.file_name())).unwrap();
         }

@@ -2,11 +2,15 @@
 //! and `experts.bin` (one fixed-size, 4096-byte-aligned record per routed expert holding its gate,
 //! up and down matrices, so one read loads one expert). See docs/FORMATS.md.
 //!
-//! This module only describes the layout; `convert` writes it and `model::load` reads it.
+//! This module describes the layout and reads a directory's manifest; `convert` writes the
+//! directory and `model::load` reads it.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+
+use crate::error::{io_err, Error, Result};
 
 pub const FORMAT_NAME: &str = "colibri-model";
 pub const FORMAT_VERSION: u32 = 3;
@@ -116,6 +120,39 @@ pub struct Manifest {
     pub chat_template: Option<String>,
     /// Tensors of the checkpoint deliberately not converted, with the reason (e.g. MTP layers).
     pub skipped_tensors: BTreeMap<String, String>,
+}
+
+/// The manifest of the model directory `dir`, parsed (whatever its format and version: the
+/// caller decides what it accepts).
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            Error::Format(format!(
+                "{} not found: not a colibri model directory (convert a Hugging Face \
+                 checkpoint with `colibri convert`)",
+                path.display()
+            ))
+        } else {
+            io_err(&path)(e)
+        }
+    })?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::Format(format!("{}: invalid manifest: {e}", path.display())))
+}
+
+/// Checks that `name`, a file named by a manifest (`what`: which one), is a plain file name
+/// inside the model directory.
+pub fn check_file_name(what: &str, name: &str) -> Result<()> {
+    let p = Path::new(name);
+    let plain = p.components().count() == 1
+        && matches!(p.components().next(), Some(std::path::Component::Normal(_)));
+    if !plain {
+        return Err(Error::Format(format!(
+            "manifest: {what} `{name}` is not a file name inside the model directory"
+        )));
+    }
+    Ok(())
 }
 
 pub fn align_up(x: usize, a: usize) -> usize {

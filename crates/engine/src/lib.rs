@@ -26,6 +26,9 @@ pub mod slots;
 pub mod store;
 pub mod upgrade;
 
+#[cfg(test)]
+mod testutil;
+
 #[cfg(feature = "python")]
 mod python;
 

@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 
 use crate::convert::Progress;
 use crate::error::{io_err, Error, Result};
-use crate::format::{DType, Manifest, TensorEntry, FORMAT_NAME, FORMAT_VERSION, MANIFEST};
+use crate::format::{
+    check_file_name, read_manifest, DType, Manifest, TensorEntry, FORMAT_NAME, FORMAT_VERSION,
+    MANIFEST,
+};
 use crate::quant::{q4_row_bytes, v2_nibbles_to_v3, Q4Matrix, GROUP};
 
 /// The only version this module upgrades from.
@@ -34,14 +37,11 @@ pub struct UpgradeSummary {
 
 /// Reads `src`'s manifest and checks it is a v2 colibri model directory.
 fn read_v2_manifest(src: &Path) -> Result<Manifest> {
-    let path = src.join(MANIFEST);
-    let text = fs::read_to_string(&path).map_err(io_err(&path))?;
-    let m: Manifest = serde_json::from_str(&text)
-        .map_err(|e| fmt_err(format!("{}: invalid manifest: {e}", path.display())))?;
+    let m = read_manifest(src)?;
     if m.format != FORMAT_NAME {
         return Err(fmt_err(format!(
             "{}: not a colibri model directory (format `{}`)",
-            path.display(),
+            src.join(MANIFEST).display(),
             m.format
         )));
     }
@@ -109,15 +109,10 @@ fn reencode_all<'a>(
     Ok(n)
 }
 
-/// A file name from the manifest, refused if it would leave the directory.
-fn member(dir: &Path, name: &str) -> Result<PathBuf> {
-    let p = Path::new(name);
-    if p.components().count() != 1 || p.file_name().is_none() {
-        return Err(fmt_err(format!(
-            "file name `{name}` is not inside the directory"
-        )));
-    }
-    Ok(dir.join(p))
+/// A file the manifest names (`what`), refused if it would leave the directory.
+fn member(dir: &Path, what: &str, name: &str) -> Result<PathBuf> {
+    check_file_name(what, name)?;
+    Ok(dir.join(name))
 }
 
 /// Writes `dst/experts`: `src`'s records one at a time, each record's int4 parts re-encoded,
@@ -131,7 +126,10 @@ fn upgrade_experts(
     let Some(x) = &m.experts else {
         return Ok((0, 0));
     };
-    let (from, to) = (member(src, &x.file)?, member(dst, &x.file)?);
+    let (from, to) = (
+        member(src, "experts file", &x.file)?,
+        member(dst, "experts file", &x.file)?,
+    );
     let mut input = File::open(&from).map_err(io_err(&from))?;
     let len = input.metadata().map_err(io_err(&from))?.len();
     if x.record_size == 0 || len % x.record_size as u64 != 0 {
@@ -176,8 +174,8 @@ pub fn upgrade(src: &Path, dst: &Path, progress: Progress) -> Result<UpgradeSumm
     let done = (|| {
         // Resident weights: small enough to re-encode in memory.
         let (from, to) = (
-            member(src, &m.resident.file)?,
-            member(&tmp, &m.resident.file)?,
+            member(src, "resident file", &m.resident.file)?,
+            member(&tmp, "resident file", &m.resident.file)?,
         );
         let mut resident = fs::read(&from).map_err(io_err(&from))?;
         let mut matrices = reencode_all(&mut resident, m.resident.tensors.iter())?;
@@ -225,20 +223,7 @@ mod tests {
     use crate::model::Model;
     use crate::quant::v3_nibbles_to_v2;
 
-    /// A fresh scratch directory for one test (removed by the test at its end).
-    fn scratch(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("colibri-upgrade-{tag}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&d);
-        fs::create_dir_all(&d).unwrap();
-        d
-    }
-
-    fn fixture(arch: &str) -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures")
-            .join(arch)
-            .join("hf")
-    }
+    use crate::testutil::{fixture, scratch_dir};
 
     /// `dir` (a v3 model) rewritten as v2 would have stored it, into `out`.
     fn downgrade(dir: &Path, out: &Path) {
@@ -281,7 +266,7 @@ mod tests {
 
     #[test]
     fn v2_directories_upgrade_to_the_bytes_a_fresh_conversion_writes() {
-        let root = scratch("roundtrip");
+        let root = scratch_dir("upgrade", "roundtrip");
         for arch in ["olmoe", "qwen3_moe", "glm4_moe"] {
             let v3 = root.join(format!("{arch}-v3"));
             convert(&fixture(arch), &v3, Quant::Int4, &mut |_, _, _| {}).unwrap();
@@ -331,7 +316,7 @@ mod tests {
 
     #[test]
     fn a_truncated_experts_file_is_refused_and_leaves_nothing() {
-        let root = scratch("truncated");
+        let root = scratch_dir("upgrade", "truncated");
         let v3 = root.join("v3");
         convert(&fixture("olmoe"), &v3, Quant::Int4, &mut |_, _, _| {}).unwrap();
         let v2 = root.join("v2");

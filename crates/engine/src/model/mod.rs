@@ -283,19 +283,6 @@ fn check_linear(name: &str, e: &TensorEntry, rows: usize, cols: usize) -> Result
     Ok(())
 }
 
-/// A file named by the manifest: a plain name inside the model directory.
-fn file_name(what: &str, name: &str) -> Result<()> {
-    let p = Path::new(name);
-    let plain = p.components().count() == 1
-        && matches!(p.components().next(), Some(std::path::Component::Normal(_)));
-    if !plain {
-        return Err(fmt_err(format!(
-            "manifest: {what} `{name}` is not a file name inside the model directory"
-        )));
-    }
-    Ok(())
-}
-
 impl Model {
     /// Loads a converted model directory with every expert in RAM. `threads`: worker threads
     /// (default: all cores).
@@ -310,19 +297,7 @@ impl Model {
     pub fn load_with(dir: &Path, threads: Option<usize>, opts: &ExpertOptions) -> Result<Model> {
         crate::alloc::tune_once();
         let mpath = dir.join(MANIFEST);
-        let text = fs::read_to_string(&mpath).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                fmt_err(format!(
-                    "{} not found: not a colibri model directory (convert a Hugging Face \
-                     checkpoint with `colibri convert`)",
-                    mpath.display()
-                ))
-            } else {
-                io_err(&mpath)(e)
-            }
-        })?;
-        let manifest: Manifest = serde_json::from_str(&text)
-            .map_err(|e| fmt_err(format!("{}: invalid manifest: {e}", mpath.display())))?;
+        let manifest = read_manifest(dir)?;
         if manifest.format != FORMAT_NAME || manifest.version != FORMAT_VERSION {
             return Err(fmt_err(format!(
                 "{}: format {} v{} is not supported (expected {FORMAT_NAME} v{FORMAT_VERSION}); \
@@ -334,13 +309,13 @@ impl Model {
             )));
         }
         let cfg = ModelConfig::from_hf(&manifest.config)?;
-        file_name("resident file", &manifest.resident.file)?;
-        file_name("tokenizer", &manifest.tokenizer)?;
+        check_file_name("resident file", &manifest.resident.file)?;
+        check_file_name("tokenizer", &manifest.tokenizer)?;
         if let Some(t) = &manifest.tokenizer_config {
-            file_name("tokenizer config", t)?;
+            check_file_name("tokenizer config", t)?;
         }
         if let Some(x) = &manifest.experts {
-            file_name("experts file", &x.file)?;
+            check_file_name("experts file", &x.file)?;
         }
         let resident = map_file(&dir.join(&manifest.resident.file))?;
         let t = Tensors {
@@ -1223,10 +1198,7 @@ mod tests {
     /// The committed `arch` fixture converted at `quant` into a fresh scratch directory named
     /// by `tag` (the caller removes it).
     fn convert_fixture(arch: &str, quant: Quant, tag: &str) -> PathBuf {
-        let hf = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures")
-            .join(arch)
-            .join("hf");
+        let hf = crate::testutil::fixture(arch);
         let d = std::env::temp_dir().join(format!("colibri-{tag}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
         crate::convert::convert(&hf, &d, quant, &mut |_, _, _| {}).unwrap();

@@ -75,9 +75,11 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::OnceLock;
 
+pub(crate) use q4::v2_nibbles_to_v3;
+#[cfg(test)]
+pub(crate) use q4::v3_nibbles_to_v2;
 pub use q4::{
-    q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn, v2_nibbles_to_v3,
-    v3_nibbles_to_v2, Q4Matrix, GROUP,
+    q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn, Q4Matrix, GROUP,
 };
 pub use q8::Q8Acts;
 

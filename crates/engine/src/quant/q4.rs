@@ -256,7 +256,7 @@ impl RowBlocks {
 
 /// Reorders one row's nibble bytes (`groups * 16`) from format v2 (each group's 16 bytes
 /// together) to v3 ([`nibble_offset`]) into `out`. A pure permutation: no value changes.
-pub fn v2_nibbles_to_v3(groups: usize, v2: &[u8], out: &mut [u8]) {
+pub(crate) fn v2_nibbles_to_v3(groups: usize, v2: &[u8], out: &mut [u8]) {
     assert!(v2.len() == groups * 16 && out.len() == groups * 16);
     for g in 0..groups {
         for j in (0..16).step_by(4) {
@@ -267,7 +267,8 @@ pub fn v2_nibbles_to_v3(groups: usize, v2: &[u8], out: &mut [u8]) {
 }
 
 /// The inverse of [`v2_nibbles_to_v3`] (for tests of the upgrade).
-pub fn v3_nibbles_to_v2(groups: usize, v3: &[u8], out: &mut [u8]) {
+#[cfg(test)]
+pub(crate) fn v3_nibbles_to_v2(groups: usize, v3: &[u8], out: &mut [u8]) {
     assert!(v3.len() == groups * 16 && out.len() == groups * 16);
     for g in 0..groups {
         for j in (0..16).step_by(4) {

@@ -122,10 +122,7 @@ impl ExpertOptions {
 /// least one record). Available memory is `MemAvailable` from `/proc/meminfo` (Linux); where it
 /// cannot be read, `None`.
 pub fn fit_ram_bytes(dir: &Path, reserve_bytes: u64) -> Result<Option<u64>> {
-    let mpath = dir.join(crate::format::MANIFEST);
-    let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
-    let m: crate::format::Manifest = serde_json::from_str(&text)
-        .map_err(|e| Error::Format(format!("{}: invalid manifest: {e}", mpath.display())))?;
+    let m = crate::format::read_manifest(dir)?;
     let Some(x) = &m.experts else {
         return Ok(None);
     };

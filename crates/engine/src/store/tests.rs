@@ -8,11 +8,10 @@ use super::*;
 use crate::format::Quant;
 use crate::model::Model;
 
+use crate::testutil::fixture;
+
 fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("colibri-store-{}-{tag}", std::process::id()));
-    let _ = fs::remove_dir_all(&d);
-    fs::create_dir_all(&d).unwrap();
-    d
+    crate::testutil::scratch_dir("store", tag)
 }
 
 /// Byte `i` of record `r` of the synthetic experts file.
@@ -202,13 +201,6 @@ fn a_truncated_file_is_refused_at_open() {
 }
 
 // ---- Models: results never depend on placement ----
-
-fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(arch)
-        .join("hf")
-}
 
 /// A random checkpoint with OLMoE's structure (every layer MoE, 16 experts top-4, q/k norm),
 /// small enough for a test: 4 layers, hidden 64.
