@@ -3,6 +3,10 @@
 //! history. Through 4 KiB pages, reading a head's f16 history cost a page walk every 4 KiB and
 //! stopped the hardware prefetcher at each page end: 9 GB/s on one thread against 12.5-16 GB/s
 //! on 2 MiB pages (`examples/attn_bench.rs`, 4096 positions, Intel).
+//!
+//! The kernel backs only 2 MiB-aligned 2 MiB runs of a mapping with huge pages, so a buffer of
+//! 2 MiB or more is placed at a 2 MiB boundary (the mapping is 2 MiB longer than the buffer and
+//! the part before the boundary is never touched, so it costs address space, not memory).
 
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
@@ -12,9 +16,14 @@ use bytemuck::Pod;
 pub struct HugeBuf<T: Pod> {
     /// `None` for an empty buffer (a mapping cannot be empty).
     map: Option<memmap2::MmapMut>,
+    /// Where the values start in the mapping (the first 2 MiB boundary for large buffers).
+    start: usize,
     len: usize,
     _values: PhantomData<T>,
 }
+
+/// The size of a huge page (x86_64 and most aarch64 kernels).
+const HUGE_PAGE: usize = 2 << 20;
 
 impl<T: Pod> HugeBuf<T> {
     /// `len` values whose bytes are all zero (0.0 for the float types).
@@ -25,19 +34,30 @@ impl<T: Pod> HugeBuf<T> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .expect("buffer size overflows");
+        let align = bytes >= HUGE_PAGE;
         let map = (bytes > 0).then(|| {
-            let map = memmap2::MmapMut::map_anon(bytes)
-                .unwrap_or_else(|e| panic!("cannot map {bytes} bytes of memory: {e}"));
+            let size = if align { bytes + HUGE_PAGE } else { bytes };
+            let map = memmap2::MmapMut::map_anon(size)
+                .unwrap_or_else(|e| panic!("cannot map {size} bytes of memory: {e}"));
             // Advised before the first touch, so the pages are huge from the start.
             #[cfg(target_os = "linux")]
             let _ = map.advise(memmap2::Advice::HugePage);
             map
         });
+        let start = match &map {
+            Some(m) if align => (HUGE_PAGE - m.as_ptr() as usize % HUGE_PAGE) % HUGE_PAGE,
+            _ => 0,
+        };
         HugeBuf {
             map,
+            start,
             len,
             _values: PhantomData,
         }
+    }
+
+    fn byte_range(&self) -> std::ops::Range<usize> {
+        self.start..self.start + self.len * std::mem::size_of::<T>()
     }
 }
 
@@ -45,8 +65,9 @@ impl<T: Pod> Deref for HugeBuf<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         match &self.map {
-            // A mapping is page-aligned and `len * size_of::<T>()` bytes long.
-            Some(m) => bytemuck::cast_slice(&m[..]),
+            // A mapping is page-aligned, `start` a multiple of the page size, and the mapping
+            // holds `len * size_of::<T>()` bytes from there.
+            Some(m) => bytemuck::cast_slice(&m[self.byte_range()]),
             None => &[],
         }
     }
@@ -54,8 +75,9 @@ impl<T: Pod> Deref for HugeBuf<T> {
 
 impl<T: Pod> DerefMut for HugeBuf<T> {
     fn deref_mut(&mut self) -> &mut [T] {
+        let r = self.byte_range();
         match &mut self.map {
-            Some(m) => bytemuck::cast_slice_mut(&mut m[..]),
+            Some(m) => bytemuck::cast_slice_mut(&mut m[r]),
             None => &mut [],
         }
     }
@@ -82,6 +104,13 @@ mod tests {
         let c = b.clone();
         assert_eq!(c[12345], 2.5);
         assert_eq!(c.len(), b.len());
+        assert_eq!(
+            b.as_ptr() as usize % HUGE_PAGE,
+            0,
+            "a buffer of 2 MiB or more starts on a huge page boundary"
+        );
+        let small: HugeBuf<u8> = HugeBuf::zeroed(5000);
+        assert_eq!(small.len(), 5000);
         let e: HugeBuf<u16> = HugeBuf::zeroed(0);
         assert!(e.is_empty());
         assert!(e.clone().is_empty());

@@ -3,7 +3,9 @@
 //! Stored head-major: per layer and kv head, one contiguous run of `cap` rows of `head_dim`
 //! values, so a query head's attention streams one block of memory front to back (position-major
 //! rows put a head's 512 bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow
-//! poorly). Values are f32, or f16 ([`KvDtype`]: half the bytes each decode step streams, as
+//! poorly). Every layer's keys and values live in one buffer, so even a short history is big
+//! enough for huge pages (a buffer per layer was 0.4 MB for a 96-position OLMoE-1B-7B cache:
+//! 4 KiB pages, and decode attention 11% slower). Values are f32, or f16 ([`KvDtype`]: half the bytes each decode step streams, as
 //! llama.cpp's default cache). Grows on demand (doubling, with headroom past a long request) up
 //! to the model's context length, so a short chat does not reserve the full context up front.
 //! Slot files keep position-major f32 rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert
@@ -40,7 +42,8 @@ impl KvDtype {
     }
 }
 
-/// One layer's keys or values: `kv_heads` blocks of `cap * head_dim`.
+/// The keys and values of every layer: per layer, keys then values, each `kv_heads` runs of
+/// `cap * head_dim` (see [`KvCache::at`]).
 #[derive(Clone)]
 enum Block {
     F32(HugeBuf<f32>),
@@ -92,8 +95,8 @@ impl Block {
 }
 
 pub struct KvCache {
-    keys: Vec<Block>,
-    values: Vec<Block>,
+    data: Block,
+    layers: usize,
     dtype: KvDtype,
     kv_heads: usize,
     head_dim: usize,
@@ -111,8 +114,8 @@ const MIN_CAP: usize = 64;
 impl KvCache {
     pub fn new(num_layers: usize, kv_heads: usize, head_dim: usize, dtype: KvDtype) -> KvCache {
         KvCache {
-            keys: vec![Block::new(dtype, 0); num_layers],
-            values: vec![Block::new(dtype, 0); num_layers],
+            data: Block::new(dtype, 0),
+            layers: num_layers,
             dtype,
             kv_heads,
             head_dim,
@@ -150,7 +153,13 @@ impl KvCache {
     }
 
     pub fn num_layers(&self) -> usize {
-        self.keys.len()
+        self.layers
+    }
+
+    /// Where position `pos` of kv head `head` starts in the keys (`values` false) or the
+    /// values of layer `li`, for a capacity of `cap` positions.
+    fn at(&self, cap: usize, li: usize, values: bool, head: usize, pos: usize) -> usize {
+        (((li * 2 + usize::from(values)) * self.kv_heads + head) * cap + pos) * self.head_dim
     }
 
     pub fn kv_dim(&self) -> usize {
@@ -172,13 +181,19 @@ impl KvCache {
         let wanted = (self.cap * 2).max(need + need / 2).max(MIN_CAP);
         let cap = need.max(wanted.min(self.limit));
         let (hd, len, old_cap) = (self.head_dim, self.len, self.cap);
-        for block in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            let mut grown = Block::new(self.dtype, self.kv_heads * cap * hd);
-            for h in 0..self.kv_heads {
-                grown.copy_from(h * cap * hd, block, h * old_cap * hd, len * hd);
+        let mut grown = Block::new(self.dtype, self.layers * 2 * self.kv_heads * cap * hd);
+        for li in 0..self.layers {
+            for values in [false, true] {
+                for h in 0..self.kv_heads {
+                    let (to, from) = (
+                        self.at(cap, li, values, h, 0),
+                        self.at(old_cap, li, values, h, 0),
+                    );
+                    grown.copy_from(to, &self.data, from, len * hd);
+                }
             }
-            *block = grown;
         }
+        self.data = grown;
         self.cap = cap;
     }
 
@@ -188,10 +203,11 @@ impl KvCache {
         let (hd, cap, kvd) = (self.head_dim, self.cap, self.kv_dim());
         let n = k.len() / kvd;
         assert!(start + n <= cap && k.len() == v.len() && k.len() == n * kvd);
-        for (rows, block) in [(k, &mut self.keys[li]), (v, &mut self.values[li])] {
+        for (rows, values) in [(k, false), (v, true)] {
             for (p, row) in rows.chunks_exact(kvd).enumerate() {
                 for (h, src) in row.chunks_exact(hd).enumerate() {
-                    block.store((h * cap + start + p) * hd, src);
+                    let at = self.at(cap, li, values, h, start + p);
+                    self.data.store(at, src);
                 }
             }
         }
@@ -200,24 +216,27 @@ impl KvCache {
     /// Keys and values of kv head `head` in layer `li`: `positions` rows of `head_dim` each.
     pub fn head(&self, li: usize, head: usize, positions: usize) -> (HeadRows<'_>, HeadRows<'_>) {
         let (hd, cap) = (self.head_dim, self.cap);
-        let r = head * cap * hd..(head * cap + positions) * hd;
-        (self.keys[li].slice(r.clone()), self.values[li].slice(r))
+        let run = |values: bool| {
+            let at = self.at(cap, li, values, head, 0);
+            self.data.slice(at..at + positions * hd)
+        };
+        (run(false), run(true))
     }
 
     /// Position-major f32 keys and values of layer `li` at `positions` (what a slot file
     /// stores).
     pub fn rows(&self, li: usize, positions: Range<usize>) -> (Vec<f32>, Vec<f32>) {
         let (hd, cap, kvd) = (self.head_dim, self.cap, self.kv_dim());
-        let gather = |block: &Block| {
+        let gather = |values: bool| {
             let mut out = vec![0.0f32; positions.len() * kvd];
             for (row, p) in out.chunks_exact_mut(kvd).zip(positions.clone()) {
                 for (h, dst) in row.chunks_exact_mut(hd).enumerate() {
-                    block.load((h * cap + p) * hd, dst);
+                    self.data.load(self.at(cap, li, values, h, p), dst);
                 }
             }
             out
         };
-        (gather(&self.keys[li]), gather(&self.values[li]))
+        (gather(false), gather(true))
     }
 
     /// Forgets every position (keeps the allocation).
@@ -232,7 +251,7 @@ impl KvCache {
 
     /// Bytes of KV memory per cached token (keys and values over all layers).
     pub fn bytes_per_token(&self) -> usize {
-        self.keys.len() * self.kv_dim() * 2 * self.dtype.bytes()
+        self.layers * self.kv_dim() * 2 * self.dtype.bytes()
     }
 }
 
