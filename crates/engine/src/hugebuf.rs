@@ -56,6 +56,29 @@ impl<T: Pod> HugeBuf<T> {
         }
     }
 
+    /// Gives the memory of `range` (values) back to the system, whole pages of it: afterwards
+    /// those values read as zero, the others keep theirs (a buffer being emptied piece by piece,
+    /// e.g. the old KV history while it is copied into a larger one, so the two never both sit
+    /// in RAM whole).
+    pub fn release(&mut self, range: std::ops::Range<usize>) {
+        let size = std::mem::size_of::<T>();
+        assert!(range.start <= range.end && range.end <= self.len);
+        let Some(map) = &self.map else { return };
+        let page = 4096;
+        let from = (self.start + range.start * size).next_multiple_of(page);
+        let to = (self.start + range.end * size) / page * page;
+        if to <= from {
+            return;
+        }
+        #[cfg(unix)]
+        // SAFETY: `&mut self` means no reference into the mapping is alive during the call;
+        // MADV_DONTNEED on private anonymous memory makes the pages read as zero afterwards, and
+        // all-zero bytes are a valid `T` (`Pod`). Both ends are inside the mapping.
+        let _ = unsafe {
+            map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from)
+        };
+    }
+
     fn byte_range(&self) -> std::ops::Range<usize> {
         self.start..self.start + self.len * std::mem::size_of::<T>()
     }
@@ -109,6 +132,13 @@ mod tests {
             0,
             "a buffer of 2 MiB or more starts on a huge page boundary"
         );
+        // Released pages read as zero; values in partly released pages stay.
+        b[0] = 1.0;
+        b[1 << 20] = 3.0;
+        b[(2 << 20) - 1] = 4.0;
+        b.release(1..(2 << 20) - 1);
+        assert_eq!((b[0], b[1 << 20], b[(2 << 20) - 1]), (1.0, 0.0, 4.0));
+        assert_eq!(b[12345], 0.0, "inside a released page");
         let small: HugeBuf<u8> = HugeBuf::zeroed(5000);
         assert_eq!(small.len(), 5000);
         let e: HugeBuf<u16> = HugeBuf::zeroed(0);

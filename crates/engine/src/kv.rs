@@ -86,6 +86,13 @@ impl Block {
         }
     }
 
+    fn release(&mut self, r: Range<usize>) {
+        match self {
+            Block::F32(d) => d.release(r),
+            Block::F16(d) => d.release(r),
+        }
+    }
+
     fn slice(&self, r: Range<usize>) -> HeadRows<'_> {
         match self {
             Block::F32(d) => HeadRows::F32(&d[r]),
@@ -192,6 +199,13 @@ impl KvCache {
                     grown.copy_from(to, &self.data, from, len * hd);
                 }
             }
+            // The old copy of this layer is done with: the peak stays one layer above the
+            // grown cache rather than the old and the new caches whole.
+            let (lo, hi) = (
+                self.at(old_cap, li, false, 0, 0),
+                self.at(old_cap, li + 1, false, 0, 0),
+            );
+            self.data.release(lo..hi);
         }
         self.data = grown;
         self.cap = cap;
