@@ -33,7 +33,7 @@ use crate::store::{ExpertOptions, ExpertStore, RecordRef, StoreLayout, StoreStat
 
 /// Query positions of one head attended together in a prefill (they share each chunk of keys
 /// and values they read).
-const ATTN_BLOCK: usize = 8;
+const ATTN_BLOCK: usize = 16;
 
 /// The most prompt positions one forward pass runs at once; longer prompts run in chunks of
 /// this many, one after another over the same cache. A pass's transient memory grows with its
@@ -729,14 +729,18 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             let t = Instant::now();
             let mut hn = x.clone();
-            ops::rms_norm(&mut hn, &layer.attn_norm, c.rms_norm_eps);
+            self.per_position(&mut hn, h, |_, row| {
+                ops::rms_norm(row, &layer.attn_norm, c.rms_norm_eps)
+            });
             let att = self.attention(li, layer, hn, &angles, kv);
             pass.times.attention += t.elapsed();
             for (a, b) in x.iter_mut().zip(&att) {
                 *a += *b;
             }
             let mut hn = x.clone();
-            ops::rms_norm(&mut hn, &layer.ffn_norm, c.rms_norm_eps);
+            self.per_position(&mut hn, h, |_, row| {
+                ops::rms_norm(row, &layer.ffn_norm, c.rms_norm_eps)
+            });
             let mut acts = Acts::from_vec(hn, n, h);
             let y = match &layer.ffn {
                 Ffn::Dense(m) => {
@@ -833,25 +837,30 @@ impl Model {
         let mut v = qkv.pop().unwrap();
         let mut k = qkv.pop().unwrap();
         let mut q = qkv.pop().unwrap();
-        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-            // Full: qn spans all heads; PerHead: one head. rms_norm normalises each qn-sized run.
-            ops::rms_norm(&mut q, qn, c.rms_norm_eps);
-            ops::rms_norm(&mut k, kn, c.rms_norm_eps);
-        }
-        if let Some(clip) = c.clip_qkv {
-            for t in [&mut q, &mut k, &mut v] {
-                for x in t.iter_mut() {
+        // Per position: q/k norm (Full: qn spans all heads; PerHead: one head; rms_norm
+        // normalises each qn-sized run), the clip, then the rotation.
+        let clip = |row: &mut [f32]| {
+            if let Some(clip) = c.clip_qkv {
+                for x in row.iter_mut() {
                     *x = x.clamp(-clip, clip);
                 }
             }
+        };
+        for (t, width, norm) in [
+            (&mut q, qd, layer.q_norm.as_deref()),
+            (&mut k, kvd, layer.k_norm.as_deref()),
+        ] {
+            let both_norms = layer.q_norm.is_some() && layer.k_norm.is_some();
+            self.per_position(t, width, |i, row| {
+                if let (true, Some(w)) = (both_norms, norm) {
+                    ops::rms_norm(row, w, c.rms_norm_eps);
+                }
+                clip(row);
+                self.rope.apply_angles(row, hd, &angles[i]);
+            });
         }
+        self.per_position(&mut v, kvd, |_, row| clip(row));
         let p0 = kv.len;
-        for (i, ang) in angles.iter().enumerate() {
-            self.rope
-                .apply_angles(&mut q[i * qd..(i + 1) * qd], hd, ang);
-            self.rope
-                .apply_angles(&mut k[i * kvd..(i + 1) * kvd], hd, ang);
-        }
         kv.write(li, p0, &k, &v);
         let kv = &*kv;
         let group = c.num_heads / c.num_kv_heads;
@@ -896,6 +905,22 @@ impl Model {
             }
         }
         o
+    }
+
+    /// `f(i, row i)` for each `width`-long row of `x` (one per position): over the pool for a
+    /// prompt, on this thread for one position (a parallel region would cost more than it
+    /// saves). Each row is computed whole by one thread, so the results do not depend on it.
+    fn per_position<F>(&self, x: &mut [f32], width: usize, f: F)
+    where
+        F: Fn(usize, &mut [f32]) + Sync,
+    {
+        if x.len() <= width {
+            x.chunks_exact_mut(width)
+                .enumerate()
+                .for_each(|(i, r)| f(i, r));
+        } else {
+            for_each_chunk_mut(&self.pool, x, width, f);
+        }
     }
 
     fn mlp(&self, m: &Mlp, x: &mut Acts) -> Vec<f32> {
