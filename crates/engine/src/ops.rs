@@ -78,6 +78,7 @@ impl Rope {
     }
 }
 
+#[inline(always)]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
@@ -123,12 +124,38 @@ pub fn exp(x: f32) -> f32 {
 
 /// `gate[i] = silu(gate[i]) * up[i]`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    match VectorWidth::get() {
+        // SAFETY: the CPU has the features (`VectorWidth::get` checked them).
+        #[cfg(target_arch = "x86_64")]
+        VectorWidth::Avx512 => unsafe { silu_mul_avx512(gate, up) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        VectorWidth::Avx2 => unsafe { silu_mul_avx2(gate, up) },
+        VectorWidth::Baseline => silu_mul_body(gate, up),
+    }
+}
+
+#[inline(always)]
+fn silu_mul_body(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         *g = silu(*g) * *u;
     }
 }
 
 pub fn softmax(x: &mut [f32]) {
+    match VectorWidth::get() {
+        // SAFETY: the CPU has the features (`VectorWidth::get` checked them).
+        #[cfg(target_arch = "x86_64")]
+        VectorWidth::Avx512 => unsafe { softmax_avx512(x) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        VectorWidth::Avx2 => unsafe { softmax_avx2(x) },
+        VectorWidth::Baseline => softmax_body(x),
+    }
+}
+
+#[inline(always)]
+fn softmax_body(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // The exponentials vectorize; the sum stays in position order.
     for v in x.iter_mut() {
@@ -138,6 +165,58 @@ pub fn softmax(x: &mut [f32]) {
     for v in x.iter_mut() {
         *v /= sum;
     }
+}
+
+/// The widest vectors the element-wise loops (SiLU, softmax) are compiled for on this CPU
+/// (the crate's baseline is SSE2: 4 lanes). The loops use only IEEE adds, multiplies,
+/// divides, min/max and conversions, which give the same bits at any width (Rust never fuses
+/// or reorders them), so this changes speed only.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum VectorWidth {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Baseline,
+}
+
+impl VectorWidth {
+    fn get() -> VectorWidth {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return VectorWidth::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return VectorWidth::Avx2;
+            }
+        }
+        VectorWidth::Baseline
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
+    silu_mul_body(gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn silu_mul_avx2(gate: &mut [f32], up: &[f32]) {
+    silu_mul_body(gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_avx512(x: &mut [f32]) {
+    softmax_body(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn softmax_avx2(x: &mut [f32]) {
+    softmax_body(x)
 }
 
 #[inline(always)]
@@ -574,6 +653,84 @@ mod tests {
         let n1: f32 = x[..4].iter().map(|v| v * v).sum();
         assert!((n0 - n1).abs() < 1e-4);
         assert_eq!(&x[4..], &orig[4..], "dims past rotary_dim pass through");
+    }
+
+    /// Inputs for the element-wise loops: ordinary values, both signs of zero, tiny and huge
+    /// magnitudes (the exponential's clamps), infinities and a NaN; an odd length for the tails.
+    fn elementwise_inputs(seed: u32) -> Vec<f32> {
+        let mut v: Vec<f32> = (0..1021u32)
+            .map(|i| {
+                let h = (i ^ seed).wrapping_mul(2_654_435_761);
+                let magnitude = f32::from_bits(0x3c00_0000 + (h >> 6) % 0x0600_0000);
+                if h & 1 == 0 {
+                    magnitude
+                } else {
+                    -magnitude
+                }
+            })
+            .collect();
+        let special = [
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            88.0,
+            89.0,
+            -87.5,
+            -120.0,
+            f32::INFINITY,
+        ];
+        v[..special.len()].copy_from_slice(&special);
+        v[500] = f32::NEG_INFINITY;
+        v[700] = f32::NAN;
+        v
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+    }
+
+    #[test]
+    fn every_vector_width_gives_the_baseline_bits() {
+        for seed in [1, 2, 3] {
+            let (x, up) = (elementwise_inputs(seed), elementwise_inputs(seed + 10));
+            // Softmax without the infinities and the NaN (they make every output NaN).
+            let finite: Vec<f32> = x
+                .iter()
+                .map(|v| if v.is_finite() { *v } else { 1.5 })
+                .collect();
+            let silu_want = {
+                let mut g = x.clone();
+                silu_mul_body(&mut g, &up);
+                g
+            };
+            let softmax_want = {
+                let mut s = finite.clone();
+                softmax_body(&mut s);
+                s
+            };
+            let mut g = x.clone();
+            silu_mul(&mut g, &up);
+            assert!(same_bits(&g, &silu_want), "silu_mul, seed {seed}");
+            let mut s = finite.clone();
+            softmax(&mut s);
+            assert!(same_bits(&s, &softmax_want), "softmax, seed {seed}");
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                assert_ne!(VectorWidth::get(), VectorWidth::Baseline);
+                let mut g = x.clone();
+                // SAFETY: the CPU has AVX2 (checked just above).
+                unsafe { silu_mul_avx2(&mut g, &up) };
+                assert!(same_bits(&g, &silu_want), "silu_mul avx2, seed {seed}");
+                let mut s = finite.clone();
+                // SAFETY: as above.
+                unsafe { softmax_avx2(&mut s) };
+                assert!(same_bits(&s, &softmax_want), "softmax avx2, seed {seed}");
+            }
+        }
     }
 
     /// Deterministic test values in [-0.7, 0.7).
