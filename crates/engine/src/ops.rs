@@ -803,9 +803,7 @@ mod tests {
         let (mut a, mut b) = (vec![0.0f32; all.len()], vec![0.0f32; all.len()]);
         widen_checked(&all, &mut a);
         widen_portable(&all, &mut b);
-        for (x, y) in a.iter().zip(&b) {
-            assert!(x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
-        }
+        assert!(same_bits(&a, &b));
     }
 
     #[test]

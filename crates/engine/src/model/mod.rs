@@ -846,13 +846,14 @@ impl Model {
                 }
             }
         };
-        for (t, width, norm) in [
-            (&mut q, qd, layer.q_norm.as_deref()),
-            (&mut k, kvd, layer.k_norm.as_deref()),
-        ] {
-            let both_norms = layer.q_norm.is_some() && layer.k_norm.is_some();
+        // The q/k norms apply as a pair (a family has both or neither).
+        let (q_norm, k_norm) = match (&layer.q_norm, &layer.k_norm) {
+            (Some(qn), Some(kn)) => (Some(qn), Some(kn)),
+            _ => (None, None),
+        };
+        for (t, width, norm) in [(&mut q, qd, q_norm), (&mut k, kvd, k_norm)] {
             self.per_position(t, width, |i, row| {
-                if let (true, Some(w)) = (both_norms, norm) {
+                if let Some(w) = norm {
                     ops::rms_norm(row, w, c.rms_norm_eps);
                 }
                 clip(row);
