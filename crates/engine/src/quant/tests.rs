@@ -414,3 +414,40 @@ fn avx2_kernel_with_avx_vnni_gives_the_same_bits() {
         }
     }
 }
+
+#[test]
+fn every_prefetch_level_gives_the_same_bits() {
+    // The prefetch is a hint: with it into L1, into L2 or off (whose stream cursor starts out of
+    // reach), every kernel computes the same outputs, one token (the decode row loops) or many
+    // (the tiles). The level is process-wide, so another test may switch it meanwhile; that can
+    // only make two runs share a level, never make their bits differ.
+    use super::prefetch::{prefetch_level, set_prefetch_level, PrefetchLevel};
+    let before = prefetch_level();
+    let mut a = Q8Acts::new();
+    for &(rows, cols) in &[(64usize, 2048usize), (9, 288), (7, 1408), (3, 40)] {
+        for &n in &[1usize, 5] {
+            let c = case(rows, cols, n, (rows * 5 + cols + n) as u64);
+            let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
+            a.quantize(&c.x, n, cols);
+            for k in available() {
+                let run = |level: PrefetchLevel| {
+                    set_prefetch_level(level);
+                    let mut out = vec![f32::NAN; n * rows];
+                    q4_matmul(k, &w, &a, &mut out, rows, 0..rows);
+                    out.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+                };
+                let want = run(PrefetchLevel::L2);
+                for level in [PrefetchLevel::L1, PrefetchLevel::Off] {
+                    assert_eq!(
+                        run(level),
+                        want,
+                        "{} {rows}x{cols} n={n} {}",
+                        k.name(),
+                        level.name()
+                    );
+                }
+            }
+        }
+    }
+    set_prefetch_level(before);
+}

@@ -35,20 +35,20 @@ pub(super) const PREFETCH: usize = 8192;
 pub(super) struct TilePrefetch {
     base: *const u8,
     bytes: usize,
-    /// Into L2 (else L1); see `super::prefetch`.
-    l2: bool,
+    /// The cache level filled; see `super::prefetch`.
+    pf: PrefetchLevel,
     /// Offset from `base` of the next cache line to prefetch.
     cursor: usize,
 }
 
 impl TilePrefetch {
     #[inline(always)]
-    pub(super) fn new(base: *const u8, bytes: usize, l2: bool) -> Self {
-        let cursor = PREFETCH - (base as usize).wrapping_add(PREFETCH) % 64;
+    pub(super) fn new(base: *const u8, bytes: usize, pf: PrefetchLevel) -> Self {
+        let cursor = first_prefetch(base, pf);
         TilePrefetch {
             base,
             bytes,
-            l2,
+            pf,
             cursor,
         }
     }
@@ -58,22 +58,34 @@ impl TilePrefetch {
     pub(super) fn chunk(&mut self, c: usize, nch: usize) {
         let target = (c + 1) * self.bytes / nch + PREFETCH;
         while self.cursor < target {
-            prefetch_line(self.base.wrapping_add(self.cursor), self.l2);
+            prefetch_line(self.base.wrapping_add(self.cursor), self.pf);
             self.cursor += 64;
         }
     }
 }
 
-/// Prefetches the cache line holding `p` into L2 if `l2`, else into L1.
+/// The offset from `base` of a stream's first line to prefetch: the line PREFETCH bytes
+/// ahead, or, with the prefetch off, an offset no stream reaches (the loops that issue
+/// prefetches while `cursor < target` then never do).
 #[inline(always)]
-pub(super) fn prefetch_line(p: *const u8, l2: bool) {
+pub(super) fn first_prefetch(base: *const u8, pf: PrefetchLevel) -> usize {
+    if pf == PrefetchLevel::Off {
+        usize::MAX
+    } else {
+        PREFETCH - (base as usize).wrapping_add(PREFETCH) % 64
+    }
+}
+
+/// Prefetches the cache line holding `p` into the level `pf` names (nothing if off).
+#[inline(always)]
+pub(super) fn prefetch_line(p: *const u8, pf: PrefetchLevel) {
     // SAFETY: a prefetch is a hint that never faults, whatever the address; SSE is part of
     // x86_64.
     unsafe {
-        if l2 {
-            _mm_prefetch::<_MM_HINT_T1>(p.cast());
-        } else {
-            _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        match pf {
+            PrefetchLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(p.cast()),
+            PrefetchLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(p.cast()),
+            PrefetchLevel::Off => {}
         }
     }
 }
@@ -193,7 +205,7 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
     wr: [*const u8; R],
     groups: usize,
     a: [ActPtr; T],
-    l2: bool,
+    pf: PrefetchLevel,
 ) -> [[f32; T]; R] {
     // SAFETY: the caller enables AVX2, FMA and F16C (and AVX-VNNI if VNNI) around this
     // inlined body; every pointer read is inside a row or activation vector by the
@@ -205,7 +217,7 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
         // Row r is one row of `groups` groups (contract); `tails` lives to the end.
         let blocks: [RowBlocks; R] =
             std::array::from_fn(|r| RowBlocks::new(wr[r], groups, &mut tails[r]));
-        let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, l2);
+        let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, pf);
         let m4 = _mm256_set1_epi8(0x0f);
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         for c in 0..nb {
@@ -281,13 +293,13 @@ unsafe fn q4_run<const R: usize, const T: usize, const VNNI: bool>(
     t0: usize,
     out: *mut f32,
     out_stride: usize,
-    l2: bool,
+    pf: PrefetchLevel,
 ) {
     let wr: [*const u8; R] = std::array::from_fn(|i| w.row(r0 + i).as_ptr());
     let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
     // SAFETY: the pointers come from row slices of `w` (groups*18 bytes: scales, then nibbles)
     // and from activation vectors padded to a multiple of 16 groups >= w.groups() (cols agree).
-    let res = unsafe { q4_tile::<R, T, VNNI>(wr, w.groups(), a, l2) };
+    let res = unsafe { q4_tile::<R, T, VNNI>(wr, w.groups(), a, pf) };
     for (i, row) in res.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
             // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
@@ -307,17 +319,17 @@ unsafe fn q4_rows_tokens<const R: usize, const VNNI: bool>(
     ts: Range<usize>,
     out: *mut f32,
     out_stride: usize,
-    l2: bool,
+    pf: PrefetchLevel,
 ) {
     let mut t = ts.start;
     while t < ts.end {
         // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
         unsafe {
             match ts.end - t {
-                1 => q4_run::<R, 1, VNNI>(w, r0, x, t, out, out_stride, l2),
-                2 => q4_run::<R, 2, VNNI>(w, r0, x, t, out, out_stride, l2),
-                3 => q4_run::<R, 3, VNNI>(w, r0, x, t, out, out_stride, l2),
-                _ => q4_run::<R, 4, VNNI>(w, r0, x, t, out, out_stride, l2),
+                1 => q4_run::<R, 1, VNNI>(w, r0, x, t, out, out_stride, pf),
+                2 => q4_run::<R, 2, VNNI>(w, r0, x, t, out, out_stride, pf),
+                3 => q4_run::<R, 3, VNNI>(w, r0, x, t, out, out_stride, pf),
+                _ => q4_run::<R, 4, VNNI>(w, r0, x, t, out, out_stride, pf),
             }
         }
         t += (ts.end - t).min(4);
@@ -372,16 +384,16 @@ unsafe fn q4_rows_plain(
     stride: usize,
     rows: Range<usize>,
 ) {
-    let l2 = prefetch_level() == PrefetchLevel::L2;
+    let pf = prefetch_level();
     if decode_rows_apply(w, x, &rows) {
         // SAFETY: forwarded contract; whole blocks of 16 groups, one token.
-        unsafe { q4_decode_rows::<false>(w, x, out, rows, l2) };
+        unsafe { q4_decode_rows::<false>(w, x, out, rows, pf) };
         return;
     }
     // The closure is defined here so that it has this function's target features.
     for_each_block(w, x, rows, |chunk, ts| {
         // SAFETY: forwarded contract; this function enables the features the block needs.
-        unsafe { q4_block::<false>(w, x, chunk, ts, out, stride, l2) }
+        unsafe { q4_block::<false>(w, x, chunk, ts, out, stride, pf) }
     });
 }
 
@@ -389,15 +401,15 @@ unsafe fn q4_rows_plain(
 /// As [`q4_rows`], and the CPU has AVX-VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 unsafe fn q4_rows_vnni(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, stride: usize, rows: Range<usize>) {
-    let l2 = prefetch_level() == PrefetchLevel::L2;
+    let pf = prefetch_level();
     if decode_rows_apply(w, x, &rows) {
         // SAFETY: forwarded contract; whole blocks of 16 groups, one token.
-        unsafe { q4_decode_rows::<true>(w, x, out, rows, l2) };
+        unsafe { q4_decode_rows::<true>(w, x, out, rows, pf) };
         return;
     }
     for_each_block(w, x, rows, |chunk, ts| {
         // SAFETY: as above.
-        unsafe { q4_block::<true>(w, x, chunk, ts, out, stride, l2) }
+        unsafe { q4_block::<true>(w, x, chunk, ts, out, stride, pf) }
     });
 }
 
@@ -420,14 +432,14 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
     x: &Q8Acts,
     out: *mut f32,
     rows: Range<usize>,
-    l2: bool,
+    pf: PrefetchLevel,
 ) {
     let groups = w.groups();
     let nb = groups / BLOCK_GROUPS;
     let row_bytes = groups * 18;
     let a = ActPtr::new(&x.token(0));
     let base = w.row(rows.start).as_ptr();
-    let mut cursor = PREFETCH - (base as usize).wrapping_add(PREFETCH) % 64;
+    let mut cursor = first_prefetch(base, pf);
     let mut target = PREFETCH;
     // Row bytes per 32 bytes of nibbles (scales included): 36.
     let step = row_bytes / (nb * 8);
@@ -448,7 +460,7 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                     for k in 0..4 {
                         target += step;
                         while cursor < target {
-                            prefetch_line(base.wrapping_add(cursor), l2);
+                            prefetch_line(base.wrapping_add(cursor), pf);
                             cursor += 64;
                         }
                         let v = _mm256_loadu_si256(wq.add(c * 256 + k * 64 + h * 32).cast());
@@ -482,17 +494,17 @@ unsafe fn q4_block<const VNNI: bool>(
     ts: Range<usize>,
     out: *mut f32,
     out_stride: usize,
-    l2: bool,
+    pf: PrefetchLevel,
 ) {
     let mut r = chunk.start;
     while r < chunk.end {
         // SAFETY: rows r..r+R are inside `chunk`, tokens `ts` inside 0..n (contract).
         unsafe {
             if chunk.end - r >= 2 {
-                q4_rows_tokens::<2, VNNI>(w, r, x, ts.clone(), out, out_stride, l2);
+                q4_rows_tokens::<2, VNNI>(w, r, x, ts.clone(), out, out_stride, pf);
                 r += 2;
             } else {
-                q4_rows_tokens::<1, VNNI>(w, r, x, ts.clone(), out, out_stride, l2);
+                q4_rows_tokens::<1, VNNI>(w, r, x, ts.clone(), out, out_stride, pf);
                 r += 1;
             }
         }

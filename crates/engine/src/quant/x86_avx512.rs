@@ -14,7 +14,9 @@ use std::ops::Range;
 
 use super::prefetch::{prefetch_level, PrefetchLevel};
 use super::q4::{RowBlocks, TailBuf, BLOCK_GROUPS, BLOCK_NIBBLES};
-use super::x86_avx2::{for_each_block, prefetch_line, ActPtr, TilePrefetch, PREFETCH};
+use super::x86_avx2::{
+    first_prefetch, for_each_block, prefetch_line, ActPtr, TilePrefetch, PREFETCH,
+};
 use super::{Q4Matrix, Q8Acts};
 
 /// Dots of `R` rows with `T` activation vectors.
@@ -28,7 +30,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     wr: [*const u8; R],
     groups: usize,
     a: [ActPtr; T],
-    l2: bool,
+    pf: PrefetchLevel,
 ) -> [[f32; T]; R] {
     let nb = groups.div_ceil(BLOCK_GROUPS);
     let row_bytes = groups * 18;
@@ -36,7 +38,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     // SAFETY: each wr[r] is one row of `groups` groups (contract); `tails` lives to the end.
     let blocks: [RowBlocks; R] =
         std::array::from_fn(|r| unsafe { RowBlocks::new(wr[r], groups, &mut tails[r]) });
-    let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, l2);
+    let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, pf);
     let m4 = _mm512_set1_epi8(0x0f);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     for c in 0..nb {
@@ -111,13 +113,13 @@ unsafe fn q4_run<const R: usize, const T: usize>(
     t0: usize,
     out: *mut f32,
     out_stride: usize,
-    l2: bool,
+    pf: PrefetchLevel,
 ) {
     let wr: [*const u8; R] = std::array::from_fn(|i| w.row(r0 + i).as_ptr());
     let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
     // SAFETY: the pointers come from row slices of `w` (groups*18 bytes: scales, then nibbles)
     // and from activation vectors padded to a multiple of 16 groups >= w.groups() (cols agree).
-    let res = unsafe { q4_tile::<R, T>(wr, w.groups(), a, l2) };
+    let res = unsafe { q4_tile::<R, T>(wr, w.groups(), a, pf) };
     for (i, row) in res.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
             // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
@@ -137,17 +139,17 @@ unsafe fn q4_rows_tokens<const R: usize>(
     ts: Range<usize>,
     out: *mut f32,
     out_stride: usize,
-    l2: bool,
+    pf: PrefetchLevel,
 ) {
     let mut t = ts.start;
     while t < ts.end {
         // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
         unsafe {
             match ts.end - t {
-                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride, l2),
-                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride, l2),
-                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride, l2),
-                _ => q4_run::<R, 4>(w, r0, x, t, out, out_stride, l2),
+                1 => q4_run::<R, 1>(w, r0, x, t, out, out_stride, pf),
+                2 => q4_run::<R, 2>(w, r0, x, t, out, out_stride, pf),
+                3 => q4_run::<R, 3>(w, r0, x, t, out, out_stride, pf),
+                _ => q4_run::<R, 4>(w, r0, x, t, out, out_stride, pf),
             }
         }
         t += (ts.end - t).min(4);
@@ -165,7 +167,13 @@ unsafe fn q4_rows_tokens<const R: usize>(
 /// # Safety
 /// As [`q4_rows`], with `x.n() == 1`, `w.groups()` a multiple of 16 and `rows` not empty.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q4_decode_rows(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, rows: Range<usize>, l2: bool) {
+unsafe fn q4_decode_rows(
+    w: &Q4Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    rows: Range<usize>,
+    pf: PrefetchLevel,
+) {
     let groups = w.groups();
     let nb = groups / BLOCK_GROUPS;
     let row_bytes = groups * 18;
@@ -174,7 +182,7 @@ unsafe fn q4_decode_rows(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, rows: Range<us
     let base = w.row(rows.start).as_ptr();
     let m4 = _mm512_set1_epi8(0x0f);
     let mf0 = _mm512_set1_epi8(0xf0u8 as i8);
-    let mut cursor = PREFETCH - (base as usize).wrapping_add(PREFETCH) % 64;
+    let mut cursor = first_prefetch(base, pf);
     let mut target = PREFETCH;
     // Row bytes per 64 bytes of nibbles (scales included): 72.
     let step = row_bytes / (nb * 4);
@@ -193,7 +201,7 @@ unsafe fn q4_decode_rows(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, rows: Range<us
                 for k in 0..4 {
                     target += step;
                     while cursor < target {
-                        prefetch_line(base.wrapping_add(cursor), l2);
+                        prefetch_line(base.wrapping_add(cursor), pf);
                         cursor += 64;
                     }
                     let v = _mm512_loadu_si512(wq.add(c * BLOCK_NIBBLES + k * 64).cast());
@@ -227,11 +235,11 @@ pub(crate) unsafe fn q4_rows(
     out_stride: usize,
     rows: Range<usize>,
 ) {
-    let l2 = prefetch_level() == PrefetchLevel::L2;
+    let pf = prefetch_level();
     let n = x.n();
     if n == 1 && w.groups().is_multiple_of(BLOCK_GROUPS) && !rows.is_empty() {
         // SAFETY: forwarded contract; whole blocks of 16 groups, one token.
-        unsafe { q4_decode_rows(w, x, out, rows, l2) };
+        unsafe { q4_decode_rows(w, x, out, rows, pf) };
         return;
     }
     // Blocks that keep weights in L2 and activations in L1 (see `for_each_block`).
@@ -244,10 +252,10 @@ pub(crate) unsafe fn q4_rows(
             // SAFETY: rows r..r+R are inside `rows` (R <= left), tokens `ts` inside 0..n.
             unsafe {
                 if n > 1 && chunk.end - r >= 2 {
-                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride, l2);
+                    q4_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride, pf);
                     r += 2;
                 } else {
-                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride, l2);
+                    q4_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride, pf);
                     r += 1;
                 }
             }
