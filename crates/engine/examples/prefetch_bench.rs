@@ -72,12 +72,13 @@ fn main() {
     }
     for (i, level) in levels.iter().enumerate() {
         let (pre, dec): (Vec<f64>, Vec<f64>) = got[i].iter().copied().unzip();
-        let ratio = |k: usize| {
+        // Median over the rounds of this level's figure over the first level's, same round.
+        let ratio = |of: fn(&(f64, f64)) -> f64| {
             median(
                 got[i]
                     .iter()
                     .zip(&got[0])
-                    .map(|(a, b)| if k == 0 { a.0 / b.0 } else { a.1 / b.1 })
+                    .map(|(a, b)| of(a) / of(b))
                     .collect(),
             )
         };
@@ -88,10 +89,10 @@ fn main() {
             median(dec.clone()),
             dec.iter().copied().fold(f64::MAX, f64::min),
             dec.iter().copied().fold(0.0, f64::max),
-            ratio(1),
+            ratio(|r| r.1),
             levels[0].name(),
             median(pre),
-            ratio(0)
+            ratio(|r| r.0)
         );
     }
 }

@@ -6,8 +6,9 @@
 //! poorly). Every layer's keys and values live in one buffer, so even a short history is big
 //! enough for huge pages (a buffer per layer was 0.4 MB for a 96-position OLMoE-1B-7B cache:
 //! 4 KiB pages, and decode attention 3% slower). Values are f32, or f16 ([`KvDtype`]: half the
-//! bytes each decode step streams, as llama.cpp's default cache). Grows on demand (doubling, with headroom past a long request) up
-//! to the model's context length, so a short chat does not reserve the full context up front.
+//! bytes each decode step streams, as llama.cpp's default cache). Grows on demand (doubling,
+//! with headroom past a long request) up to the model's context length, so a short chat does
+//! not reserve the full context up front.
 //! Slot files keep position-major f32 rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert
 //! (exactly, both ways).
 

@@ -12,7 +12,9 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// The cache level a software prefetch fills, or none at all (the hardware prefetchers alone).
+/// `ALL` lists the variants in declaration order, so `level as usize` is the index into it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 pub enum PrefetchLevel {
     L1,
     L2,
@@ -94,10 +96,7 @@ pub fn set_prefetch_level(level: PrefetchLevel) {
 }
 
 fn code(level: PrefetchLevel) -> u8 {
-    1 + PrefetchLevel::ALL
-        .iter()
-        .position(|&l| l == level)
-        .unwrap_or(0) as u8
+    level as u8 + 1
 }
 
 #[cfg(test)]
