@@ -84,8 +84,9 @@ struct Mlp {
 enum Ffn {
     Dense(Mlp),
     Moe {
-        /// `[num_experts, hidden]`, f32.
-        router: Vec<f32>,
+        /// `[num_experts, hidden]`, f32, viewed in the resident weights (on huge pages, not a
+        /// copy: a copy doubled the routers' RAM, 200-300 MB for Qwen3-235B or GLM-4.5).
+        router: Linear,
         router_bias: Option<Vec<f32>>,
         first_record: usize,
         /// Index among the MoE layers (routing heat, cache lists).
@@ -361,7 +362,10 @@ impl Model {
             let ffn = match cfg.layers[i] {
                 FfnKind::Dense => Ffn::Dense(t.mlp(&n("mlp"), h, cfg.intermediate_size)?),
                 FfnKind::Moe => {
-                    let router = t.vector(&n("router"), cfg.num_experts * h)?;
+                    let router = t.linear(&n("router"), cfg.num_experts, h)?;
+                    if router.dtype != DType::F32 {
+                        return Err(fmt_err(format!("tensor `{}` should be f32", n("router"))));
+                    }
                     let router_bias = t.optional_vector(&n("router_bias"), cfg.num_experts)?;
                     if matches!(cfg.routing, crate::config::Routing::SigmoidGrouped { .. })
                         && router_bias.is_none()
@@ -934,17 +938,17 @@ impl Model {
     }
 
     /// Router logits of `router` for every token of `x`, and each token's `(expert, weight)`.
-    fn route(&self, x: &Acts, router: &[f32], bias: Option<&[f32]>) -> Vec<Vec<(usize, f32)>> {
+    fn route(&self, x: &Acts, router: &Linear, bias: Option<&[f32]>) -> Vec<Vec<(usize, f32)>> {
         let c = &self.cfg;
         let (n, e) = (x.n, c.num_experts);
         let mut logits = vec![0.0f32; n * e];
         // The router is small but f32 (8 MB a token for OLMoE-1B-7B): split it across threads.
-        debug_assert_eq!(router.len(), e * c.hidden_size);
+        debug_assert_eq!((router.rows, router.cols), (e, c.hidden_size));
         matmul_many(
             &self.pool,
             self.kernel,
             &mut [Job {
-                w: WeightRef::F32(router),
+                w: self.w(router),
                 x,
                 out: &mut logits,
             }],
@@ -992,7 +996,7 @@ impl Model {
     fn moe(
         &self,
         x: &mut Acts,
-        router: &[f32],
+        router: &Linear,
         bias: Option<&[f32]>,
         at: &MoeAt,
         pass: &mut Pass,
@@ -1329,6 +1333,16 @@ mod tests {
             m["resident"]["tensors"]["layers.0.q"]["offset"] = json!(off + 2);
         }));
         assert!(e.contains("layers.0.q") && e.contains("aligned"), "{e}");
+        // Routers are viewed in place too (as f32), not copied.
+        let e = err(load_edited("router", |m| {
+            let tensors = m["resident"]["tensors"].as_object_mut().unwrap();
+            let (_, t) = tensors
+                .iter_mut()
+                .find(|(name, _)| name.ends_with(".router"))
+                .unwrap();
+            t["offset"] = json!(t["offset"].as_u64().unwrap() + 2);
+        }));
+        assert!(e.contains(".router") && e.contains("aligned"), "{e}");
         let e = err(load_edited("shape", |m| {
             m["resident"]["tensors"]["norm"]["shape"] = json!([1u64 << 63, 4])
         }));
