@@ -3,6 +3,11 @@
 //! `cargo run --release --example prefetch_bench -- MODEL_DIR [ROUNDS] [THREADS] [LEVELS]`
 //! (LEVELS: comma-separated of l1, l2, off; default all three). Prints each level's median
 //! decode and prefill tok/s and its per-round ratio to the first level's.
+//!
+//! Each round prefills once per level, then decodes one sequence whose tokens take the levels
+//! in turn (token `j` under level `j % levels`), each level timed over its own tokens: the
+//! levels then see the same host state to within a token (~20 ms), where one process per level
+//! or a sequence per level lands in the VM's states unevenly.
 
 use std::time::Instant;
 
@@ -17,23 +22,42 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// (prefill tok/s of a PROMPT-token prompt, decode tok/s of DECODE tokens after it).
-fn run(model: &Model) -> (f64, f64) {
+/// The prompt of every run.
+fn prompt(model: &Model) -> Vec<u32> {
     let vocab = model.cfg.vocab_size as u32;
-    let prompt: Vec<u32> = (0..PROMPT)
+    (0..PROMPT)
         .map(|i| i.wrapping_mul(7919).wrapping_add(13) % vocab)
-        .collect();
+        .collect()
+}
+
+/// Prefill tok/s of the PROMPT-token prompt.
+fn prefill(model: &Model) -> f64 {
     let mut kv = model.new_cache();
     let t0 = Instant::now();
-    let logits = model.forward(&prompt, &mut kv, false).expect("prefill");
-    let prefill = PROMPT as f64 / t0.elapsed().as_secs_f64();
+    model
+        .forward(&prompt(model), &mut kv, false)
+        .expect("prefill");
+    PROMPT as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// Decode tok/s of each level over DECODE tokens of its own, the levels taking turns token by
+/// token in one sequence after the prompt.
+fn decode_interleaved(model: &Model, levels: &[PrefetchLevel]) -> Vec<f64> {
+    let mut kv = model.new_cache();
+    let logits = model
+        .forward(&prompt(model), &mut kv, false)
+        .expect("prefill");
     let mut tok = colibri_engine::sampler::argmax(&logits) as u32;
-    let t1 = Instant::now();
-    for _ in 0..DECODE {
+    let mut secs = vec![0.0f64; levels.len()];
+    for j in 0..DECODE * levels.len() {
+        let i = j % levels.len();
+        set_prefetch_level(levels[i]);
+        let t = Instant::now();
         let l = model.forward(&[tok], &mut kv, false).expect("decode");
+        secs[i] += t.elapsed().as_secs_f64();
         tok = colibri_engine::sampler::argmax(&l) as u32;
     }
-    (prefill, DECODE as f64 / t1.elapsed().as_secs_f64())
+    secs.iter().map(|s| DECODE as f64 / s).collect()
 }
 
 fn main() {
@@ -53,8 +77,8 @@ fn main() {
     let default = prefetch_level();
     let model = Model::load(std::path::Path::new(dir), threads).expect("load");
     println!(
-        "{} threads, kernel {}, default level {}, {rounds} rounds of {PROMPT}-token prefill + \
-         {DECODE} decoded tokens per level",
+        "{} threads, kernel {}, default level {}, {rounds} rounds of a {PROMPT}-token prefill \
+         per level + {DECODE} decoded tokens per level (interleaved)",
         model.threads(),
         model.kernel().name(),
         default.name()
@@ -62,29 +86,37 @@ fn main() {
     let mut got: Vec<Vec<(f64, f64)>> = vec![Vec::new(); levels.len()];
     // Round 0 warms up (page tables, clocks) and is not counted.
     for round in 0..=rounds {
-        for (i, &level) in levels.iter().enumerate() {
-            set_prefetch_level(level);
-            let r = run(&model);
-            if round > 0 {
+        let pre: Vec<f64> = levels
+            .iter()
+            .map(|&level| {
+                set_prefetch_level(level);
+                prefill(&model)
+            })
+            .collect();
+        let dec = decode_interleaved(&model, &levels);
+        if round > 0 {
+            for (i, r) in pre.into_iter().zip(dec).enumerate() {
                 got[i].push(r);
             }
         }
     }
     for (i, level) in levels.iter().enumerate() {
         let (pre, dec): (Vec<f64>, Vec<f64>) = got[i].iter().copied().unzip();
-        // Median over the rounds of this level's figure over the first level's, same round.
+        // This level's figure over the first level's, same round: median (min-max).
         let ratio = |of: fn(&(f64, f64)) -> f64| {
-            median(
-                got[i]
-                    .iter()
-                    .zip(&got[0])
-                    .map(|(a, b)| of(a) / of(b))
-                    .collect(),
-            )
+            let r: Vec<f64> = got[i]
+                .iter()
+                .zip(&got[0])
+                .map(|(a, b)| of(a) / of(b))
+                .collect();
+            let (lo, hi) = r
+                .iter()
+                .fold((f64::MAX, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+            format!("x{:.3} ({lo:.3}-{hi:.3})", median(r))
         };
         println!(
-            "{:>3}: decode {:6.2} tok/s ({:.2}-{:.2}), x{:.3} per round vs {}; \
-             prefill {:6.1} tok/s, x{:.3}",
+            "{:>3}: decode {:6.2} tok/s ({:.2}-{:.2}), {} per round vs {}; \
+             prefill {:6.1} tok/s, {}",
             level.name(),
             median(dec.clone()),
             dec.iter().copied().fold(f64::MAX, f64::min),
