@@ -1,13 +1,15 @@
 //! Prefill and decode speed of a converted model under each software-prefetch level, the levels
 //! alternating in one process so that the machine's drift hits each alike:
-//! `cargo run --release --example prefetch_bench -- MODEL_DIR [ROUNDS] [THREADS] [LEVELS]`
+//! `cargo run --release --example prefetch_bench -- MODEL_DIR [ROUNDS] [THREADS] [LEVELS] [TURN]`
 //! (LEVELS: comma-separated of l1, l2, off; default all three). Prints each level's median
 //! decode and prefill tok/s and its per-round ratio to the first level's.
 //!
 //! Each round prefills once per level, then decodes one sequence whose tokens take the levels
-//! in turn (token `j` under level `j % levels`), each level timed over its own tokens: the
-//! levels then see the same host state to within a token (~20 ms), where one process per level
-//! or a sequence per level lands in the VM's states unevenly.
+//! in turns of TURN tokens (default 1: token `j` under level `j % levels`), each level timed
+//! over its own tokens: the levels then see the same host state to within a token (~20 ms),
+//! where one process per level lands in the VM's states unevenly. A level can still leave the
+//! caches in a state the next token inherits; a TURN of 32 (one turn per level per round)
+//! shows whether that matters: when the two disagree, neither is the answer.
 
 use std::time::Instant;
 
@@ -40,24 +42,25 @@ fn prefill(model: &Model) -> f64 {
     PROMPT as f64 / t0.elapsed().as_secs_f64()
 }
 
-/// Decode tok/s of each level over DECODE tokens of its own, the levels taking turns token by
-/// token in one sequence after the prompt.
-fn decode_interleaved(model: &Model, levels: &[PrefetchLevel]) -> Vec<f64> {
+/// Decode tok/s of each level over DECODE tokens of its own, the levels taking turns of `turn`
+/// tokens in one sequence after the prompt.
+fn decode_interleaved(model: &Model, levels: &[PrefetchLevel], turn: usize) -> Vec<f64> {
     let mut kv = model.new_cache();
     let logits = model
         .forward(&prompt(model), &mut kv, false)
         .expect("prefill");
     let mut tok = colibri_engine::sampler::argmax(&logits) as u32;
     let mut secs = vec![0.0f64; levels.len()];
-    for j in 0..DECODE * levels.len() {
-        let i = j % levels.len();
+    for j in 0..DECODE.div_ceil(turn) * turn * levels.len() {
+        let i = j / turn % levels.len();
         set_prefetch_level(levels[i]);
         let t = Instant::now();
         let l = model.forward(&[tok], &mut kv, false).expect("decode");
         secs[i] += t.elapsed().as_secs_f64();
         tok = colibri_engine::sampler::argmax(&l) as u32;
     }
-    secs.iter().map(|s| DECODE as f64 / s).collect()
+    let each = DECODE.div_ceil(turn) * turn;
+    secs.iter().map(|s| each as f64 / s).collect()
 }
 
 fn main() {
@@ -74,11 +77,12 @@ fn main() {
             .collect(),
         None => PrefetchLevel::ALL.to_vec(),
     };
+    let turn: usize = args.get(5).and_then(|s| s.parse().ok()).unwrap_or(1).max(1);
     let default = prefetch_level();
     let model = Model::load(std::path::Path::new(dir), threads).expect("load");
     println!(
         "{} threads, kernel {}, default level {}, {rounds} rounds of a {PROMPT}-token prefill \
-         per level + {DECODE} decoded tokens per level (interleaved)",
+         per level + {DECODE} decoded tokens per level (in turns of {turn})",
         model.threads(),
         model.kernel().name(),
         default.name()
@@ -93,7 +97,7 @@ fn main() {
                 prefill(&model)
             })
             .collect();
-        let dec = decode_interleaved(&model, &levels);
+        let dec = decode_interleaved(&model, &levels, turn);
         if round > 0 {
             for (i, r) in pre.into_iter().zip(dec).enumerate() {
                 got[i].push(r);
