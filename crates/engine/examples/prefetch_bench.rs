@@ -16,13 +16,11 @@ use std::time::Instant;
 use colibri_engine::model::Model;
 use colibri_engine::quant::prefetch::{prefetch_level, set_prefetch_level, PrefetchLevel};
 
+mod common;
+use common::median;
+
 const PROMPT: u32 = 64;
 const DECODE: usize = 32;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 /// The prompt of every run.
 fn prompt(model: &Model) -> Vec<u32> {
@@ -67,7 +65,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let dir = args
         .get(1)
-        .expect("usage: prefetch_bench MODEL_DIR [ROUNDS] [THREADS] [LEVELS]");
+        .expect("usage: prefetch_bench MODEL_DIR [ROUNDS] [THREADS] [LEVELS] [TURN]");
     let rounds: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(7);
     let threads = args.get(3).and_then(|s| s.parse().ok());
     let levels: Vec<PrefetchLevel> = match args.get(4) {

@@ -16,10 +16,8 @@ use colibri_engine::linear::{matmul_many, Acts, Job, WeightRef};
 use colibri_engine::pool::Pool;
 use colibri_engine::quant::{kernel, q4_byte_len, q4_matmul, Q4Matrix, Q8Acts};
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
+mod common;
+use common::median;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -38,9 +36,8 @@ fn main() {
     acts.prepare(true);
     let mut q8 = Q8Acts::new();
     q8.quantize(&xs, 1, cols);
-    let mat = |i: usize| {
-        WeightRef::Q4(Q4Matrix::new(&buf[i * stride..i * stride + mb], rows, cols).expect("size"))
-    };
+    let q4 = |i: usize| Q4Matrix::new(&buf[i * stride..i * stride + mb], rows, cols).expect("size");
+    let mat = |i: usize| WeightRef::Q4(q4(i));
     println!(
         "{threads} threads, kernel {}, {count} matrices {rows}x{cols} int4 ({:.2} MB each)",
         k.name(),
@@ -81,18 +78,12 @@ fn main() {
                     let half = rows.div_ceil(threads);
                     std::thread::scope(|s| {
                         for t in 0..threads {
-                            let (q8, buf) = (&q8, &buf);
+                            let (q8, q4) = (&q8, &q4);
                             s.spawn(move || {
                                 let mut o = vec![0.0f32; rows];
                                 let r = t * half..((t + 1) * half).min(rows);
                                 for i in 0..count {
-                                    let w = Q4Matrix::new(
-                                        &buf[i * stride..i * stride + mb],
-                                        rows,
-                                        cols,
-                                    )
-                                    .expect("size");
-                                    q4_matmul(k, &w, q8, &mut o, rows, r.clone());
+                                    q4_matmul(k, &q4(i), q8, &mut o, rows, r.clone());
                                 }
                                 black_box(&o);
                             });

@@ -15,6 +15,9 @@ use std::time::Instant;
 use colibri_engine::hugebuf::HugeBuf;
 use colibri_engine::quant::{kernel, q4_byte_len, q4_matmul, Q4Matrix, Q8Acts};
 
+mod common;
+use common::median;
+
 /// Sum of the buffer as u64s, eight independent sums (the bandwidth probe's loop).
 fn plain_read(b: &[u8]) -> u64 {
     let words: &[u64] = bytemuck::cast_slice(&b[..b.len() / 64 * 64]);
@@ -25,11 +28,6 @@ fn plain_read(b: &[u8]) -> u64 {
         }
     }
     acc.iter().fold(0, |a, &b| a.wrapping_add(b))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn main() {

@@ -4,9 +4,10 @@
 //! default on every CPU measured: on Intel (Sapphire-Rapids-class) machines it decodes 20-30%
 //! faster than into L1 (OLMoE-1B-7B-shaped int4, 2 threads, paired runs: 27.9-29.9 -> 33.5-37.6
 //! tok/s), as L2 prefetches are not limited by the core's few L1 fill buffers; on AMD Zen 4,
-//! with the format-v3 kernels, L1 decodes at 0.79-0.86 of L2 (AVX2 kernel: 0.88) and prefill is
-//! level (`examples/prefetch_bench.rs`, levels alternating in one process). No software prefetch
-//! (`off`) decodes like L2 on Zen 4 (0.98-1.02) but loses 10-25% elsewhere: prefill on Zen 4,
+//! with the format-v3 kernels, L1 decodes at 0.79-0.86 of L2 with a sequence per level (AVX2
+//! kernel: 0.88) and at 0.95-0.97 token by token, and prefills at 0.94
+//! (`examples/prefetch_bench.rs`, levels alternating in one process). No software prefetch
+//! (`off`) decodes like L2 on Zen 4 (0.96-1.03) but loses 10-25% elsewhere: prefill on Zen 4,
 //! decode on Intel. `COLI_KERNEL_PREFETCH=l1|l2|off` forces one level for the process.
 
 use std::sync::atomic::{AtomicU8, Ordering};
