@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use crate::ops::{softmax, DOTS};
+use crate::ops::{lane_sums, softmax, DOTS};
 
 /// How far ahead of the reads the history is prefetched (one group of four 128-dim rows:
 /// measured best of 0.5-16 KiB, +3% over the hardware prefetcher alone).
@@ -189,12 +189,8 @@ unsafe fn dots<const R: usize, const V: usize>(q: &[__m256; V], rows: [*const f1
             *acc = _mm256_add_ps(*acc, _mm256_mul_ps(*x, y));
         }
     }
-    std::array::from_fn(|r| {
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` has room for 8 floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
-        lanes.iter().sum()
-    })
+    // SAFETY: the CPU has AVX (contract).
+    unsafe { lane_sums(&acc) }
 }
 
 #[cfg(test)]

@@ -577,16 +577,65 @@ unsafe fn dots_avx(q: &[f32], k: [&[f32]; DOTS]) -> [f32; DOTS] {
             *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, y));
         }
     }
-    std::array::from_fn(|r| {
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` has room for 8 floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
-        let mut s: f32 = lanes.iter().sum();
+    // SAFETY: the CPU has AVX (contract).
+    let mut sums = unsafe { lane_sums(&acc) };
+    for (s, k) in sums.iter_mut().zip(&k) {
         for i in chunks * 8..q.len() {
-            s += q[i] * k[r][i];
+            *s += q[i] * k[i];
         }
-        s
-    })
+    }
+    sums
+}
+
+/// Each vector's eight lanes summed in lane order, `((l0 + l1) + l2) + ... + l7`: the bits of
+/// `lanes.iter().sum()` (whose fold starts at -0.0, and `-0.0 + x` is exactly `x`). Four
+/// vectors are transposed so that their sums run side by side, four lanes at a time, instead
+/// of one shuffle-and-add chain per vector (prompt attention +4%, decode attention over an
+/// L2-resident history +10-30%, from DRAM level, on Zen 4). Other counts sum one by one.
+///
+/// # Safety
+/// The CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[inline]
+pub(crate) unsafe fn lane_sums<const R: usize>(acc: &[std::arch::x86_64::__m256; R]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut out = [0.0f32; R];
+    if R != 4 {
+        for (o, a) in out.iter_mut().zip(acc) {
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: `lanes` has room for 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+            *o = lanes.iter().sum();
+        }
+        return out;
+    }
+    // Rows 0-1 and 2-3 interleaved, then u[j]: lane j (low half) and lane j + 4 (high half)
+    // of the four rows.
+    let (t0, t1) = (
+        _mm256_unpacklo_ps(acc[0], acc[1]),
+        _mm256_unpackhi_ps(acc[0], acc[1]),
+    );
+    let (t2, t3) = (
+        _mm256_unpacklo_ps(acc[2], acc[3]),
+        _mm256_unpackhi_ps(acc[2], acc[3]),
+    );
+    let u = [
+        _mm256_shuffle_ps::<0x44>(t0, t2),
+        _mm256_shuffle_ps::<0xEE>(t0, t2),
+        _mm256_shuffle_ps::<0x44>(t1, t3),
+        _mm256_shuffle_ps::<0xEE>(t1, t3),
+    ];
+    let mut s = _mm256_castps256_ps128(u[0]);
+    for u in &u[1..] {
+        s = _mm_add_ps(s, _mm256_castps256_ps128(*u));
+    }
+    for u in &u {
+        s = _mm_add_ps(s, _mm256_extractf128_ps::<1>(*u));
+    }
+    // SAFETY: R == 4 here, so `out` has room for the 4 floats.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+    out
 }
 
 /// [`accumulate_rows`] for a head of `8 * V` values with AVX: the running sums stay in `V`
@@ -930,6 +979,57 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Lane sums of four vectors (transposed) and of other counts, against the scalar sum, on
+    /// values that make the order and the sign of zero visible.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn lane_sums_are_the_scalar_sums_bit_for_bit() {
+        use std::arch::x86_64::{__m256, _mm256_loadu_ps};
+        let special = [
+            0.0,
+            -0.0,
+            1e30,
+            -1e30,
+            1.0,
+            3e-39,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-7,
+        ];
+        let value = |i: usize| {
+            if i.is_multiple_of(3) {
+                special[i / 3 % special.len()]
+            } else {
+                wave(i * 7) * [1.0, 1e8, 1e-8][i % 4 % 3]
+            }
+        };
+        let scalar = |l: &[f32]| l.iter().sum::<f32>();
+        if !std::arch::is_x86_feature_detected!("avx") {
+            return;
+        }
+        for case in 0..500 {
+            let rows: Vec<[f32; 8]> = (0..4)
+                .map(|r| std::array::from_fn(|j| value(case * 31 + r * 8 + j)))
+                .collect();
+            // SAFETY (the loads and calls): 8 floats per row; AVX detected above the loop.
+            let v: [__m256; 4] =
+                std::array::from_fn(|r| unsafe { _mm256_loadu_ps(rows[r].as_ptr()) });
+            let four = unsafe { lane_sums(&v) };
+            let one = unsafe { lane_sums(&[v[2]]) };
+            for (r, row) in rows.iter().enumerate() {
+                let want = scalar(row);
+                assert!(
+                    four[r].to_bits() == want.to_bits() || (four[r].is_nan() && want.is_nan()),
+                    "case {case} row {r}: {:?} -> {} vs {want}",
+                    row,
+                    four[r]
+                );
+            }
+            assert!(one[0].to_bits() == scalar(&rows[2]).to_bits() || one[0].is_nan());
         }
     }
 
