@@ -170,6 +170,9 @@ REFUSED = [
     ("temperature range", {"temperature": 1.5}),
     ("bad role", {"messages": [{"role": "tool", "content": "x"}]}),
     ("unknown field", {"frobnicate": True}),
+    ("compaction edit", {"context_management": {"edits": [{"type": "compact_20260112"}]}}),
+    ("unknown edit", {"context_management": {"edits": [{"type": "clear_all_2099"}]}}),
+    ("thinking display", {"thinking": {"type": "adaptive", "display": "loud"}}),
 ]  # fmt: skip
 
 
@@ -248,6 +251,30 @@ def test_thinking_blocks(tmp_path):
         ]  # fmt: skip
         again = client.messages.create(model="glm", max_tokens=4, messages=history)
         assert again.usage.output_tokens == 4
+        # display "omitted": the text travels in the signature only, and comes back from it.
+        omitted = {**thinking, "display": "omitted"}
+        m = client.messages.create(model="glm", max_tokens=12, messages=HELLO, thinking=omitted)
+        assert m.content[0].thinking == "" and m.content[0].signature == block.signature
+        with client.messages.stream(
+            model="glm", max_tokens=12, messages=HELLO, thinking=omitted
+        ) as stream:
+            kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+            final = stream.get_final_message()
+        assert "thinking_delta" not in kinds and "signature_delta" in kinds
+        assert final.content[0].thinking == "" and final.content[0].signature == block.signature
+
+        def replayed(block_text: str) -> int:
+            turn = {"type": "thinking", "thinking": block_text, "signature": block.signature}
+            messages = [
+                *HELLO,
+                {"role": "assistant", "content": [turn, {"type": "text", "text": "Hi."}]},
+                {"role": "user", "content": "Again?"},
+            ]
+            return client.messages.count_tokens(
+                model="glm", messages=messages, thinking=thinking
+            ).input_tokens
+
+        assert replayed("") == replayed(block.thinking) != replayed("x")
         off = client.messages.create(
             model="glm", max_tokens=4, messages=HELLO, thinking={"type": "disabled"}
         )
@@ -281,3 +308,103 @@ def test_auth_with_x_api_key_or_bearer():
         assert e.value.body["error"]["type"] == "authentication_error"
     finally:
         srv.stop()
+
+
+CLAUDE_CODE_TOOLS = [
+    {
+        "name": name,
+        "description": f"{name} a path",
+        "input_schema": {
+            "type": "object",
+            "properties": {"arg": {"type": "string"}},
+            "required": ["arg"],
+            "additionalProperties": False,
+            "$schema": "http://json-schema.org/draft-07/schema#",
+        },
+    }
+    for name in ("Bash", "Read", "Edit")
+]
+CLAUDE_CODE_TOOLS[-1]["cache_control"] = {"type": "ephemeral"}
+
+
+def test_claude_codes_first_request(client):
+    """A request shaped as Claude Code 2.1 sends its first turn (beta route, its betas among
+    them one this server has never heard of, context_management, adaptive thinking with the
+    display omitted, effort, metadata, cache_control on system, content and tools, a system
+    turn inside messages, a max_tokens above the context): accepted and answered, streamed and
+    not, with max_tokens lowered to the room the context leaves."""
+    kw = dict(
+        model=MODEL,
+        max_tokens=32000,
+        betas=[
+            "claude-code-20250219",
+            "interleaved-thinking-2025-05-14",
+            "context-management-2025-06-27",
+            "a-beta-from-the-future-2099-01-01",
+        ],
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        thinking={"type": "adaptive", "display": "omitted"},
+        output_config={"effort": "high"},
+        metadata={"user_id": "user_abc_account_def_session_0123"},
+        system=[
+            {"type": "text", "text": "You are Claude.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Be terse.", "cache_control": {"type": "ephemeral"}},
+        ],
+        messages=[
+            {"role": "system", "content": "Environment: linux."},
+            {"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>none</system-reminder>"},
+                {"type": "text", "text": "What is 37 + 48?",
+                 "cache_control": {"type": "ephemeral"}},
+            ]},
+        ],
+        tools=CLAUDE_CODE_TOOLS,
+    )  # fmt: skip
+    counted = client.beta.messages.count_tokens(
+        **{k: v for k, v in kw.items() if k not in ("max_tokens", "metadata")}
+    )
+    assert counted.context_management.original_input_tokens == counted.input_tokens
+    room = 2048 - counted.input_tokens
+    with client.beta.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == room
+    assert final.context_management.applied_edits == []
+    m = client.beta.messages.create(**kw, stream=False, timeout=600)
+    assert m.usage.output_tokens == room and m.context_management.applied_edits == []
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted.input_tokens
+
+
+def test_context_edits_shrink_the_prompt(client):
+    """clear_thinking and clear_tool_uses change what the model reads, by the tokens they
+    report; the client's history is taken as sent."""
+    history = [{"role": "user", "content": "Weather in Lisbon and Porto?"}]
+    for i, city in enumerate(("Lisbon", "Porto", "Faro")):
+        history += [
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": f"I should look up {city} first. " * 3,
+                 "signature": "sig"},
+                {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather",
+                 "input": {"city": city}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                 "content": f"{city}: 21 degrees and sunny, light wind from the north. " * 4},
+            ]},
+        ]  # fmt: skip
+    base = dict(model=MODEL, messages=history, tools=[WEATHER])
+    full = client.beta.messages.count_tokens(**base).input_tokens
+    edits = [
+        {"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}},
+        {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 1},
+         "keep": {"type": "tool_uses", "value": 1}},
+    ]  # fmt: skip
+    counted = client.beta.messages.count_tokens(**base, context_management={"edits": edits})
+    assert counted.context_management.original_input_tokens == full > counted.input_tokens
+    m = client.beta.messages.create(**base, max_tokens=3, context_management={"edits": edits})
+    thinking, tools = m.context_management.applied_edits
+    assert thinking.type == "clear_thinking_20251015" and thinking.cleared_thinking_turns == 2
+    assert tools.type == "clear_tool_uses_20250919" and tools.cleared_tool_uses == 2
+    cleared = thinking.cleared_input_tokens + tools.cleared_input_tokens
+    assert thinking.cleared_input_tokens > 0 and tools.cleared_input_tokens > 0
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == full - cleared
+    assert full - cleared == counted.input_tokens

@@ -5,8 +5,7 @@ OpenAI routes. Errors use Anthropic's envelope (api/errors.py picks it from the 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
+import dataclasses
 import json
 import logging
 import os
@@ -18,7 +17,14 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from colibri.api.anthropic_request import parse_messages, to_anthropic_id
+from colibri.api.anthropic_request import (
+    MessagesRequest,
+    beta_features,
+    parse_messages,
+    signature,
+    to_anthropic_id,
+)
+from colibri.api.context_edits import EditedConversation, apply_edits
 from colibri.api.errors import ApiError, error_body
 from colibri.api.generate import (
     Reply,
@@ -30,9 +36,11 @@ from colibri.api.generate import (
     request_id,
     served,
 )
+from colibri.api.served import ServedModel
 from colibri.chat.output import Piece
 from colibri.chat.tools import ToolCall
-from colibri.generation import Finished
+from colibri.generation import Finished, GenerationSpec
+from colibri.observability import RequestObserver
 
 
 def _ping_interval() -> float:
@@ -52,12 +60,6 @@ def _ping_interval() -> float:
 
 
 PING_INTERVAL_S = _ping_interval()
-
-
-def signature(thinking: str) -> str:
-    """The thinking block's signature: a digest of its text (clients send it back verbatim)."""
-    digest = hashlib.sha256(b"colibri-thinking-v1\0" + thinking.encode()).digest()
-    return base64.b64encode(digest).decode()
 
 
 def _stop_reason(fin: Finished, client_stops: list[str]) -> tuple[str, str | None]:
@@ -89,6 +91,40 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
     }
 
 
+def _plan(
+    model: ServedModel,
+    req: MessagesRequest,
+    observer: RequestObserver,
+    request: Request,
+    check_budget: bool = True,
+) -> tuple[GenerationSpec, EditedConversation | None]:
+    """The generation spec, after the request's context edits (if it sent any)."""
+    known, unknown = beta_features(request.headers.get("anthropic-beta"))
+    if known or unknown:
+        observer.root.set_attribute("colibri.anthropic_beta", known)
+        if unknown:
+            observer.root.set_attribute("colibri.anthropic_beta_unknown", unknown)
+    chat = req.chat
+    edited = None
+    if req.edits is not None:
+
+        def count(messages: list[dict[str, Any]]) -> int:
+            variant = dataclasses.replace(chat, messages=messages)
+            return len(chat_spec(model, variant, observer, check_budget=False).prompt_ids)
+
+        with observer.span("context_edits"):
+            edited = apply_edits(chat.messages, req.edits, count)
+        chat = dataclasses.replace(chat, messages=edited.messages)
+    return chat_spec(model, chat, observer, check_budget=check_budget), edited
+
+
+def _context_management(edited: EditedConversation | None) -> dict[str, Any]:
+    """The reply's ``context_management`` (only when the request sent one)."""
+    if edited is None:
+        return {}
+    return {"context_management": {"applied_edits": edited.applied}}
+
+
 async def messages(request: Request) -> Response:
     model = served(request)
     req = parse_messages(await read_json(request), model.config.max_tokens)
@@ -96,15 +132,17 @@ async def messages(request: Request) -> Response:
     model.check_model(chat.model)
     observer = model.observe("messages", request_id(request), request.headers)
     try:
-        spec = chat_spec(model, chat, observer)
+        spec, edited = _plan(model, req, observer, request)
     except BaseException:
         observer.end()
         raise
     client_stops = list(chat.sampling.stops)
+    extra = _context_management(edited)
+    omit = req.omit_thinking
 
     async def body(reply: Reply) -> dict[str, Any]:
         pieces, fin = await collect_pieces(reply)
-        content = _content_blocks(pieces)
+        content = _content_blocks(pieces, omit)
         stop_reason, stop_sequence = _stop_reason(fin, client_stops)
         return {
             "id": "msg_" + secrets.token_hex(12),
@@ -115,19 +153,21 @@ async def messages(request: Request) -> Response:
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": _usage(reply, fin),
+            **extra,
         }
 
     def events(reply: Reply) -> AsyncIterator[bytes]:
-        return _events(reply, client_stops)
+        return _events(reply, client_stops, extra, omit)
 
     return await generate_response(
         request, model, observer, spec, chat.sampling, True, events, body
     )
 
 
-def _content_blocks(pieces: list[Piece]) -> list[dict[str, Any]]:
+def _content_blocks(pieces: list[Piece], omit_thinking: bool) -> list[dict[str, Any]]:
     """The reply's content blocks in output order, as the stream shows them: neighbouring
-    pieces of one kind make one block, each tool call its own block."""
+    pieces of one kind make one block, each tool call its own block. With ``omit_thinking``
+    a thinking block's text is empty and only its signature carries it."""
     blocks: list[dict[str, Any]] = []
     for kind, value in pieces:
         if isinstance(value, ToolCall):
@@ -144,6 +184,8 @@ def _content_blocks(pieces: list[Piece]) -> list[dict[str, Any]]:
     for block in blocks:
         if block["type"] == "thinking":
             block["signature"] = signature(block["thinking"])
+            if omit_thinking:
+                block["thinking"] = ""
     return blocks or [{"type": "text", "text": ""}]
 
 
@@ -154,7 +196,8 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 class _Blocks:
     """Opens and closes content blocks as the kind of output changes."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool) -> None:
+        self.omit_thinking = omit_thinking
         self.index = -1
         self.kind: str | None = None
         self.thinking = ""
@@ -184,6 +227,8 @@ class _Blocks:
             if self.kind != "thinking":
                 out += self.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             self.thinking += text
+            if self.omit_thinking:
+                return out  # the signature delta at the block's end carries the text
             delta = {"type": "thinking_delta", "thinking": text}
         else:
             if self.kind != "text":
@@ -225,7 +270,9 @@ async def _with_pings(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         await iterator.aclose()
 
 
-async def _events(reply: Reply, client_stops: list[str]) -> AsyncIterator[bytes]:
+async def _events(
+    reply: Reply, client_stops: list[str], extra: dict[str, Any], omit_thinking: bool
+) -> AsyncIterator[bytes]:
     model = reply.model
     message = {
         "id": "msg_" + secrets.token_hex(12),
@@ -244,7 +291,7 @@ async def _events(reply: Reply, client_stops: list[str]) -> AsyncIterator[bytes]
     }
     yield _event("message_start", {"message": message})
     yield _event("ping", {})
-    blocks = _Blocks()
+    blocks = _Blocks(omit_thinking)
     try:
         async for event in _with_pings(reply.events()):
             if event is None:
@@ -262,7 +309,8 @@ async def _events(reply: Reply, client_stops: list[str]) -> AsyncIterator[bytes]
                     yield chunk
                 stop_reason, stop_sequence = _stop_reason(event, client_stops)
                 delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-                yield _event("message_delta", {"delta": delta, "usage": _usage(reply, event)})
+                usage = _usage(reply, event)
+                yield _event("message_delta", {"delta": delta, "usage": usage, **extra})
                 yield _event("message_stop", {})
     except Exception as e:  # headers are sent: the error goes in the stream as an event
         err = ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error")
@@ -275,7 +323,13 @@ async def count_tokens(request: Request) -> Response:
     model.check_model(req.chat.model)
     observer = model.observe("count_tokens", request_id(request), request.headers)
     try:
-        spec = chat_spec(model, req.chat, observer, check_budget=False)
+        spec, edited = _plan(model, req, observer, request, check_budget=False)
     finally:
         observer.end()
-    return json_response({"input_tokens": len(spec.prompt_ids)})
+    answer: dict[str, Any] = {"input_tokens": len(spec.prompt_ids)}
+    if edited is not None:
+        original = edited.original_tokens
+        answer["context_management"] = {
+            "original_input_tokens": len(spec.prompt_ids) if original is None else original
+        }
+    return json_response(answer)

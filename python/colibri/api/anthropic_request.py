@@ -7,11 +7,15 @@ the same code as ``/v1/chat/completions`` — one set of rules for both protocol
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from colibri.api.context_edits import Edit, parse_context_management
 from colibri.api.openai_request import ChatRequest, parse_chat
 from colibri.api.validate import Body, bad, refuse_unless
 
@@ -41,10 +45,65 @@ def from_anthropic_id(tool_id: str) -> str:
     return tool_id
 
 
+# `anthropic-beta` values the clients colibri is tested with send, and what they mean here.
+# None gates anything: what colibri implements is on without a header, what it lacks is refused
+# by the body's fields, whatever the header says. Unknown values are ignored (not refused), so
+# a client newer than this list keeps working.
+KNOWN_BETAS = {
+    "claude-code-20250219": "Claude Code's own marker: nothing to do",
+    "oauth-2025-04-20": "Claude subscription login: the key is checked as any other",
+    "interleaved-thinking-2025-05-14": "thinking between tool calls: the family's own format",
+    "context-management-2025-06-27": "context_management edits: applied",
+    "fine-grained-tool-streaming-2025-05-14": "tool input streamed as it is parsed: as always",
+    "prompt-caching-2024-07-31": "cache_control: prefix reuse is automatic",
+    "token-counting-2024-11-01": "count_tokens: served",
+    "token-efficient-tools-2025-02-19": "tool call format: the family's own",
+    "effort-2025-11-24": "output_config.effort: turns reasoning on",
+    "structured-outputs-2025-11-13": "output_config.format and strict tools: refused (not yet)",
+    "output-128k-2025-02-19": "long outputs: bounded by the context",
+    "context-1m-2025-08-07": "1M context: the served model's context applies",
+    "model-context-window-exceeded-2025-08-26": "context overflow: 400 before generation",
+    "thinking-display-updates-2026-08-18": "thinking.display: accepted, thinking is always shown",
+}
+
+
+def beta_features(header: str | None) -> tuple[list[str], list[str]]:
+    """The ``anthropic-beta`` header's comma-separated values: (known, unknown)."""
+    values = [v.strip() for v in (header or "").split(",") if v.strip()]
+    return [v for v in values if v in KNOWN_BETAS], [v for v in values if v not in KNOWN_BETAS]
+
+
+_SIGNATURE_TAG = b"colibri-thinking-v2\0"
+_DISPLAYS = ("summarized", "omitted", "updates")
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's signature: the thinking text itself, compressed and base64-encoded
+    behind a tag. Stable (same text, same signature), not secret, and reversible, so a client
+    that got the block with its text omitted (``thinking.display: "omitted"``) and sends it
+    back gets the same history rendered as the model wrote it."""
+    return base64.b64encode(_SIGNATURE_TAG + zlib.compress(thinking.encode(), 9)).decode()
+
+
+def thinking_from_signature(sig: str) -> str | None:
+    """The text a colibri signature carries, or None for any other signature."""
+    try:
+        raw = base64.b64decode(sig, validate=True)
+        if not raw.startswith(_SIGNATURE_TAG):
+            return None
+        return zlib.decompress(raw[len(_SIGNATURE_TAG) :]).decode()
+    except (binascii.Error, ValueError, zlib.error, UnicodeDecodeError):
+        return None
+
+
 @dataclass
 class MessagesRequest:
     chat: ChatRequest
     thinking: bool
+    # thinking.display "omitted": thinking blocks carry their signature, not their text
+    omit_thinking: bool = False
+    # context_management.edits, applied to chat.messages before rendering; None: not sent
+    edits: list[Edit] | None = None
 
 
 def _text_blocks(value: Any, param: str) -> str:
@@ -138,8 +197,13 @@ def _assistant(content: Any, param: str) -> dict[str, Any]:
                 }
             )
         elif kind == "thinking":
-            thoughts.append(block.string("thinking", required=True) or "")
-            block.string("signature")  # ours or another server's: the text is what matters
+            text = block.string("thinking")
+            sig = block.string("signature")
+            if text is None:
+                raise bad(f"'{param}': a thinking block needs 'thinking'", param=param)
+            if not text and sig:  # sent back from a reply whose thinking display was omitted
+                text = thinking_from_signature(sig) or ""
+            thoughts.append(text)
         elif kind == "redacted_thinking":
             block.string("data")  # encrypted elsewhere; nothing a local model can read
         else:
@@ -213,7 +277,8 @@ def _tool_choice(raw: Any) -> tuple[Any, bool]:
     return out, parallel
 
 
-def _thinking(body: Body) -> bool:
+def _thinking(body: Body) -> tuple[bool, bool]:
+    """(reasoning on, thinking text omitted from the reply)."""
     thinking = body.obj("thinking")
     effort = None
     config = body.obj("output_config")
@@ -231,15 +296,17 @@ def _thinking(body: Body) -> bool:
         )
         config.finish()
     if thinking is None:
-        return effort is not None
+        return effort is not None, False
     kind = thinking.string("type", required=True)
     if kind not in _THINKING:
         raise bad(f"'thinking.type' must be one of {', '.join(_THINKING)}", param="thinking")
     # budget_tokens and display are accepted; the reply's max_tokens bounds thinking and answer.
     thinking.integer("budget_tokens", minimum=1)
-    thinking.string("display")
+    display = thinking.string("display")
+    if display is not None and display not in _DISPLAYS:
+        raise bad(f"'thinking.display' must be one of {', '.join(_DISPLAYS)}", param="thinking")
     thinking.finish()
-    return kind != "disabled"
+    return kind != "disabled", display == "omitted"
 
 
 def parse_messages(
@@ -284,11 +351,13 @@ def parse_messages(
     stream = body.boolean("stream")
     tools = _tools(body.array("tools"))
     tool_choice, parallel = _tool_choice(body.raw("tool_choice"))
-    thinking = _thinking(body)
+    thinking, omit_thinking = _thinking(body)
     body.obj("metadata")  # user_id for abuse tracking: nothing to do locally
     body.raw("service_tier")
     body.raw("speed")
     body.raw("cache_control")  # prefix reuse is automatic (KV slots)
+    raw_edits = body.raw("context_management")
+    edits = parse_context_management(raw_edits) if raw_edits is not None else None
     cache_slot = body.integer("cache_slot")
     body.finish()
     openai_body: dict[str, Any] = {
@@ -306,4 +375,4 @@ def parse_messages(
         "cache_slot": cache_slot,
     }
     chat = parse_chat(openai_body, default_max_tokens)
-    return MessagesRequest(chat=chat, thinking=thinking)
+    return MessagesRequest(chat=chat, thinking=thinking, omit_thinking=omit_thinking, edits=edits)
