@@ -408,3 +408,36 @@ def test_context_edits_shrink_the_prompt(client):
     assert thinking.cleared_input_tokens > 0 and tools.cleared_input_tokens > 0
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == full - cleared
     assert full - cleared == counted.input_tokens
+
+
+def test_deferred_tools_are_declared_but_not_listed(client):
+    """defer_loading (Claude Code's tool search): the tool is not rendered into the prompt
+    unless tool_choice names it, yet its calls are parsed like any declared tool's."""
+    from colibri.api.anthropic_request import parse_messages
+    from colibri.api.tooling import plan_tools
+    from colibri.chat.families import GLM
+
+    hidden = {**WEATHER, "name": "get_time", "defer_loading": True}
+    plain = client.beta.messages.count_tokens(model=MODEL, messages=HELLO, tools=[WEATHER])
+    deferred = client.beta.messages.count_tokens(
+        model=MODEL, messages=HELLO, tools=[WEATHER, hidden]
+    )
+    listed = client.beta.messages.count_tokens(
+        model=MODEL, messages=HELLO, tools=[WEATHER, {**hidden, "defer_loading": False}]
+    )
+    named = client.beta.messages.count_tokens(
+        model=MODEL,
+        messages=HELLO,
+        tools=[WEATHER, hidden],
+        tool_choice={"type": "tool", "name": "get_time"},
+    )
+    assert plain.input_tokens == deferred.input_tokens < listed.input_tokens
+    assert named.input_tokens > deferred.input_tokens
+    body = {"model": MODEL, "max_tokens": 5, "messages": HELLO, "tools": [WEATHER, hidden]}
+    plan = plan_tools(parse_messages(body, None).chat, GLM)
+    assert [t["function"]["name"] for t in plan.prompt_tools] == ["get_weather"]
+    parser = plan.parser_factory()
+    text = "<tool_call>get_time\n<arg_key>city</arg_key>\n<arg_value>Faro</arg_value>\n</tool_call>"
+    parser.push(text)
+    parser.finish()
+    assert [c.name for c in parser.calls] == ["get_time"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import re
 import zlib
@@ -59,6 +60,9 @@ KNOWN_BETAS = {
     "token-counting-2024-11-01": "count_tokens: served",
     "token-efficient-tools-2025-02-19": "tool call format: the family's own",
     "effort-2025-11-24": "output_config.effort: turns reasoning on",
+    "advanced-tool-use-2025-11-20": "defer_loading: deferred tools are callable, not listed",
+    "mid-conversation-tool-changes-2026-07-01": "tools may change: each request renders its own",
+    "thinking-token-count-2026-05-13": "usage: output_tokens counts thinking as well",
     "structured-outputs-2025-11-13": "output_config.format and strict tools: refused (not yet)",
     "output-128k-2025-02-19": "long outputs: bounded by the context",
     "context-1m-2025-08-07": "1M context: the served model's context applies",
@@ -223,8 +227,9 @@ def _assistant(content: Any, param: str) -> dict[str, Any]:
     return message
 
 
-def _tools(raw: list[Any] | None) -> list[dict[str, Any]]:
-    tools = []
+def _tools(raw: list[Any] | None) -> tuple[list[dict[str, Any]], frozenset[str]]:
+    """The tools in chat shape, and the names of those declared with ``defer_loading``."""
+    tools, deferred = [], set()
     for i, item in enumerate(raw or []):
         tool = Body(item, where=f"'tools[{i}]'")
         kind = tool.string("type")
@@ -246,11 +251,13 @@ def _tools(raw: list[Any] | None) -> list[dict[str, Any]]:
             raise bad(f"'tools[{i}].input_schema' is required", param="tools")
         fn["parameters"] = schema.raw_dict()
         tool.raw("cache_control")
+        if tool.boolean("defer_loading"):
+            deferred.add(name or "")
         strict = tool.boolean("strict")
         refuse_unless(not strict, "'strict' tools need constrained decoding (not yet)", "tools")
         tool.finish()
         tools.append({"type": "function", "function": fn})
-    return tools
+    return tools, frozenset(deferred)
 
 
 def _tool_choice(raw: Any) -> tuple[Any, bool]:
@@ -349,7 +356,7 @@ def parse_messages(
     refuse_unless(body.raw("top_k") is None, "'top_k' is not supported", "top_k")
     stops = body.array("stop_sequences")
     stream = body.boolean("stream")
-    tools = _tools(body.array("tools"))
+    tools, deferred = _tools(body.array("tools"))
     tool_choice, parallel = _tool_choice(body.raw("tool_choice"))
     thinking, omit_thinking = _thinking(body)
     body.obj("metadata")  # user_id for abuse tracking: nothing to do locally
@@ -374,5 +381,5 @@ def parse_messages(
         "enable_thinking": thinking,
         "cache_slot": cache_slot,
     }
-    chat = parse_chat(openai_body, default_max_tokens)
+    chat = dataclasses.replace(parse_chat(openai_body, default_max_tokens), deferred_tools=deferred)
     return MessagesRequest(chat=chat, thinking=thinking, omit_thinking=omit_thinking, edits=edits)

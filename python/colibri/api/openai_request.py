@@ -39,6 +39,9 @@ class ChatRequest:
     tool_choice: str = "auto"  # "auto" | "none" | "required" | "function"
     tool_choice_name: str | None = None
     parallel_tool_calls: bool = True
+    # Declared tools whose definitions stay out of the prompt until the client reveals them
+    # (Anthropic's defer_loading): callable and parsed, not listed to the model.
+    deferred_tools: frozenset[str] = frozenset()
 
     @property
     def tools_active(self) -> bool:

@@ -95,4 +95,10 @@ def plan_tools(req: ChatRequest, family: Family) -> ToolPlan:
         salvage=family is GLM and salvage_enabled(),
         max_calls=None if req.parallel_tool_calls else 1,
     )
-    return ToolPlan(messages, declared, family.tool_format.starts, factory)
+    # A deferred tool is listed only when the request names it (the model must see its schema).
+    listed = [
+        t
+        for t in declared
+        if t["function"]["name"] not in req.deferred_tools or req.tool_choice == "function"
+    ]
+    return ToolPlan(messages, listed, family.tool_format.starts, factory)
