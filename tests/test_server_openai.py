@@ -338,6 +338,8 @@ REFUSED = [
     ("empty messages", {"messages": []}, "invalid_request"),
     ("stream_options alone", {"stream_options": {"include_usage": True}}, "unsupported_parameter"),
     ("bad reasoning_effort", {"reasoning_effort": "maximal"}, "invalid_request"),
+    ("prediction type", {"prediction": {"type": "diff", "content": "x"}}, "unsupported_parameter"),
+    ("prediction content", {"prediction": {"type": "content"}}, "invalid_request"),
 ]
 
 
@@ -440,3 +442,50 @@ def test_client_disconnect_frees_the_engine(server, client):
     # The abandoned generation must not hold the engine for its remaining ~2000 tokens.
     r = chat(client, max_tokens=5, timeout=20)
     assert r.usage.completion_tokens == 5
+
+
+READ_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read",
+        "description": "Read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        "strict": False,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # pi 0.73 (openai JS SDK): store false, max_completion_tokens, strict false tools,
+        # text parts, usage in the stream.
+        {"store": False, "max_completion_tokens": 8, "tools": [READ_TOOL],
+         "stream_options": {"include_usage": True},
+         "messages": [{"role": "system", "content": "You are pi."},
+                      {"role": "user", "content": [{"type": "text", "text": "Hello"}]}]},
+        # opencode 1.18 (AI SDK openai-compatible): max_tokens, tool_choice auto, and a tool
+        # round trip with an empty assistant content beside its calls.
+        {"max_tokens": 8, "tool_choice": "auto", "tools": [READ_TOOL],
+         "stream_options": {"include_usage": True},
+         "messages": [{"role": "system", "content": "You are opencode."}, *HELLO,
+                      {"role": "assistant", "content": "", "tool_calls": [
+                          {"id": "call_1", "type": "function",
+                           "function": {"name": "read", "arguments": '{"path": "README.md"}'}}]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "# Demo"}]},
+        # aider 0.86 (LiteLLM): temperature 0, no max_tokens (the context's room applies).
+        {"temperature": 0, "max_tokens": 8,
+         "messages": [{"role": "system", "content": "Act as an expert developer."}, *HELLO]},
+        # OpenAI SDK fields with no effect on the output here, checked and accepted.
+        {"max_tokens": 8, "prompt_cache_key": "session-1", "safety_identifier": "u-1",
+         "user": "u-1", "stream_options": {"include_usage": True, "include_obfuscation": False},
+         "prediction": {"type": "content", "content": [{"type": "text", "text": "Hi"}]},
+         "messages": [{"role": "developer", "content": "Be brief."}, *HELLO]},
+    ],
+    ids=["pi", "opencode", "aider", "accepted-no-ops"],
+)  # fmt: skip
+def test_what_coding_clients_send_is_accepted(client, shape):
+    content, _, finish, usage, _ = stream_chat(client, **shape)
+    assert finish == "length" and content
+    if "stream_options" in shape:
+        assert usage.completion_tokens == 8

@@ -95,7 +95,8 @@ def _sampling(body: Body, default_max_tokens: int | None) -> Sampling:
     if options is not None:
         refuse_unless(stream, "'stream_options' is only allowed with stream=true", "stream_options")
         include_usage = bool(options.boolean("include_usage"))
-        options.finish()
+        options.boolean("include_obfuscation")  # random padding against length side channels:
+        options.finish()  # a loopback server adds none, whatever is asked
     for key in ("frequency_penalty", "presence_penalty"):
         value = body.number(key, -2.0, 2.0)
         refuse_unless(not value, f"'{key}' is not supported (token penalties)", key)
@@ -110,6 +111,8 @@ def _sampling(body: Body, default_max_tokens: int | None) -> Sampling:
     stops = _stops(body)
     ignore_leading = bool(body.boolean("x_colibri_ignore_leading_stop"))
     body.string("user")  # an end-user id for abuse tracking: accepted, nothing to do locally
+    body.string("safety_identifier")  # user's successor in OpenAI's API: the same
+    body.string("prompt_cache_key")  # a cache routing hint: prefix reuse here is automatic
     cache_slot = body.integer("cache_slot")
     return Sampling(
         max_tokens=max_tokens,
@@ -317,6 +320,21 @@ def _response_format(body: Body) -> None:
     fmt.finish()
 
 
+def _prediction(body: Body) -> None:
+    """Predicted Outputs: the expected reply, which only lets a server skip ahead. The reply is
+    the same with or without it; colibri does not use it (yet), so it is checked and accepted."""
+    prediction = body.obj("prediction")
+    if prediction is None:
+        return
+    kind = prediction.string("type", required=True)
+    refuse_unless(kind == "content", "'prediction.type' must be 'content'", "prediction")
+    content = prediction.raw("content")
+    if content is None:
+        raise bad("'prediction.content' is required", param="prediction")
+    _text_content(content, "prediction.content")
+    prediction.finish()
+
+
 def parse_chat(data: Any, default_max_tokens: int | None) -> ChatRequest:
     body = Body(data)
     model = body.string("model", required=True) or ""
@@ -335,6 +353,7 @@ def parse_chat(data: Any, default_max_tokens: int | None) -> ChatRequest:
     store = body.boolean("store")
     refuse_unless(not store, "'store' is not supported: nothing is stored", "store")
     body.obj("metadata")  # only meaningful with store; accepted
+    _prediction(body)
     enable_thinking = body.boolean("enable_thinking")
     effort = body.string("reasoning_effort")
     if effort is not None and effort not in _EFFORTS:
