@@ -56,6 +56,19 @@ def _kv_dir(args: argparse.Namespace, model_dir: Path) -> Path | None:
     return cache_dir() / "kv" / f"{model_dir.resolve().name}-{tag}"
 
 
+# The engine's error for a slot file another process holds (crates/engine/src/slotfile.rs).
+SLOT_FILE_IN_USE = "the slot file is in use"
+
+
+def kv_dir_in_use_hint(kv_dir: Path) -> str:
+    """What to do when another server holds the slot files of ``kv_dir``."""
+    return (
+        f"Another colibri server is using the KV directory {kv_dir}; to run a second server "
+        "beside it, give this one a directory of its own with --kv-dir DIR, or keep its KV "
+        "slots in memory with --no-kv-persist"
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from colibri import server
 
@@ -77,7 +90,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model_dir = _model_dir(args.model)
     kv_dir = _kv_dir(args, model_dir)
-    engine = _load(args, slots=args.kv_slots, kv_dir=kv_dir)
+    try:
+        engine = _load(args, slots=args.kv_slots, kv_dir=kv_dir)
+    except ValueError as e:
+        if kv_dir is None or SLOT_FILE_IN_USE not in str(e):
+            raise
+        print(f"colibri serve: {e}. {kv_dir_in_use_hint(kv_dir)}", file=sys.stderr)
+        return 2
     try:
         server.check_kv_memory(
             args.kv_slots, engine.info["context_length"], engine.info["kv_bytes_per_token"]
@@ -101,6 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_slots=args.kv_slots,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
+        access_log=not args.quiet,
+        log_format=args.log_format,
     )
     created = int((model_dir / "manifest.json").stat().st_mtime)
     served = ServedModel(engine, config, created)
@@ -333,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="where KV slot files live ($COLI_KV_DIR; default: per model, under the cache dir)",
     )
     s.add_argument("--no-kv-persist", action="store_true", help="keep KV slots in memory only")
+    s.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="access log lines on stderr: text (key=value, default) or json (one object a line)",
+    )
+    s.add_argument("--quiet", action="store_true", help="no access log")
     s.add_argument(
         "--allow-unauthenticated",
         action="store_true",

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -133,6 +134,25 @@ def make_tracer(exporter: Any | None = None) -> Tracer:
     return provider.get_tracer("colibri")
 
 
+@dataclass
+class AccessRecord:
+    """What the access log says about one request beyond its method, path, status and
+    duration: filled as the request runs (by the error handlers and the RequestObserver) and
+    written once the response has finished (api/access_log.py). Never the prompt, the output,
+    an error's message or a key."""
+
+    request_id: str | None = None
+    model: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    queue_wait_ms: float | None = None
+    finish_reason: str | None = None
+    # For a refusal or an error response: the ApiError's stable ``code`` and ``param``.
+    code: str | None = None
+    param: str | None = None
+
+
 class RequestObserver:
     """Spans and metric observations of one generation request."""
 
@@ -144,11 +164,17 @@ class RequestObserver:
         model: str,
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        record: AccessRecord | None = None,
     ) -> None:
         """``headers``: the request's, so a W3C ``traceparent`` from the caller makes this
-        request's spans part of the caller's trace (ignored when absent or malformed)."""
+        request's spans part of the caller's trace (ignored when absent or malformed).
+        ``record``: the request's access-log record, filled with the model, token counts,
+        queue wait and finish reason (none: nothing recorded)."""
         self._tracer = tracer
         self._metrics = metrics
+        self._record = record
+        if record is not None:
+            record.model = model
         attributes = {"colibri.model": model}
         if request_id is not None:
             attributes["colibri.request_id"] = request_id  # spans only, never metric labels
@@ -177,11 +203,15 @@ class RequestObserver:
         self.root.set_attribute("colibri.slot", slot)
         self.root.set_attribute("colibri.queue_wait_ms", round(wait_s * 1e3, 3))
         self._metrics.queue_wait.observe(wait_s)
+        if self._record is not None:
+            self._record.queue_wait_ms = round(wait_s * 1e3, 1)
 
     def engine_started(self, prompt_tokens: int) -> None:
         self._engine_start = time.perf_counter()
         self._prompt_tokens = prompt_tokens
         self.root.set_attribute("colibri.prompt_tokens", prompt_tokens)
+        if self._record is not None:
+            self._record.prompt_tokens = prompt_tokens
         self._prefill = self._tracer.start_span(
             "prefill", context=self._ctx, attributes={"colibri.prompt_tokens": prompt_tokens}
         )
@@ -194,6 +224,8 @@ class RequestObserver:
             self._prefilled = self._prompt_tokens - reused
             self._metrics.prompt_tokens.inc(self._prefilled)
             self.root.set_attribute("colibri.cached_tokens", reused)
+            if self._record is not None:
+                self._record.cached_tokens = reused
             if self._prefill is not None:
                 self._prefill.set_attribute("colibri.prefilled_tokens", self._prefilled)
                 self._prefill.end()
@@ -223,6 +255,9 @@ class RequestObserver:
                 span.end()
         self.root.set_attribute("colibri.completion_tokens", completion_tokens)
         self.root.set_attribute("colibri.finish_reason", reason)
+        if self._record is not None:
+            self._record.completion_tokens = completion_tokens
+            self._record.finish_reason = reason
         if error is not None:
             self.root.set_status(Status(StatusCode.ERROR, error))
 

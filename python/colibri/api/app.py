@@ -15,6 +15,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from colibri.api import anthropic, openai
+from colibri.api.access_log import AccessLogMiddleware, note_error
 from colibri.api.admission import ClientGone, client_gone_response
 from colibri.api.errors import ApiError, error_response
 from colibri.api.generate import json_response
@@ -65,11 +66,13 @@ async def profile(request: Request) -> Response:
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
+    note_error(request.scope, ApiError(499, "client gone", code="client_gone"))
     return client_gone_response()
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    note_error(request.scope, exc)
     return error_response(request.url.path, exc)
 
 
@@ -80,12 +83,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         404: f"No route {request.method} {request.url.path}; see docs/API.md",
         405: f"Method {request.method} is not allowed on {request.url.path}",
     }.get(exc.status_code, str(exc.detail))
-    return error_response(request.url.path, ApiError(exc.status_code, message, code=code))
+    err = ApiError(exc.status_code, message, code=code)
+    note_error(request.scope, err)
+    return error_response(request.url.path, err)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+    note_error(request.scope, err)
     return error_response(request.url.path, err)
 
 
@@ -121,9 +127,13 @@ class InternalErrorMiddleware:
 
 
 def create_app(served: ServedModel) -> ASGIApp:
-    """The ASGI app: the Starlette routes inside the request-id layer (outermost, so even a
-    response from Starlette's last-resort error handler carries an id)."""
-    return RequestIdMiddleware(_starlette_app(served))
+    """The ASGI app: the Starlette routes inside the access log (unless ``--quiet``), inside the
+    request-id layer (outermost, so even a response from Starlette's last-resort error handler
+    carries an id, and every access-log line has one)."""
+    app: ASGIApp = _starlette_app(served)
+    if served.config.access_log:
+        app = AccessLogMiddleware(app, served.config.log_format)
+    return RequestIdMiddleware(app)
 
 
 def _starlette_app(served: ServedModel) -> Starlette:

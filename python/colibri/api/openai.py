@@ -10,6 +10,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from colibri.api.access_log import record_of
 from colibri.api.errors import ApiError, error_body
 from colibri.api.generate import (
     Reply,
@@ -70,7 +71,9 @@ async def chat_completions(request: Request) -> Response:
     model = served(request)
     req = parse_chat(await read_json(request), model.config.max_tokens)
     model.check_model(req.model)
-    observer = model.observe("chat.completions", request_id(request), request.headers)
+    observer = model.observe(
+        "chat.completions", request_id(request), request.headers, record_of(request.scope)
+    )
     try:
         spec = chat_spec(model, req, observer)
     except BaseException:
@@ -171,7 +174,9 @@ async def completions(request: Request) -> Response:
     model = served(request)
     req = parse_completion(await read_json(request), default_max_tokens=16)
     model.check_model(req.model)
-    observer = model.observe("completions", request_id(request), request.headers)
+    observer = model.observe(
+        "completions", request_id(request), request.headers, record_of(request.scope)
+    )
     try:
         ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
         if not ids:

@@ -20,6 +20,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .access_log import note_error
 from .errors import ApiError, error_response
 
 DEFAULT_MAX_BODY_BYTES = 12_517_376
@@ -73,6 +74,7 @@ def _header_values(scope: Scope, name: bytes) -> list[bytes]:
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, err: ApiError) -> None:
     """Answer with ``err`` in the envelope of the protocol the path belongs to."""
+    note_error(scope, err)
     await error_response(scope["path"], err)(scope, receive, send)
 
 

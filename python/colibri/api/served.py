@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from colibri.api.access_log import current_record
 from colibri.api.errors import ApiError
 from colibri.chat.families import Family, detect_family, family_by_name
 from colibri.chat.template import ChatTemplate, special_tokens_of
 from colibri.engine import Engine
 from colibri.generation import Generator
-from colibri.observability import Metrics, RequestObserver, make_tracer
+from colibri.observability import AccessRecord, Metrics, RequestObserver, make_tracer
 from colibri.scheduler import Lease, Scheduler
 
 
@@ -30,6 +31,9 @@ class ServerConfig:
     kv_slots: int = 1
     max_queue: int = 8
     queue_timeout: float = 300.0
+    # The access log (api/access_log.py): on unless --quiet; "text" or "json" lines.
+    access_log: bool = True
+    log_format: str = "text"
 
 
 class ServedModel:
@@ -70,8 +74,15 @@ class ServedModel:
         name: str,
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        record: AccessRecord | None = None,
     ) -> RequestObserver:
-        return RequestObserver(self.tracer, self.metrics, name, self.id, request_id, headers)
+        """A request's observer; ``record``: its access-log record, by default the one of the
+        request being handled (none when the access log is off)."""
+        if record is None:
+            record = current_record()
+        return RequestObserver(
+            self.tracer, self.metrics, name, self.id, request_id, headers, record
+        )
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
