@@ -12,7 +12,14 @@ test: setup
     cargo test --release --workspace --quiet
     # The fuzz crate is its own workspace: its own target dir, so the two builds never mix.
     cargo test --release --quiet --manifest-path fuzz/Cargo.toml --target-dir target/fuzz-smoke
-    {{py}} -m pytest -q tests
+    {{py}} -m pytest -q tests -m "not clients"
+    # The quick part of the real-client suite (two npm installs, cached): Claude Code and pi.
+    {{py}} -m pytest -q -rA tests/clients -m clients -k "claude or pi"
+
+# Real coding agents (Claude Code, opencode, pi, aider, codex; pinned, installed once under
+# ~/.cache/colibri/clients) run against `colibri serve` on the demo model.
+test-clients: setup
+    {{py}} -m pytest -q -rA tests/clients -m clients
 
 # Formatting and lints (Rust and Python).
 lint: setup
