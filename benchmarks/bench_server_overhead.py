@@ -23,7 +23,7 @@ from colibri.builtin import builtin_model_dir
 from colibri.chat.families import detect_family
 from colibri.chat.render import render_chat
 from colibri.chat.template import ChatTemplate
-from colibri.engine import Engine
+from colibri.runtime.engine import Engine
 
 
 def main() -> int:

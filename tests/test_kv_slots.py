@@ -6,7 +6,7 @@ import pytest
 from openai import OpenAI
 
 from colibri.builtin import builtin_model_dir
-from colibri.engine import Engine
+from colibri.runtime.engine import Engine
 
 from .server import RunningServer, builtin_prompt_ids
 

@@ -13,7 +13,7 @@ from colibri.chat.families import GLM
 from colibri.chat.literal import shield, tokenize_shielded, unshield
 from colibri.chat.render import render_chat
 from colibri.chat.template import ChatTemplate, special_tokens_of
-from colibri.engine import Engine
+from colibri.runtime.engine import Engine
 
 from .server import RunningServer
 

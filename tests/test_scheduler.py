@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from colibri.scheduler import Cancelled, QueueFull, QueueTimeout, Scheduler
+from colibri.runtime.scheduler import Cancelled, QueueFull, QueueTimeout, Scheduler
 
 
 class FakeTimeLoop(asyncio.SelectorEventLoop):

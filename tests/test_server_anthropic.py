@@ -414,8 +414,8 @@ def test_deferred_tools_are_declared_but_not_listed(client):
     """defer_loading (Claude Code's tool search): the tool is not rendered into the prompt
     unless tool_choice names it, yet its calls are parsed like any declared tool's."""
     from colibri.api.anthropic_request import parse_messages
-    from colibri.api.tooling import plan_tools
     from colibri.chat.families import GLM
+    from colibri.chat.tooling import plan_tools
 
     hidden = {**WEATHER, "name": "get_time", "defer_loading": True}
     plain = client.beta.messages.count_tokens(model=MODEL, messages=HELLO, tools=[WEATHER])

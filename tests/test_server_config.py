@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 
 from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
-from colibri.engine import Engine
+from colibri.runtime.engine import Engine
 
 from .server import RunningServer, model_with_template, think_open_template
 
@@ -271,7 +271,7 @@ def test_an_unexpected_error_is_a_500_in_the_protocol_shape_with_cors(monkeypatc
     from starlette.testclient import TestClient
 
     from colibri.api.app import create_app
-    from colibri.api.served import ServedModel, ServerConfig
+    from colibri.runtime.served import ServedModel, ServerConfig
 
     served = ServedModel(
         Engine(builtin_model_dir(), threads=1), ServerConfig(model_id="m"), 0, None

@@ -15,7 +15,7 @@ from colibri.chat.families import GLM
 from colibri.chat.render import render_chat
 from colibri.chat.stops import apply_stops
 from colibri.chat.template import ChatTemplate
-from colibri.engine import Engine
+from colibri.runtime.engine import Engine
 
 from .server import RunningServer, builtin_prompt_ids
 

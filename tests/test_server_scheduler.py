@@ -222,9 +222,9 @@ def test_spans_per_request(tmp_path):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from colibri.api.app import create_app
-    from colibri.api.served import ServedModel, ServerConfig
     from colibri.builtin import builtin_model_dir
-    from colibri.engine import Engine
+    from colibri.runtime.engine import Engine
+    from colibri.runtime.served import ServedModel, ServerConfig
 
     exporter = InMemorySpanExporter()
     served = ServedModel(

@@ -4,7 +4,7 @@ The public surface is small: :class:`Engine` (load a converted model, tokenize, 
 and :func:`convert` (Hugging Face checkpoint -> colibri model directory).
 """
 
-from colibri.engine import Engine, convert
+from colibri.runtime.engine import Engine, convert
 
 __all__ = ["Engine", "convert"]
 __version__ = "0.1.0"

@@ -208,7 +208,7 @@ def model_id_for(model_dir: Path) -> str:
 
 def builtin_model_dir() -> Path:
     """The converted random built-in model (the tests' model), built and cached on first use."""
-    from colibri.engine import convert
+    from colibri.runtime.engine import convert
 
     target = cache_dir() / "models" / builtin_name()
     if (target / "manifest.json").is_file():

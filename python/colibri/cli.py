@@ -24,7 +24,7 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _load(args: argparse.Namespace, slots: int = 1, kv_dir: Path | None = None):
-    from colibri.engine import Engine
+    from colibri.runtime.engine import Engine
 
     return Engine(
         _model_dir(args.model),
@@ -86,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = server.open_socket(args.host, args.port)
 
     from colibri.api.app import create_app
-    from colibri.api.served import ServedModel, ServerConfig
+    from colibri.runtime.served import ServedModel, ServerConfig
 
     model_dir = _model_dir(args.model)
     kv_dir = _kv_dir(args, model_dir)
@@ -157,7 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_upgrade(args: argparse.Namespace) -> int:
-    from colibri.engine import upgrade
+    from colibri.runtime.engine import upgrade
 
     t0 = time.perf_counter()
     summary = upgrade(args.old_dir, args.new_dir, progress=sys.stderr.isatty())
@@ -169,7 +169,7 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from colibri.engine import convert
+    from colibri.runtime.engine import convert
 
     src, dst = Path(args.hf_dir), Path(args.out_dir)
     if not (src / "config.json").is_file():

@@ -108,7 +108,7 @@ def evaluate(
     the tool-call task ``"by_tool"`` in the same shape, split by the tool the prompt asks for
     (a wrong tool shows there, a badly copied city in ``by_source``).
     """
-    from colibri.engine import Engine
+    from colibri.runtime.engine import Engine
 
     engine = Engine(model_dir, threads=threads)
     source = engine.info.get("chat_template")

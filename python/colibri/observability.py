@@ -11,6 +11,7 @@ otherwise the no-op tracer, whose spans cost next to nothing.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -26,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from colibri.scheduler import Scheduler
+from colibri.runtime.scheduler import Scheduler
 
 BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -151,6 +152,18 @@ class AccessRecord:
     # For a refusal or an error response: the ApiError's stable ``code`` and ``param``.
     code: str | None = None
     param: str | None = None
+
+
+# The access-log record of the request being handled (set by api/access_log.py's middleware),
+# for code that has no request scope at hand.
+CURRENT_RECORD: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar(
+    "colibri_access_record", default=None
+)
+
+
+def current_record() -> AccessRecord | None:
+    """The access-log record of the request being handled in this context, if any."""
+    return CURRENT_RECORD.get()
 
 
 class RequestObserver:

@@ -16,7 +16,6 @@ never holds the prompt, the output, an error's message text or a key.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import sys
 import time
 from datetime import UTC, datetime
@@ -27,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from colibri.api.errors import ApiError
+from colibri.observability import CURRENT_RECORD as _current
 from colibri.observability import AccessRecord
 
 LogFormat = Literal["text", "json"]
@@ -38,20 +38,11 @@ _STATE_KEY = "access_log"
 # Longest path or param written (a 404 on a megabyte of path stays one readable line).
 _MAX_VALUE = 512
 
-_current: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar(
-    "colibri_access_record", default=None
-)
-
 
 def record_of(scope: Scope) -> AccessRecord | None:
     """The access-log record of the request ``scope`` belongs to (None: no access log)."""
     record = scope.get("state", {}).get(_STATE_KEY)
     return record if isinstance(record, AccessRecord) else None
-
-
-def current_record() -> AccessRecord | None:
-    """The access-log record of the request being handled in this context, if any."""
-    return _current.get()
 
 
 def note_error(scope: Scope, err: ApiError) -> None:

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -26,21 +27,15 @@ from colibri.api.anthropic_request import (
 )
 from colibri.api.context_edits import EditedConversation, apply_edits
 from colibri.api.errors import ApiError, error_body
-from colibri.api.generate import (
-    Reply,
-    chat_spec,
-    collect_pieces,
-    generate_response,
-    json_response,
-    read_json,
-    request_id,
-    served,
-)
-from colibri.api.served import ServedModel
+from colibri.api.http import json_response, read_json, request_id, served
 from colibri.chat.output import Piece
+from colibri.chat.plan import plan_chat
+from colibri.chat.request import Sampling
 from colibri.chat.tools import ToolCall
-from colibri.generation import Finished, GenerationSpec
 from colibri.observability import RequestObserver
+from colibri.runtime.generation import Finished, GenerationSpec
+from colibri.runtime.reply import Reply, collect_pieces, respond
+from colibri.runtime.served import ServedModel
 
 
 def _ping_interval() -> float:
@@ -110,12 +105,12 @@ def _plan(
 
         def count(messages: list[dict[str, Any]]) -> int:
             variant = dataclasses.replace(chat, messages=messages)
-            return len(chat_spec(model, variant, observer, check_budget=False).prompt_ids)
+            return len(plan_chat(model, variant, observer, check_budget=False).prompt_ids)
 
         with observer.span("context_edits"):
             edited = apply_edits(chat.messages, req.edits, count)
         chat = dataclasses.replace(chat, messages=edited.messages)
-    return chat_spec(model, chat, observer, check_budget=check_budget), edited
+    return plan_chat(model, chat, observer, check_budget=check_budget), edited
 
 
 def _context_management(edited: EditedConversation | None) -> dict[str, Any]:
@@ -136,32 +131,39 @@ async def messages(request: Request) -> Response:
     except BaseException:
         observer.end()
         raise
-    client_stops = list(chat.sampling.stops)
-    extra = _context_management(edited)
-    omit = req.omit_thinking
+    encoder = _MessagesEncoder(
+        chat.sampling, list(chat.sampling.stops), _context_management(edited), req.omit_thinking
+    )
+    return await respond(request, model, observer, spec, encoder)
 
-    async def body(reply: Reply) -> dict[str, Any]:
+
+@dataclass
+class _MessagesEncoder:
+    """Anthropic messages: a ``message`` JSON or the named-event SSE."""
+
+    sampling: Sampling
+    client_stops: list[str]
+    extra: dict[str, Any]  # top-level fields of the reply beyond the message's own
+    omit_thinking: bool
+    show_reasoning: bool = True
+
+    def events(self, reply: Reply) -> AsyncIterator[bytes]:
+        return _events(reply, self.client_stops, self.extra, self.omit_thinking)
+
+    async def body(self, reply: Reply) -> dict[str, Any]:
         pieces, fin = await collect_pieces(reply)
-        content = _content_blocks(pieces, omit)
-        stop_reason, stop_sequence = _stop_reason(fin, client_stops)
+        stop_reason, stop_sequence = _stop_reason(fin, self.client_stops)
         return {
             "id": "msg_" + secrets.token_hex(12),
             "type": "message",
             "role": "assistant",
-            "model": model.id,
-            "content": content,
+            "model": reply.model.id,
+            "content": _content_blocks(pieces, self.omit_thinking),
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": _usage(reply, fin),
-            **extra,
+            **self.extra,
         }
-
-    def events(reply: Reply) -> AsyncIterator[bytes]:
-        return _events(reply, client_stops, extra, omit)
-
-    return await generate_response(
-        request, model, observer, spec, chat.sampling, True, events, body
-    )
 
 
 def _content_blocks(pieces: list[Piece], omit_thinking: bool) -> list[dict[str, Any]]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from colibri.api.context_edits import Edit, parse_context_management
-from colibri.api.openai_request import ChatRequest, parse_chat
+from colibri.api.openai_request import parse_chat
 from colibri.api.validate import Body, bad, refuse_unless
+from colibri.chat.request import ChatRequest
 
 _THINKING = ("enabled", "disabled", "adaptive", "between_tools")
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")

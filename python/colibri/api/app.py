@@ -16,13 +16,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from colibri.api import anthropic, openai
 from colibri.api.access_log import AccessLogMiddleware, note_error
-from colibri.api.admission import ClientGone, client_gone_response
 from colibri.api.errors import ApiError, error_response
-from colibri.api.generate import json_response
+from colibri.api.http import json_response
 from colibri.api.request_id import RequestIdMiddleware
 from colibri.api.security import security_middleware
-from colibri.api.served import ServedModel
 from colibri.observability import CONTENT_TYPE
+from colibri.runtime.admission import ClientGone, client_gone_response
+from colibri.runtime.served import ServedModel
 
 log = logging.getLogger("colibri.server")
 

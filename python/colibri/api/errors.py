@@ -10,6 +10,10 @@ from __future__ import annotations
 import orjson
 from starlette.responses import Response
 
+from colibri.errors import ApiError
+
+__all__ = ["ApiError", "error_body", "error_response", "is_anthropic_path"]
+
 # HTTP status -> OpenAI error type (what the official SDKs expect to see).
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -34,25 +38,6 @@ _ANTHROPIC_TYPES = {
     500: "api_error",
     503: "overloaded_error",
 }
-
-
-class ApiError(Exception):
-    """A request refused with a status, a message a person can act on, and a stable code."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
 
 
 def is_anthropic_path(path: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -12,19 +13,13 @@ from starlette.responses import Response
 
 from colibri.api.access_log import record_of
 from colibri.api.errors import ApiError, error_body
-from colibri.api.generate import (
-    Reply,
-    chat_spec,
-    collect,
-    generate_response,
-    json_response,
-    read_json,
-    request_id,
-    served,
-)
+from colibri.api.http import json_response, read_json, request_id, served
 from colibri.api.openai_request import parse_chat, parse_completion
+from colibri.chat.plan import plan_chat
+from colibri.chat.request import ChatRequest, Sampling
 from colibri.chat.tools import ToolCall
-from colibri.generation import Finished, GenerationSpec
+from colibri.runtime.generation import Finished, GenerationSpec
+from colibri.runtime.reply import Reply, collect, respond
 
 
 async def list_models(request: Request) -> Response:
@@ -75,20 +70,29 @@ async def chat_completions(request: Request) -> Response:
         "chat.completions", request_id(request), request.headers, record_of(request.scope)
     )
     try:
-        spec = chat_spec(model, req, observer)
+        spec = plan_chat(model, req, observer)
     except BaseException:
         observer.end()
         raise
-    return await generate_response(
-        request,
-        model,
-        observer,
-        spec,
-        req.sampling,
-        req.include_reasoning,
-        _chat_events,
-        lambda reply: _chat_json(reply, thinking=req.thinking),
-    )
+    return await respond(request, model, observer, spec, _ChatEncoder(req.sampling, req))
+
+
+@dataclass
+class _ChatEncoder:
+    """Chat completions: ``chat.completion`` JSON or ``chat.completion.chunk`` SSE."""
+
+    sampling: Sampling
+    req: ChatRequest
+
+    @property
+    def show_reasoning(self) -> bool:
+        return self.req.include_reasoning
+
+    def events(self, reply: Reply) -> AsyncIterator[bytes]:
+        return _chat_events(reply)
+
+    async def body(self, reply: Reply) -> dict[str, Any]:
+        return await _chat_json(reply, thinking=self.req.thinking)
 
 
 async def _chat_json(reply: Reply, thinking: bool) -> dict[str, Any]:
@@ -195,16 +199,21 @@ async def completions(request: Request) -> Response:
         stops=req.sampling.stops,
         ignore_leading_stop=req.sampling.ignore_leading_stop,
     )
-    return await generate_response(
-        request,
-        model,
-        observer,
-        spec,
-        req.sampling,
-        False,
-        _completion_events,
-        _completion_json,
-    )
+    return await respond(request, model, observer, spec, _CompletionEncoder(req.sampling))
+
+
+@dataclass
+class _CompletionEncoder:
+    """Legacy completions: ``text_completion`` JSON or SSE; no reasoning split."""
+
+    sampling: Sampling
+    show_reasoning: bool = False
+
+    def events(self, reply: Reply) -> AsyncIterator[bytes]:
+        return _completion_events(reply)
+
+    async def body(self, reply: Reply) -> dict[str, Any]:
+        return await _completion_json(reply)
 
 
 async def _completion_json(reply: Reply) -> dict[str, Any]:

@@ -4,52 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from colibri.api.validate import Body, bad, refuse_unless
+from colibri.chat.request import ChatRequest, Sampling
 
 MAX_STOPS = 4
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-
-
-@dataclass
-class Sampling:
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stops: list[str]
-    ignore_leading_stop: bool
-    stream: bool
-    include_usage: bool
-    cache_slot: int | None = None
-
-
-@dataclass
-class ChatRequest:
-    model: str
-    messages: list[dict[str, Any]]
-    sampling: Sampling
-    thinking: bool
-    include_reasoning: bool
-    # Declared tools as the template receives them (OpenAI shape), and how they may be used.
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    tool_choice: str = "auto"  # "auto" | "none" | "required" | "function"
-    tool_choice_name: str | None = None
-    parallel_tool_calls: bool = True
-    # Declared tools whose definitions stay out of the prompt until the client reveals them
-    # (Anthropic's defer_loading): callable and parsed, not listed to the model.
-    deferred_tools: frozenset[str] = frozenset()
-
-    @property
-    def tools_active(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def has_tool_history(self) -> bool:
-        return any(m.get("tool_calls") or m["role"] == "tool" for m in self.messages)
 
 
 @dataclass

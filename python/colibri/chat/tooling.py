@@ -9,11 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from colibri.api.errors import ApiError
-from colibri.api.openai_request import ChatRequest
 from colibri.chat.families import GLM, Family
+from colibri.chat.request import ChatRequest
 from colibri.chat.toolcalls import ToolCallParser
 from colibri.chat.tools import Tool, ToolSet
+from colibri.errors import ApiError
 
 
 @dataclass(frozen=True)

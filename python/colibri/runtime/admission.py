@@ -10,10 +10,10 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from colibri.api.errors import ApiError
-from colibri.api.served import ServedModel
+from colibri.errors import ApiError
 from colibri.observability import RequestObserver
-from colibri.scheduler import Cancelled, Lease, QueueFull, QueueTimeout, SchedulerClosed
+from colibri.runtime.scheduler import Cancelled, Lease, QueueFull, QueueTimeout, SchedulerClosed
+from colibri.runtime.served import ServedModel
 
 T = TypeVar("T")
 RETRY_AFTER_S = 2

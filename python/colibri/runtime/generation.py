@@ -17,8 +17,8 @@ from typing import Any
 
 from colibri.chat.output import OutputPipeline, Piece, ReasoningState
 from colibri.chat.toolcalls import ToolCallParser
-from colibri.engine import Engine
 from colibri.observability import RequestObserver
+from colibri.runtime.engine import Engine
 
 
 @dataclass(frozen=True)

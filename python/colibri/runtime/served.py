@@ -5,14 +5,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from colibri.api.access_log import current_record
-from colibri.api.errors import ApiError
 from colibri.chat.families import Family, detect_family, family_by_name
 from colibri.chat.template import ChatTemplate, special_tokens_of
-from colibri.engine import Engine
-from colibri.generation import Generator
-from colibri.observability import AccessRecord, Metrics, RequestObserver, make_tracer
-from colibri.scheduler import Lease, Scheduler
+from colibri.errors import ApiError
+from colibri.observability import (
+    AccessRecord,
+    Metrics,
+    RequestObserver,
+    current_record,
+    make_tracer,
+)
+from colibri.runtime.engine import Engine
+from colibri.runtime.generation import Generator
+from colibri.runtime.scheduler import Lease, Scheduler
 
 
 @dataclass(frozen=True)
