@@ -7,17 +7,15 @@ the same code as ``/v1/chat/completions`` — one set of rules for both protocol
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import json
 import re
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from colibri.api.context_edits import Edit, parse_context_management
 from colibri.api.openai_request import parse_chat
+from colibri.api.sealed import seal, unseal
 from colibri.api.validate import Body, bad, refuse_unless
 from colibri.chat.request import ChatRequest
 
@@ -83,22 +81,15 @@ _DISPLAYS = ("summarized", "omitted", "updates")
 
 
 def signature(thinking: str) -> str:
-    """A thinking block's signature: the thinking text itself, compressed and base64-encoded
-    behind a tag. Stable (same text, same signature), not secret, and reversible, so a client
-    that got the block with its text omitted (``thinking.display: "omitted"``) and sends it
-    back gets the same history rendered as the model wrote it."""
-    return base64.b64encode(_SIGNATURE_TAG + zlib.compress(thinking.encode(), 9)).decode()
+    """A thinking block's signature: the thinking text itself, sealed (api/sealed.py), so a
+    client that got the block with its text omitted (``thinking.display: "omitted"``) and sends
+    it back gets the same history rendered as the model wrote it."""
+    return seal(thinking, _SIGNATURE_TAG)
 
 
 def thinking_from_signature(sig: str) -> str | None:
     """The text a colibri signature carries, or None for any other signature."""
-    try:
-        raw = base64.b64decode(sig, validate=True)
-        if not raw.startswith(_SIGNATURE_TAG):
-            return None
-        return zlib.decompress(raw[len(_SIGNATURE_TAG) :]).decode()
-    except (binascii.Error, ValueError, zlib.error, UnicodeDecodeError):
-        return None
+    return unseal(sig, _SIGNATURE_TAG)
 
 
 @dataclass

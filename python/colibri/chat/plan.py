@@ -20,9 +20,14 @@ from colibri.runtime.served import ServedModel
 
 
 def plan_chat(
-    model: ServedModel, req: ChatRequest, observer: RequestObserver, check_budget: bool = True
+    model: ServedModel,
+    req: ChatRequest,
+    observer: RequestObserver,
+    check_budget: bool = True,
+    prompt_param: str = "messages",
 ) -> GenerationSpec:
-    """Renders and tokenizes the conversation and plans stops, reasoning and tools."""
+    """Renders and tokenizes the conversation and plans stops, reasoning and tools.
+    ``prompt_param``: the field a prompt too long for the context is blamed on."""
     family = model.family
     if model.template is None:
         raise ApiError(
@@ -67,7 +72,7 @@ def plan_chat(
     )
     max_tokens = 1
     if check_budget:
-        max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "messages")
+        max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, prompt_param)
     stops, ignore_leading, stop_ids = family.chat_stops(
         req.sampling.stops,
         req.sampling.ignore_leading_stop,
