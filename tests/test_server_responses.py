@@ -267,3 +267,27 @@ def test_stream_event_payloads(server):
     assert done["status"] == "completed" and done["id"] == created["id"]
     text = "".join(d["delta"] for d in datas if d["type"] == "response.output_text.delta")
     assert text == done["output"][0]["content"][0]["text"] == "85"
+
+
+def test_stream_identities(server):
+    """Structural checks (after llama.cpp's Responses compatibility tests): one response id
+    through the lifecycle, every part and delta names an item added before it at its index,
+    each item is done with the id it was added with, and the final output lists them."""
+    body = {"model": MODEL, "input": "What is 37 + 48?", "stream": True,
+            "reasoning": {"effort": "low"}}  # fmt: skip
+    with httpx.stream("POST", server.base_url + "/responses", json=body) as r:
+        datas = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    ids = {d["response"]["id"] for d in datas if "response" in d}
+    assert len(ids) == 1 and ids.pop().startswith("resp_")
+    added: dict[int, str] = {}
+    for d in datas:
+        if d["type"] == "response.output_item.added":
+            assert d["output_index"] not in added
+            added[d["output_index"]] = d["item"]["id"]
+        elif "item_id" in d:
+            assert added[d["output_index"]] == d["item_id"]
+        elif d["type"] == "response.output_item.done":
+            assert added[d["output_index"]] == d["item"]["id"]
+    final = datas[-1]["response"]["output"]
+    assert [item["id"] for item in final] == [added[i] for i in sorted(added)]
+    assert final[0]["id"].startswith("rs_") and final[1]["id"].startswith("msg_")
