@@ -18,6 +18,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from colibri.api.access_log import record_of
 from colibri.api.anthropic_request import (
     MessagesRequest,
     beta_features,
@@ -125,7 +126,9 @@ async def messages(request: Request) -> Response:
     req = parse_messages(await read_json(request), model.config.max_tokens)
     chat = req.chat
     model.check_model(chat.model)
-    observer = model.observe("messages", request_id(request), request.headers)
+    observer = model.observe(
+        "messages", request_id(request), request.headers, record_of(request.scope)
+    )
     try:
         spec, edited = _plan(model, req, observer, request)
     except BaseException:
@@ -323,7 +326,9 @@ async def count_tokens(request: Request) -> Response:
     model = served(request)
     req = parse_messages(await read_json(request), model.config.max_tokens, count_only=True)
     model.check_model(req.chat.model)
-    observer = model.observe("count_tokens", request_id(request), request.headers)
+    observer = model.observe(
+        "count_tokens", request_id(request), request.headers, record_of(request.scope)
+    )
     try:
         spec, edited = _plan(model, req, observer, request, check_budget=False)
     finally:
