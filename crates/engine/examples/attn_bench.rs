@@ -8,8 +8,8 @@
 
 use std::time::Instant;
 
+use colibri_engine::attention::{attend, AttendArgs, HeadRows};
 use colibri_engine::hugebuf::HugeBuf;
-use colibri_engine::ops::{attend, AttendArgs, HeadRows};
 use half::f16;
 use half::slice::HalfBitsSliceExt;
 

@@ -17,8 +17,8 @@ use std::ops::Range;
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
+use crate::attention::HeadRows;
 use crate::hugebuf::HugeBuf;
-use crate::ops::HeadRows;
 
 /// How the cache stores keys and values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

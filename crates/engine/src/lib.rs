@@ -3,11 +3,12 @@
 //!
 //! Layout: `config` (HF config.json -> [`config::ModelConfig`]), `format` (the model directory),
 //! `convert` (checkpoint -> model directory), `quant` (int4 and its kernels), `linear` (weights
-//! and parallel matmul), `ops` (norms, rope, attention), `model` (load + forward per family),
-//! `kv` (KV history), `sampler`, `engine` (generation), `python` (bindings).
+//! and parallel matmul), `ops` (norms, rope, softmax), `attention` (over a KV history), `model`
+//! (load + forward per family), `kv` (KV history), `sampler`, `engine` (generation), `python`
+//! (bindings).
 
 pub mod alloc;
-pub mod attend_f16;
+pub mod attention;
 pub mod config;
 pub mod convert;
 pub mod engine;
@@ -21,6 +22,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 pub mod sampler;
+pub mod settings;
 pub mod slotfile;
 pub mod slots;
 pub mod store;

@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::Model;
 
-/// Where a slot's committed positions are made durable (the slot file, `slotfile.rs`).
+/// Where a slot's committed positions are made durable (the slot file, `slotfile/`).
 pub trait SlotStore: Send {
     /// Persist positions `start .. start + tokens.len()` after truncating the stored state to
     /// `start`. `kv` is the slot's whole KV cache.

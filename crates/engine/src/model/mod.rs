@@ -64,7 +64,7 @@ fn resolve_prefill_chunk(setting: Option<&str>) -> (usize, Option<String>) {
 }
 
 fn prefill_chunk_from_env() -> usize {
-    let (n, warning) = resolve_prefill_chunk(std::env::var("COLI_PREFILL_CHUNK").ok().as_deref());
+    let (n, warning) = resolve_prefill_chunk(crate::settings::prefill_chunk().as_deref());
     if let Some(w) = warning {
         eprintln!("{w}");
     }
@@ -159,7 +159,7 @@ pub struct Model {
 /// long contexts; its rounding is far below int4's), f32 for f32 models (their logits match the
 /// reference within 1e-4).
 fn kv_dtype(quant: Quant) -> Result<KvDtype> {
-    match std::env::var("COLI_KV_DTYPE").ok().as_deref() {
+    match crate::settings::kv_dtype().as_deref() {
         None | Some("") => Ok(match quant {
             Quant::Int4 => KvDtype::F16,
             Quant::F32 => KvDtype::F32,
@@ -173,7 +173,7 @@ fn kv_dtype(quant: Quant) -> Result<KvDtype> {
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
-    if std::env::var("COLI_LOAD").is_ok_and(|v| v == "mmap") {
+    if crate::settings::load_mmap() {
         let f = File::open(path).map_err(io_err(path))?;
         // SAFETY: model files are written once by the converter and only read afterwards; the
         // map is read-only. Truncating them while a server runs is outside what we can guard.
@@ -882,14 +882,14 @@ impl Model {
                 .map(|i| &q[i * qd + head * hd..i * qd + (head + 1) * hd])
                 .collect();
             let (keys, values) = kv.head(li, head / group, p0 + i1);
-            let args = ops::AttendArgs {
+            let args = crate::attention::AttendArgs {
                 keys,
                 values,
                 n0: p0 + i0 + 1,
                 scale,
             };
             let mut out = vec![0.0f32; qs.len() * hd];
-            ops::attend(&qs, &args, &mut out);
+            crate::attention::attend(&qs, &args, &mut out);
             out
         });
         let mut att = vec![0.0f32; n * qd];
@@ -1207,8 +1207,7 @@ impl Model {
 /// Whether decode may give whole experts to threads (`COLI_WHOLE_EXPERTS=0` turns it off, to
 /// measure against the row split).
 fn whole_experts() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("COLI_WHOLE_EXPERTS").map_or(true, |v| v != "0"))
+    crate::settings::whole_experts()
 }
 
 /// Where a MoE layer is: its model index, its first expert record, its MoE ordinal, and the

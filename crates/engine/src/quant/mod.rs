@@ -195,8 +195,7 @@ pub fn resolve_kernel(setting: Option<&str>) -> (Kernel, Option<String>) {
 pub fn kernel() -> Kernel {
     static KERNEL: OnceLock<Kernel> = OnceLock::new();
     *KERNEL.get_or_init(|| {
-        let env = std::env::var("COLI_KERNEL").ok();
-        let (k, warning) = resolve_kernel(env.as_deref());
+        let (k, warning) = resolve_kernel(crate::settings::kernel());
         if let Some(w) = warning {
             eprintln!("{w}");
         }

@@ -73,8 +73,7 @@ static LEVEL: AtomicU8 = AtomicU8::new(0);
 pub fn prefetch_level() -> PrefetchLevel {
     match LEVEL.load(Ordering::Relaxed) {
         0 => {
-            let env = std::env::var("COLI_KERNEL_PREFETCH").ok();
-            let (level, warning) = resolve_prefetch(env.as_deref());
+            let (level, warning) = resolve_prefetch(crate::settings::kernel_prefetch());
             // Only the first thread to decide prints the warning and sets the level.
             if LEVEL
                 .compare_exchange(0, code(level), Ordering::Relaxed, Ordering::Relaxed)

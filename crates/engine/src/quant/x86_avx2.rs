@@ -161,8 +161,7 @@ fn hsum(v: __m256) -> f32 {
 pub(crate) fn avx_vnni() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avxvnni")
-            && std::env::var("COLI_AVX_VNNI").map_or(true, |v| v.trim() != "0")
+        std::arch::is_x86_feature_detected!("avxvnni") && crate::settings::avx_vnni_allowed()
     })
 }
 

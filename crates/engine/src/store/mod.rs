@@ -73,7 +73,7 @@ impl ExpertOptions {
     /// `COLI_CACHE_POLICY=global|layer|freq`. Unset variables keep the defaults.
     pub fn from_env() -> Result<ExpertOptions> {
         let mut o = ExpertOptions::default();
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let vars = crate::settings::expert_vars();
         let gb = |k: &str, v: String| -> Result<u64> {
             match v.trim().parse::<f64>() {
                 Ok(g) if g.is_finite() && g >= 0.0 => Ok((g * 1e9) as u64),
@@ -83,24 +83,24 @@ impl ExpertOptions {
             }
         };
         let flag = |v: String| matches!(v.trim(), "1" | "true" | "yes" | "on");
-        if let Some(v) = var("COLI_RAM_GB") {
+        if let Some(v) = vars.ram_gb {
             o.ram_bytes = Some(gb("COLI_RAM_GB", v)?);
         }
-        if let Some(v) = var("COLI_PIN_GB") {
+        if let Some(v) = vars.pin_gb {
             o.pin_bytes = gb("COLI_PIN_GB", v)?;
         }
-        if let Some(v) = var("COLI_DIRECT_IO") {
+        if let Some(v) = vars.direct_io {
             o.direct_io = flag(v);
         }
-        if let Some(v) = var("COLI_PREFETCH") {
+        if let Some(v) = vars.prefetch {
             o.prefetch = flag(v);
         }
-        if let Some(v) = var("COLI_IO") {
+        if let Some(v) = vars.io {
             o.io = IoBackend::parse(v.trim()).ok_or_else(|| {
                 Error::Input(format!("COLI_IO={v}: expected auto, uring or pread"))
             })?;
         }
-        if let Some(v) = var("COLI_CACHE_POLICY") {
+        if let Some(v) = vars.cache_policy {
             o.policy = match v.trim() {
                 "global" => Policy::GlobalLru,
                 "layer" => Policy::PerLayerLru,

@@ -4,7 +4,7 @@
 //!
 //! At long contexts decoding reads more history than weights (OLMoE-1B-7B at 1k positions:
 //! 136 MB a token of f16 keys and values against 663 MB of int4 weights), and the buffered
-//! path read it at 7-9 GB/s on one thread. The arithmetic is exactly [`super::ops::attend`]'s
+//! path read it at 7-9 GB/s on one thread. The arithmetic is exactly [`super::attend`]'s
 //! (the same eight partial sums per dot, summed in the same order; the weighted sum in position
 //! order, product then sum), so the bits are the same as every other attention path.
 
@@ -14,7 +14,8 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use crate::ops::{lane_sums, softmax, DOTS};
+use super::rows::{lane_sums, DOTS};
+use crate::ops::softmax;
 
 /// How far ahead of the reads the history is prefetched (one group of four 128-dim rows:
 /// measured best of 0.5-16 KiB, +3% over the hardware prefetcher alone).
@@ -196,13 +197,13 @@ unsafe fn dots<const R: usize, const V: usize>(q: &[__m256; V], rows: [*const f1
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::{attend, AttendArgs, HeadRows};
+    use crate::attention::{attend, AttendArgs, HeadRows};
 
     fn wave(i: usize) -> f32 {
         ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7
     }
 
-    /// Every path of `ops::attend` on the f32 widening of the same history (a block of one
+    /// Every path of `attention::attend` on the f32 widening of the same history (a block of one
     /// query over f32 rows takes the buffered path, not this module).
     #[test]
     fn fused_f16_decode_gives_the_buffered_paths_bits() {

@@ -1,0 +1,173 @@
+//! The slot file's byte layout: the header copies and records, their checksums, and the
+//! fuzzing helper that re-seals them (`docs/FORMATS.md`, "KV slot files").
+
+use xxhash_rust::xxh3::xxh3_64;
+
+/// The slot file format version; a file of any other version is refused.
+pub const SLOT_FILE_VERSION: u32 = 1;
+
+/// First 8 bytes of every header copy.
+pub const SLOT_FILE_MAGIC: [u8; 8] = *b"CLBKVSLT";
+/// First 4 bytes of every record.
+pub const RECORD_MAGIC: [u8; 4] = *b"KVRC";
+/// Number of header copies at the start of the file.
+pub const HEADER_COPIES: usize = 3;
+/// Each header copy owns one 4 KiB block (so no two copies share a page or a disk sector).
+pub const HEADER_BLOCK: u64 = 4096;
+/// Byte offset of the record log (the end of the header region).
+pub const LOG_START: u64 = HEADER_COPIES as u64 * HEADER_BLOCK;
+/// Bytes of a header copy that carry data (the rest of its block is zero).
+pub(super) const HEADER_LEN: usize = 104;
+/// Bytes of a header covered by its checksum.
+pub(super) const HEADER_SUMMED: usize = 96;
+/// A record's fixed part before the tokens: magic, reserved, start, n.
+pub(super) const RECORD_HEAD: u64 = 24;
+/// A record's trailing checksum.
+pub(super) const RECORD_TAIL: u64 = 8;
+
+/// One header copy (the decoded fields; magic and version are implied).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Header {
+    pub(super) fingerprint: [u8; 32],
+    pub(super) num_layers: u64,
+    pub(super) kv_dim: u64,
+    /// Commit sequence number: the newest valid copy wins. 0 is never written.
+    pub(super) seq: u64,
+    /// Absolute byte offset where the committed log ends.
+    pub(super) end: u64,
+    /// Tokens in the committed state.
+    pub(super) tokens: u64,
+    /// Checksum of the last committed record (0 for an empty log): closes the hash chain.
+    pub(super) chain: u64,
+}
+
+impl Header {
+    pub(super) fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..8].copy_from_slice(&SLOT_FILE_MAGIC);
+        b[8..12].copy_from_slice(&SLOT_FILE_VERSION.to_le_bytes());
+        // 12..16 reserved, zero.
+        b[16..48].copy_from_slice(&self.fingerprint);
+        b[48..56].copy_from_slice(&self.num_layers.to_le_bytes());
+        b[56..64].copy_from_slice(&self.kv_dim.to_le_bytes());
+        b[64..72].copy_from_slice(&self.seq.to_le_bytes());
+        b[72..80].copy_from_slice(&self.end.to_le_bytes());
+        b[80..88].copy_from_slice(&self.tokens.to_le_bytes());
+        b[88..96].copy_from_slice(&self.chain.to_le_bytes());
+        let sum = xxh3_64(&b[..HEADER_SUMMED]);
+        b[96..104].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+}
+
+/// What one header block holds.
+pub(super) enum Block {
+    Valid(Header),
+    /// Our magic, another version (read only when the checksum cannot vouch for it either).
+    Version(u32),
+    /// Our magic and version, but the checksum fails (torn or corrupted).
+    Torn,
+    /// Not our magic.
+    Foreign,
+}
+
+pub(super) fn le_u32(b: &[u8], at: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(a)
+}
+
+pub(super) fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+pub(super) fn parse_block(b: &[u8]) -> Block {
+    if b.len() < HEADER_LEN || b[0..8] != SLOT_FILE_MAGIC {
+        return Block::Foreign;
+    }
+    // The version sits at a fixed offset in every version; it is read before the checksum,
+    // whose scheme another version may change.
+    let version = le_u32(b, 8);
+    if version != SLOT_FILE_VERSION {
+        return Block::Version(version);
+    }
+    if le_u64(b, 96) != xxh3_64(&b[..HEADER_SUMMED]) || le_u32(b, 12) != 0 {
+        return Block::Torn;
+    }
+    let mut fingerprint = [0u8; 32];
+    fingerprint.copy_from_slice(&b[16..48]);
+    Block::Valid(Header {
+        fingerprint,
+        num_layers: le_u64(b, 48),
+        kv_dim: le_u64(b, 56),
+        seq: le_u64(b, 64),
+        end: le_u64(b, 72),
+        tokens: le_u64(b, 80),
+        chain: le_u64(b, 88),
+    })
+}
+
+pub(super) fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Bytes one token takes in a record: its id plus keys and values in every layer.
+pub(super) fn token_bytes(num_layers: usize, kv_dim: usize) -> Option<u64> {
+    (num_layers as u64)
+        .checked_mul(kv_dim as u64)?
+        .checked_mul(8)?
+        .checked_add(4)
+}
+
+/// Bytes of a record of `n` tokens.
+pub(super) fn record_len(n: u64, per_token: u64) -> Option<u64> {
+    n.checked_mul(per_token)?
+        .checked_add(RECORD_HEAD + RECORD_TAIL)
+}
+
+/// Fuzzing support: recomputes every checksum in `bytes` (records as far as they chain from
+/// the log start, then each header copy with our magic, whose `chain` is set to the chain value
+/// at its committed end when a record ends there), so mutated fields reach the replay logic
+/// instead of stopping at a checksum. Never panics; O(len).
+#[doc(hidden)]
+pub fn reseal(bytes: &mut [u8], num_layers: usize, kv_dim: usize) {
+    let Some(per_token) = token_bytes(num_layers, kv_dim) else {
+        return;
+    };
+    let size = bytes.len() as u64;
+    let mut ends = vec![(LOG_START, 0u64)];
+    let (mut pos, mut chain) = (LOG_START, 0u64);
+    while size >= pos + RECORD_HEAD + RECORD_TAIL {
+        let at = pos as usize;
+        if bytes[at..at + 4] != RECORD_MAGIC {
+            break;
+        }
+        let n = le_u64(bytes, at + 16);
+        if n > (size - pos - RECORD_HEAD - RECORD_TAIL) / per_token {
+            break;
+        }
+        let body_end = (pos + RECORD_HEAD + n * per_token) as usize;
+        let sum = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[at..body_end], chain);
+        bytes[body_end..body_end + 8].copy_from_slice(&sum.to_le_bytes());
+        chain = sum;
+        pos = body_end as u64 + RECORD_TAIL;
+        ends.push((pos, chain));
+    }
+    for i in 0..HEADER_COPIES {
+        let at = i * HEADER_BLOCK as usize;
+        let Some(b) = bytes.get_mut(at..at + HEADER_LEN) else {
+            break;
+        };
+        if b[0..8] != SLOT_FILE_MAGIC {
+            continue;
+        }
+        let end = le_u64(b, 72);
+        if let Some(&(_, c)) = ends.iter().find(|(e, _)| *e == end) {
+            b[88..96].copy_from_slice(&c.to_le_bytes());
+        }
+        let sum = xxh3_64(&b[..HEADER_SUMMED]);
+        b[96..104].copy_from_slice(&sum.to_le_bytes());
+    }
+}
