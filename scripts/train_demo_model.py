@@ -118,6 +118,7 @@ def _load(name: str, path: Path):
 
 
 demo_data = _load("colibri_demo_data", PKG / "demo_data.py")
+demo_preamble = _load("colibri_demo_preamble", PKG / "demo_preamble.py")
 chat_template = _load("colibri_chat_template", PKG / "chat" / "template.py")
 
 SEED = 1234
@@ -342,6 +343,43 @@ def batches(
             yield chunk
 
 
+def long_batches(
+    rng: random.Random,
+    tok,
+    template,
+    min_tokens: int,
+    max_tokens: int,
+    max_len: int,
+    episodes: tuple[int, int],
+    pieces,
+    chars_per_token: float,
+    long_bias: float = 0.5,
+    trailing: bool = False,
+    arith_weight: int | None = None,
+    tool_extra: int = 0,
+):
+    """Endless batches of one conversation each whose prompt opens with an agent preamble
+    (``demo_preamble.long_train_conversation``) of ``min_tokens``-``max_tokens`` tokens (uniform;
+    with ``long_bias`` of the draws from the upper half of the range, where the evaluation is)
+    and ``episodes`` (low, high) trained episodes after it; at most ``max_len`` tokens in all."""
+    mix = demo_data.train_mix(arith_weight)
+    while True:
+        lo = min_tokens if rng.random() >= long_bias else (min_tokens + max_tokens) // 2
+        target = rng.randint(lo, max_tokens)
+        conv = demo_preamble.long_train_conversation(
+            rng,
+            int(target * chars_per_token),
+            rng.randint(*episodes),
+            pieces,
+            trailing=trailing,
+            mix=mix,
+            tool_extra=tool_extra,
+        )
+        ids, mask = encode_conversation(tok, template, conv)
+        if len(ids) <= max_len:
+            yield [(ids, mask)]
+
+
 # --- training -----------------------------------------------------------------------------------
 
 
@@ -367,6 +405,133 @@ def build_model(
     return model
 
 
+def _colibri_tensor(buf: bytes, spec: dict, base: int = 0):
+    """One tensor of a colibri model file as an f32 torch tensor: ``f32`` as stored, ``q4``
+    dequantized (layout in ``crates/engine/src/quant/mod.rs``: each row its f16 scales, then its
+    nibbles in blocks of 16 groups interleaved by dword; weight ``(q - 8) * scale``)."""
+    import numpy as np
+    import torch
+
+    shape, off = spec["shape"], base + spec["offset"]
+    raw = np.frombuffer(buf, dtype=np.uint8, count=spec["nbytes"], offset=off)
+    if spec["dtype"] == "f32":
+        return torch.from_numpy(raw.view("<f4").reshape(shape).copy())
+    if spec["dtype"] != "q4":
+        raise ValueError(f"cannot read a {spec['dtype']} tensor")
+    rows, cols = shape
+    groups = -(-cols // 32)
+    rowb = raw.reshape(rows, groups * 18)
+    scales = rowb[:, : groups * 2].copy().view("<f2").astype(np.float32)  # [rows, groups]
+    nib = rowb[:, groups * 2 :]
+    # Byte j (0..16) of group g sits at nibble_offset(groups, g, j).
+    offs = np.empty((groups, 16), dtype=np.int64)
+    for g in range(groups):
+        b = g // 16
+        m = min(groups - b * 16, 16)
+        for j in range(16):
+            offs[g, j] = b * 256 + (j // 4) * 4 * m + (g % 16) * 4 + j % 4
+    by = nib[:, offs]  # [rows, groups, 16]
+    q = np.concatenate([by & 15, by >> 4], axis=-1).astype(np.float32) - 8.0  # [rows, g, 32]
+    w = (q * scales[:, :, None]).reshape(rows, groups * 32)[:, :cols]
+    return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def load_colibri_weights(model, src: Path) -> None:
+    """Loads the weights of a colibri model directory (``colibri convert`` output, f32 or int4)
+    into a ``Glm4MoeForCausalLM`` of the same shape: the shipped int4 model, trained
+    quantization-aware, is its own f32 starting point (the f32 checkpoint it came from is not
+    kept). Every parameter and router bias of the model must be found."""
+    import torch
+
+    man = json.loads((src / "manifest.json").read_text())
+    res = (src / man["resident"]["file"]).read_bytes()
+    sd: dict[str, torch.Tensor] = {}
+    names = {
+        "attn_norm": "input_layernorm.weight",
+        "ffn_norm": "post_attention_layernorm.weight",
+        "q": "self_attn.q_proj.weight",
+        "k": "self_attn.k_proj.weight",
+        "v": "self_attn.v_proj.weight",
+        "o": "self_attn.o_proj.weight",
+        "q_bias": "self_attn.q_proj.bias",
+        "k_bias": "self_attn.k_proj.bias",
+        "v_bias": "self_attn.v_proj.bias",
+        "mlp.gate": "mlp.gate_proj.weight",
+        "mlp.up": "mlp.up_proj.weight",
+        "mlp.down": "mlp.down_proj.weight",
+        "router": "mlp.gate.weight",
+        "router_bias": "mlp.gate.e_score_correction_bias",
+        "shared.gate": "mlp.shared_experts.gate_proj.weight",
+        "shared.up": "mlp.shared_experts.up_proj.weight",
+        "shared.down": "mlp.shared_experts.down_proj.weight",
+    }
+    top = {
+        "embed": "model.embed_tokens.weight",
+        "lm_head": "lm_head.weight",
+        "norm": "model.norm.weight",
+    }
+    for key, spec in man["resident"]["tensors"].items():
+        if key in top:
+            sd[top[key]] = _colibri_tensor(res, spec)
+            continue
+        _, layer, rest = key.split(".", 2)
+        sd[f"model.layers.{layer}.{names[rest]}"] = _colibri_tensor(res, spec)
+    ex = man.get("experts")
+    if ex:
+        eb = (src / ex["file"]).read_bytes()
+        for lay in ex["layers"]:
+            parts = {p: [] for p in ("gate", "up", "down")}
+            for e in range(lay["count"]):
+                base = (lay["first_record"] + e) * ex["record_size"]
+                for p in parts:
+                    parts[p].append(_colibri_tensor(eb, ex["parts"][p], base))
+            pre = f"model.layers.{lay['layer']}.mlp.experts"
+            # transformers 5 fuses gate and up: gate_up_proj [E, 2I, H], gate first.
+            sd[f"{pre}.gate_up_proj"] = torch.stack(
+                [torch.cat([g, u]) for g, u in zip(parts["gate"], parts["up"], strict=True)]
+            )
+            sd[f"{pre}.down_proj"] = torch.stack(parts["down"])
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd and not k.endswith("inv_freq")]
+    unknown = [k for k in sd if k not in own]
+    if missing or unknown:
+        raise ValueError(f"{src}: missing {missing[:5]}, unknown {unknown[:5]}")
+    for k, v in sd.items():
+        if own[k].shape != v.shape:
+            raise ValueError(f"{src}: {k} is {tuple(v.shape)}, the model has {tuple(own[k].shape)}")
+    model.load_state_dict(sd, strict=False)
+
+
+def load_init(model, src: Path) -> None:
+    """Initial weights from ``src``: an HF checkpoint (``WORK/hf`` of an earlier run, f32) or a
+    colibri model directory (see ``load_colibri_weights``)."""
+    if (src / "manifest.json").exists():
+        load_colibri_weights(model, src)
+        return
+    import torch
+    from safetensors.torch import load_file
+
+    sd = load_file(str(src / "model.safetensors"))
+    # save_pretrained writes the experts one by one (experts.E.{gate,up,down}_proj.weight, the
+    # checkpoint format the converter reads); transformers 5 fuses them in the model.
+    fused: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for k in [k for k in sd if ".mlp.experts." in k and k.endswith("_proj.weight")]:
+        pre, rest = k.split(".mlp.experts.")
+        e, part = rest.split(".")[:2]
+        fused.setdefault(pre, {}).setdefault(int(e), {})[part] = sd.pop(k)
+    for pre, experts in fused.items():
+        order = [experts[e] for e in sorted(experts)]
+        sd[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([x["gate_proj"], x["up_proj"]]) for x in order]
+        )
+        sd[f"{pre}.mlp.experts.down_proj"] = torch.stack([x["down_proj"] for x in order])
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd and not k.endswith("inv_freq")]
+    if missing:
+        raise ValueError(f"{src}: missing {missing[:5]}")
+    model.load_state_dict(sd, strict=False)
+
+
 def fake_int4(w):
     """``w`` rounded to the int4 grid the converter writes: groups of 32 along the last (input)
     dimension, ``(q - 8) * d`` with ``q`` in 0..15 and ``d`` from the group's largest magnitude
@@ -390,6 +555,9 @@ def train(args, tok, template, work: Path) -> dict:
     eos_ids = [tok.token_to_id(t) for t in EOS_TOKENS]
     pad_id = tok.token_to_id("<|endoftext|>")
     model = build_model(tok.get_vocab_size(), eos_ids, pad_id, args.seed, args.tie_embeddings)
+    if args.init_from:
+        load_init(model, args.init_from)
+        print(f"weights from {args.init_from}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params: {n_params:,}", flush=True)
 
@@ -455,12 +623,43 @@ def train(args, tok, template, work: Path) -> dict:
         arith_weight=args.arith_weight,
         tool_extra=args.tool_extra,
     )
+    long_stream = None
+    long_rng = random.Random(args.seed + 7)
+    if args.long_share > 0:
+        long_stream = long_batches(
+            random.Random(args.seed + 8),
+            tok,
+            template,
+            args.long_min,
+            args.long_max,
+            args.context,
+            (args.long_episodes_min, args.long_episodes_max),
+            name_pieces(
+                tok,
+                short_p=args.short_pieces,
+                share=args.piece_share,
+                near_miss=args.near_miss,
+                drill=args.copy_drill,
+            ),
+            args.chars_per_token,
+            long_bias=args.long_bias,
+            trailing=args.trailing_phrasings,
+            arith_weight=args.arith_weight,
+            tool_extra=args.tool_extra,
+        )
     label_sum = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.float64)
     label_n = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.long)
+    # The same per task for the long-prompt steps (``--long-share``).
+    long_sum = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.float64)
+    long_n = torch.zeros(len(LOSS_LABELS) + 1, dtype=torch.long)
+    n_long = 0
+    last_save = time.time()
     step = 0
     while progress(step, time.time() - t0) < 1.0:
         lr = lr_at(step, progress(step, time.time() - t0))
-        seqs = next(stream)
+        is_long = long_stream is not None and long_rng.random() < args.long_share
+        seqs = next(long_stream) if is_long else next(stream)
+        n_long += is_long
         L = max(len(s[0]) for s in seqs)
         x = torch.full((len(seqs), L), pad_id, dtype=torch.long)
         y = torch.full((len(seqs), L), -100, dtype=torch.long)
@@ -486,8 +685,9 @@ def train(args, tok, template, work: Path) -> dict:
         loss = token_loss.mean()
         with torch.no_grad():
             lab = labels[taken]
-            label_sum += torch.bincount(lab, token_loss.detach(), len(LOSS_LABELS) + 1)
-            label_n += torch.bincount(lab, minlength=len(LOSS_LABELS) + 1)
+            sums, ns = (long_sum, long_n) if is_long else (label_sum, label_n)
+            sums += torch.bincount(lab, token_loss.detach(), len(LOSS_LABELS) + 1)
+            ns += torch.bincount(lab, minlength=len(LOSS_LABELS) + 1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         # Straight-through: the gradient taken at the int4 weights updates the f32 masters.
@@ -510,6 +710,8 @@ def train(args, tok, template, work: Path) -> dict:
                 "time": time.time() - t0,
                 "lr": lr,
                 "qat": qat,
+                "long": is_long,
+                "len": L,
             }
         )
         if (step + 1) % args.log_every == 0 or step == 0:
@@ -533,9 +735,29 @@ def train(args, tok, template, work: Path) -> dict:
                 if label_n[i + 1] > 0
             }
             log[-1]["task_loss"] = task_loss
-            print("  " + " ".join(f"{k} {v:.3f}" for k, v in task_loss.items()), flush=True)
+            if task_loss:
+                print("  " + " ".join(f"{k} {v:.3f}" for k, v in task_loss.items()), flush=True)
             label_sum.zero_()
             label_n.zero_()
+            if long_n.sum() > 0:
+                long_loss = {
+                    name: round(float(long_sum[i + 1] / long_n[i + 1]), 4)
+                    for i, name in enumerate(LOSS_LABELS)
+                    if long_n[i + 1] > 0
+                }
+                log[-1]["long_task_loss"] = long_loss
+                total = float(long_sum.sum() / long_n.sum())
+                print(
+                    f"  long prompts ({n_long} steps so far): loss {total:.3f} | "
+                    + " ".join(f"{k} {v:.3f}" for k, v in long_loss.items()),
+                    flush=True,
+                )
+                long_sum.zero_()
+                long_n.zero_()
+        if args.save_every_min > 0 and time.time() - last_save > args.save_every_min * 60:
+            # A checkpoint to stop at (``--init-from WORK/hf``, or convert it as it is).
+            save_checkpoint(model, tok, work / "hf")
+            last_save = time.time()
         step += 1
     train_time = time.time() - t0
     print(f"stopped after {step} steps, {train_time:.0f}s", flush=True)
@@ -546,6 +768,7 @@ def train(args, tok, template, work: Path) -> dict:
         "train_time": train_time,
         "n_params": n_params,
         "tokens": ntok,
+        "long_steps": n_long,
     }
 
 
@@ -611,16 +834,21 @@ def plot_loss(log: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in log]
-    loss = [r["loss"] for r in log]
     k = 25
-    smooth = [
-        sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1])
-        for i in range(len(loss))
-    ]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(steps, loss, color="#bbb", lw=0.6, label="per step")
-    ax.plot(steps, smooth, color="#1f6feb", lw=1.5, label=f"mean of {k}")
+    # Steps with a long agent preamble (``--long-share``) are drawn apart.
+    parts = [("", "#bbb", "#1f6feb", [r for r in log if not r.get("long")])]
+    if any(r.get("long") for r in log):
+        parts.append((" (long prompts)", "#f2c0a0", "#d1495b", [r for r in log if r.get("long")]))
+    for name, light, dark, rows in parts:
+        steps = [r["step"] for r in rows]
+        loss = [r["loss"] for r in rows]
+        smooth = [
+            sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1])
+            for i in range(len(loss))
+        ]
+        ax.plot(steps, loss, color=light, lw=0.6, label="per step" + name)
+        ax.plot(steps, smooth, color=dark, lw=1.5, label=f"mean of {k}" + name)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss on generated tokens")
@@ -631,8 +859,13 @@ def plot_loss(log: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-def convert_and_eval(work: Path, n_per_task: int, eval_seed: int) -> dict:
-    results = {}
+def convert_and_eval(
+    work: Path, n_per_task: int, eval_seed: int, long_n: int = 0, long_tokens: int = 12000
+) -> dict:
+    """Converts WORK/hf to f32 and int4 and evaluates both (``results[quant]``); with
+    ``long_n``, also ``long_n`` prompts per task at the end of a ~``long_tokens``-token agent
+    preamble (``results["long"][quant]``)."""
+    results: dict = {}
     for quant in ("f32", "int4"):
         out = work / f"model-{quant}"
         if out.exists():
@@ -658,6 +891,27 @@ def convert_and_eval(work: Path, n_per_task: int, eval_seed: int) -> dict:
         )
         del res
         results[quant] = json.loads((work / f"eval-{quant}.json").read_text())
+        if long_n > 0:
+            subprocess.run(
+                [
+                    str(VENV_PY),
+                    "-m",
+                    "colibri.demo_eval",
+                    "--model",
+                    str(out),
+                    "--n",
+                    str(long_n),
+                    "--seed",
+                    str(eval_seed),
+                    "--preamble-tokens",
+                    str(long_tokens),
+                    "--json",
+                    str(work / f"eval-long-{quant}.json"),
+                ],
+                check=True,
+            )
+            long = json.loads((work / f"eval-long-{quant}.json").read_text())
+            results.setdefault("long", {})[quant] = long
     return results
 
 
@@ -750,6 +1004,69 @@ def main() -> None:
         default=0.0,
         help="end training (annealed) after this many minutes even if --steps is not reached",
     )
+    ap.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from these weights instead of a fresh initialisation: an HF checkpoint "
+        "(WORK/hf of an earlier run) or a colibri model directory (the shipped int4 model, "
+        "dequantized); its tokenizer.json is used instead of building one",
+    )
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=CONFIG["max_position_embeddings"],
+        help="max_position_embeddings of the model (RoPE as it is: the engine has no scaling)",
+    )
+    ap.add_argument(
+        "--long-share",
+        type=float,
+        default=0.0,
+        help="share of the steps that train one conversation opening with a long agent "
+        "preamble (colibri/demo_preamble.py) instead of a batch of short ones",
+    )
+    ap.add_argument("--long-min", type=int, default=1000, help="shortest preamble, tokens")
+    ap.add_argument("--long-max", type=int, default=14000, help="longest preamble, tokens")
+    ap.add_argument(
+        "--long-bias",
+        type=float,
+        default=0.5,
+        help="share of the preamble lengths drawn from the upper half of the range",
+    )
+    ap.add_argument(
+        "--long-episodes-min",
+        type=int,
+        default=8,
+        help="fewest episodes after a long preamble (each is ~50 tokens: more of them make "
+        "more trained answers for the preamble's cost)",
+    )
+    ap.add_argument("--long-episodes-max", type=int, default=20)
+    ap.add_argument(
+        "--chars-per-token",
+        type=float,
+        default=2.0,
+        help="characters per token of preamble text, to size preambles (measured: ~2.0 with "
+        "the demo tokenizer)",
+    )
+    ap.add_argument(
+        "--save-every-min",
+        type=float,
+        default=0.0,
+        help="also save WORK/hf every this many minutes of training (a checkpoint to stop at)",
+    )
+    ap.add_argument(
+        "--long-eval-n",
+        type=int,
+        default=0,
+        help="also evaluate this many prompts per task after a long agent preamble",
+    )
+    ap.add_argument("--long-eval-tokens", type=int, default=12000)
+    ap.add_argument(
+        "--out-model",
+        type=Path,
+        default=None,
+        help="copy the int4 model, loss.png and CARD.md here (a draft beside the shipped one)",
+    )
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--n-eval", type=int, default=200)
     ap.add_argument("--eval-seed", type=int, default=demo_data.EVAL_SEED)
@@ -768,6 +1085,7 @@ def main() -> None:
     args = ap.parse_args()
 
     random.seed(SEED)
+    CONFIG["max_position_embeddings"] = args.context
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -775,7 +1093,12 @@ def main() -> None:
 
     if not (args.only_convert or args.card_only):
         t0 = time.time()
-        tok = build_tokenizer(template, SEED)
+        if args.init_from:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+        else:
+            tok = build_tokenizer(template, SEED)
         print(f"tokenizer: {tok.get_vocab_size()} tokens in {time.time() - t0:.0f}s", flush=True)
         lens = [
             len(
@@ -789,9 +1112,10 @@ def main() -> None:
         res = train(args, tok, template, work)
         save_checkpoint(res["model"], tok, work / "hf")
         f32_sanity(res["model"], tok, template)
-        summary = {k: res[k] for k in ("log", "train_time", "n_params", "tokens")}
+        summary = {k: res[k] for k in ("log", "train_time", "n_params", "tokens", "long_steps")}
         summary["args"] = {k: str(v) for k, v in vars(args).items()}
         summary["vocab_size"] = tok.get_vocab_size()
+        summary["argv"] = sys.argv[1:]
         (work / "train.json").write_text(json.dumps(summary))
         plot_loss(res["log"], work / "loss.png")
         print(f"trained in {res['train_time']:.0f}s", flush=True)
@@ -802,8 +1126,20 @@ def main() -> None:
         results = json.loads((work / "eval.json").read_text())
         (SHIP_DIR / "CARD.md").write_text(card(summary, results, args), encoding="utf-8")
         return
-    results = convert_and_eval(work, args.n_eval, args.eval_seed)
+    results = convert_and_eval(
+        work, args.n_eval, args.eval_seed, args.long_eval_n, args.long_eval_tokens
+    )
     (work / "eval.json").write_text(json.dumps(results, indent=2))
+    (work / "CARD.md").write_text(card(summary, results, args), encoding="utf-8")
+    if args.out_model:
+        if args.out_model.exists():
+            shutil.rmtree(args.out_model)
+        shutil.copytree(
+            work / "model-int4", args.out_model, ignore=shutil.ignore_patterns("routing-heat*")
+        )
+        shutil.copy(work / "loss.png", args.out_model / "loss.png")
+        shutil.copy(work / "CARD.md", args.out_model / "CARD.md")
+        print(f"draft model in {args.out_model}")
     if args.ship:
         ship(work, summary, results, args)
 
@@ -821,6 +1157,7 @@ def ship(work: Path, summary: dict, results: dict, args) -> None:
 def card(summary: dict, results: dict, args) -> str:
     cfg = dict(CONFIG)
     a = summary["args"]
+    cfg["max_position_embeddings"] = int(a.get("context", cfg["max_position_embeddings"]))
     tie = a.get("tie_embeddings") == "True"
     tied = "tied (input and output share one matrix)" if tie else "untied"
     n_eval = results["int4"]["tasks"]["arith"]["n"]
@@ -1023,10 +1360,70 @@ number and the city (or the converted amount and currency).
 ## Against the issue's targets
 
 {status(results)}
-"""
+{long_section(summary, results)}"""
 
 
 TARGETS = {"arith": 95.0, "capital": 98.0, "tool_call": 95.0}
+
+
+def long_section(summary: dict, results: dict) -> str:
+    """The card's section on long prompts (a run with ``--long-share`` and/or a long
+    evaluation), or an empty string."""
+    a = summary["args"]
+    share = float(a.get("long_share", "0"))
+    long = results.get("long")
+    if not share and not long:
+        return ""
+    out = ["", "## Long prompts (agent preambles)", ""]
+    init = a.get("init_from", "None")
+    if init != "None":
+        out.append(
+            f"Fine-tuned from `{init}` (its weights, dequantized when it is a colibri model "
+            f"directory) with `max_position_embeddings` {a.get('context')} and RoPE as it was "
+            "(theta 10000, the default type: the engine implements no scaling)."
+        )
+    if share:
+        n_long = summary.get("long_steps", 0)
+        log = summary["log"]
+        long_len = [r["len"] for r in log if r.get("long")]
+        mean_len = sum(long_len) / max(1, len(long_len))
+        out.append(
+            f"{share * 100:.0f}% of the steps ({n_long} of {len(log)}) train one conversation "
+            f"that opens with a synthetic coding-agent preamble (`colibri/demo_preamble.py`: "
+            "headed instructions, lists and examples, then a catalog of agent tools with long "
+            "descriptions and JSON schemas, the conversation's demo tools at random places "
+            f"among them) of {a.get('long_min')}-{a.get('long_max')} tokens "
+            f"({float(a.get('long_bias', '0.5')) * 100:.0f}% from the upper half), then "
+            f"{a.get('long_episodes_min')}-{a.get('long_episodes_max')} episodes of the recipe "
+            f"above; those sequences were {mean_len:.0f} tokens on average (longest "
+            f"{max(long_len, default=0)}). The other steps are the recipe above."
+        )
+        if summary.get("argv"):
+            out.append("")
+            out.append(
+                "Command: `python scripts/train_demo_model.py " + " ".join(summary["argv"]) + "`"
+            )
+    if long:
+        r0 = long["int4"]
+        out += [
+            "",
+            f"Evaluation: `python -m colibri.demo_eval --model DIR --n {r0['tasks']['arith']['n']} "
+            f"--preamble-tokens {a.get('long_eval_tokens')}`: the held-out prompts above, each "
+            "after an agent preamble "
+            f"of {r0['preamble_tokens']:.0f} tokens on average (longest prompt "
+            f"{r0['prompt_tokens_max']} tokens) declaring the three demo tools among "
+            "the agent's (so every task is asked with tools declared).",
+            "",
+            "| task | f32 % | int4 % | prompts |",
+            "|---|---|---|---|",
+        ]
+        for t in long["f32"]["tasks"]:
+            out.append(
+                f"| {t} | {long['f32']['tasks'][t]['accuracy'] * 100:.1f} | "
+                f"{long['int4']['tasks'][t]['accuracy'] * 100:.1f} | "
+                f"{long['int4']['tasks'][t]['n']} |"
+            )
+    return "\n".join(out) + "\n"
 
 
 def by_source(results: dict) -> str:

@@ -966,18 +966,23 @@ def train_conversation(
     trailing: bool = False,
     mix: Sequence[tuple[str, int]] = TRAIN_MIX,
     tool_extra: int = 0,
+    episodes: int | None = None,
 ) -> dict:
-    """One training conversation of 1-5 episodes (more with ``tool_extra``); tools declared in
-    about two thirds of them.
+    """One training conversation of 1-5 episodes (``episodes`` when given; more with
+    ``tool_extra``); tools declared in about two thirds of them.
 
     With ``pieces``, a share of the cities (``pieces.share``) are strung from tokenizer pieces.
     ``trailing`` adds tool phrasings with words after the city. ``mix`` weighs the episodes'
     tasks (``TRAIN_MIX``, or ``train_mix``'s reweighting of it). ``tool_extra`` more episodes
     join a conversation that declares tools, and it then never stops at a call: the
     declarations (~270 tokens, half of all the tokens, never trained on) are amortised over
-    more trained answers. A call's own targets are the same whether a result follows or not."""
+    more trained answers. A call's own targets are the same whether a result follows or not.
+    ``episodes`` (for long prompts, ``demo_preamble``) replaces the draw of the count, so the
+    default stream is unchanged."""
     if tool_extra < 0:
         raise ValueError(f"tool_extra must be >= 0, got {tool_extra}")
+    if episodes is not None and episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
     tasks, weights = zip(*mix, strict=True)
 
     def draw(n: int) -> list[str]:
@@ -987,14 +992,14 @@ def train_conversation(
             drawn = ["drill" if rng.random() < pieces.drill else t for t in drawn]
         return drawn
 
-    episodes = draw(rng.choice(EPISODE_COUNTS))
-    wants_tool = "tool" in episodes or "tool_unneeded" in episodes
+    drawn = draw(rng.choice(EPISODE_COUNTS) if episodes is None else episodes)
+    wants_tool = "tool" in drawn or "tool_unneeded" in drawn
     tools: list[dict] | None = None
     declared: list[str] = []
     if wants_tool or rng.random() < 0.1:
         declared = rng.sample(list(TOOLS), rng.randint(1, 3))
         tools = [TOOLS[t] for t in declared]
-        episodes += draw(tool_extra)
+        drawn += draw(tool_extra)
     messages: list[dict] = []
     thinking: list[bool] = []
     kinds: list[str] = []
@@ -1009,7 +1014,7 @@ def train_conversation(
         thinking.append(think)
         kinds.append(kind)
 
-    for task in episodes:
+    for task in drawn:
         if task == "tool" and declared:
             tool = rng.choice(declared)
             ep = tool_episode(

@@ -1,12 +1,19 @@
 """Evaluation of the demo model through the real engine: exact-match accuracy per task.
 
     python -m colibri.demo_eval --model DIR [--n 200] [--seed 7] [--json OUT]
+    python -m colibri.demo_eval --model DIR --n 30 --preamble-tokens 12000   # long prompts
 
 Prompts are held-out items of :mod:`colibri.demo_data` (numbers, phrasings and cities training
 never saw), rendered with the model's own chat template and decoded greedily until one of the
 model's EOS ids. An output counts only if its whole shape is right: with thinking on it must open
 with ``\\n<think>…</think>``, an answer must end with ``<|user|>`` (or ``<|endoftext|>``), a tool
 call with ``<|observation|>``.
+
+With ``--preamble-tokens N`` the same items are asked at the end of a ~N-token agent preamble
+(``colibri.demo_preamble``: a coding agent's instructions and tool catalog, the three demo tools
+declared among the agent's), so the tasks measure what an agent's first turn needs; each
+``--preamble-group`` consecutive items of a task share one preamble, whose prefill the engine's
+KV slot reuses.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from colibri import demo_data
+from colibri import demo_data, demo_preamble
 from colibri.chat.template import ChatTemplate
 
 DEFAULT_MODEL = Path(__file__).parent / "demo_model"
@@ -98,6 +105,8 @@ def evaluate(
     tasks: list[str] | None = None,
     threads: int | None = None,
     max_tokens: int = 96,
+    preamble_tokens: int = 0,
+    preamble_group: int = 10,
 ) -> dict:
     """Accuracy per task on ``n_per_task`` held-out prompts (half with thinking on).
 
@@ -107,6 +116,10 @@ def evaluate(
     "n", "accuracy"}}``, split by where the city comes from (real, generated, no city), and
     the tool-call task ``"by_tool"`` in the same shape, split by the tool the prompt asks for
     (a wrong tool shows there, a badly copied city in ``by_source``).
+
+    With ``preamble_tokens`` > 0, every prompt opens with an agent preamble of about that many
+    tokens (``demo_preamble.long_eval_items``); the result then has ``"preamble_tokens"``, the
+    mean length of the preambles (their rendered system turn), and ``"prompt_tokens_max"``.
     """
     from colibri.runtime.engine import Engine
 
@@ -122,8 +135,24 @@ def evaluate(
         "quantization": engine.info["quantization"],
         "tasks": {},
     }
+
+    def count(pre: dict) -> int:
+        system = [{"role": "system", "content": pre["system"]}]
+        return len(
+            engine.tokenize(
+                template.render(system, add_generation_prompt=False, tools=pre["tools"])
+            )
+        )
+
+    pre_lens: list[int] = []
+    longest = 0
     for task in tasks or demo_data.EVAL_TASKS:
-        items = demo_data.eval_items(task, n_per_task, seed)
+        if preamble_tokens > 0:
+            items = demo_preamble.long_eval_items(
+                task, n_per_task, seed, preamble_tokens, count, preamble_group
+            )
+        else:
+            items = demo_data.eval_items(task, n_per_task, seed)
         by_mode = {True: [0, 0], False: [0, 0]}  # thinking -> [correct, n]
         by_source: dict[str, list[int]] = {}  # city source -> [correct, n] (tool tasks)
         by_tool: dict[str, list[int]] = {}  # expected tool -> [correct, n] (tool calls)
@@ -136,10 +165,18 @@ def evaluate(
                 enable_thinking=item["thinking"],
             )
             ids = engine.tokenize(prompt)
+            longest = max(longest, len(ids))
             room = min(max_tokens, int(engine.info["context_length"]) - len(ids))
             text = ""
             if room > 0:
-                text = engine.detokenize(engine.generate(ids, room, stop_token_ids=stops))
+                # Long prompts share their preamble with the items around them: KV slot 0
+                # keeps it (only the rest of the prompt is prefilled).
+                slot = 0 if preamble_tokens > 0 else None
+                text = engine.detokenize(
+                    engine.generate(ids, room, stop_token_ids=stops, slot=slot)
+                )
+            if "preamble_tokens" in item:
+                pre_lens.append(item["preamble_tokens"])
             ok = score(item, text)
             by_mode[item["thinking"]][0] += ok
             by_mode[item["thinking"]][1] += 1
@@ -170,15 +207,21 @@ def evaluate(
                 out["tasks"][task][key] = {
                     k: {"correct": c, "n": n, "accuracy": c / n} for k, (c, n) in tallies.items()
                 }
+    if pre_lens:
+        out["preamble_tokens"] = sum(pre_lens) / len(pre_lens)
+        out["prompt_tokens_max"] = longest
     out["seconds"] = time.time() - t0
     return out
 
 
 def format_table(result: dict) -> str:
-    lines = [
-        f"{result['model']} ({result['quantization']})",
-        "task               accuracy     n   thinking on / off",
-    ]
+    head = f"{result['model']} ({result['quantization']})"
+    if "preamble_tokens" in result:
+        head += (
+            f", after an agent preamble of {result['preamble_tokens']:.0f} tokens on average"
+            f" (longest prompt {result['prompt_tokens_max']})"
+        )
+    lines = [head, "task               accuracy     n   thinking on / off"]
     for task, r in result["tasks"].items():
         lines.append(
             f"{task:<18} {r['accuracy'] * 100:7.1f}% {r['n']:5d}   "
@@ -199,8 +242,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", help="also write the full result (with failures) here")
     ap.add_argument("--show-failures", action="store_true")
+    ap.add_argument(
+        "--preamble-tokens",
+        type=int,
+        default=0,
+        help="ask every prompt at the end of an agent preamble of about this many tokens",
+    )
+    ap.add_argument(
+        "--preamble-group",
+        type=int,
+        default=10,
+        help="consecutive prompts of a task that share one preamble",
+    )
     args = ap.parse_args(argv)
-    result = evaluate(args.model, args.n, args.seed, args.tasks, args.threads)
+    result = evaluate(
+        args.model,
+        args.n,
+        args.seed,
+        args.tasks,
+        args.threads,
+        preamble_tokens=args.preamble_tokens,
+        preamble_group=args.preamble_group,
+    )
     print(format_table(result))
     if args.show_failures:
         for task, r in result["tasks"].items():
