@@ -56,7 +56,7 @@ def _kv_dir(args: argparse.Namespace, model_dir: Path) -> Path | None:
     return cache_dir() / "kv" / f"{model_dir.resolve().name}-{tag}"
 
 
-# The engine's error for a slot file another process holds (crates/engine/src/slotfile.rs).
+# The engine's error for a slot file another process holds (crates/engine/src/slotfile/lock.rs).
 SLOT_FILE_IN_USE = "the slot file is in use"
 
 
