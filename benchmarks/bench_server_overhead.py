@@ -19,10 +19,10 @@ import time
 
 import httpx
 
-from colibri.builtin import builtin_model_dir
 from colibri.chat.families import detect_family
 from colibri.chat.render import render_chat
 from colibri.chat.template import ChatTemplate
+from colibri.demo.builtin import builtin_model_dir
 from colibri.runtime.engine import Engine
 
 

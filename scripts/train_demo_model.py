@@ -2,7 +2,7 @@
 
 Development only: needs torch and transformers, which are not colibri dependencies. Run it with a
 Python that has them (the package's own pure-Python pieces, the chat template and
-``colibri/demo_data.py``, are loaded straight from their files, so the compiled engine is not
+``colibri/demo/data.py``, are loaded straight from their files, so the compiled engine is not
 needed here); the conversion and the evaluation run the real engine through ``colibri`` of
 ``.venv`` as subprocesses.
 
@@ -15,7 +15,7 @@ on freshly sampled conversations, loss only on what the model must generate (the
 generation prompt, through the ``<|user|>`` / ``<|observation|>`` that ends the turn), with
 GLM's bias-based expert balancing (``e_score_correction_bias``, no auxiliary loss); (4) the HF
 checkpoint in WORK/hf; (5) ``colibri convert`` to f32 and int4, evaluation of both, the int4
-model plus CARD.md and loss.png copied to ``python/colibri/demo_model``.
+model plus CARD.md and loss.png copied to ``python/colibri/demo/model``.
 
 Comparing recipes: the seed moves the result more than any recipe change tried so far. With
 ``--short-pieces 0.5``, seed 1234 made 87.5% of the held-out tool calls and seed 1235 58%; the
@@ -103,7 +103,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "python" / "colibri"
 TEMPLATE_PATH = PKG / "chat" / "templates" / "glm45.jinja"
-SHIP_DIR = PKG / "demo_model"
+SHIP_DIR = PKG / "demo" / "model"
 COLIBRI = ROOT / ".venv" / "bin" / "colibri"
 VENV_PY = ROOT / ".venv" / "bin" / "python"
 
@@ -117,8 +117,8 @@ def _load(name: str, path: Path):
     return mod
 
 
-demo_data = _load("colibri_demo_data", PKG / "demo_data.py")
-demo_preamble = _load("colibri_demo_preamble", PKG / "demo_preamble.py")
+demo_data = _load("colibri_demo_data", PKG / "demo" / "data.py")
+demo_preamble = _load("colibri_demo_preamble", PKG / "demo" / "preamble.py")
 chat_template = _load("colibri_chat_template", PKG / "chat" / "template.py")
 
 SEED = 1234
@@ -877,7 +877,7 @@ def convert_and_eval(
             [
                 str(VENV_PY),
                 "-m",
-                "colibri.demo_eval",
+                "colibri.demo.eval",
                 "--model",
                 str(out),
                 "--n",
@@ -896,7 +896,7 @@ def convert_and_eval(
                 [
                     str(VENV_PY),
                     "-m",
-                    "colibri.demo_eval",
+                    "colibri.demo.eval",
                     "--model",
                     str(out),
                     "--n",
@@ -1023,7 +1023,7 @@ def main() -> None:
         type=float,
         default=0.0,
         help="share of the steps that train one conversation opening with a long agent "
-        "preamble (colibri/demo_preamble.py) instead of a batch of short ones",
+        "preamble (colibri/demo/preamble.py) instead of a batch of short ones",
     )
     ap.add_argument("--long-min", type=int, default=1000, help="shortest preamble, tokens")
     ap.add_argument("--long-max", type=int, default=14000, help="longest preamble, tokens")
@@ -1265,7 +1265,7 @@ def card(summary: dict, results: dict, args) -> str:
     return f"""# colibri demo model
 
 A tiny GLM-4.5-format Mixture-of-Experts (`Glm4MoeForCausalLM`) trained from scratch by
-`scripts/train_demo_model.py` on synthetic conversations (`colibri/demo_data.py`), converted to
+`scripts/train_demo_model.py` on synthetic conversations (`colibri/demo/data.py`), converted to
 colibri int4. It is the model `colibri serve` runs when no model is given. It knows exactly what it
 was trained on and nothing else.
 
@@ -1346,7 +1346,7 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 
 ## Evaluation (greedy, through the colibri engine, held-out prompts)
 
-`python -m colibri.demo_eval --model DIR --n {n_eval} --seed {a["eval_seed"]}`; half of each
+`python -m colibri.demo.eval --model DIR --n {n_eval} --seed {a["eval_seed"]}`; half of each
 task's prompts with thinking on. Exact match of the answer (after the reasoning) for arith,
 capital, tool_unneeded, chat, memory; tool_call: a well-formed call of the right tool with exactly
 the right arguments, ended by `<|observation|>`; tool_answer: the answer contains the tool's
@@ -1389,7 +1389,7 @@ def long_section(summary: dict, results: dict) -> str:
         mean_len = sum(long_len) / max(1, len(long_len))
         out.append(
             f"{share * 100:.0f}% of the steps ({n_long} of {len(log)}) train one conversation "
-            f"that opens with a synthetic coding-agent preamble (`colibri/demo_preamble.py`: "
+            f"that opens with a synthetic coding-agent preamble (`colibri/demo/preamble.py`: "
             "headed instructions, lists and examples, then a catalog of agent tools with long "
             "descriptions and JSON schemas, the conversation's demo tools at random places "
             f"among them) of {a.get('long_min')}-{a.get('long_max')} tokens "
@@ -1407,7 +1407,7 @@ def long_section(summary: dict, results: dict) -> str:
         r0 = long["int4"]
         out += [
             "",
-            f"Evaluation: `python -m colibri.demo_eval --model DIR --n {r0['tasks']['arith']['n']} "
+            f"Evaluation: `python -m colibri.demo.eval --model DIR --n {r0['tasks']['arith']['n']} "
             f"--preamble-tokens {a.get('long_eval_tokens')}`: the held-out prompts above, each "
             "after an agent preamble "
             f"of {r0['preamble_tokens']:.0f} tokens on average (longest prompt "

@@ -26,7 +26,7 @@ class RunningServer:
         default_model: bool = False,
     ) -> None:
         if "--model" not in args and not default_model:
-            from colibri.builtin import builtin_model_dir
+            from colibri.demo.builtin import builtin_model_dir
 
             args = ("--model", str(builtin_model_dir()), *args)
         full_env = dict(os.environ)
@@ -107,11 +107,11 @@ def model_with_template(src: Path, dst: Path, template: str) -> Path:
 def builtin_prompt_ids(engine, messages, thinking: bool = False) -> list[int]:
     """The token ids the server renders for ``messages`` on the built-in (GLM-4.5-style)
     template: the in-process oracle for prompt sizes and greedy outputs."""
-    from colibri.builtin import CHAT_TEMPLATE
     from colibri.chat.families import GLM
     from colibri.chat.literal import shield, tokenize_shielded
     from colibri.chat.render import render_chat
     from colibri.chat.template import ChatTemplate
+    from colibri.demo.builtin import CHAT_TEMPLATE
 
     shielded = shield(messages, engine.special_tokens)
     rendered = render_chat(
@@ -123,7 +123,7 @@ def builtin_prompt_ids(engine, messages, thinking: bool = False) -> list[int]:
 def think_open_template() -> str:
     """A GLM-4.7-style variant of the built-in template: with thinking on, the generation
     prompt opens the think block itself, so the output starts inside reasoning."""
-    from colibri.builtin import CHAT_TEMPLATE
+    from colibri.demo.builtin import CHAT_TEMPLATE
 
     template = CHAT_TEMPLATE.replace(
         "{%- if add_generation_prompt -%}\n<|assistant|>",

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from colibri.api.access_log import AccessLogMiddleware, format_text
-from colibri.builtin import builtin_model_dir
+from colibri.demo.builtin import builtin_model_dir
 from colibri.observability import AccessRecord
 
 from .server import RunningServer

@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
 from colibri.chat.detok import IncrementalDetokenizer
 from colibri.chat.families import GLM, OLMOE, QWEN3, detect_family, family_by_name
 from colibri.chat.output import OutputPipeline, ReasoningState
 from colibri.chat.render import ContinuationRefused, render_chat
 from colibri.chat.template import ChatTemplate, TemplateRefused, special_tokens_of
+from colibri.demo.builtin import CHAT_TEMPLATE, builtin_model_dir
 
 from .conftest import FIXTURES
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.builtin import builtin_name
+from colibri.demo.builtin import builtin_name
 
 from .conftest import FIXTURES
 
@@ -36,7 +36,7 @@ def test_generate_without_model_uses_the_packaged_demo_model(tmp_path):
 
 
 def build_random_model(cache: Path) -> Path:
-    code = "from colibri.builtin import builtin_model_dir; print(builtin_model_dir())"
+    code = "from colibri.demo.builtin import builtin_model_dir; print(builtin_model_dir())"
     r = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colibri import demo_data
 from colibri.chat.template import ChatTemplate
-from colibri.demo_eval import parse_answer, parse_call, score, split_output
+from colibri.demo import data as demo_data
+from colibri.demo.eval import parse_answer, parse_call, score, split_output
 
 TEMPLATE = ChatTemplate(
-    (Path(demo_data.__file__).parent / "chat" / "templates" / "glm45.jinja").read_text("utf-8")
+    (Path(demo_data.__file__).parents[1] / "chat" / "templates" / "glm45.jinja").read_text("utf-8")
 )
 
 
@@ -219,9 +219,7 @@ def _shipped_pieces(
 ) -> demo_data.NamePieces:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(
-        str(Path(demo_data.__file__).parent / "demo_model" / "tokenizer.json")
-    )
+    tok = Tokenizer.from_file(str(Path(demo_data.__file__).parent / "model" / "tokenizer.json"))
     return demo_data.NamePieces(
         [tok.decode([i]) for i in range(tok.get_vocab_size())],
         short_p=short_p,

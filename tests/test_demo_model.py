@@ -9,8 +9,8 @@ import anthropic
 import pytest
 from openai import OpenAI
 
-from colibri.builtin import demo_model_dir
-from colibri.demo_data import TOOLS
+from colibri.demo.builtin import demo_model_dir
+from colibri.demo.data import TOOLS
 
 from .server import RunningServer
 
@@ -57,7 +57,7 @@ def test_a_sum_with_its_reasoning_apart(client):
     for text in (message.content, reasoning):
         assert "<think>" not in text and "</think>" not in text
     # Thinking off: the trace is not in the reply (the model's answer without its trace is
-    # less reliable; see demo_model/CARD.md).
+    # less reliable; see demo/model/CARD.md).
     plain = ask(client, f"What is {a} + {b}?")
     assert "reasoning" not in (plain.choices[0].message.model_extra or {})
     assert plain.choices[0].message.content.strip()

@@ -1,4 +1,4 @@
-"""Long agent preambles for the demo model (``colibri.demo_preamble``): deterministic, sized as
+"""Long agent preambles for the demo model (``colibri.demo.preamble``): deterministic, sized as
 asked, the demo tools declared among the agent's, and the trained answers unchanged behind them."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from colibri import demo_data, demo_preamble
 from colibri.chat.template import ChatTemplate
+from colibri.demo import data as demo_data
+from colibri.demo import preamble as demo_preamble
 
 TEMPLATE = ChatTemplate(
-    (Path(demo_data.__file__).parent / "chat" / "templates" / "glm45.jinja").read_text("utf-8")
+    (Path(demo_data.__file__).parents[1] / "chat" / "templates" / "glm45.jinja").read_text("utf-8")
 )
 DEMO = list(demo_data.TOOLS.values())
 MARKERS = ("<|", "<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>", "<think>")
@@ -184,7 +185,9 @@ def test_no_loss_falls_on_the_preamble():
     mod = importlib.util.module_from_spec(spec)
     sys.modules["train_demo_model"] = mod
     spec.loader.exec_module(mod)
-    tok = Tokenizer.from_file(str(root / "python" / "colibri" / "demo_model" / "tokenizer.json"))
+    tok = Tokenizer.from_file(
+        str(root / "python" / "colibri" / "demo" / "model" / "tokenizer.json")
+    )
     template = mod.chat_template.ChatTemplate(mod.TEMPLATE_PATH.read_text(encoding="utf-8"))
     conv = demo_preamble.long_train_conversation(random.Random(5), 6000, 8, tool_extra=3)
     ids, mask = mod.encode_conversation(tok, template, conv)

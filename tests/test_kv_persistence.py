@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
-from colibri.builtin import builtin_model_dir
+from colibri.demo.builtin import builtin_model_dir
 from colibri.runtime.engine import Engine
 
 from .server import RunningServer, builtin_prompt_ids

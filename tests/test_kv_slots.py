@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from colibri.builtin import builtin_model_dir
+from colibri.demo.builtin import builtin_model_dir
 from colibri.runtime.engine import Engine
 
 from .server import RunningServer, builtin_prompt_ids

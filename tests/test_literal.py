@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
-from colibri.builtin import demo_model_dir
 from colibri.chat.families import GLM
 from colibri.chat.literal import shield, tokenize_shielded, unshield
 from colibri.chat.render import render_chat
 from colibri.chat.template import ChatTemplate, special_tokens_of
+from colibri.demo.builtin import demo_model_dir
 from colibri.runtime.engine import Engine
 
 from .server import RunningServer

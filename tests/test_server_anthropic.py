@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from colibri.api.anthropic_request import from_anthropic_id, to_anthropic_id
-from colibri.builtin import builtin_model_dir
+from colibri.demo.builtin import builtin_model_dir
 
 from .server import RunningServer, model_with_template, think_open_template
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
+from colibri.demo.builtin import CHAT_TEMPLATE, builtin_model_dir
 from colibri.runtime.engine import Engine
 
 from .server import RunningServer, model_with_template, think_open_template

@@ -10,11 +10,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
 from colibri.chat.families import GLM
 from colibri.chat.render import render_chat
 from colibri.chat.stops import apply_stops
 from colibri.chat.template import ChatTemplate
+from colibri.demo.builtin import CHAT_TEMPLATE, builtin_model_dir
 from colibri.runtime.engine import Engine
 
 from .server import RunningServer, builtin_prompt_ids

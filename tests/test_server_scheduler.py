@@ -222,7 +222,7 @@ def test_spans_per_request(tmp_path):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from colibri.api.app import create_app
-    from colibri.builtin import builtin_model_dir
+    from colibri.demo.builtin import builtin_model_dir
     from colibri.runtime.engine import Engine
     from colibri.runtime.served import ServedModel, ServerConfig
 

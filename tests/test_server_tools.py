@@ -14,11 +14,11 @@ import pytest
 from openai import OpenAI
 
 from colibri.api.openai_request import parse_chat
-from colibri.builtin import CHAT_TEMPLATE, builtin_model_dir
 from colibri.chat.families import detect_family
 from colibri.chat.render import render_chat
 from colibri.chat.template import ChatTemplate
 from colibri.chat.tooling import plan_tools
+from colibri.demo.builtin import CHAT_TEMPLATE, builtin_model_dir
 from colibri.runtime.engine import Engine
 
 from .server import RunningServer, model_with_template

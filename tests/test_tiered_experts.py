@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from colibri.builtin import builtin_model_dir
+from colibri.demo.builtin import builtin_model_dir
 from colibri.runtime.engine import Engine
 
 from .server import RunningServer

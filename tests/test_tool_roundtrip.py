@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from colibri.api.openai_request import parse_chat
-from colibri.builtin import CHAT_TEMPLATE
 from colibri.chat.families import DEEPSEEK_V3_1, DEEPSEEK_V3_2, GLM, KIMI, QWEN3, detect_family
 from colibri.chat.reasoning import ReasoningSplitter
 from colibri.chat.render import render_chat
@@ -18,6 +17,7 @@ from colibri.chat.template import ChatTemplate
 from colibri.chat.toolcalls import ToolCallParser
 from colibri.chat.tooling import plan_tools
 from colibri.chat.tools import Tool, ToolSet
+from colibri.demo.builtin import CHAT_TEMPLATE
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 TOOLS = [

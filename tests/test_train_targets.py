@@ -30,7 +30,7 @@ def _load_script():
 
 
 T = _load_script()
-TOK = Tokenizer.from_file(str(ROOT / "python" / "colibri" / "demo_model" / "tokenizer.json"))
+TOK = Tokenizer.from_file(str(ROOT / "python" / "colibri" / "demo" / "model" / "tokenizer.json"))
 TEMPLATE = T.chat_template.ChatTemplate(T.TEMPLATE_PATH.read_text(encoding="utf-8"))
 PIECES = T.name_pieces(TOK, drill=0.15)
 

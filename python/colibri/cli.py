@@ -18,7 +18,7 @@ def _model_dir(arg: str | None) -> Path:
     chosen = arg or os.environ.get("COLI_MODEL")
     if chosen:
         return Path(chosen)
-    from colibri.builtin import default_model_dir
+    from colibri.demo.builtin import default_model_dir
 
     return default_model_dir()
 
@@ -49,7 +49,7 @@ def _kv_dir(args: argparse.Namespace, model_dir: Path) -> Path | None:
         return Path(chosen)
     import hashlib
 
-    from colibri.builtin import cache_dir
+    from colibri.demo.builtin import cache_dir
 
     resolved = str(model_dir.resolve())
     tag = hashlib.sha256(resolved.encode()).hexdigest()[:12]
@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except server.StartupRefused as e:
         print(f"colibri serve: {e}", file=sys.stderr)
         return 2
-    from colibri.builtin import model_id_for
+    from colibri.demo.builtin import model_id_for
 
     dir_id = model_id_for(model_dir)
     alias = args.model_id or os.environ.get("COLI_MODEL_ID") or None
@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("new_dir")
     u.set_defaults(func=cmd_upgrade)
 
-    # Listed for --help; main() hands its arguments to colibri.demo_eval.
+    # Listed for --help; main() hands its arguments to colibri.demo.eval.
     sub.add_parser("eval-demo", help="accuracy of the demo model on held-out prompts")
 
     b = sub.add_parser("bench", help="measure prefill and decode speed")
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval-demo"]:
         # Its own options (argparse cannot pass "--help" and friends through a subcommand).
-        from colibri import demo_eval
+        from colibri.demo import eval as demo_eval
 
         return demo_eval.main(argv[1:])
     args = build_parser().parse_args(argv)

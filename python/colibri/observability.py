@@ -11,7 +11,6 @@ otherwise the no-op tracer, whose spans cost next to nothing.
 
 from __future__ import annotations
 
-import contextvars
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -152,18 +151,6 @@ class AccessRecord:
     # For a refusal or an error response: the ApiError's stable ``code`` and ``param``.
     code: str | None = None
     param: str | None = None
-
-
-# The access-log record of the request being handled (set by api/access_log.py's middleware),
-# for code that has no request scope at hand.
-CURRENT_RECORD: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar(
-    "colibri_access_record", default=None
-)
-
-
-def current_record() -> AccessRecord | None:
-    """The access-log record of the request being handled in this context, if any."""
-    return CURRENT_RECORD.get()
 
 
 class RequestObserver:

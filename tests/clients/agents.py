@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colibri.builtin import cache_dir
+from colibri.demo.builtin import cache_dir
 
 
 class InstallFailed(RuntimeError):

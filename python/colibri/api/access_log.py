@@ -2,11 +2,11 @@
 
 :class:`AccessLogMiddleware` sits just inside the request-id layer, so it knows the request's id
 and sees every response (security refusals, 404s, health and metrics included). It keeps an
-:class:`~colibri.observability.AccessRecord` in ``scope["state"]`` (and in a context variable,
-for code that has no scope at hand) that the error handlers fill with the refusal's ``code`` and
-``param`` (:func:`note_error`) and the request's ``RequestObserver`` with the model, token
-counts, queue wait and finish reason. A streamed reply's line comes at the end of the stream,
-with its token counts and the stream's whole duration.
+:class:`~colibri.observability.AccessRecord` in ``scope["state"]`` (:func:`record_of`) that the
+error handlers fill with the refusal's ``code`` and ``param`` (:func:`note_error`) and the
+request's ``RequestObserver`` (each route passes it the record) with the model, token counts,
+queue wait and finish reason. A streamed reply's line comes at the end of the stream, with its
+token counts and the stream's whole duration.
 
 Formats (docs/API.md, "Access log"): ``text``, one human-readable line of ``key=value`` pairs
 after the time, method, path, status and duration; ``json``, one JSON object per line. A line
@@ -26,7 +26,6 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from colibri.api.errors import ApiError
-from colibri.observability import CURRENT_RECORD as _current
 from colibri.observability import AccessRecord
 
 LogFormat = Literal["text", "json"]
@@ -93,7 +92,6 @@ class AccessLogMiddleware:
                 finished = True
             await send(message)
 
-        token = _current.set(record)
         try:
             await self.app(scope, watching_receive, watching_send)
         except (asyncio.CancelledError, ClientDisconnect):
@@ -104,7 +102,6 @@ class AccessLogMiddleware:
             record.code = record.code or "internal_error"
             raise
         finally:
-            _current.reset(token)
             if gone and not finished:
                 status = CLIENT_GONE
                 record.code = record.code or "client_gone"

@@ -27,7 +27,7 @@ from colibri.api.anthropic_request import (
     to_anthropic_id,
 )
 from colibri.api.context_edits import EditedConversation, apply_edits
-from colibri.api.errors import ApiError, error_body
+from colibri.api.errors import error_body, stream_failure
 from colibri.api.http import json_response, read_json, request_id, served
 from colibri.chat.output import Piece
 from colibri.chat.plan import plan_chat
@@ -318,8 +318,7 @@ async def _events(
                 yield _event("message_delta", {"delta": delta, "usage": usage, **extra})
                 yield _event("message_stop", {})
     except Exception as e:  # headers are sent: the error goes in the stream as an event
-        err = ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error")
-        yield b"event: error\ndata: " + error_body("/v1/messages", err) + b"\n\n"
+        yield b"event: error\ndata: " + error_body("/v1/messages", stream_failure(e)) + b"\n\n"
 
 
 async def count_tokens(request: Request) -> Response:

@@ -2,7 +2,9 @@
 
 OpenAI: ``{"error": {"message", "type", "param", "code"}}``. Anthropic (``/v1/messages``):
 ``{"type": "error", "error": {"type", "message"}}``. Anything raised as :class:`ApiError` inside a
-route, or produced by the security middleware, goes through :func:`error_response`.
+route, or produced by the security middleware, goes through :func:`error_response`. A failure
+after a stream began (headers sent, status 200) is :func:`stream_failure`, sent in the stream in
+each protocol's own event shape.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from starlette.responses import Response
 
 from colibri.errors import ApiError
 
-__all__ = ["ApiError", "error_body", "error_response", "is_anthropic_path"]
+__all__ = ["ApiError", "error_body", "error_response", "is_anthropic_path", "stream_failure"]
 
 # HTTP status -> OpenAI error type (what the official SDKs expect to see).
 _OPENAI_TYPES = {
@@ -66,6 +68,12 @@ def error_body(path: str, err: ApiError) -> bytes:
             }
         }
     )
+
+
+def stream_failure(e: Exception) -> ApiError:
+    """The error of a generation that failed after its stream began: the response's status is
+    already sent, so the routes put this in the stream (each protocol in its own shape)."""
+    return ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error")
 
 
 def error_response(path: str, err: ApiError) -> Response:

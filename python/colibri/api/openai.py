@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from colibri.api.access_log import record_of
-from colibri.api.errors import ApiError, error_body
+from colibri.api.errors import ApiError, error_body, stream_failure
 from colibri.api.http import json_response, read_json, request_id, served
 from colibri.api.openai_request import parse_chat, parse_completion
 from colibri.chat.plan import plan_chat
@@ -152,7 +152,7 @@ async def _chat_events(reply: Reply) -> AsyncIterator[bytes]:
                 if reply.sampling.include_usage:
                     yield _usage_chunk(reply, cid, "chat.completion.chunk", event)
     except Exception as e:  # headers are sent: the error goes in the stream, then it ends
-        yield b"data: " + error_body("/v1/chat/completions", _internal(e)) + b"\n\n"
+        yield b"data: " + error_body("/v1/chat/completions", stream_failure(e)) + b"\n\n"
     yield _DONE
 
 
@@ -168,10 +168,6 @@ def _tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
     for fragment in call.fragments:
         deltas.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
     return deltas
-
-
-def _internal(e: Exception) -> ApiError:
-    return ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error")
 
 
 async def completions(request: Request) -> Response:
@@ -258,5 +254,5 @@ async def _completion_events(reply: Reply) -> AsyncIterator[bytes]:
                 if reply.sampling.include_usage:
                     yield _usage_chunk(reply, cid, "text_completion", event)
     except Exception as e:  # headers are sent: the error goes in the stream, then it ends
-        yield b"data: " + error_body("/v1/completions", _internal(e)) + b"\n\n"
+        yield b"data: " + error_body("/v1/completions", stream_failure(e)) + b"\n\n"
     yield _DONE

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from colibri.api.access_log import record_of
+from colibri.api.errors import stream_failure
 from colibri.api.http import json_response, read_json, request_id, served
 from colibri.api.responses_request import (
     REASONING_TAG,
@@ -406,7 +407,6 @@ class _Stream:
                     )
                     yield self.event(name, response=body)
         except Exception as e:  # headers are sent: the failure goes in the stream
-            message = f"generation failed: {type(e).__name__}: {e}"
             failed = enc.response(reply, "failed", self.out.items)
-            failed["error"] = {"code": "server_error", "message": message}
+            failed["error"] = {"code": "server_error", "message": stream_failure(e).message}
             yield self.event("response.failed", response=failed)

@@ -8,13 +8,7 @@ from dataclasses import dataclass
 from colibri.chat.families import Family, detect_family, family_by_name
 from colibri.chat.template import ChatTemplate, special_tokens_of
 from colibri.errors import ApiError
-from colibri.observability import (
-    AccessRecord,
-    Metrics,
-    RequestObserver,
-    current_record,
-    make_tracer,
-)
+from colibri.observability import AccessRecord, Metrics, RequestObserver, make_tracer
 from colibri.runtime.engine import Engine
 from colibri.runtime.generation import Generator
 from colibri.runtime.scheduler import Lease, Scheduler
@@ -77,14 +71,12 @@ class ServedModel:
     def observe(
         self,
         name: str,
-        request_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        record: AccessRecord | None = None,
+        request_id: str | None,
+        headers: Mapping[str, str] | None,
+        record: AccessRecord | None,
     ) -> RequestObserver:
-        """A request's observer; ``record``: its access-log record, by default the one of the
-        request being handled (none when the access log is off)."""
-        if record is None:
-            record = current_record()
+        """A request's observer; ``record``: its access-log record (api/access_log.py
+        ``record_of``; none when the access log is off)."""
         return RequestObserver(
             self.tracer, self.metrics, name, self.id, request_id, headers, record
         )

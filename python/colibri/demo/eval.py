@@ -1,16 +1,16 @@
 """Evaluation of the demo model through the real engine: exact-match accuracy per task.
 
-    python -m colibri.demo_eval --model DIR [--n 200] [--seed 7] [--json OUT]
-    python -m colibri.demo_eval --model DIR --n 30 --preamble-tokens 12000   # long prompts
+    python -m colibri.demo.eval --model DIR [--n 200] [--seed 7] [--json OUT]
+    python -m colibri.demo.eval --model DIR --n 30 --preamble-tokens 12000   # long prompts
 
-Prompts are held-out items of :mod:`colibri.demo_data` (numbers, phrasings and cities training
+Prompts are held-out items of :mod:`colibri.demo.data` (numbers, phrasings and cities training
 never saw), rendered with the model's own chat template and decoded greedily until one of the
 model's EOS ids. An output counts only if its whole shape is right: with thinking on it must open
 with ``\\n<think>…</think>``, an answer must end with ``<|user|>`` (or ``<|endoftext|>``), a tool
 call with ``<|observation|>``.
 
 With ``--preamble-tokens N`` the same items are asked at the end of a ~N-token agent preamble
-(``colibri.demo_preamble``: a coding agent's instructions and tool catalog, the three demo tools
+(``colibri.demo.preamble``: a coding agent's instructions and tool catalog, the three demo tools
 declared among the agent's), so the tasks measure what an agent's first turn needs; each
 ``--preamble-group`` consecutive items of a task share one preamble, whose prefill the engine's
 KV slot reuses.
@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from colibri import demo_data, demo_preamble
 from colibri.chat.template import ChatTemplate
+from colibri.demo import data as demo_data
+from colibri.demo import preamble as demo_preamble
 
-DEFAULT_MODEL = Path(__file__).parent / "demo_model"
+DEFAULT_MODEL = Path(__file__).parent / "model"
 ANSWER_ENDS = ("<|user|>", "<|endoftext|>")
 _CALL = re.compile(
     r"<tool_call>(?P<name>[^\n<]+)(?P<args>(?:\n<arg_key>[^<]*</arg_key>\n<arg_value>.*?</arg_value>)*)"
@@ -118,7 +119,7 @@ def evaluate(
     (a wrong tool shows there, a badly copied city in ``by_source``).
 
     With ``preamble_tokens`` > 0, every prompt opens with an agent preamble of about that many
-    tokens (``demo_preamble.long_eval_items``); the result then has ``"preamble_tokens"``, the
+    tokens (``preamble.long_eval_items``); the result then has ``"preamble_tokens"``, the
     mean length of the preambles (their rendered system turn), and ``"prompt_tokens_max"``.
     """
     from colibri.runtime.engine import Engine
@@ -234,7 +235,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m colibri.demo_eval", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m colibri.demo.eval", description=__doc__)
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="colibri model directory")
     ap.add_argument("--n", type=int, default=200, help="prompts per task")
     ap.add_argument("--seed", type=int, default=demo_data.EVAL_SEED)

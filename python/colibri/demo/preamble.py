@@ -5,10 +5,10 @@ character system prompt and a JSON catalog of 12-21 tools (``Bash``, ``Read``, `
 each with a long description and an input schema. The demo tokenizer spends ~3 characters a token
 on such prose, so that preamble is 5-8k tokens, long ones 12k and more. This module writes
 preambles of that shape from word lists and templates (the words mean nothing; the shape and the
-length are the point), with the demo tools (``demo_data.TOOLS``) declared among the others, so
+length are the point), with the demo tools (``data.TOOLS``) declared among the others, so
 the demo model can be trained and evaluated on its tasks asked at the end of one.
 
-Pure Python like ``demo_data`` (no torch, no engine); every function takes its randomness from a
+Pure Python like ``data`` (no torch, no engine); every function takes its randomness from a
 ``random.Random`` or a seed. Lengths are asked in characters (``agent_preamble``) or, with a
 token counter, in tokens (``fit_preamble``).
 """
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
-    from colibri import demo_data as _dd
+    from colibri.demo import data as _dd
 except ImportError:  # pragma: no cover
     # Loaded from its file by scripts/train_demo_model.py (a Python without colibri), which
-    # loads demo_data.py the same way first.
+    # loads demo/data.py the same way first.
     import sys
 
     _dd = sys.modules["colibri_demo_data"]
@@ -498,7 +498,7 @@ def agent_preamble(
     """A system prompt and a tool catalog of about ``target_chars`` characters in all.
 
     Returns ``{"system": str, "tools": [tool, ...]}``: agent tools with long descriptions (at
-    least one once there is room for it), ``demo_tools`` (``demo_data.TOOLS`` entries, as given)
+    least one once there is room for it), ``demo_tools`` (``data.TOOLS`` entries, as given)
     each at a random place among them. ``prose_share`` of the characters are instructions
     (default: drawn from 0.25-0.65, what agents ship); the demo tools count toward the rest."""
     if target_chars < 0:
@@ -592,8 +592,8 @@ def fit_preamble(
 
 
 def with_preamble(conv_or_item: dict, preamble: dict) -> dict:
-    """A copy of a conversation (``demo_data.train_conversation``) or evaluation item
-    (``demo_data.eval_items``) whose prompt opens with ``preamble``: its system message
+    """A copy of a conversation (``data.train_conversation``) or evaluation item
+    (``data.eval_items``) whose prompt opens with ``preamble``: its system message
     (``SYSTEM_PROMPTS`` line, if any) is replaced by the preamble's instructions, and its tools
     (if any) join the preamble's catalog, which already holds the demo tools the preamble was
     made with. The tools of ``conv_or_item`` must be among those (or the preamble declares
@@ -611,7 +611,7 @@ def with_preamble(conv_or_item: dict, preamble: dict) -> dict:
 
 
 def demo_tools_of(conv_or_item: dict) -> list[dict]:
-    """The demo tools (``demo_data.TOOLS``) a conversation or item declares."""
+    """The demo tools (``data.TOOLS``) a conversation or item declares."""
     return [t for t in conv_or_item.get("tools") or [] if t["function"]["name"] in _dd.TOOLS]
 
 
@@ -624,7 +624,7 @@ def long_train_conversation(
     mix: Sequence[tuple[str, int]] | None = None,
     tool_extra: int = 0,
 ) -> dict:
-    """A training conversation (``demo_data.train_conversation`` with ``episodes`` episodes)
+    """A training conversation (``data.train_conversation`` with ``episodes`` episodes)
     whose prompt opens with an agent preamble of about ``target_chars`` characters declaring
     the demo tools the conversation declares (none, in a third of them: then a tool request
     is answered like one whose tool is not declared, as in short conversations)."""
@@ -648,7 +648,7 @@ def long_eval_items(
     count: Callable[[dict], int],
     group: int = 10,
 ) -> list[dict]:
-    """``demo_data.eval_items(task, n, seed)``, each behind a ~``target_tokens``-token agent
+    """``data.eval_items(task, n, seed)``, each behind a ~``target_tokens``-token agent
     preamble declaring all three demo tools among the agent's (the tools an item declares are
     among them, so the expected answers stay right). ``group`` consecutive items share one
     preamble (an engine can reuse its prefill); each item gets ``"preamble_tokens"``."""

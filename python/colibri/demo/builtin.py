@@ -1,8 +1,9 @@
-"""The built-in default model, used when no ``--model`` is given.
+"""The models colibri brings: the default one, used when no ``--model`` is given, and the tests'.
 
-Until the trained demo model ships, this is a deterministic tiny GLM-4.5-MoE-shaped checkpoint
-with random weights and a byte-level tokenizer, built on first use (no network) and cached.
-It proves the whole path runs; its words are noise.
+The default is the trained demo model shipped in ``model/`` (id ``colibri-demo``). The tests'
+model (id ``colibri-builtin``, and the default when the package has no demo model) is a
+deterministic tiny GLM-4.5-MoE-shaped checkpoint with random weights and a byte-level tokenizer,
+built on first use (no network) and cached. It proves the whole path runs; its words are noise.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ SPECIAL_TOKENS = [
 # A GLM-4.5-style template (newline style; see docs/FORMATS.md "Chat families"): system, user,
 # assistant turns with their think blocks and tool calls, tool results after <|observation|>, and
 # thinking switched off by an empty think block in the generation prompt.
-CHAT_TEMPLATE = (Path(__file__).parent / "chat" / "templates" / "glm45.jinja").read_text(
+CHAT_TEMPLATE = (Path(__file__).parent.parent / "chat" / "templates" / "glm45.jinja").read_text(
     encoding="utf-8"
 )
 CONFIG = {
@@ -182,11 +183,11 @@ def write_checkpoint(out: Path) -> None:
     save_file(_weights(cfg), str(out / "model.safetensors"))
 
 
-DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+DEMO_MODEL_DIR = Path(__file__).parent / "model"
 
 
 def demo_model_dir() -> Path | None:
-    """The trained demo model shipped in the package (docs: demo_model/CARD.md), if present."""
+    """The trained demo model shipped in the package (docs: model/CARD.md), if present."""
     return DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "manifest.json").is_file() else None
 
 

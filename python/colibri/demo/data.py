@@ -1,7 +1,7 @@
 """Synthetic conversations that the built-in demo model is trained and evaluated on.
 
 Pure Python (no torch, no engine): ``scripts/train_demo_model.py`` samples training
-conversations from here and ``colibri.demo_eval`` samples held-out prompts, so both see exactly
+conversations from here and ``colibri.demo.eval`` samples held-out prompts, so both see exactly
 the same formats. Every function takes its randomness from a ``random.Random`` or a seed, so a seed
 gives the same data on any machine.
 
@@ -977,7 +977,7 @@ def train_conversation(
     join a conversation that declares tools, and it then never stops at a call: the
     declarations (~270 tokens, half of all the tokens, never trained on) are amortised over
     more trained answers. A call's own targets are the same whether a result follows or not.
-    ``episodes`` (for long prompts, ``demo_preamble``) replaces the draw of the count, so the
+    ``episodes`` (for long prompts, ``preamble``) replaces the draw of the count, so the
     default stream is unchanged."""
     if tool_extra < 0:
         raise ValueError(f"tool_extra must be >= 0, got {tool_extra}")
