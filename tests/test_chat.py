@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from colibri.chat.detok import IncrementalDetokenizer
-from colibri.chat.families import GLM, OLMOE, QWEN3, detect_family, family_by_name
+from colibri.chat.families import (
+    GLM,
+    OLMOE,
+    QWEN3,
+    architecture_families,
+    detect_family,
+    family_by_name,
+)
 from colibri.chat.output import OutputPipeline, ReasoningState
 from colibri.chat.render import ContinuationRefused, render_chat
 from colibri.chat.template import ChatTemplate, TemplateRefused, special_tokens_of
@@ -135,6 +142,13 @@ def test_family_detection():
     assert family_by_name("olmoe") is OLMOE
     with pytest.raises(ValueError, match="unknown chat family"):
         family_by_name("llama")
+
+
+def test_every_engine_architecture_has_a_chat_family():
+    archs = architecture_families()
+    assert {"OlmoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"} <= set(archs)
+    for arch, name in archs.items():
+        assert detect_family(arch, None) is family_by_name(name), arch
 
 
 def test_glm_implicit_stops_replace_marker_token_stops():

@@ -19,7 +19,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use colibri_engine::config::{Arch, ModelConfig};
+use colibri_engine::config::ModelConfig;
+use colibri_engine::model::glm4_moe;
 use colibri_engine::convert;
 use colibri_engine::format::{Quant, EXPERTS_FILE, MANIFEST, RESIDENT_FILE};
 use colibri_engine::model::plan::MLP_PARTS;
@@ -151,7 +152,7 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
     };
     for spec in &plan.resident {
         // GLM has attention biases on q/k/v (not o); the others have none.
-        let biased = c.arch == Arch::Glm4Moe && !spec.hf.contains("o_proj");
+        let biased = *c.family == glm4_moe::FAMILY && !spec.hf.contains("o_proj");
         if spec.optional && !biased {
             continue;
         }
@@ -187,7 +188,7 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
             }
         }
     }
-    if c.arch == Arch::Glm4Moe {
+    if *c.family == glm4_moe::FAMILY {
         // The MTP layer past num_hidden_layers, and a rotary cache: both skipped by name.
         let l = c.num_layers;
         add(

@@ -1,36 +1,21 @@
 //! The model's shape and options, read only from a Hugging Face `config.json`.
 //!
-//! One [`ModelConfig`] describes every supported family; the per-family files in `model/` decide
-//! which fields they read. Nothing here is tied to one model size. Unsupported options are refused
+//! One [`ModelConfig`] describes every supported family. The fields every family shares are read
+//! here; the architecture's [`Family`] (in `model/<family>.rs`, listed in `model/registry.rs`)
+//! reads its own fields and chooses its blocks. Nothing here is tied to one model size. Unsupported options are refused
 //! with a message that names them rather than being ignored.
 
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::model::registry::{self, Family};
 
-/// The model families the engine can run.
+/// How a layer attends over the history (each kind has its file in `model/layers/`, which also
+/// says what it keeps per position).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    Olmoe,
-    Qwen3Moe,
-    Glm4Moe,
-}
-
-impl Arch {
-    /// The Hugging Face `architectures[0]` name.
-    pub fn hf_name(self) -> &'static str {
-        match self {
-            Arch::Olmoe => "OlmoeForCausalLM",
-            Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
-            Arch::Glm4Moe => "Glm4MoeForCausalLM",
-        }
-    }
-
-    pub fn from_hf_name(name: &str) -> Option<Arch> {
-        [Arch::Olmoe, Arch::Qwen3Moe, Arch::Glm4Moe]
-            .into_iter()
-            .find(|a| a.hf_name() == name)
-    }
+pub enum AttentionKind {
+    /// Grouped-query attention: `num_kv_heads` key and value heads of `head_dim`, RoPE.
+    Gqa,
 }
 
 /// Where the query/key RMSNorm applies, if anywhere.
@@ -68,7 +53,8 @@ pub enum FfnKind {
 
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
-    pub arch: Arch,
+    /// The architecture's family (its name is `family.hf_name`).
+    pub family: &'static Family,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub num_layers: usize,
@@ -80,6 +66,7 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     pub rms_norm_eps: f32,
     pub max_positions: usize,
+    pub attention: AttentionKind,
     pub qk_norm: QkNorm,
     pub clip_qkv: Option<f32>,
     /// Intermediate size of dense (non-MoE) feed-forward layers.
@@ -96,7 +83,7 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
 }
 
-fn bad(msg: impl Into<String>) -> Error {
+pub(crate) fn bad(msg: impl Into<String>) -> Error {
     Error::Config(msg.into())
 }
 
@@ -107,15 +94,16 @@ pub const MAX_DIM: usize = 1 << 20;
 /// Upper bound on `num_hidden_layers`.
 pub const MAX_LAYERS: usize = 1 << 12;
 
-struct Reader<'a> {
+/// Typed reads of `config.json` fields, with errors that name the field.
+pub struct Reader<'a> {
     v: &'a Value,
 }
 
 impl<'a> Reader<'a> {
-    fn get(&self, key: &str) -> Option<&'a Value> {
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
         self.v.get(key).filter(|v| !v.is_null())
     }
-    fn usize_req(&self, key: &str) -> Result<usize> {
+    pub fn usize_req(&self, key: &str) -> Result<usize> {
         self.get(key)
             .ok_or_else(|| bad(format!("config.json: missing required field `{key}`")))?
             .as_u64()
@@ -126,20 +114,20 @@ impl<'a> Reader<'a> {
                 ))
             })
     }
-    fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+    pub fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
         match self.get(key) {
             None => Ok(default),
             Some(_) => self.usize_req(key),
         }
     }
     /// A size: an integer in `min..=max`.
-    fn size_req(&self, key: &str, min: usize, max: usize) -> Result<usize> {
+    pub fn size_req(&self, key: &str, min: usize, max: usize) -> Result<usize> {
         check_size(key, self.usize_req(key)?, min, max)
     }
-    fn size_or(&self, key: &str, default: usize, min: usize, max: usize) -> Result<usize> {
+    pub fn size_or(&self, key: &str, default: usize, min: usize, max: usize) -> Result<usize> {
         check_size(key, self.usize_or(key, default)?, min, max)
     }
-    fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+    pub fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v
@@ -147,7 +135,7 @@ impl<'a> Reader<'a> {
                 .ok_or_else(|| bad(format!("config.json: `{key}` must be a number"))),
         }
     }
-    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+    pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v
@@ -224,10 +212,10 @@ impl ModelConfig {
             .and_then(|a| a.get(0))
             .and_then(Value::as_str)
             .ok_or_else(|| bad("config.json: missing `architectures`"))?;
-        let arch = Arch::from_hf_name(arch_name).ok_or_else(|| {
+        let family = registry::by_hf_name(arch_name).ok_or_else(|| {
             bad(format!(
-                "unsupported architecture `{arch_name}` (supported: OlmoeForCausalLM, \
-                 Qwen3MoeForCausalLM, Glm4MoeForCausalLM)"
+                "unsupported architecture `{arch_name}` (supported: {})",
+                registry::hf_names().join(", ")
             ))
         })?;
         let act = r
@@ -249,10 +237,10 @@ impl ModelConfig {
                  num_key_value_heads ({num_kv_heads})"
             )));
         }
-        let head_dim = match arch {
-            // OLMoE's q/k norms span hidden_size, so its head_dim is always hidden / heads.
-            Arch::Olmoe => hidden_size / num_heads,
-            _ => r.size_or("head_dim", hidden_size / num_heads, 0, MAX_DIM)?,
+        let head_dim = if family.reads_head_dim {
+            r.size_or("head_dim", hidden_size / num_heads, 0, MAX_DIM)?
+        } else {
+            hidden_size / num_heads
         };
         if num_heads * head_dim > MAX_DIM {
             return Err(bad(format!(
@@ -260,180 +248,78 @@ impl ModelConfig {
                 num_heads * head_dim
             )));
         }
-        if arch == Arch::Olmoe && head_dim * num_heads != hidden_size {
-            return Err(bad(
-                "config.json: OLMoE needs hidden_size divisible by num_attention_heads",
-            ));
-        }
-        let default_partial = if arch == Arch::Glm4Moe { 0.5 } else { 1.0 };
-        let (rope_theta, partial) = rope_settings(&r, default_partial)?;
-        let rotary_dim = ((head_dim as f64 * partial) as usize) & !1;
-        if rotary_dim == 0 {
-            return Err(bad("config.json: rotary dimension is zero"));
-        }
-        let default_eps = match arch {
-            Arch::Qwen3Moe => 1e-6,
-            _ => 1e-5,
-        };
-        let rms_norm_eps = r.f64_or("rms_norm_eps", default_eps)? as f32;
-        let vocab_size = r.size_req("vocab_size", 1, MAX_DIM)?;
-        let max_positions = r.usize_or("max_position_embeddings", 4096)?;
-        let intermediate_size = r.size_req("intermediate_size", 0, MAX_DIM)?;
-        let top_k = r.size_req("num_experts_per_tok", 0, MAX_DIM)?;
-
-        let (
-            num_experts,
-            moe_intermediate_size,
-            shared_intermediate_size,
-            routing,
-            layers,
-            qk_norm,
-            clip_qkv,
-        ) = match arch {
-            Arch::Olmoe => {
-                let e = r.size_req("num_experts", 0, MAX_DIM)?;
-                let routing = Routing::SoftmaxTopK {
-                    norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
-                };
-                let clip = r.get("clip_qkv").and_then(Value::as_f64).map(|c| c as f32);
-                (
-                    e,
-                    intermediate_size,
-                    0,
-                    routing,
-                    vec![FfnKind::Moe; num_layers],
-                    QkNorm::Full,
-                    clip,
-                )
-            }
-            Arch::Qwen3Moe => {
-                if r.bool_or("use_sliding_window", false)? {
-                    return Err(bad("config.json: use_sliding_window is not supported yet"));
-                }
-                // Hub checkpoints say `num_experts`; transformers 5 saves `num_local_experts`.
-                let e = match r.get("num_experts") {
-                    Some(_) => r.size_req("num_experts", 0, MAX_DIM)?,
-                    None => r.size_or("num_local_experts", 0, 0, MAX_DIM)?,
-                };
-                let step = r.usize_or("decoder_sparse_step", 1)?.max(1);
-                let mlp_only: Vec<usize> = match r.get("mlp_only_layers") {
-                    None => Vec::new(),
-                    Some(Value::Array(a)) => a
-                        .iter()
-                        .map(|x| x.as_u64().map(|x| x as usize))
-                        .collect::<Option<_>>()
-                        .ok_or_else(|| bad("config.json: mlp_only_layers must list integers"))?,
-                    Some(_) => return Err(bad("config.json: mlp_only_layers must be a list")),
-                };
-                let layers = (0..num_layers)
-                    .map(|i| {
-                        if !mlp_only.contains(&i) && e > 0 && (i + 1) % step == 0 {
-                            FfnKind::Moe
-                        } else {
-                            FfnKind::Dense
-                        }
-                    })
-                    .collect();
-                let routing = Routing::SoftmaxTopK {
-                    norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
-                };
-                (
-                    e,
-                    r.size_req("moe_intermediate_size", 0, MAX_DIM)?,
-                    0,
-                    routing,
-                    layers,
-                    QkNorm::PerHead,
-                    None,
-                )
-            }
-            Arch::Glm4Moe => {
-                let e = r.size_req("n_routed_experts", 0, MAX_DIM)?;
-                let moe_i = r.size_req("moe_intermediate_size", 0, MAX_DIM)?;
-                let n_group = r.usize_or("n_group", 1)?;
-                let topk_group = r.usize_or("topk_group", 1)?;
-                if n_group == 0 || e % n_group != 0 || topk_group == 0 || topk_group > n_group {
-                    return Err(bad(format!(
-                        "config.json: n_group {n_group} / topk_group {topk_group} do not fit \
-                             {e} routed experts"
-                    )));
-                }
-                if e / n_group < 2 && n_group > 1 {
-                    return Err(bad(
-                        "config.json: each expert group needs at least 2 experts",
-                    ));
-                }
-                let routing = Routing::SigmoidGrouped {
-                    n_group,
-                    topk_group,
-                    norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
-                    scaling: r.f64_or("routed_scaling_factor", 1.0)? as f32,
-                };
-                let first_dense = r.usize_or("first_k_dense_replace", 1)?;
-                let layers = (0..num_layers)
-                    .map(|i| {
-                        if i >= first_dense {
-                            FfnKind::Moe
-                        } else {
-                            FfnKind::Dense
-                        }
-                    })
-                    .collect();
-                let shared = moe_i * r.size_or("n_shared_experts", 1, 0, MAX_DIM)?;
-                if shared > MAX_DIM {
-                    return Err(bad(format!(
-                            "config.json: n_shared_experts * moe_intermediate_size = {shared} exceeds {MAX_DIM}"
-                        )));
-                }
-                let qk = if r.bool_or("use_qk_norm", false)? {
-                    QkNorm::PerHead
-                } else {
-                    QkNorm::None
-                };
-                (e, moe_i, shared, routing, layers, qk, None)
-            }
-        };
-        if layers.contains(&FfnKind::Dense) && intermediate_size == 0 {
-            return Err(bad(
-                "config.json: intermediate_size must be positive (the model has dense layers)",
-            ));
-        }
-        if layers.contains(&FfnKind::Moe) && moe_intermediate_size == 0 {
-            return Err(bad(
-                "config.json: the MoE intermediate size must be positive",
-            ));
-        }
-        if layers.contains(&FfnKind::Moe) && (top_k == 0 || top_k > num_experts) {
-            return Err(bad(format!(
-                "config.json: num_experts_per_tok ({top_k}) must be between 1 and the number of \
-                 experts ({num_experts})"
-            )));
-        }
-        Ok(ModelConfig {
-            arch,
-            vocab_size,
+        let mut c = ModelConfig {
+            family,
+            vocab_size: 0,
             hidden_size,
             num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
-            rotary_dim,
-            rope_theta,
-            rms_norm_eps,
-            max_positions,
-            qk_norm,
-            clip_qkv,
-            intermediate_size,
-            num_experts,
-            top_k,
-            moe_intermediate_size,
-            shared_intermediate_size,
-            routing,
-            layers,
-            tie_word_embeddings: r.bool_or("tie_word_embeddings", false)?,
-            eos_token_ids: token_ids(r.get("eos_token_id")),
-            bos_token_id: token_ids(r.get("bos_token_id")).first().copied(),
-        })
+            rotary_dim: 0,
+            rope_theta: 0.0,
+            rms_norm_eps: 0.0,
+            max_positions: 0,
+            attention: AttentionKind::Gqa,
+            qk_norm: QkNorm::None,
+            clip_qkv: None,
+            intermediate_size: 0,
+            num_experts: 0,
+            top_k: 0,
+            moe_intermediate_size: 0,
+            shared_intermediate_size: 0,
+            routing: Routing::SoftmaxTopK {
+                norm_topk_prob: false,
+            },
+            layers: vec![FfnKind::Dense; num_layers],
+            tie_word_embeddings: false,
+            eos_token_ids: Vec::new(),
+            bos_token_id: None,
+        };
+        c.intermediate_size = r.size_req("intermediate_size", 0, MAX_DIM)?;
+        c.top_k = r.size_req("num_experts_per_tok", 0, MAX_DIM)?;
+        // The family's own fields and checks (they may refuse the shared ones too).
+        (family.configure)(&r, &mut c)?;
+        let (rope_theta, partial) = rope_settings(&r, family.default_rotary_fraction)?;
+        c.rope_theta = rope_theta;
+        c.rotary_dim = ((c.head_dim as f64 * partial) as usize) & !1;
+        if c.rotary_dim == 0 {
+            return Err(bad("config.json: rotary dimension is zero"));
+        }
+        c.rms_norm_eps = r.f64_or("rms_norm_eps", family.default_rms_norm_eps)? as f32;
+        c.vocab_size = r.size_req("vocab_size", 1, MAX_DIM)?;
+        c.max_positions = r.usize_or("max_position_embeddings", 4096)?;
+        c.tie_word_embeddings = r.bool_or("tie_word_embeddings", false)?;
+        c.eos_token_ids = token_ids(r.get("eos_token_id"));
+        c.bos_token_id = token_ids(r.get("bos_token_id")).first().copied();
+        c.check_blocks()?;
+        Ok(c)
+    }
+
+    /// Sizes the chosen blocks need.
+    fn check_blocks(&self) -> Result<()> {
+        let (dense, moe) = (
+            self.layers.contains(&FfnKind::Dense),
+            self.layers.contains(&FfnKind::Moe),
+        );
+        if dense && self.intermediate_size == 0 {
+            return Err(bad(
+                "config.json: intermediate_size must be positive (the model has dense layers)",
+            ));
+        }
+        if moe && self.moe_intermediate_size == 0 {
+            return Err(bad(
+                "config.json: the MoE intermediate size must be positive",
+            ));
+        }
+        if moe && (self.top_k == 0 || self.top_k > self.num_experts) {
+            return Err(bad(format!(
+                "config.json: num_experts_per_tok ({}) must be between 1 and the number of \
+                 experts ({})",
+                self.top_k, self.num_experts
+            )));
+        }
+        Ok(())
     }
 
     pub fn q_dim(&self) -> usize {

@@ -184,13 +184,9 @@ fn encoded_len(shape: &[usize], dtype: DType) -> usize {
     }
 }
 
+/// The tensors `c`'s family reads (its registry entry's plan).
 pub fn family_plan(c: &ModelConfig) -> Plan {
-    use crate::config::Arch;
-    match c.arch {
-        Arch::Olmoe => crate::model::olmoe::plan(c),
-        Arch::Qwen3Moe => crate::model::qwen3_moe::plan(c),
-        Arch::Glm4Moe => crate::model::glm4_moe::plan(c),
-    }
+    (c.family.plan)(c)
 }
 
 /// What a conversion produced.
@@ -403,7 +399,7 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
             None => {
                 return Err(ck(format!(
                     "unexpected tensor `{name}`: not part of {} as configured",
-                    cfg.arch.hf_name()
+                    cfg.family.hf_name
                 )))
             }
         }
@@ -557,7 +553,7 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
     let manifest = Manifest {
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
-        architecture: cfg.arch.hf_name().into(),
+        architecture: cfg.family.hf_name.into(),
         config: cfg_json,
         quantization: QuantInfo {
             kind: quant,
@@ -582,7 +578,7 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
     }
     fs::rename(&tmp, &manifest_path).map_err(io_err(&manifest_path))?;
     Ok(Summary {
-        architecture: cfg.arch.hf_name().into(),
+        architecture: cfg.family.hf_name.into(),
         resident_bytes,
         expert_bytes,
         tensors: n_tensors,

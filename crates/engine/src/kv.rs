@@ -1,14 +1,17 @@
 //! The key/value history of one sequence.
 //!
-//! Stored head-major: per layer and kv head, one contiguous run of `cap` rows of `head_dim`
-//! values, so a query head's attention streams one block of memory front to back (position-major
-//! rows put a head's 512 bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow
-//! poorly). Every layer's keys and values live in one buffer, so even a short history is big
-//! enough for huge pages (a buffer per layer was 0.4 MB for a 96-position OLMoE-1B-7B cache:
-//! 4 KiB pages, and decode attention 3% slower). Values are f32, or f16 ([`KvDtype`]: half the
-//! bytes each decode step streams, as llama.cpp's default cache). Grows on demand (doubling,
-//! with headroom past a long request) up to the model's context length, so a short chat does
-//! not reserve the full context up front.
+//! Laid out from the model's [`KvLayout`]: what each layer keeps per position (`heads` runs of
+//! keys `key_dim` wide and of values `value_dim` wide; GQA: the kv heads, both `head_dim`; MLA:
+//! one run of the compressed keys and none of values; a layer without per-position KV: none).
+//! Stored head-major: per layer and head, one contiguous run of `cap` rows, so a query head's
+//! attention streams one block of memory front to back (position-major rows put a head's 512
+//! bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow poorly). Every
+//! layer's keys and values live in one buffer, so even a short history is big enough for huge
+//! pages (a buffer per layer was 0.4 MB for a 96-position OLMoE-1B-7B cache: 4 KiB pages, and
+//! decode attention 3% slower). Values are f32, or f16 ([`KvDtype`]: half the bytes each decode
+//! step streams, as llama.cpp's default cache). Grows on demand (doubling, with headroom past a
+//! long request) up to the model's context length, so a short chat does not reserve the full
+//! context up front.
 //! Slot files keep position-major f32 rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert
 //! (exactly, both ways).
 
@@ -43,8 +46,8 @@ impl KvDtype {
     }
 }
 
-/// The keys and values of every layer: per layer, keys then values, each `kv_heads` runs of
-/// `cap * head_dim` (see [`KvCache::at`]).
+/// The keys and values of every layer: per layer, `heads` key runs of `cap * key_dim`, then
+/// `heads` value runs of `cap * value_dim` (see [`KvCache::new`]).
 #[derive(Clone)]
 enum Block {
     F32(HugeBuf<f32>),
@@ -102,13 +105,70 @@ impl Block {
     }
 }
 
+/// What one layer keeps per position: `heads` runs of keys `key_dim` wide and of values
+/// `value_dim` wide (GQA: the kv heads, both `head_dim`). A family's attention block says what
+/// its layers keep ([`crate::model`]); the cache and slot files are laid out from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerKv {
+    pub heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+}
+
+/// The KV state of a model: what each layer keeps per position.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    pub layers: Vec<LayerKv>,
+}
+
+impl KvLayout {
+    /// Every layer alike: `heads` kv heads of `head_dim` keys and values (GQA).
+    pub fn uniform(num_layers: usize, heads: usize, head_dim: usize) -> KvLayout {
+        KvLayout {
+            layers: vec![
+                LayerKv {
+                    heads,
+                    key_dim: head_dim,
+                    value_dim: head_dim,
+                };
+                num_layers
+            ],
+        }
+    }
+}
+
+/// Where one layer's runs sit in the buffer, in floats per position of capacity (so a layer's
+/// keys start at `cap * keys` and its values at `cap * values`), with the layer's shape.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    heads: usize,
+    key_dim: usize,
+    value_dim: usize,
+    keys: usize,
+    values: usize,
+}
+
+impl Span {
+    /// The start (per position of capacity) and row width of one head's key or value run.
+    #[inline]
+    fn run(&self, values: bool) -> (usize, usize) {
+        if values {
+            (self.values, self.value_dim)
+        } else {
+            (self.keys, self.key_dim)
+        }
+    }
+}
+
 pub struct KvCache {
     data: Block,
-    layers: usize,
+    layout: KvLayout,
+    /// Per layer, from the layout's prefix sums (fixed; the capacity scales them).
+    spans: Vec<Span>,
+    /// Floats per position of capacity over all layers: the buffer holds `cap * stride`.
+    stride: usize,
     dtype: KvDtype,
-    kv_heads: usize,
-    head_dim: usize,
-    /// Positions each head block has room for.
+    /// Positions each head run has room for.
     cap: usize,
     /// Most positions the cache will ever hold (the model's context): growth stops there.
     limit: usize,
@@ -120,13 +180,37 @@ pub struct KvCache {
 const MIN_CAP: usize = 64;
 
 impl KvCache {
-    pub fn new(num_layers: usize, kv_heads: usize, head_dim: usize, dtype: KvDtype) -> KvCache {
+    /// An empty cache laid out for `layout`: per layer, `heads` key runs then `heads` value runs
+    /// (see [`KvCache::head`]).
+    ///
+    /// # Panics
+    /// If the layout's floats per position overflow `usize`.
+    pub fn new(layout: &KvLayout, dtype: KvDtype) -> KvCache {
+        let mut spans = Vec::with_capacity(layout.layers.len());
+        let mut at = 0usize;
+        let width = |heads: usize, dim: usize| heads.checked_mul(dim).expect("KV layout too large");
+        for l in &layout.layers {
+            let keys = at;
+            let values = keys
+                .checked_add(width(l.heads, l.key_dim))
+                .expect("KV layout too large");
+            at = values
+                .checked_add(width(l.heads, l.value_dim))
+                .expect("KV layout too large");
+            spans.push(Span {
+                heads: l.heads,
+                key_dim: l.key_dim,
+                value_dim: l.value_dim,
+                keys,
+                values,
+            });
+        }
         KvCache {
             data: Block::new(dtype, 0),
-            layers: num_layers,
+            layout: layout.clone(),
+            spans,
+            stride: at,
             dtype,
-            kv_heads,
-            head_dim,
             cap: 0,
             limit: usize::MAX,
             len: 0,
@@ -140,38 +224,58 @@ impl KvCache {
         self
     }
 
-    /// A cache holding `keys`/`values` given per layer as position-major f32 rows of `kv_dim`
-    /// (`positions * kv_dim` floats each, as a slot file stores them).
+    /// A cache holding `keys`/`values` given per layer as position-major f32 rows
+    /// (`positions * key_width(li)` and `positions * value_width(li)` floats, as a slot file
+    /// stores them; longer vectors are cut to that).
+    ///
+    /// # Panics
+    /// If `keys`/`values` do not have one entry per layer of `layout`, or one is too short.
     pub fn from_rows(
-        kv_heads: usize,
-        head_dim: usize,
+        layout: &KvLayout,
         dtype: KvDtype,
         positions: usize,
         keys: &[Vec<f32>],
         values: &[Vec<f32>],
     ) -> KvCache {
-        let mut kv = KvCache::new(keys.len(), kv_heads, head_dim, dtype);
+        let mut kv = KvCache::new(layout, dtype);
+        assert!(keys.len() == kv.num_layers() && values.len() == kv.num_layers());
         kv.reserve(positions);
-        let kvd = kv.kv_dim();
         for (li, (k, v)) in keys.iter().zip(values).enumerate() {
-            kv.write(li, 0, &k[..positions * kvd], &v[..positions * kvd]);
+            let (kw, vw) = (kv.key_width(li), kv.value_width(li));
+            kv.write(li, 0, &k[..positions * kw], &v[..positions * vw]);
         }
         kv.len = positions;
         kv
     }
 
     pub fn num_layers(&self) -> usize {
-        self.layers
+        self.spans.len()
     }
 
-    /// Where position `pos` of kv head `head` starts in the keys (`values` false) or the
-    /// values of layer `li`, for a capacity of `cap` positions.
+    /// What each layer keeps per position.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Where position `pos` of head `head` starts in the keys (`values` false) or the values
+    /// of layer `li`, for a capacity of `cap` positions. For a uniform (GQA) layout this is
+    /// `(((li * 2 + values) * kv_heads + head) * cap + pos) * head_dim`.
+    #[cfg(test)]
     fn at(&self, cap: usize, li: usize, values: bool, head: usize, pos: usize) -> usize {
-        (((li * 2 + usize::from(values)) * self.kv_heads + head) * cap + pos) * self.head_dim
+        let (base, dim) = self.spans[li].run(values);
+        cap * base + (head * cap + pos) * dim
     }
 
-    pub fn kv_dim(&self) -> usize {
-        self.kv_heads * self.head_dim
+    /// Floats of keys per position in layer `li` (all its heads).
+    pub fn key_width(&self, li: usize) -> usize {
+        let s = &self.spans[li];
+        s.heads * s.key_dim
+    }
+
+    /// Floats of values per position in layer `li` (0 when values are read from the keys).
+    pub fn value_width(&self, li: usize) -> usize {
+        let s = &self.spans[li];
+        s.heads * s.value_dim
     }
 
     pub fn dtype(&self) -> KvDtype {
@@ -188,65 +292,86 @@ impl KvCache {
         // the first decoded token after a 1k-token prompt would copy the whole history.
         let wanted = (self.cap * 2).max(need + need / 2).max(MIN_CAP);
         let cap = need.max(wanted.min(self.limit));
-        let (hd, len, old_cap) = (self.head_dim, self.len, self.cap);
-        let mut grown = Block::new(self.dtype, self.layers * 2 * self.kv_heads * cap * hd);
-        for li in 0..self.layers {
+        let (len, old_cap) = (self.len, self.cap);
+        let size = cap
+            .checked_mul(self.stride)
+            .expect("KV cache size overflows");
+        let mut grown = Block::new(self.dtype, size);
+        for (li, s) in self.spans.iter().enumerate() {
             for values in [false, true] {
-                for h in 0..self.kv_heads {
+                let (base, dim) = s.run(values);
+                for h in 0..s.heads {
                     let (to, from) = (
-                        self.at(cap, li, values, h, 0),
-                        self.at(old_cap, li, values, h, 0),
+                        cap * base + h * cap * dim,
+                        old_cap * base + h * old_cap * dim,
                     );
-                    grown.copy_from(to, &self.data, from, len * hd);
+                    grown.copy_from(to, &self.data, from, len * dim);
                 }
             }
             // The old copy of this layer is done with: the peak stays one layer above the
             // grown cache rather than the old and the new caches whole.
-            let (lo, hi) = (
-                self.at(old_cap, li, false, 0, 0),
-                self.at(old_cap, li + 1, false, 0, 0),
-            );
-            self.data.release(lo..hi);
+            let end = self.spans.get(li + 1).map_or(self.stride, |n| n.keys);
+            self.data.release(old_cap * s.keys..old_cap * end);
         }
         self.data = grown;
         self.cap = cap;
     }
 
-    /// Stores position-major f32 rows `k`/`v` (`n * kv_dim` each) of layer `li` at positions
-    /// `start .. start + n`; room for them must have been reserved.
+    /// Stores position-major f32 rows `k`/`v` (`n * key_width(li)` and `n * value_width(li)`
+    /// floats) of layer `li` at positions `start .. start + n`; room for them must have been
+    /// reserved. (A layer with neither keys nor values stores nothing.)
     pub fn write(&mut self, li: usize, start: usize, k: &[f32], v: &[f32]) {
-        let (hd, cap, kvd) = (self.head_dim, self.cap, self.kv_dim());
-        let n = k.len() / kvd;
-        assert!(start + n <= cap && k.len() == v.len() && k.len() == n * kvd);
+        let (s, cap) = (self.spans[li], self.cap);
+        let (kw, vw) = (s.heads * s.key_dim, s.heads * s.value_dim);
+        // The rows' count, from whichever of keys and values the layer keeps.
+        let n = k
+            .len()
+            .checked_div(kw)
+            .or(v.len().checked_div(vw))
+            .unwrap_or(0);
+        assert!(start + n <= cap && k.len() == n * kw && v.len() == n * vw);
         for (rows, values) in [(k, false), (v, true)] {
-            for (p, row) in rows.chunks_exact(kvd).enumerate() {
-                for (h, src) in row.chunks_exact(hd).enumerate() {
-                    let at = self.at(cap, li, values, h, start + p);
+            let (base, dim) = s.run(values);
+            if dim == 0 || s.heads == 0 {
+                continue;
+            }
+            for (p, row) in rows.chunks_exact(s.heads * dim).enumerate() {
+                for (h, src) in row.chunks_exact(dim).enumerate() {
+                    let at = cap * base + (h * cap + start + p) * dim;
                     self.data.store(at, src);
                 }
             }
         }
     }
 
-    /// Keys and values of kv head `head` in layer `li`: `positions` rows of `head_dim` each.
+    /// Keys and values of head `head` in layer `li`: `positions` rows of `key_dim` and of
+    /// `value_dim` each (an empty values slice for a layer whose values are read from the
+    /// keys).
     pub fn head(&self, li: usize, head: usize, positions: usize) -> (HeadRows<'_>, HeadRows<'_>) {
-        let (hd, cap) = (self.head_dim, self.cap);
+        let (s, cap) = (&self.spans[li], self.cap);
+        debug_assert!(head < s.heads && positions <= cap);
         let run = |values: bool| {
-            let at = self.at(cap, li, values, head, 0);
-            self.data.slice(at..at + positions * hd)
+            let (base, dim) = s.run(values);
+            let at = cap * base + head * cap * dim;
+            self.data.slice(at..at + positions * dim)
         };
         (run(false), run(true))
     }
 
     /// Position-major f32 keys and values of layer `li` at `positions` (what a slot file
-    /// stores).
+    /// stores): `positions.len() * key_width(li)` and `* value_width(li)` floats.
     pub fn rows(&self, li: usize, positions: Range<usize>) -> (Vec<f32>, Vec<f32>) {
-        let (hd, cap, kvd) = (self.head_dim, self.cap, self.kv_dim());
+        let (s, cap) = (&self.spans[li], self.cap);
         let gather = |values: bool| {
-            let mut out = vec![0.0f32; positions.len() * kvd];
-            for (row, p) in out.chunks_exact_mut(kvd).zip(positions.clone()) {
-                for (h, dst) in row.chunks_exact_mut(hd).enumerate() {
-                    self.data.load(self.at(cap, li, values, h, p), dst);
+            let (base, dim) = s.run(values);
+            let width = s.heads * dim;
+            let mut out = vec![0.0f32; positions.len() * width];
+            if width == 0 {
+                return out;
+            }
+            for (row, p) in out.chunks_exact_mut(width).zip(positions.clone()) {
+                for (h, dst) in row.chunks_exact_mut(dim).enumerate() {
+                    self.data.load(cap * base + (h * cap + p) * dim, dst);
                 }
             }
             out
@@ -266,7 +391,7 @@ impl KvCache {
 
     /// Bytes of KV memory per cached token (keys and values over all layers).
     pub fn bytes_per_token(&self) -> usize {
-        self.layers * self.kv_dim() * 2 * self.dtype.bytes()
+        self.stride * self.dtype.bytes()
     }
 }
 
@@ -279,15 +404,26 @@ mod tests {
         (0..n * kvd).map(|i| seed + (i % 997) as f32).collect()
     }
 
+    fn gqa(num_layers: usize, heads: usize, head_dim: usize, dtype: KvDtype) -> KvCache {
+        KvCache::new(&KvLayout::uniform(num_layers, heads, head_dim), dtype)
+    }
+
+    fn to_f32(r: HeadRows<'_>) -> Vec<f32> {
+        match r {
+            HeadRows::F32(x) => x.to_vec(),
+            HeadRows::F16(x) => x.iter().map(|v| v.to_f32()).collect(),
+        }
+    }
+
     #[test]
     fn growth_doubles_leaves_headroom_and_stops_at_the_limit() {
-        let mut kv = KvCache::new(1, 2, 4, KvDtype::F16).with_limit(100);
+        let mut kv = gqa(1, 2, 4, KvDtype::F16).with_limit(100);
         kv.reserve(10);
         assert_eq!(kv.cap, MIN_CAP);
         kv.len = 64;
         kv.reserve(1);
         assert_eq!(kv.cap, 100, "doubling to 128 would pass the limit");
-        let mut free = KvCache::new(1, 2, 4, KvDtype::F16);
+        let mut free = gqa(1, 2, 4, KvDtype::F16);
         free.reserve(1000);
         assert_eq!(
             free.cap, 1500,
@@ -300,7 +436,7 @@ mod tests {
         free.reserve(1);
         assert_eq!(free.cap, 3000);
         // A request past the limit is still served (the model refuses those before).
-        let mut small = KvCache::new(1, 2, 4, KvDtype::F32).with_limit(8);
+        let mut small = gqa(1, 2, 4, KvDtype::F32).with_limit(8);
         small.reserve(20);
         assert_eq!(small.cap, 20);
     }
@@ -315,7 +451,8 @@ mod tests {
     fn round_trip(dtype: KvDtype) {
         let (heads, hd) = (3, 4);
         let kvd = heads * hd;
-        let mut kv = KvCache::new(2, heads, hd, dtype);
+        let layout = KvLayout::uniform(2, heads, hd);
+        let mut kv = KvCache::new(&layout, dtype);
         let (k0, v0) = (rows(5, kvd, 0.0), rows(5, kvd, 100.0));
         kv.reserve(5);
         for li in 0..2 {
@@ -336,22 +473,146 @@ mod tests {
             .chunks_exact(kvd)
             .flat_map(|r| r[2 * hd..3 * hd].to_vec())
             .collect();
-        let got: Vec<f32> = match kv.head(0, 2, 105).0 {
-            HeadRows::F32(x) => x.to_vec(),
-            HeadRows::F16(x) => x.iter().map(|v| v.to_f32()).collect(),
-        };
+        let got = to_f32(kv.head(0, 2, 105).0);
         assert_eq!(got, want);
         kv.truncate(3);
         assert_eq!(kv.len, 3);
         assert_eq!(kv.rows(0, 1..3).0, k0[kvd..3 * kvd]);
         let back = KvCache::from_rows(
-            heads,
-            hd,
+            &layout,
             dtype,
             105,
             &[k.clone(), k.clone()],
             &[v.clone(), v.clone()],
         );
         assert_eq!(back.rows(0, 0..105), (k, v));
+    }
+
+    #[test]
+    fn a_uniform_layout_keeps_the_gqa_offsets() {
+        // The offsets of the cache before layouts: (((li * 2 + values) * kv_heads + head) * cap
+        // + pos) * head_dim, every layer's keys then values in one buffer.
+        let (layers, heads, hd) = (3, 4, 8);
+        let mut kv = gqa(layers, heads, hd, KvDtype::F32);
+        kv.reserve(70);
+        let cap = kv.cap;
+        for li in 0..layers {
+            for values in [false, true] {
+                for head in 0..heads {
+                    for pos in [0, 1, 37, cap - 1] {
+                        let old =
+                            (((li * 2 + usize::from(values)) * heads + head) * cap + pos) * hd;
+                        assert_eq!(kv.at(cap, li, values, head, pos), old);
+                    }
+                }
+            }
+        }
+        assert_eq!(kv.stride * cap, layers * 2 * heads * cap * hd);
+        assert_eq!(kv.bytes_per_token(), layers * heads * hd * 2 * 4);
+        assert_eq!(
+            (kv.key_width(2), kv.value_width(2)),
+            (heads * hd, heads * hd)
+        );
+    }
+
+    /// MLA-like (one run of 576-wide keys, no values), a layer with no per-position KV, and a
+    /// GQA layer after them.
+    fn mixed() -> KvLayout {
+        KvLayout {
+            layers: vec![
+                LayerKv {
+                    heads: 1,
+                    key_dim: 576,
+                    value_dim: 0,
+                },
+                LayerKv {
+                    heads: 0,
+                    key_dim: 0,
+                    value_dim: 0,
+                },
+                LayerKv {
+                    heads: 2,
+                    key_dim: 4,
+                    value_dim: 4,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn a_mixed_layout_round_trips_through_growth_and_truncation() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            mixed_round_trip(dtype);
+        }
+    }
+
+    fn mixed_round_trip(dtype: KvDtype) {
+        let layout = mixed();
+        let mut kv = KvCache::new(&layout, dtype);
+        let widths: Vec<(usize, usize)> = (0..3)
+            .map(|li| (kv.key_width(li), kv.value_width(li)))
+            .collect();
+        assert_eq!(widths, [(576, 0), (0, 0), (8, 8)]);
+        assert_eq!(kv.bytes_per_token(), (576 + 16) * dtype.bytes());
+        let write = |kv: &mut KvCache, start: usize, n: usize, seed: f32| {
+            let mut out = Vec::new();
+            for (li, &(kw, vw)) in widths.iter().enumerate() {
+                let (k, v) = (rows(n, kw, seed + li as f32), rows(n, vw, seed + 50.0));
+                kv.write(li, start, &k, &v);
+                out.push((k, v));
+            }
+            out
+        };
+        kv.reserve(5);
+        let first = write(&mut kv, 0, 5, 0.0);
+        kv.len = 5;
+        kv.reserve(100); // grows: every layer's history moves
+        assert!(kv.cap >= 105);
+        let second = write(&mut kv, 5, 100, 200.0);
+        kv.len = 105;
+        let mut keys = Vec::new();
+        let mut values = Vec::new();
+        for li in 0..3 {
+            let (k, v) = kv.rows(li, 0..105);
+            assert_eq!(k, [first[li].0.clone(), second[li].0.clone()].concat());
+            assert_eq!(v, [first[li].1.clone(), second[li].1.clone()].concat());
+            keys.push(k);
+            values.push(v);
+        }
+        // The MLA layer's one head is its whole rows; its values are empty.
+        let (hk, hv) = kv.head(0, 0, 105);
+        assert_eq!(to_f32(hk), keys[0]);
+        assert!(to_f32(hv).is_empty());
+        // The GQA layer behind it: head 1 is the second half of every row.
+        let (hk, hv) = kv.head(2, 1, 105);
+        let half =
+            |r: &[f32]| -> Vec<f32> { r.chunks_exact(8).flat_map(|r| r[4..].to_vec()).collect() };
+        assert_eq!(to_f32(hk), half(&keys[2]));
+        assert_eq!(to_f32(hv), half(&values[2]));
+        assert_eq!(kv.rows(1, 0..105), (vec![], vec![]));
+        // Truncation, then new positions over the dropped ones.
+        kv.truncate(3);
+        let third = write(&mut kv, 3, 2, 600.0);
+        kv.len = 5;
+        for li in 0..3 {
+            let (k, v) = kv.rows(li, 0..5);
+            let (kw, vw) = widths[li];
+            assert_eq!(k, [&first[li].0[..3 * kw], &third[li].0[..]].concat());
+            assert_eq!(v, [&first[li].1[..3 * vw], &third[li].1[..]].concat());
+        }
+        let back = KvCache::from_rows(&layout, dtype, 105, &keys, &values);
+        for li in 0..3 {
+            assert_eq!(
+                back.rows(li, 0..105),
+                (keys[li].clone(), values[li].clone())
+            );
+        }
+        assert_eq!(back.len, 105);
+        // A layout without any per-position KV takes no memory and still counts positions.
+        let mut none = KvCache::new(&KvLayout::uniform(2, 0, 0), dtype);
+        none.reserve(10);
+        none.write(1, 0, &[], &[]);
+        assert_eq!(none.bytes_per_token(), 0);
+        assert_eq!(none.rows(0, 0..10), (vec![], vec![]));
     }
 }

@@ -132,7 +132,7 @@ impl Model {
         let m = &self.inner;
         let c = &m.cfg;
         let d = PyDict::new(py);
-        d.set_item("architecture", c.arch.hf_name())?;
+        d.set_item("architecture", c.family.hf_name)?;
         d.set_item("vocab_size", c.vocab_size)?;
         d.set_item("context_length", c.max_positions)?;
         d.set_item("quantization", m.manifest.quantization.kind.name())?;
@@ -418,6 +418,16 @@ fn available_kernels() -> Vec<&'static str> {
         .collect()
 }
 
+/// The architectures the engine runs (`architectures[0]` of a checkpoint's config), each with
+/// the gateway's chat family for it when the chat template names none.
+#[pyfunction]
+fn architectures() -> Vec<(&'static str, &'static str)> {
+    crate::model::registry::FAMILIES
+        .iter()
+        .map(|f| (f.hf_name, f.chat_family))
+        .collect()
+}
+
 #[pymodule]
 fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Model>()?;
@@ -426,6 +436,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(upgrade_model, m)?)?;
     m.add_function(wrap_pyfunction!(default_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(architectures, m)?)?;
     m.add("FORMAT_VERSION", crate::format::FORMAT_VERSION)?;
     Ok(())
 }

@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::error::Result;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvLayout};
 use crate::model::Model;
 
 /// Where a slot's committed positions are made durable (the slot file, `slotfile/`).
@@ -46,10 +46,9 @@ impl Slot {
         keys: &[Vec<f32>],
         values: &[Vec<f32>],
     ) -> Slot {
-        let c = &model.cfg;
         let n = tokens.len();
-        let kv = KvCache::from_rows(c.num_kv_heads, c.head_dim, model.kv_dtype, n, keys, values)
-            .with_limit(c.max_positions);
+        let kv = KvCache::from_rows(model.kv_layout(), model.kv_dtype, n, keys, values)
+            .with_limit(model.cfg.max_positions);
         Slot {
             tokens,
             kv,
@@ -127,6 +126,10 @@ impl crate::slotfile::KvRows for KvCache {
         KvCache::num_layers(self)
     }
 
+    fn widths(&self, layer: usize) -> (usize, usize) {
+        (self.key_width(layer), self.value_width(layer))
+    }
+
     fn positions(&self) -> usize {
         self.len
     }
@@ -138,23 +141,54 @@ impl crate::slotfile::KvRows for KvCache {
 }
 
 /// What a slot file must match to be loaded: the model (its manifest: config, tensors,
-/// quantization) and the KV layout (layers, width, f32). 32 bytes from two seeded XXH3-128s.
+/// quantization) and the KV layout ([`layout_text`]). 32 bytes from two seeded XXH3-128s.
 pub fn fingerprint(model: &Model) -> [u8; 32] {
+    let manifest = serde_json::to_vec(&model.manifest).unwrap_or_default();
+    fingerprint_of(&manifest, model.kv_layout())
+}
+
+/// [`fingerprint`] from the manifest's JSON bytes and the KV layout.
+fn fingerprint_of(manifest: &[u8], layout: &KvLayout) -> [u8; 32] {
     use xxhash_rust::xxh3::xxh3_128_with_seed;
-    let mut text = serde_json::to_vec(&model.manifest).unwrap_or_default();
-    text.extend_from_slice(
-        format!(
-            "|slotfile v{}|layers {}|kv_dim {}|f32",
-            crate::slotfile::SLOT_FILE_VERSION,
-            model.cfg.num_layers,
-            model.cfg.kv_dim()
-        )
-        .as_bytes(),
-    );
+    let mut text = manifest.to_vec();
+    text.extend_from_slice(layout_text(layout).as_bytes());
     let mut out = [0u8; 32];
     out[..16].copy_from_slice(&xxh3_128_with_seed(&text, 0x636f_6c69).to_le_bytes());
     out[16..].copy_from_slice(&xxh3_128_with_seed(&text, 0x6272_6921).to_le_bytes());
     out
+}
+
+/// The KV layout's part of the fingerprint text. Every layer alike with keys and values of one
+/// width (GQA): `|slotfile v1|layers L|kv_dim W|f32` (W = heads * head_dim), the text from
+/// before layouts, so the slot files of those models keep loading. Any other layout:
+/// `|slotfile v1|layers L|kv C*HxK/V,...|f32`, runs of C equal layers of H heads of K keys and
+/// V values each.
+fn layout_text(layout: &KvLayout) -> String {
+    let v = crate::slotfile::SLOT_FILE_VERSION;
+    let layers = &layout.layers;
+    let gqa = layers
+        .first()
+        .is_none_or(|f| f.key_dim == f.value_dim && layers.iter().all(|l| l == f));
+    if gqa {
+        let kv_dim = layers.first().map_or(0, |l| l.heads * l.key_dim);
+        return format!("|slotfile v{v}|layers {}|kv_dim {kv_dim}|f32", layers.len());
+    }
+    let mut runs: Vec<(usize, crate::kv::LayerKv)> = Vec::new();
+    for l in layers {
+        match runs.last_mut() {
+            Some((count, last)) if last == l => *count += 1,
+            _ => runs.push((1, *l)),
+        }
+    }
+    let runs: Vec<String> = runs
+        .iter()
+        .map(|(c, l)| format!("{c}*{}x{}/{}", l.heads, l.key_dim, l.value_dim))
+        .collect();
+    format!(
+        "|slotfile v{v}|layers {}|kv {}|f32",
+        layers.len(),
+        runs.join(",")
+    )
 }
 
 /// Opens slot `index`'s file in `dir`: the persisted history when the file is valid for this
@@ -173,12 +207,7 @@ pub fn open_persistent(
         ))
     })?;
     let path = dir.join(format!("slot-{index}.kv"));
-    let (file, opened) = SlotFile::open(
-        &path,
-        fingerprint(model),
-        model.cfg.num_layers,
-        model.cfg.kv_dim(),
-    )?;
+    let (file, opened) = SlotFile::open_layout(&path, fingerprint(model), model.kv_layout())?;
     let mut slot = match opened {
         Opened::Loaded(s) if s.tokens.len() < model.cfg.max_positions => {
             Slot::restored(model, s.tokens, &s.keys, &s.values)
@@ -201,4 +230,69 @@ pub fn open_persistent(
     };
     slot.set_store(Box::new(file));
     Ok(slot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::LayerKv;
+
+    #[test]
+    fn a_gqa_layout_keeps_the_fingerprint_of_its_slot_files() {
+        // The text and digest slot files were fingerprinted with before KV layouts.
+        let layout = KvLayout::uniform(16, 4, 128);
+        assert_eq!(
+            layout_text(&layout),
+            "|slotfile v1|layers 16|kv_dim 512|f32"
+        );
+        let manifest = br#"{"config":"any"}"#;
+        let mut text = manifest.to_vec();
+        text.extend_from_slice(b"|slotfile v1|layers 16|kv_dim 512|f32");
+        let mut old = [0u8; 32];
+        use xxhash_rust::xxh3::xxh3_128_with_seed;
+        old[..16].copy_from_slice(&xxh3_128_with_seed(&text, 0x636f_6c69).to_le_bytes());
+        old[16..].copy_from_slice(&xxh3_128_with_seed(&text, 0x6272_6921).to_le_bytes());
+        assert_eq!(fingerprint_of(manifest, &layout), old);
+    }
+
+    #[test]
+    fn other_layouts_are_spelled_out_layer_by_layer() {
+        let mla = LayerKv {
+            heads: 1,
+            key_dim: 576,
+            value_dim: 0,
+        };
+        let none = LayerKv {
+            heads: 0,
+            key_dim: 0,
+            value_dim: 0,
+        };
+        let gqa = LayerKv {
+            heads: 2,
+            key_dim: 4,
+            value_dim: 4,
+        };
+        let layout = KvLayout {
+            layers: vec![mla, mla, none, gqa, mla],
+        };
+        assert_eq!(
+            layout_text(&layout),
+            "|slotfile v1|layers 5|kv 2*1x576/0,1*0x0/0,1*2x4/4,1*1x576/0|f32"
+        );
+        let swapped = KvLayout {
+            layers: vec![mla, none, mla, gqa, mla],
+        };
+        assert_ne!(
+            fingerprint_of(b"{}", &layout),
+            fingerprint_of(b"{}", &swapped)
+        );
+        // Every layer alike but values of another width: not the GQA text either.
+        let uniform_mla = KvLayout {
+            layers: vec![mla; 3],
+        };
+        assert_eq!(
+            layout_text(&uniform_mla),
+            "|slotfile v1|layers 3|kv 3*1x576/0|f32"
+        );
+    }
 }

@@ -1,7 +1,8 @@
 """What the gateway must know about a model family beyond its chat template.
 
 See docs/FORMATS.md ("Chat families") and ../shared/design/TOOL-FORMATS.md. A family is chosen
-from the architecture and the template text; ``--chat-family`` overrides it for checkpoints whose
+from the template text, else from the architecture (the engine registry's chat family for it,
+``_engine.architectures()``); ``--chat-family`` overrides it for checkpoints whose
 template says nothing recognisable.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from colibri.chat.toolformats import DEEPSEEK_V31, DSML, GLM_XML, KIMI_K2, QWEN3_CALLS, ToolFormat
 
@@ -92,11 +94,15 @@ def detect_family(architecture: str, chat_template: str | None) -> Family:
         return GLM
     if "<|im_start|>" in t and ("<think>" in t or "<tool_call>" in t):
         return QWEN3
-    if architecture == "Glm4MoeForCausalLM":
-        return GLM
-    if architecture == "Qwen3MoeForCausalLM":
-        return QWEN3
-    return OLMOE
+    return FAMILIES.get(architecture_families().get(architecture, ""), OLMOE)
+
+
+@cache
+def architecture_families() -> dict[str, str]:
+    """The chat family of each architecture the engine runs, from its registry."""
+    from colibri import _engine
+
+    return dict(_engine.architectures())
 
 
 def family_by_name(name: str) -> Family:

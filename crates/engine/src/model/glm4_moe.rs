@@ -5,17 +5,78 @@
 //! Attention has q/k/v biases, optional per-head q/k norm, and partial rotary (the leading
 //! `partial_rotary_factor` of each head). Layers past `num_hidden_layers` (the MTP head) are skipped.
 
+use super::layers;
 use super::plan::{self, Plan};
-use crate::config::{FfnKind, ModelConfig, QkNorm};
+use super::registry::Family;
+use crate::config::{bad, AttentionKind, FfnKind, ModelConfig, QkNorm, Reader, Routing, MAX_DIM};
+use crate::error::Result;
 
-pub fn plan(c: &ModelConfig) -> Plan {
+pub static FAMILY: Family = Family {
+    hf_name: "Glm4MoeForCausalLM",
+    chat_family: "glm",
+    reads_head_dim: true,
+    default_rotary_fraction: 0.5,
+    default_rms_norm_eps: 1e-5,
+    configure,
+    plan: tensor_plan,
+};
+
+fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
+    let e = r.size_req("n_routed_experts", 0, MAX_DIM)?;
+    let moe_i = r.size_req("moe_intermediate_size", 0, MAX_DIM)?;
+    let n_group = r.usize_or("n_group", 1)?;
+    let topk_group = r.usize_or("topk_group", 1)?;
+    if n_group == 0 || e % n_group != 0 || topk_group == 0 || topk_group > n_group {
+        return Err(bad(format!(
+            "config.json: n_group {n_group} / topk_group {topk_group} do not fit {e} routed \
+             experts"
+        )));
+    }
+    if e / n_group < 2 && n_group > 1 {
+        return Err(bad(
+            "config.json: each expert group needs at least 2 experts",
+        ));
+    }
+    c.routing = Routing::SigmoidGrouped {
+        n_group,
+        topk_group,
+        norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
+        scaling: r.f64_or("routed_scaling_factor", 1.0)? as f32,
+    };
+    let first_dense = r.usize_or("first_k_dense_replace", 1)?;
+    c.layers = (0..c.num_layers)
+        .map(|i| {
+            if i >= first_dense {
+                FfnKind::Moe
+            } else {
+                FfnKind::Dense
+            }
+        })
+        .collect();
+    let shared = moe_i * r.size_or("n_shared_experts", 1, 0, MAX_DIM)?;
+    if shared > MAX_DIM {
+        return Err(bad(format!(
+            "config.json: n_shared_experts * moe_intermediate_size = {shared} exceeds {MAX_DIM}"
+        )));
+    }
+    c.num_experts = e;
+    c.moe_intermediate_size = moe_i;
+    c.shared_intermediate_size = shared;
+    c.attention = AttentionKind::Gqa;
+    c.qk_norm = if r.bool_or("use_qk_norm", false)? {
+        QkNorm::PerHead
+    } else {
+        QkNorm::None
+    };
+    Ok(())
+}
+
+fn tensor_plan(c: &ModelConfig) -> Plan {
     let mut p = Plan::default();
     plan::add_embeddings(&mut p, c);
     for i in 0..c.num_layers {
-        plan::add_attention(&mut p, c, i);
-        if c.qk_norm == QkNorm::PerHead {
-            plan::add_qk_norm(&mut p, i, c.head_dim, c.head_dim);
-        }
+        plan::add_layer_norms(&mut p, c, i);
+        layers::plan_attention(&mut p, c, i);
         plan::add_ffn(&mut p, c, i);
         if c.layers[i] == FfnKind::Moe {
             p.vector(

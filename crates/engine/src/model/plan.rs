@@ -1,6 +1,6 @@
 //! The tensors a model needs, under colibri's canonical names, and where each comes from in a
-//! Hugging Face checkpoint. The per-family files fill a [`Plan`]; the converter follows it and the
-//! loader reads the same names back.
+//! Hugging Face checkpoint. The per-family files fill a [`Plan`] (attention blocks add their own
+//! tensors, see `layers/`); the converter follows it and the loader reads the same names back.
 
 use crate::config::{FfnKind, ModelConfig};
 
@@ -82,45 +82,32 @@ pub fn add_embeddings(p: &mut Plan, c: &ModelConfig) {
     }
 }
 
-/// The attention projections of layer `i` (biases optional), plus its two RMSNorms.
-pub fn add_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
+/// The two RMSNorms of layer `i` (before attention, before the feed-forward block).
+pub fn add_layer_norms(p: &mut Plan, c: &ModelConfig, i: usize) {
     let h = c.hidden_size;
-    let hf = |s: &str| format!("model.layers.{i}.{s}");
-    let n = |s: &str| format!("layers.{i}.{s}");
-    p.vector(n("attn_norm"), hf("input_layernorm.weight"), h);
-    p.vector(n("ffn_norm"), hf("post_attention_layernorm.weight"), h);
-    for (name, rows, cols) in [
-        ("q", c.q_dim(), h),
-        ("k", c.kv_dim(), h),
-        ("v", c.kv_dim(), h),
-        ("o", h, c.q_dim()),
-    ] {
-        p.matrix(
-            n(name),
-            hf(&format!("self_attn.{name}_proj.weight")),
-            rows,
-            cols,
-        );
-        p.optional_vector(
-            n(&format!("{name}_bias")),
-            hf(&format!("self_attn.{name}_proj.bias")),
-            rows,
-        );
-    }
+    p.vector(
+        format!("layers.{i}.attn_norm"),
+        format!("model.layers.{i}.input_layernorm.weight"),
+        h,
+    );
+    p.vector(
+        format!("layers.{i}.ffn_norm"),
+        format!("model.layers.{i}.post_attention_layernorm.weight"),
+        h,
+    );
 }
 
-/// q/k RMSNorm weights of layer `i`, with lengths `q_len` and `k_len`.
-pub fn add_qk_norm(p: &mut Plan, i: usize, q_len: usize, k_len: usize) {
-    p.vector(
-        format!("layers.{i}.q_norm"),
-        format!("model.layers.{i}.self_attn.q_norm.weight"),
-        q_len,
-    );
-    p.vector(
-        format!("layers.{i}.k_norm"),
-        format!("model.layers.{i}.self_attn.k_norm.weight"),
-        k_len,
-    );
+/// The plan of a family with no tensors of its own: embeddings, then per layer its norms, its
+/// attention block and its feed-forward block.
+pub fn standard(c: &ModelConfig) -> Plan {
+    let mut p = Plan::default();
+    add_embeddings(&mut p, c);
+    for i in 0..c.num_layers {
+        add_layer_norms(&mut p, c, i);
+        super::layers::plan_attention(&mut p, c, i);
+        add_ffn(&mut p, c, i);
+    }
+    p
 }
 
 /// A SwiGLU MLP: canonical `{name}.gate|up|down` from `{hf_prefix}.gate_proj.weight` etc.

@@ -3,6 +3,8 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::kv::KvLayout;
+
 /// The slot file format version; a file of any other version is refused.
 pub const SLOT_FILE_VERSION: u32 = 1;
 
@@ -113,12 +115,101 @@ pub(super) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Bytes one token takes in a record: its id plus keys and values in every layer.
+/// Bytes one token takes in a record of a uniform layout: its id plus keys and values in
+/// every layer.
 pub(super) fn token_bytes(num_layers: usize, kv_dim: usize) -> Option<u64> {
     (num_layers as u64)
         .checked_mul(kv_dim as u64)?
         .checked_mul(8)?
         .checked_add(4)
+}
+
+/// Bit 63 of the header's `kv_dim` field: set, the field is a digest of the per-layer widths
+/// (a layout whose layers do not all keep `w` keys and `w` values per position); clear, it is
+/// that `w`. A real `w` never reaches it (a token's bytes would overflow).
+pub(super) const MIXED_WIDTHS: u64 = 1 << 63;
+
+/// What a slot file's records hold per position: per layer, the f32 keys and values of all its
+/// heads, the header's `kv_dim` field that stands for them, and a token's bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Shape {
+    /// Per layer: (key floats, value floats) per position.
+    pub(super) widths: Vec<(usize, usize)>,
+    /// The header's `kv_dim` field: `w` when every layer keeps `w` keys and `w` values per
+    /// position, else [`MIXED_WIDTHS`] with a digest of `widths`.
+    pub(super) kv_dim: u64,
+    /// [`token_bytes`]: 4 + 4 * (all the widths).
+    pub(super) per_token: u64,
+}
+
+impl Shape {
+    /// `num_layers` layers of `kv_dim` keys and `kv_dim` values per position (the header holds
+    /// `kv_dim` as given, whatever the layer count).
+    pub(super) fn uniform(num_layers: usize, kv_dim: usize) -> Result<Shape, String> {
+        let too_large = || format!("KV layout {num_layers} layers x {kv_dim} is too large");
+        let per_token = token_bytes(num_layers, kv_dim).ok_or_else(too_large)?;
+        let mut widths = Vec::new();
+        widths
+            .try_reserve_exact(num_layers)
+            .map_err(|_| too_large())?;
+        widths.resize(num_layers, (kv_dim, kv_dim));
+        Ok(Shape {
+            widths,
+            kv_dim: kv_dim as u64,
+            per_token,
+        })
+    }
+
+    /// The records of `layout`: per layer `heads * key_dim` keys and `heads * value_dim`
+    /// values per position.
+    pub(super) fn of(layout: &KvLayout) -> Result<Shape, String> {
+        let too_large = || format!("KV layout of {} layers is too large", layout.layers.len());
+        let mut widths = Vec::with_capacity(layout.layers.len());
+        let mut floats = 0u64;
+        for l in &layout.layers {
+            let k = l.heads.checked_mul(l.key_dim).ok_or_else(too_large)?;
+            let v = l.heads.checked_mul(l.value_dim).ok_or_else(too_large)?;
+            floats = floats
+                .checked_add(k as u64)
+                .and_then(|f| f.checked_add(v as u64))
+                .ok_or_else(too_large)?;
+            widths.push((k, v));
+        }
+        let per_token = floats
+            .checked_mul(4)
+            .and_then(|b| b.checked_add(4))
+            .ok_or_else(too_large)?;
+        let kv_dim = match widths.first() {
+            None => 0,
+            Some(&(w, _)) if widths.iter().all(|&p| p == (w, w)) => w as u64,
+            Some(_) => {
+                let bytes: Vec<u8> = widths
+                    .iter()
+                    .flat_map(|&(k, v)| [(k as u64).to_le_bytes(), (v as u64).to_le_bytes()])
+                    .flatten()
+                    .collect();
+                MIXED_WIDTHS | xxh3_64(&bytes)
+            }
+        };
+        Ok(Shape {
+            widths,
+            kv_dim,
+            per_token,
+        })
+    }
+
+    pub(super) fn num_layers(&self) -> usize {
+        self.widths.len()
+    }
+
+    /// The layout a header's fields stand for, for a message.
+    pub(super) fn describe(num_layers: u64, kv_dim: u64) -> String {
+        if kv_dim & MIXED_WIDTHS != 0 {
+            format!("{num_layers} layers of per-layer widths (digest {kv_dim:016x})")
+        } else {
+            format!("{num_layers} layers x {kv_dim} floats")
+        }
+    }
 }
 
 /// Bytes of a record of `n` tokens.
@@ -130,12 +221,24 @@ pub(super) fn record_len(n: u64, per_token: u64) -> Option<u64> {
 /// Fuzzing support: recomputes every checksum in `bytes` (records as far as they chain from
 /// the log start, then each header copy with our magic, whose `chain` is set to the chain value
 /// at its committed end when a record ends there), so mutated fields reach the replay logic
-/// instead of stopping at a checksum. Never panics; O(len).
+/// instead of stopping at a checksum. For `num_layers` layers of `kv_dim` keys and values per
+/// position ([`reseal_layout`]: any layout). Never panics; O(len).
 #[doc(hidden)]
 pub fn reseal(bytes: &mut [u8], num_layers: usize, kv_dim: usize) {
-    let Some(per_token) = token_bytes(num_layers, kv_dim) else {
-        return;
-    };
+    if let Some(per_token) = token_bytes(num_layers, kv_dim) {
+        reseal_records(bytes, per_token);
+    }
+}
+
+/// [`reseal`] for the slot files of `layout`.
+#[doc(hidden)]
+pub fn reseal_layout(bytes: &mut [u8], layout: &KvLayout) {
+    if let Ok(shape) = Shape::of(layout) {
+        reseal_records(bytes, shape.per_token);
+    }
+}
+
+fn reseal_records(bytes: &mut [u8], per_token: u64) {
     let size = bytes.len() as u64;
     let mut ends = vec![(LOG_START, 0u64)];
     let (mut pos, mut chain) = (LOG_START, 0u64);

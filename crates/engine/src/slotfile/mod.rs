@@ -26,20 +26,22 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use crate::error::{io_err, Error, Result};
+use crate::kv::KvLayout;
 
 pub use format::{
-    reseal, HEADER_BLOCK, HEADER_COPIES, LOG_START, RECORD_MAGIC, SLOT_FILE_MAGIC,
+    reseal, reseal_layout, HEADER_BLOCK, HEADER_COPIES, LOG_START, RECORD_MAGIC, SLOT_FILE_MAGIC,
     SLOT_FILE_VERSION,
 };
 pub use lock::IN_USE;
-pub use replay::load_bytes;
+pub use replay::{load_bytes, load_bytes_layout};
 
-use format::{token_bytes, HEADER_LEN};
+use format::{Shape, HEADER_LEN};
 use lock::open_locked;
 use replay::{load_from, Found, LoadError};
 use writer::{tmp_path, Io, RealIo, Tuning};
 
-/// A loaded slot: the tokens and, per layer, `tokens.len() * kv_dim` keys and values.
+/// A loaded slot: the tokens and, per layer, `tokens.len() * key width` keys and
+/// `tokens.len() * value width` values (position-major f32 rows).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadedSlot {
     pub tokens: Vec<u32>,
@@ -69,46 +71,58 @@ pub enum Opened {
     Refused(String),
 }
 
-/// The KV state a slot file persists, read as position-major rows of `kv_dim` floats per layer
-/// (the engine keeps its cache head-major and converts only the rows a record holds).
+/// The KV state a slot file persists, read as position-major rows per layer (the engine keeps
+/// its cache head-major and converts only the rows a record holds).
 pub trait KvRows {
     fn num_layers(&self) -> usize;
+    /// Floats per position of `layer`'s keys and of its values (all heads).
+    fn widths(&self, layer: usize) -> (usize, usize);
     /// Positions every layer holds rows for.
     fn positions(&self) -> usize;
     /// Keys and values of `layer` at `positions` (within [`KvRows::positions`]), row by row.
     fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>);
 }
 
-/// Per-layer position-major vectors (`keys[layer][pos * kv_dim ..]`), as [`LoadedSlot`] holds.
+/// Per-layer position-major vectors (`keys[layer][pos * widths[layer].0 ..]`, values with
+/// `widths[layer].1`), as [`LoadedSlot`] holds.
 pub struct PositionMajor<'a> {
     pub keys: &'a [Vec<f32>],
     pub values: &'a [Vec<f32>],
-    pub kv_dim: usize,
+    /// Per layer: (key floats, value floats) per position.
+    pub widths: &'a [(usize, usize)],
 }
 
 impl KvRows for PositionMajor<'_> {
     fn num_layers(&self) -> usize {
-        if self.keys.len() == self.values.len() {
+        if self.keys.len() == self.widths.len() && self.values.len() == self.widths.len() {
             self.keys.len()
         } else {
             usize::MAX // never equal to a file's layer count: refused by `check_state`
         }
     }
 
+    fn widths(&self, layer: usize) -> (usize, usize) {
+        self.widths[layer]
+    }
+
     fn positions(&self) -> usize {
+        // A layer without keys (or values) holds rows for any number of positions.
+        let fit = |v: &Vec<f32>, w: usize| v.len().checked_div(w).unwrap_or(usize::MAX);
         self.keys
             .iter()
-            .chain(self.values)
-            .map(|v| v.len() / self.kv_dim.max(1))
+            .zip(self.values)
+            .zip(self.widths)
+            .map(|((k, v), &(kw, vw))| fit(k, kw).min(fit(v, vw)))
             .min()
             .unwrap_or(usize::MAX)
     }
 
     fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
-        let r = positions.start * self.kv_dim..positions.end * self.kv_dim;
+        let (kw, vw) = self.widths[layer];
+        let (a, b) = (positions.start, positions.end);
         (
-            Cow::Borrowed(&self.keys[layer][r.clone()]),
-            Cow::Borrowed(&self.values[layer][r]),
+            Cow::Borrowed(&self.keys[layer][a * kw..b * kw]),
+            Cow::Borrowed(&self.values[layer][a * vw..b * vw]),
         )
     }
 }
@@ -118,9 +132,7 @@ pub struct SlotFile {
     file: File,
     path: PathBuf,
     fingerprint: [u8; 32],
-    num_layers: usize,
-    kv_dim: usize,
-    per_token: u64,
+    shape: Shape,
     /// The persisted tokens (the committed state's history).
     tokens: Vec<u32>,
     /// Committed end of the log and the chain value there.
@@ -143,8 +155,8 @@ impl std::fmt::Debug for SlotFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SlotFile")
             .field("path", &self.path)
-            .field("num_layers", &self.num_layers)
-            .field("kv_dim", &self.kv_dim)
+            .field("num_layers", &self.shape.num_layers())
+            .field("kv_dim", &self.shape.kv_dim)
             .field("persisted_tokens", &self.tokens.len())
             .field("committed_bytes", &self.end)
             .field("seq", &self.seq)
@@ -153,8 +165,10 @@ impl std::fmt::Debug for SlotFile {
 }
 
 impl SlotFile {
-    /// Opens (creating if missing) the slot file at `path` for this layout; an existing valid
-    /// file is loaded, an invalid/foreign one is refused and replaced by an empty file.
+    /// Opens (creating if missing) the slot file at `path` for `num_layers` layers of `kv_dim`
+    /// keys and `kv_dim` values per position (a GQA layout's row width; [`SlotFile::open_layout`]
+    /// takes any layout); an existing valid file is loaded, an invalid/foreign one is refused
+    /// and replaced by an empty file.
     ///
     /// `fingerprint` identifies the model and KV layout (computed by the caller); a file made
     /// with another fingerprint, version, `num_layers` or `kv_dim` is refused. An I/O error
@@ -165,16 +179,37 @@ impl SlotFile {
         num_layers: usize,
         kv_dim: usize,
     ) -> Result<(SlotFile, Opened)> {
-        Self::open_with(
+        let shape = Shape::uniform(num_layers, kv_dim).map_err(Error::Input)?;
+        Self::open_shape(
             path,
             fingerprint,
-            num_layers,
-            kv_dim,
+            shape,
             Box::new(RealIo),
             Tuning::default(),
         )
     }
 
+    /// [`SlotFile::open`] for the slot file of a model whose KV is laid out as `layout`: the
+    /// records hold per layer `heads * key_dim` keys and `heads * value_dim` values per
+    /// position, and a file of another layout is refused. For a layout whose layers all keep
+    /// `w` keys and `w` values per position, the file is the one `open(path, fingerprint,
+    /// layers, w)` makes.
+    pub fn open_layout(
+        path: &Path,
+        fingerprint: [u8; 32],
+        layout: &KvLayout,
+    ) -> Result<(SlotFile, Opened)> {
+        let shape = Shape::of(layout).map_err(Error::Input)?;
+        Self::open_shape(
+            path,
+            fingerprint,
+            shape,
+            Box::new(RealIo),
+            Tuning::default(),
+        )
+    }
+
+    #[cfg(test)]
     fn open_with(
         path: &Path,
         fingerprint: [u8; 32],
@@ -183,21 +218,26 @@ impl SlotFile {
         io: Box<dyn Io>,
         tuning: Tuning,
     ) -> Result<(SlotFile, Opened)> {
-        let per_token = token_bytes(num_layers, kv_dim).ok_or_else(|| {
-            Error::Input(format!(
-                "KV layout {num_layers} layers x {kv_dim} is too large"
-            ))
-        })?;
+        let shape = Shape::uniform(num_layers, kv_dim).map_err(Error::Input)?;
+        Self::open_shape(path, fingerprint, shape, io, tuning)
+    }
+
+    fn open_shape(
+        path: &Path,
+        fingerprint: [u8; 32],
+        shape: Shape,
+        io: Box<dyn Io>,
+        tuning: Tuning,
+    ) -> Result<(SlotFile, Opened)> {
         let file = open_locked(path)?;
         // A compaction killed before its rename; only the lock holder writes it.
         let _ = fs::remove_file(tmp_path(path));
+        let num_layers = shape.num_layers();
         let mut sf = SlotFile {
             file,
             path: path.to_path_buf(),
             fingerprint,
-            num_layers,
-            kv_dim,
-            per_token,
+            shape,
             tokens: Vec::new(),
             end: LOG_START,
             chain: 0,
@@ -209,14 +249,15 @@ impl SlotFile {
             tuning,
         };
         let empty = LoadedSlot::empty(num_layers);
+        let widths = sf.shape.widths.clone();
         let empty_kv = PositionMajor {
             keys: &empty.keys,
             values: &empty.values,
-            kv_dim,
+            widths: &widths,
         };
         let found = match sf.file.metadata() {
             Ok(m) if m.len() == 0 => Ok(None),
-            Ok(_) => load_from(&sf.file, fingerprint, num_layers, kv_dim),
+            Ok(_) => load_from(&sf.file, fingerprint, &sf.shape),
             Err(e) => Err(LoadError::Io(e)),
         };
         match found {

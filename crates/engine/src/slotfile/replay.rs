@@ -8,10 +8,11 @@ use std::os::unix::fs::FileExt;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::format::{
-    hex, le_u32, le_u64, parse_block, token_bytes, Block, Header, HEADER_BLOCK, HEADER_COPIES,
-    LOG_START, RECORD_HEAD, RECORD_MAGIC, RECORD_TAIL, SLOT_FILE_MAGIC, SLOT_FILE_VERSION,
+    hex, le_u32, le_u64, parse_block, Block, Header, Shape, HEADER_BLOCK, HEADER_COPIES, LOG_START,
+    RECORD_HEAD, RECORD_MAGIC, RECORD_TAIL, SLOT_FILE_MAGIC, SLOT_FILE_VERSION,
 };
 use super::LoadedSlot;
+use crate::kv::KvLayout;
 
 /// Something the loader reads from: bytes in memory or the open file.
 pub(super) trait Source {
@@ -71,18 +72,12 @@ pub(super) struct Found {
 pub(super) fn load_from<S: Source + ?Sized>(
     src: &S,
     fingerprint: [u8; 32],
-    num_layers: usize,
-    kv_dim: usize,
+    shape: &Shape,
 ) -> std::result::Result<Option<Found>, LoadError> {
     let size = src.size()?;
     if size == 0 {
         return Ok(None);
     }
-    let Some(per_token) = token_bytes(num_layers, kv_dim) else {
-        return Err(LoadError::Invalid(format!(
-            "layout {num_layers} layers x {kv_dim} is too large"
-        )));
-    };
     let mut region = vec![0u8; size.min(LOG_START) as usize];
     src.read_at(&mut region, 0)?;
     let blocks: Vec<Block> = (0..HEADER_COPIES)
@@ -136,10 +131,11 @@ pub(super) fn load_from<S: Source + ?Sized>(
                 hex(&fingerprint[..8])
             )));
         }
-        if h.num_layers != num_layers as u64 || h.kv_dim != kv_dim as u64 {
+        if h.num_layers != shape.num_layers() as u64 || h.kv_dim != shape.kv_dim {
             return Err(LoadError::Invalid(format!(
-                "KV layout {} layers x {} floats, expected {num_layers} x {kv_dim}",
-                h.num_layers, h.kv_dim
+                "KV layout {}, expected {}",
+                Shape::describe(h.num_layers, h.kv_dim),
+                Shape::describe(shape.num_layers() as u64, shape.kv_dim)
             )));
         }
     }
@@ -148,7 +144,7 @@ pub(super) fn load_from<S: Source + ?Sized>(
     valid.sort_by_key(|v| std::cmp::Reverse(v.1.seq));
     let mut first_err = None;
     for (copy, header) in valid {
-        match replay(src, size, &header, num_layers, kv_dim, per_token) {
+        match replay(src, size, &header, shape) {
             Ok(state) => {
                 return Ok(Some(Found {
                     state,
@@ -192,10 +188,9 @@ fn replay<S: Source + ?Sized>(
     src: &S,
     size: u64,
     h: &Header,
-    num_layers: usize,
-    kv_dim: usize,
-    per_token: u64,
+    shape: &Shape,
 ) -> std::result::Result<LoadedSlot, LoadError> {
+    let per_token = shape.per_token;
     let bad = |s: String| Err(LoadError::Invalid(s));
     if h.end < LOG_START {
         return bad(format!("committed end {} inside the header region", h.end));
@@ -206,7 +201,7 @@ fn replay<S: Source + ?Sized>(
             h.end
         ));
     }
-    let mut st = LoadedSlot::empty(num_layers);
+    let mut st = LoadedSlot::empty(shape.num_layers());
     let mut pos = LOG_START;
     let mut chain = 0u64;
     while pos < h.end {
@@ -253,13 +248,12 @@ fn replay<S: Source + ?Sized>(
             }
         }
         at += 4 * n as u64;
-        for l in 0..num_layers {
-            // With a layer present, n * kv_dim * 4 <= the record's bytes (checked above).
-            let rows = n * kv_dim;
-            for v in [&mut st.keys[l], &mut st.values[l]] {
-                v.truncate(start * kv_dim);
-                read_f32s(src, v, rows, at, &mut hash)?;
-                at += 4 * rows as u64;
+        for (l, &(kw, vw)) in shape.widths.iter().enumerate() {
+            // n * (kw + vw) * 4 <= n * per_token <= the record's bytes (checked above).
+            for (v, w) in [(&mut st.keys[l], kw), (&mut st.values[l], vw)] {
+                v.truncate(start * w);
+                read_f32s(src, v, n * w, at, &mut hash)?;
+                at += 4 * (n * w) as u64;
             }
         }
         let mut tail = [0u8; 8];
@@ -284,17 +278,42 @@ fn replay<S: Source + ?Sized>(
     Ok(st)
 }
 
-/// Pure loader over the bytes of a slot file (tests, fuzzing): `Ok(Some(state))` for a valid
-/// file (possibly with no tokens), `Ok(None)` for an empty (new) file, `Err(reason)` for a
-/// foreign or damaged one. Never panics; allocations are bounded by `bytes.len()` (plus the
-/// `num_layers` empty vectors of the result); O(file size).
+/// Pure loader over the bytes of a slot file (tests, fuzzing) of `num_layers` layers of
+/// `kv_dim` keys and values per position ([`load_bytes_layout`]: any layout): `Ok(Some(state))`
+/// for a valid file (possibly with no tokens), `Ok(None)` for an empty (new) file, `Err(reason)`
+/// for a foreign or damaged one. Never panics; allocations are bounded by `bytes.len()` (plus
+/// the `num_layers` empty vectors of the result); O(file size).
 pub fn load_bytes(
     bytes: &[u8],
     fingerprint: [u8; 32],
     num_layers: usize,
     kv_dim: usize,
 ) -> std::result::Result<Option<LoadedSlot>, String> {
-    match load_from(bytes, fingerprint, num_layers, kv_dim) {
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    load_shape(bytes, fingerprint, &Shape::uniform(num_layers, kv_dim)?)
+}
+
+/// [`load_bytes`] for the slot file of a model whose KV is laid out as `layout` (per layer,
+/// `tokens * heads * key_dim` keys and `tokens * heads * value_dim` values).
+pub fn load_bytes_layout(
+    bytes: &[u8],
+    fingerprint: [u8; 32],
+    layout: &KvLayout,
+) -> std::result::Result<Option<LoadedSlot>, String> {
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    load_shape(bytes, fingerprint, &Shape::of(layout)?)
+}
+
+fn load_shape(
+    bytes: &[u8],
+    fingerprint: [u8; 32],
+    shape: &Shape,
+) -> std::result::Result<Option<LoadedSlot>, String> {
+    match load_from(bytes, fingerprint, shape) {
         Ok(found) => Ok(found.map(|f| f.state)),
         Err(LoadError::Invalid(why)) => Err(why),
         Err(LoadError::Io(e)) => Err(e.to_string()),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::format::{parse_block, record_len, Block, HEADER_SUMMED};
+use super::format::{parse_block, record_len, token_bytes, Block, HEADER_SUMMED};
 use super::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -819,4 +819,321 @@ fn bad_arguments_are_errors_not_panics() {
         load_bytes(&b, FP, 0, 7).unwrap().unwrap().tokens,
         vec![1, 2, 3]
     );
+}
+
+// -----------------------------------------------------------------------------------------
+// Layouts other than GQA: per-layer widths
+
+use crate::kv::{KvCache, KvDtype, KvLayout, LayerKv};
+
+fn layer(heads: usize, key_dim: usize, value_dim: usize) -> LayerKv {
+    LayerKv {
+        heads,
+        key_dim,
+        value_dim,
+    }
+}
+
+/// MLA-like (one 576-wide run of keys, values read from them), a layer without per-position KV
+/// (linear attention), a GQA layer.
+fn mixed() -> KvLayout {
+    KvLayout {
+        layers: vec![layer(1, 576, 0), layer(0, 0, 0), layer(2, 4, 4)],
+    }
+}
+
+/// The same kinds of layers, narrow enough for the byte-by-byte damage tests.
+fn mixed_small() -> KvLayout {
+    KvLayout {
+        layers: vec![layer(1, 6, 0), layer(0, 0, 0), layer(2, 1, 1)],
+    }
+}
+
+fn widths(layout: &KvLayout) -> Vec<(usize, usize)> {
+    layout
+        .layers
+        .iter()
+        .map(|l| (l.heads * l.key_dim, l.heads * l.value_dim))
+        .collect()
+}
+
+/// [`advance`] for per-layer widths.
+fn advance_in(s: &mut LoadedSlot, rng: &mut Rng, start: usize, n: usize, w: &[(usize, usize)]) {
+    s.tokens.truncate(start);
+    for _ in 0..n {
+        s.tokens.push(rng.next() as u32);
+    }
+    for (l, &(kw, vw)) in w.iter().enumerate() {
+        for (v, width) in [(&mut s.keys[l], kw), (&mut s.values[l], vw)] {
+            v.truncate(start * width);
+            for _ in 0..n * width {
+                v.push(rng.float());
+            }
+        }
+    }
+}
+
+fn open_in(path: &Path, layout: &KvLayout, tuning: Tuning) -> (SlotFile, Opened) {
+    let shape = Shape::of(layout).unwrap();
+    SlotFile::open_shape(path, FP, shape, Box::new(RealIo), tuning).unwrap()
+}
+
+/// A file of `layout` written by the script (no compaction), with every state it committed.
+fn scripted_in(layout: &KvLayout, seed: u64) -> (Vec<u8>, Vec<LoadedSlot>) {
+    let w = widths(layout);
+    scripted_shape(Shape::of(layout).unwrap(), seed, |s, rng, start, n| {
+        advance_in(s, rng, start, n, &w)
+    })
+}
+
+/// [`scripted_in`] with the state advanced by `advance`.
+fn scripted_shape(
+    shape: Shape,
+    seed: u64,
+    advance: impl Fn(&mut LoadedSlot, &mut Rng, usize, usize),
+) -> (Vec<u8>, Vec<LoadedSlot>) {
+    let dir = Scratch::new("scripted-shape");
+    let path = dir.file();
+    let layers = shape.num_layers();
+    let (mut sf, _) =
+        SlotFile::open_shape(&path, FP, shape, Box::new(RealIo), NO_COMPACTION).unwrap();
+    let mut rng = Rng::new(seed);
+    let mut truth = LoadedSlot::empty(layers);
+    let mut states = vec![truth.clone()];
+    for step in SCRIPT {
+        match step {
+            Step::Commit(start, n) => {
+                advance(&mut truth, &mut rng, start, n);
+                commit(&mut sf, &truth, start).unwrap();
+                states.push(truth.clone());
+            }
+            Step::Sync => sync(&mut sf, &truth).unwrap(),
+        }
+    }
+    drop(sf);
+    (fs::read(&path).unwrap(), states)
+}
+
+#[test]
+fn a_mixed_layout_round_trips_through_reopen_replay_and_compaction() {
+    let layout = mixed();
+    let w = widths(&layout);
+    let per_token = 4 + 4 * (576 + 8 + 8);
+    assert_eq!(Shape::of(&layout).unwrap().per_token, per_token);
+    let dir = Scratch::new("mixed");
+    let path = dir.file();
+    let tuning = Tuning {
+        chunk: 1000,
+        compact_slack: 4096,
+    };
+    let mut rng = Rng::new(11);
+    let mut truth = LoadedSlot::empty(3);
+    let (mut sf, opened) = open_in(&path, &layout, tuning);
+    assert!(matches!(opened, Opened::Fresh));
+    // A prefill, decode steps, a truncation with new tokens, a truncation only.
+    advance_in(&mut truth, &mut rng, 0, 12, &w);
+    commit(&mut sf, &truth, 0).unwrap();
+    for _ in 0..4 {
+        let start = truth.tokens.len();
+        advance_in(&mut truth, &mut rng, start, 1, &w);
+        commit(&mut sf, &truth, start).unwrap();
+    }
+    advance_in(&mut truth, &mut rng, 9, 3, &w);
+    commit(&mut sf, &truth, 9).unwrap();
+    advance_in(&mut truth, &mut rng, 11, 0, &w);
+    commit(&mut sf, &truth, 11).unwrap();
+    sync(&mut sf, &truth).unwrap();
+    drop(sf);
+    // Replayed from its log, through both loaders.
+    let bytes = fs::read(&path).unwrap();
+    let got = load_bytes_layout(&bytes, FP, &layout).unwrap().unwrap();
+    assert!(same(&got, &truth));
+    assert_eq!(got.keys[0].len(), 11 * 576);
+    assert!(got.values[0].is_empty() && got.keys[1].is_empty() && got.values[1].is_empty());
+    assert_eq!(got.values[2].len(), 11 * 8);
+    let (mut sf, opened) = SlotFile::open_layout(&path, FP, &layout).unwrap();
+    assert!(
+        matches!(&opened, Opened::Loaded(s) if same(s, &truth)),
+        "{opened:?}"
+    );
+    // Regenerate the tail until the log is due for compaction.
+    drop(sf);
+    let (again, _) = open_in(&path, &layout, tuning);
+    sf = again;
+    for _ in 0..10 {
+        advance_in(&mut truth, &mut rng, 8, 3, &w);
+        commit(&mut sf, &truth, 8).unwrap();
+    }
+    assert!(sf.compaction_due());
+    sync(&mut sf, &truth).unwrap();
+    assert_eq!(
+        fs::metadata(&path).unwrap().len(),
+        LOG_START + record_len(11, per_token).unwrap()
+    );
+    assert!(!tmp_path(&path).exists());
+    advance_in(&mut truth, &mut rng, 11, 2, &w);
+    commit(&mut sf, &truth, 11).unwrap();
+    drop(sf);
+    let (_, opened) = SlotFile::open_layout(&path, FP, &layout).unwrap();
+    assert!(matches!(&opened, Opened::Loaded(s) if same(s, &truth)));
+}
+
+#[test]
+fn a_kv_cache_of_a_mixed_layout_persists_and_restores() {
+    let layout = mixed();
+    let w = widths(&layout);
+    let dir = Scratch::new("mixed-cache");
+    let path = dir.file();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let _ = fs::remove_file(&path);
+        let mut kv = KvCache::new(&layout, dtype);
+        let mut tokens = Vec::new();
+        let (mut sf, _) = SlotFile::open_layout(&path, FP, &layout).unwrap();
+        // Two passes (a prefill, one decode step), each committed from the cache.
+        for (start, n) in [(0, 20), (20, 1)] {
+            kv.reserve(n);
+            for (li, &(kw, vw)) in w.iter().enumerate() {
+                // Small integers: exact in f16.
+                let k: Vec<f32> = (0..n * kw).map(|i| (i % 500 + li) as f32).collect();
+                let v: Vec<f32> = (0..n * vw).map(|i| (i % 300) as f32 - 7.0).collect();
+                kv.write(li, start, &k, &v);
+            }
+            kv.len += n;
+            let new: Vec<u32> = (0..n as u32).map(|t| t + start as u32).collect();
+            sf.commit_kv(start, &new, &kv).unwrap();
+            tokens.extend(new);
+        }
+        sf.sync_kv(&tokens, &kv).unwrap();
+        // KV of another layout is refused, and the file keeps its state.
+        let other = KvCache::new(&mixed_small(), dtype);
+        let err = sf.commit_kv(21, &[], &other).unwrap_err().to_string();
+        assert!(err.contains("layer 0 keeps 6 + 0"), "{err}");
+        assert_eq!(sf.persisted_tokens(), 21);
+        drop(sf);
+        let (_, opened) = SlotFile::open_layout(&path, FP, &layout).unwrap();
+        let Opened::Loaded(s) = opened else {
+            panic!("{opened:?}")
+        };
+        assert_eq!(s.tokens, tokens);
+        let back = KvCache::from_rows(&layout, dtype, s.tokens.len(), &s.keys, &s.values);
+        for li in 0..3 {
+            assert_eq!(back.rows(li, 0..21), kv.rows(li, 0..21), "layer {li}");
+        }
+    }
+}
+
+#[test]
+fn a_file_of_one_layout_is_refused_by_another() {
+    let (bytes, states) = scripted_in(&mixed(), 5);
+    let header = match parse_block(&bytes) {
+        Block::Valid(h) => h,
+        _ => panic!("no header in block 0"),
+    };
+    assert_eq!(header.num_layers, 3);
+    assert_ne!(header.kv_dim & format::MIXED_WIDTHS, 0);
+    let got = load_bytes_layout(&bytes, FP, &mixed()).unwrap().unwrap();
+    assert!(same(&got, states.last().unwrap()));
+    // The same layers in another order: the same bytes per token, another layout.
+    let mut swapped = mixed();
+    swapped.layers.swap(1, 2);
+    let why = load_bytes_layout(&bytes, FP, &swapped).unwrap_err();
+    assert!(
+        why.contains("KV layout 3 layers of per-layer widths"),
+        "{why}"
+    );
+    let why = load_bytes(&bytes, FP, 3, 576).unwrap_err();
+    assert!(why.contains("expected 3 layers x 576 floats"), "{why}");
+    // And the other way round: a uniform file under a mixed layout.
+    let (uniform, _) = scripted_file(NO_COMPACTION, 77);
+    let two = KvLayout {
+        layers: vec![layer(1, 3, 3), layer(1, 3, 0)],
+    };
+    assert!(load_bytes_layout(&uniform, FP, &two).is_err());
+    // Absurd layouts do not overflow.
+    let huge = KvLayout {
+        layers: vec![layer(usize::MAX, 2, 0)],
+    };
+    assert!(load_bytes_layout(&bytes, FP, &huge).is_err());
+    let mut b = bytes.clone();
+    reseal_layout(&mut b, &huge);
+    assert!(SlotFile::open_layout(&Scratch::new("huge").file(), FP, &huge).is_err());
+}
+
+#[test]
+fn a_gqa_layout_writes_the_files_it_always_did() {
+    // Before layouts, a GQA model's slot file was `open(path, fp, layers, kv_heads * head_dim)`.
+    let gqa = KvLayout::uniform(L, 1, D);
+    assert_eq!(Shape::of(&gqa).unwrap(), Shape::uniform(L, D).unwrap());
+    let heads = KvLayout::uniform(4, 2, 8);
+    let shape = Shape::of(&heads).unwrap();
+    assert_eq!(
+        (shape.kv_dim, shape.per_token),
+        (16, token_bytes(4, 16).unwrap())
+    );
+    let (old, states) = scripted_file(NO_COMPACTION, 77);
+    let (new, _) = scripted_shape(Shape::of(&gqa).unwrap(), 77, |s, rng, start, n| {
+        advance(s, rng, start, n, D)
+    });
+    assert_eq!(old, new, "the same bytes, header and records");
+    let got = load_bytes_layout(&old, FP, &gqa).unwrap().unwrap();
+    assert!(same(&got, states.last().unwrap()));
+    // A file of the old API opens through the layout and carries on.
+    let dir = Scratch::new("gqa");
+    fs::write(dir.file(), &old).unwrap();
+    let (mut sf, opened) = SlotFile::open_layout(&dir.file(), FP, &gqa).unwrap();
+    let Opened::Loaded(mut s) = opened else {
+        panic!("{opened:?}")
+    };
+    advance(&mut s, &mut Rng::new(3), 2, 2, D);
+    commit(&mut sf, &s, 2).unwrap();
+    drop(sf);
+    assert!(same(&load(&dir.file()).unwrap(), &s));
+}
+
+#[test]
+fn damage_to_a_mixed_layout_file_loads_a_committed_state_or_refuses() {
+    let layout = mixed_small();
+    let (bytes, states) = scripted_in(&layout, 21);
+    let check = |b: &[u8], what: &str| match load_bytes_layout(b, FP, &layout) {
+        Ok(Some(s)) => assert!(states.iter().any(|t| same(t, &s)), "{what}"),
+        Ok(None) => assert!(b.is_empty(), "{what}"),
+        Err(_) => {}
+    };
+    for cut in 0..bytes.len() {
+        check(&bytes[..cut], &format!("cut at {cut}"));
+    }
+    for at in LOG_START as usize..bytes.len() {
+        let mut b = bytes.clone();
+        b[at] ^= 0x41;
+        check(&b, &format!("flip at {at}"));
+    }
+    // Resealed mutations reach the replay: any shape must come out right or be refused.
+    let mut rng = Rng::new(99);
+    let w = widths(&layout);
+    for i in 0..3000 {
+        let mut b = bytes.clone();
+        for _ in 0..1 + rng.below(3) {
+            let at = if rng.below(2) == 0 && b.len() > LOG_START as usize {
+                LOG_START as usize + rng.below(b.len() - LOG_START as usize)
+            } else {
+                rng.below(HEADER_COPIES) * HEADER_BLOCK as usize + rng.below(HEADER_LEN)
+            };
+            let at = at.min(b.len() - 1);
+            match rng.below(4) {
+                0 => b[at] = rng.next() as u8,
+                1 => b.truncate(at.max(1)),
+                2 if at + 8 <= b.len() => {
+                    b[at..at + 8].copy_from_slice(&(rng.below(40) as u64).to_le_bytes())
+                }
+                _ => b[at] ^= 1 << rng.below(8),
+            }
+        }
+        reseal_layout(&mut b, &layout);
+        if let Ok(Some(s)) = load_bytes_layout(&b, FP, &layout) {
+            for (l, &(kw, vw)) in w.iter().enumerate() {
+                assert_eq!(s.keys[l].len(), s.tokens.len() * kw, "case {i}");
+                assert_eq!(s.values[l].len(), s.tokens.len() * vw, "case {i}");
+            }
+        }
+    }
 }

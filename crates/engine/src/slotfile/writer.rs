@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::format::{
-    record_len, Header, HEADER_BLOCK, HEADER_COPIES, HEADER_LEN, LOG_START, RECORD_HEAD,
+    record_len, Header, Shape, HEADER_BLOCK, HEADER_COPIES, HEADER_LEN, LOG_START, RECORD_HEAD,
     RECORD_MAGIC,
 };
 use super::lock::lock;
@@ -141,11 +141,11 @@ fn write_record(
     offset: u64,
     chain: u64,
     rec: &RecordData,
-    per_token: u64,
+    shape: &Shape,
     chunk: usize,
 ) -> io::Result<(u64, u64)> {
     let n = rec.tokens.len();
-    let len = record_len(n as u64, per_token)
+    let len = record_len(n as u64, shape.per_token)
         .ok_or_else(|| io::Error::other("record size overflows u64"))?;
     let mut w = Writer {
         io,
@@ -161,9 +161,18 @@ fn write_record(
     head[16..24].copy_from_slice(&(n as u64).to_le_bytes());
     w.put(&head)?;
     w.put(&u32_le(rec.tokens))?;
-    for layer in 0..rec.kv.num_layers() {
-        // In bounds: `check_state` saw at least start + n positions in every layer.
+    for (layer, &(kw, vw)) in shape.widths.iter().enumerate() {
+        // In bounds: `check_state` saw this layer count and widths, and at least start + n
+        // positions in every layer.
         let (k, v) = rec.kv.rows(layer, rec.start..rec.start + n);
+        if k.len() != n * kw || v.len() != n * vw {
+            // A `KvRows` that breaks its word: the record is never referenced by a header.
+            return Err(io::Error::other(format!(
+                "layer {layer}: {} + {} KV floats for {n} positions of {kw} + {vw}",
+                k.len(),
+                v.len()
+            )));
+        }
         w.put(&f32_le(&k))?;
         w.put(&f32_le(&v))?;
     }
@@ -189,11 +198,21 @@ fn parent_dir(path: &Path) -> PathBuf {
 
 impl SlotFile {
     fn check_state(&self, what: &str, upto: usize, kv: &dyn KvRows) -> Result<()> {
-        if kv.num_layers() != self.num_layers {
+        if kv.num_layers() != self.shape.num_layers() {
             return Err(Error::Input(format!(
                 "slot file {what}: KV of another layer count than the file's {}",
-                self.num_layers
+                self.shape.num_layers()
             )));
+        }
+        for (layer, &want) in self.shape.widths.iter().enumerate() {
+            let got = kv.widths(layer);
+            if got != want {
+                return Err(Error::Input(format!(
+                    "slot file {what}: layer {layer} keeps {} + {} KV floats per position, \
+                     the file's {} + {}",
+                    got.0, got.1, want.0, want.1
+                )));
+            }
         }
         if kv.positions() < upto {
             return Err(Error::Input(format!(
@@ -204,8 +223,9 @@ impl SlotFile {
     }
 
     /// Appends positions `start .. start + tokens.len()` (their KV rows taken from
-    /// `keys[layer][pos*kv_dim..]` / `values`) after truncating the persisted state to `start`
-    /// (start <= persisted length), then updates the header. No fsync.
+    /// `keys[layer][pos * key width ..]` / `values[layer][pos * value width ..]`) after
+    /// truncating the persisted state to `start` (start <= persisted length), then updates the
+    /// header. No fsync.
     ///
     /// On `Err` the persisted state is unchanged (the previous commit) and the file stays
     /// usable: a later commit may retry.
@@ -216,10 +236,11 @@ impl SlotFile {
         keys: &[Vec<f32>],
         values: &[Vec<f32>],
     ) -> Result<()> {
+        let widths = self.shape.widths.clone();
         let kv = PositionMajor {
             keys,
             values,
-            kv_dim: self.kv_dim,
+            widths: &widths,
         };
         self.commit_kv(start, tokens, &kv)
     }
@@ -244,7 +265,7 @@ impl SlotFile {
             self.end,
             self.chain,
             &rec,
-            self.per_token,
+            &self.shape,
             self.tuning.chunk,
         )
         .map_err(io_err(&path))?;
@@ -256,8 +277,8 @@ impl SlotFile {
             .expect("three header blocks leave at least one free");
         let header = Header {
             fingerprint: self.fingerprint,
-            num_layers: self.num_layers as u64,
-            kv_dim: self.kv_dim as u64,
+            num_layers: self.shape.num_layers() as u64,
+            kv_dim: self.shape.kv_dim,
             seq: self.seq + 1,
             end,
             tokens: (start + tokens.len()) as u64,
@@ -282,7 +303,7 @@ impl SlotFile {
         let live = if self.tokens.is_empty() {
             0
         } else {
-            record_len(self.tokens.len() as u64, self.per_token).unwrap_or(u64::MAX)
+            record_len(self.tokens.len() as u64, self.shape.per_token).unwrap_or(u64::MAX)
         };
         let log = self.end - LOG_START;
         log > live
@@ -297,10 +318,11 @@ impl SlotFile {
     /// After `Ok`, the persisted state survives a power loss. Compaction rewrites the state into
     /// `<path>.tmp` (fsynced), renames it over the file and fsyncs the directory.
     pub fn sync(&mut self, tokens: &[u32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Result<()> {
+        let widths = self.shape.widths.clone();
         let kv = PositionMajor {
             keys,
             values,
-            kv_dim: self.kv_dim,
+            widths: &widths,
         };
         self.sync_kv(tokens, &kv)
     }
@@ -350,15 +372,15 @@ impl SlotFile {
                 LOG_START,
                 0,
                 &rec,
-                self.per_token,
+                &self.shape,
                 self.tuning.chunk,
             )
             .map_err(io_err(&tmp))?
         };
         let header = Header {
             fingerprint: self.fingerprint,
-            num_layers: self.num_layers as u64,
-            kv_dim: self.kv_dim as u64,
+            num_layers: self.shape.num_layers() as u64,
+            kv_dim: self.shape.kv_dim,
             seq: self.seq + 1,
             end,
             tokens: tokens.len() as u64,

@@ -1,0 +1,198 @@
+//! Grouped-query attention (every family so far): q/k/v projections with optional biases,
+//! optional q/k RMSNorm (over all heads or per head), optional clamp, RoPE on the leading
+//! `rotary_dim` of each head, then softmax attention of each query head over its kv head's
+//! history, in blocks of query positions that share every chunk of keys they read.
+//! Keeps `num_kv_heads` key and value rows of `head_dim` per position.
+
+use crate::config::{ModelConfig, QkNorm};
+use crate::error::Result;
+use crate::kv::{KvCache, KvLayout};
+use crate::linear::{Acts, Linear};
+use crate::model::load::Tensors;
+use crate::model::plan::Plan;
+use crate::model::Model;
+use crate::ops::{self, RopeAngles};
+
+/// Query positions of one head attended together in a prefill (they share each chunk of keys
+/// and values they read).
+const ATTN_BLOCK: usize = 16;
+
+/// One layer's attention weights.
+pub(in crate::model) struct Gqa {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    biases: [Option<Vec<f32>>; 4],
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+}
+
+/// What every layer keeps per position: the kv heads' keys and values.
+pub fn kv_layout(c: &ModelConfig) -> KvLayout {
+    KvLayout::uniform(c.num_layers, c.num_kv_heads, c.head_dim)
+}
+
+/// The projections of layer `i` (biases optional) and its q/k norms.
+pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
+    let h = c.hidden_size;
+    let hf = |s: &str| format!("model.layers.{i}.{s}");
+    let n = |s: &str| format!("layers.{i}.{s}");
+    for (name, rows, cols) in [
+        ("q", c.q_dim(), h),
+        ("k", c.kv_dim(), h),
+        ("v", c.kv_dim(), h),
+        ("o", h, c.q_dim()),
+    ] {
+        p.matrix(
+            n(name),
+            hf(&format!("self_attn.{name}_proj.weight")),
+            rows,
+            cols,
+        );
+        p.optional_vector(
+            n(&format!("{name}_bias")),
+            hf(&format!("self_attn.{name}_proj.bias")),
+            rows,
+        );
+    }
+    let (q_len, k_len) = match c.qk_norm {
+        QkNorm::None => return,
+        QkNorm::Full => (c.q_dim(), c.kv_dim()),
+        QkNorm::PerHead => (c.head_dim, c.head_dim),
+    };
+    p.vector(n("q_norm"), hf("self_attn.q_norm.weight"), q_len);
+    p.vector(n("k_norm"), hf("self_attn.k_norm.weight"), k_len);
+}
+
+impl Gqa {
+    pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Gqa> {
+        let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
+        let n = |s: &str| format!("layers.{i}.{s}");
+        let (q_norm, k_norm) = match c.qk_norm {
+            QkNorm::None => (None, None),
+            QkNorm::Full => (
+                Some(t.vector(&n("q_norm"), qd)?),
+                Some(t.vector(&n("k_norm"), kvd)?),
+            ),
+            QkNorm::PerHead => (
+                Some(t.vector(&n("q_norm"), hd)?),
+                Some(t.vector(&n("k_norm"), hd)?),
+            ),
+        };
+        Ok(Gqa {
+            q: t.linear(&n("q"), qd, h)?,
+            k: t.linear(&n("k"), kvd, h)?,
+            v: t.linear(&n("v"), kvd, h)?,
+            o: t.linear(&n("o"), h, qd)?,
+            biases: [
+                t.optional_vector(&n("q_bias"), qd)?,
+                t.optional_vector(&n("k_bias"), kvd)?,
+                t.optional_vector(&n("v_bias"), kvd)?,
+                t.optional_vector(&n("o_bias"), h)?,
+            ],
+            q_norm,
+            k_norm,
+        })
+    }
+}
+
+impl Model {
+    /// The attention output of layer `li` for the normed inputs `hn` (one row per position at
+    /// `kv.len ..`); writes the positions' keys and values to `kv`.
+    pub(in crate::model) fn gqa_attention(
+        &self,
+        li: usize,
+        layer: &Gqa,
+        hn: Vec<f32>,
+        angles: &[RopeAngles],
+        kv: &mut KvCache,
+    ) -> Vec<f32> {
+        let n = angles.len();
+        let c = &self.cfg;
+        let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
+        let mut acts = Acts::from_vec(hn, n, h);
+        let mut qkv = self.project(&[layer.q, layer.k, layer.v], &mut acts);
+        for (out, bias) in qkv.iter_mut().zip(&layer.biases) {
+            if let Some(b) = bias {
+                for row in out.chunks_exact_mut(b.len()) {
+                    for (v, bb) in row.iter_mut().zip(b) {
+                        *v += *bb;
+                    }
+                }
+            }
+        }
+        let mut v = qkv.pop().unwrap();
+        let mut k = qkv.pop().unwrap();
+        let mut q = qkv.pop().unwrap();
+        // Per position: q/k norm (Full: qn spans all heads; PerHead: one head; rms_norm
+        // normalises each qn-sized run), the clip, then the rotation.
+        let clip = |row: &mut [f32]| {
+            if let Some(clip) = c.clip_qkv {
+                for x in row.iter_mut() {
+                    *x = x.clamp(-clip, clip);
+                }
+            }
+        };
+        // The q/k norms apply as a pair (a family has both or neither).
+        let (q_norm, k_norm) = match (&layer.q_norm, &layer.k_norm) {
+            (Some(qn), Some(kn)) => (Some(qn), Some(kn)),
+            _ => (None, None),
+        };
+        for (t, width, norm) in [(&mut q, qd, q_norm), (&mut k, kvd, k_norm)] {
+            self.per_position(t, width, |i, row| {
+                if let Some(w) = norm {
+                    ops::rms_norm(row, w, c.rms_norm_eps);
+                }
+                clip(row);
+                self.rope.apply_angles(row, hd, &angles[i]);
+            });
+        }
+        self.per_position(&mut v, kvd, |_, row| clip(row));
+        let p0 = kv.len;
+        kv.write(li, p0, &k, &v);
+        let kv = &*kv;
+        let group = c.num_heads / c.num_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Tasks of (block of ATTN_BLOCK query positions, head), the costliest (latest) blocks
+        // first; each reads its kv head's history once per chunk for the whole block.
+        let heads = c.num_heads;
+        let blocks = n.div_ceil(ATTN_BLOCK);
+        let task = |t: usize| (blocks - 1 - t / heads, t % heads);
+        let outs = self.pool.map(blocks * heads, |t| {
+            let (b, head) = task(t);
+            let (i0, i1) = (b * ATTN_BLOCK, ((b + 1) * ATTN_BLOCK).min(n));
+            let qs: Vec<&[f32]> = (i0..i1)
+                .map(|i| &q[i * qd + head * hd..i * qd + (head + 1) * hd])
+                .collect();
+            let (keys, values) = kv.head(li, head / group, p0 + i1);
+            let args = crate::attention::AttendArgs {
+                keys,
+                values,
+                n0: p0 + i0 + 1,
+                scale,
+            };
+            let mut out = vec![0.0f32; qs.len() * hd];
+            crate::attention::attend(&qs, &args, &mut out);
+            out
+        });
+        let mut att = vec![0.0f32; n * qd];
+        for (t, out) in outs.iter().enumerate() {
+            let (b, head) = task(t);
+            for (j, o) in out.chunks_exact(hd).enumerate() {
+                let i = b * ATTN_BLOCK + j;
+                att[i * qd + head * hd..i * qd + (head + 1) * hd].copy_from_slice(o);
+            }
+        }
+        let mut acts = Acts::from_vec(att, n, qd);
+        let mut o = self.project(&[layer.o], &mut acts).remove(0);
+        if let Some(b) = &layer.biases[3] {
+            for row in o.chunks_exact_mut(h) {
+                for (v, bb) in row.iter_mut().zip(b) {
+                    *v += *bb;
+                }
+            }
+        }
+        o
+    }
+}

@@ -1,0 +1,151 @@
+//! Loading and forward-pass tests over the committed fixtures.
+
+use std::fs;
+use std::path::PathBuf;
+
+use super::forward::{resolve_prefill_chunk, PREFILL_CHUNK};
+use super::*;
+use serde_json::{json, Value};
+
+/// The committed `arch` fixture converted at `quant` into a fresh scratch directory named
+/// by `tag` (the caller removes it).
+fn convert_fixture(arch: &str, quant: Quant, tag: &str) -> PathBuf {
+    let hf = crate::testutil::fixture(arch);
+    let d = std::env::temp_dir().join(format!("colibri-{tag}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&d);
+    crate::convert::convert(&hf, &d, quant, &mut |_, _, _| {}).unwrap();
+    d
+}
+
+/// Converts the GLM fixture (f32) into a scratch directory, edits its manifest, loads it
+/// (and runs a forward pass if it loads), and removes the directory again.
+fn load_edited(tag: &str, edit: impl FnOnce(&mut Value)) -> Result<Model> {
+    let d = convert_fixture("glm4_moe", Quant::F32, &format!("load-{tag}"));
+    let mut m: Value =
+        serde_json::from_str(&fs::read_to_string(d.join(MANIFEST)).unwrap()).unwrap();
+    edit(&mut m);
+    fs::write(d.join(MANIFEST), m.to_string()).unwrap();
+    let r = Model::load(&d, Some(1));
+    if let Ok(model) = &r {
+        let mut kv = model.new_cache();
+        model.forward(&[1, 2, 3], &mut kv, false).unwrap();
+    }
+    // The model keeps its maps; the files can go.
+    fs::remove_dir_all(&d).unwrap();
+    r
+}
+
+fn err(r: Result<Model>) -> String {
+    match r {
+        Ok(_) => panic!("expected the model to be refused"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A prompt run in chunks gives the bits of the same prompt in one pass, for every fixture
+/// architecture, in int4 (expert-grouped products, f16 cache) and f32, with every token's
+/// logits and with the last one's; and decoding after it continues identically.
+#[test]
+fn chunked_prefill_gives_the_same_bits() {
+    for arch in ["olmoe", "qwen3_moe", "glm4_moe"] {
+        for quant in [Quant::Int4, Quant::F32] {
+            let d = convert_fixture(arch, quant, &format!("chunk-{arch}-{quant:?}"));
+            let mut model = Model::load(&d, Some(2)).unwrap();
+            fs::remove_dir_all(&d).unwrap();
+            let vocab = model.cfg.vocab_size as u32;
+            let prompt: Vec<u32> = (0..61u32).map(|i| (i * 37 + 5) % vocab).collect();
+            let run = |model: &Model, all: bool| {
+                let mut kv = model.new_cache();
+                let prefill = model.forward(&prompt, &mut kv, all).unwrap();
+                let next = model.forward(&[7], &mut kv, false).unwrap();
+                let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+                (bits(prefill), bits(next))
+            };
+            model.set_prefill_chunk(usize::MAX);
+            let whole = [run(&model, true), run(&model, false)];
+            for chunk in [1, 8, 13, 60] {
+                model.set_prefill_chunk(chunk);
+                let chunked = [run(&model, true), run(&model, false)];
+                assert!(
+                    chunked == whole,
+                    "{arch} {quant:?}: chunks of {chunk} changed the logits"
+                );
+            }
+            assert_eq!(whole[0].0.len(), prompt.len() * vocab as usize);
+        }
+    }
+}
+
+#[test]
+fn prefill_chunk_setting() {
+    assert_eq!(resolve_prefill_chunk(None), (PREFILL_CHUNK, None));
+    assert_eq!(resolve_prefill_chunk(Some(" ")), (PREFILL_CHUNK, None));
+    assert_eq!(resolve_prefill_chunk(Some(" 256 ")), (256, None));
+    for bad in ["0", "-3", "lots", "1.5"] {
+        let (n, warning) = resolve_prefill_chunk(Some(bad));
+        assert_eq!(n, PREFILL_CHUNK);
+        assert!(warning
+            .unwrap()
+            .contains(&format!("COLI_PREFILL_CHUNK={bad}:")));
+    }
+}
+
+#[test]
+fn unedited_model_loads() {
+    load_edited("ok", |_| {}).unwrap();
+}
+
+/// Found by fuzzing: offsets and record counts from a corrupt manifest overflowed (`offset +
+/// nbytes`, `first_record + count`, `records * record_size`) and misaligned f32 tensors
+/// panicked in the in-place `&[f32]` view at the first forward pass.
+#[test]
+fn corrupt_manifest_offsets_are_refused() {
+    let e = err(load_edited("first", |m| {
+        m["experts"]["layers"][0]["first_record"] = json!(u64::MAX)
+    }));
+    assert!(e.contains("truncated"), "{e}");
+    let e = err(load_edited("offset", |m| {
+        m["resident"]["tensors"]["embed"]["offset"] = json!(u64::MAX - 3)
+    }));
+    assert!(e.contains("embed") && e.contains("past the end"), "{e}");
+    let e = err(load_edited("align", |m| {
+        let off = m["resident"]["tensors"]["layers.0.q"]["offset"]
+            .as_u64()
+            .unwrap();
+        m["resident"]["tensors"]["layers.0.q"]["offset"] = json!(off + 2);
+    }));
+    assert!(e.contains("layers.0.q") && e.contains("aligned"), "{e}");
+    // Routers are viewed in place too (as f32), not copied.
+    let e = err(load_edited("router", |m| {
+        let tensors = m["resident"]["tensors"].as_object_mut().unwrap();
+        let (_, t) = tensors
+            .iter_mut()
+            .find(|(name, _)| name.ends_with(".router"))
+            .unwrap();
+        t["offset"] = json!(t["offset"].as_u64().unwrap() + 2);
+    }));
+    assert!(e.contains(".router") && e.contains("aligned"), "{e}");
+    let e = err(load_edited("shape", |m| {
+        m["resident"]["tensors"]["norm"]["shape"] = json!([1u64 << 63, 4])
+    }));
+    assert!(e.contains("norm"), "{e}");
+    let e = err(load_edited("record", |m| {
+        let r = m["experts"]["record_size"].as_u64().unwrap();
+        m["experts"]["record_size"] = json!(r + 4);
+    }));
+    assert!(e.contains("record size"), "{e}");
+}
+
+#[test]
+fn manifest_file_names_stay_inside_the_directory() {
+    for (tag, ptr) in [
+        ("res", "/resident/file"),
+        ("exp", "/experts/file"),
+        ("tok", "/tokenizer"),
+    ] {
+        let e = err(load_edited(tag, |m| {
+            *m.pointer_mut(ptr).unwrap() = json!("../x.bin")
+        }));
+        assert!(e.contains("../x.bin"), "{e}");
+    }
+}
