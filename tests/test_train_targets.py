@@ -7,7 +7,6 @@ shipped model's tokenizer."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 from pathlib import Path
@@ -17,21 +16,13 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from demo_training import batches as T  # noqa: E402  (the script's data path)
+from demo_training.repo import TEMPLATE_PATH, chat_template  # noqa: E402
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "train_demo_model", ROOT / "scripts" / "train_demo_model.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_demo_model"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-T = _load_script()
 TOK = Tokenizer.from_file(str(ROOT / "python" / "colibri" / "demo" / "model" / "tokenizer.json"))
-TEMPLATE = T.chat_template.ChatTemplate(T.TEMPLATE_PATH.read_text(encoding="utf-8"))
+TEMPLATE = chat_template.ChatTemplate(TEMPLATE_PATH.read_text(encoding="utf-8"))
 PIECES = T.name_pieces(TOK, drill=0.15)
 
 

@@ -20,14 +20,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-try:
-    from colibri.demo import data as _dd
-except ImportError:  # pragma: no cover
-    # Loaded from its file by scripts/train_demo_model.py (a Python without colibri), which
-    # loads demo/data.py the same way first.
-    import sys
-
-    _dd = sys.modules["colibri_demo_data"]
+# Relative, so that scripts/train_demo_model.py (a Python without colibri) can load this
+# package from its directory under another name.
+from . import data as _dd
 
 # --- word lists ---------------------------------------------------------------------------------
 

@@ -1,0 +1,160 @@
+"""One measurement each: a command run to completion with its peak RSS and the CPU others took
+meanwhile, the machine's read bandwidth (bandwidth.c), llama-bench on the Q4_0 model (with and
+without a context depth), and ``colibri bench`` on the int4 model."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from .machine import cpu_times, others_cpu
+from .prepare import Paths
+
+
+def run_with_rss(cmd: list, timeout: float) -> dict:
+    """Run cmd to completion, reaping it with wait4.
+
+    Returns rc, out, err, the child's own peak RSS (rss_mb) and the share of the
+    CPUs that other processes used meanwhile (others_cpu: the machine's busy time
+    minus the child's own CPU time, over the wall time of all CPUs).
+    """
+    import tempfile
+
+    cmd = [str(c) for c in cmd]
+    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
+        c0 = cpu_times()
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True)
+        deadline = time.monotonic() + timeout
+        rc, ru = None, None
+        while True:
+            pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                rc = os.waitstatus_to_exitcode(status)
+                proc.returncode = rc
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                _, status, ru = os.wait4(proc.pid, 0)
+                proc.returncode = rc = -9
+                break
+            time.sleep(0.05)
+        c1 = cpu_times()
+        fo.seek(0)
+        fe.seek(0)
+        out, err = fo.read(), fe.read()
+    if rc == -9:
+        err += f"\n(killed after {timeout:.0f}s)"
+    own = (ru.ru_utime + ru.ru_stime) if ru else 0.0
+    return {
+        "rc": rc,
+        "out": out,
+        "err": err,
+        "rss_mb": ru.ru_maxrss / 1024.0 if ru else 0.0,
+        "others_cpu": others_cpu(c0, c1, own),
+    }
+
+
+def last_json_object(text: str):
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                pass
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def measure_bandwidth(p: Paths, threads: int, size_mib: int, passes: int) -> dict:
+    r = run_with_rss([p.bandwidth, "-t", threads, "-s", size_mib, "-r", passes, "--json"], 300)
+    obj = last_json_object(r["out"]) if r["rc"] == 0 else None
+    if not obj:
+        raise SystemExit(f"bandwidth probe failed ({r['rc']}): {r['err'].strip()[-2000:]}")
+    # best pass: interference only ever lowers bandwidth, and the ceiling is what the
+    # memory system can deliver (each pass streams the whole buffer, 8x the caches)
+    # (the median pass is kept too: a second, less optimistic ceiling)
+    return {
+        "gb_s": obj["max_gb_s"],
+        "median_gb_s": obj["median_gb_s"],
+        "others_cpu": r["others_cpu"],
+        "raw": obj,
+    }
+
+
+def median_ts(row: dict) -> float:
+    """Median over llama-bench's repetitions (its avg_ts is the mean)."""
+    samples = row.get("samples_ts") or [row["avg_ts"]]
+    return float(statistics.median(samples))
+
+
+def run_llama_bench(p: Paths, a, args: list, timeout: int) -> tuple[list[dict], dict]:
+    """llama-bench on the Q4_0 model with `args` (its test sizes): its JSON rows and the run."""
+    cmd = [p.llama_bench, "-m", p.gguf_q4, "-t", a.threads, *args, "-r", a.reps, "-o", "json"]
+    r = run_with_rss(cmd, timeout)
+    if r["rc"] != 0:
+        raise SystemExit(f"llama-bench failed ({r['rc']}):\n{r['err'].strip()[-3000:]}")
+    try:
+        return json.loads(r["out"]), r
+    except ValueError:
+        raise SystemExit(f"could not parse llama-bench JSON:\n{r['out'][-2000:]}") from None
+
+
+def measure_llama(p: Paths, a) -> dict:
+    rows, r = run_llama_bench(p, a, ["-p", a.prompt_tokens, "-n", a.gen_tokens], 900)
+    res = {"peak_rss_mb": r["rss_mb"], "others_cpu": r["others_cpu"]}
+    for row in rows:
+        if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
+            res["prefill_tok_s"] = median_ts(row)
+        elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
+            res["decode_tok_s"] = median_ts(row)
+    if "prefill_tok_s" not in res or "decode_tok_s" not in res:
+        raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
+    return res
+
+
+def measure_llama_depth(p: Paths, a) -> dict:
+    """Decode after --depth tokens of context (llama-bench fills the depth once, untimed)."""
+    rows, r = run_llama_bench(p, a, ["-p", 0, "-n", a.gen_tokens, "-d", a.depth], 1800)
+    rows = [row for row in rows if row.get("n_gen", 0) > 0]
+    if not rows:
+        raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
+    return {"decode_tok_s": median_ts(rows[0]), "others_cpu": r["others_cpu"]}
+
+
+def measure_colibri(exe: Path, p: Paths, a, prompt_tokens: int | None = None) -> dict:
+    """`colibri bench`; its decode runs after the prompt, so a `prompt_tokens` of --depth
+    measures decode at that depth."""
+    cmd = [
+        exe,
+        "bench",
+        "--model",
+        p.colibri_model,
+        "--threads",
+        a.threads,
+        "--prompt-tokens",
+        prompt_tokens or a.prompt_tokens,
+        "--gen-tokens",
+        a.gen_tokens,
+        "--repeat",
+        a.reps,
+        "--json",
+    ]
+    r = run_with_rss(cmd, 1800)
+    obj = last_json_object(r["out"]) if r["rc"] == 0 else None
+    if not obj or "decode_tok_s" not in obj or "prefill_tok_s" not in obj:
+        msg = (r["err"] or r["out"]).strip()[-3000:]
+        raise RuntimeError(f"colibri bench failed (exit {r['rc']}):\n{msg}")
+    return {
+        "prefill_tok_s": float(obj["prefill_tok_s"]),
+        "decode_tok_s": float(obj["decode_tok_s"]),
+        "peak_rss_mb": float(obj.get("peak_rss_mb") or r["rss_mb"]),
+        "others_cpu": r["others_cpu"],
+        "raw": obj,
+    }

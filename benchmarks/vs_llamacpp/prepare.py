@@ -1,0 +1,282 @@
+"""The benchmark's setup steps, each skipped when its output is already in the cache: the venv,
+llama.cpp's source (vendored in the llama-cpp-python sdist) and build, the bandwidth probe, the
+random OLMoE checkpoint, its Q4_0 GGUF, and colibri's int4 conversion (with the colibri
+executable found and checked)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from .common import HERE, REPO, log, run
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist whose vendor/llama.cpp we build
+LLAMA_TARGETS = ["llama-bench", "llama-quantize"]
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_OPENSSL=OFF",  # (LLAMA_CURL in older trees; deprecated and gone here)
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    # Everything -march=native gives except AMX: llama.cpp's AMX path crashes on machines of
+    # this kind (SIGSEGV in ggml_backend_amx_mul_mat at the first prompt, the unfixed upstream
+    # issue ggml-org/llama.cpp#20824). GCC keeps explicit -mno-* flags over -march's defaults.
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+]
+
+
+def file_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Paths:
+    def __init__(self, cache: Path, layers: int):
+        self.cache = cache
+        self.venv = cache / "venv"
+        self.py = self.venv / "bin" / "python"
+        self.dl = cache / "dl"
+        self.llama_src = (
+            cache / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+        )
+        self.llama_build = cache / f"llama.cpp-build-{LLAMA_CPP_PYTHON_VERSION}-noamx"
+        self.llama_bench = self.llama_build / "bin" / "llama-bench"
+        self.llama_quantize = self.llama_build / "bin" / "llama-quantize"
+        self.bandwidth = cache / "bin" / "bandwidth"
+        self.logs = cache / "logs"
+        suffix = "" if layers == 16 else f"-{layers}L"
+        models = cache / "models"
+        self.hf = models / f"olmoe-random{suffix}-hf"
+        self.gguf_bf16 = models / f"olmoe-random{suffix}-bf16.gguf"
+        self.gguf_q4 = models / f"olmoe-random{suffix}-q4_0-pure.gguf"
+        self.colibri_model = models / f"olmoe-random{suffix}-colibri-int4"
+
+
+def setup_venv(p: Paths) -> None:
+    req = HERE / "requirements-bench.txt"
+    stamp = p.venv / "colibri-bench-stamp.txt"
+    want = file_sha(req)
+    if p.py.exists() and stamp.exists() and stamp.read_text().strip() == want:
+        log(f"[setup] venv: {p.venv} (cached)")
+        return
+    log(f"[setup] venv: installing {req.name} into {p.venv} (torch is large; several minutes)")
+    if not p.py.exists():
+        run([sys.executable, "-m", "venv", p.venv])
+    p.logs.mkdir(parents=True, exist_ok=True)
+    run(
+        [p.py, "-m", "pip", "install", "--progress-bar", "off", "-r", req],
+        nice=True,
+        log_file=p.logs / "venv-install.log",
+    )
+    stamp.write_text(want + "\n")
+
+
+def setup_llama_src(p: Paths) -> None:
+    if (p.llama_src / "CMakeLists.txt").exists() and (
+        p.llama_src / "convert_hf_to_gguf.py"
+    ).exists():
+        log(f"[setup] llama.cpp source: {p.llama_src} (cached)")
+        return
+    log(f"[setup] llama.cpp source: llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist from PyPI")
+    p.dl.mkdir(parents=True, exist_ok=True)
+    sdist = p.dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if not sdist.exists():
+        run(
+            [
+                p.py,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                "-d",
+                p.dl,
+            ]
+        )
+    dest = p.cache / "src"
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist) as tf:
+        kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tf.extractall(dest, **kw)
+    if not (p.llama_src / "CMakeLists.txt").exists():
+        raise SystemExit(f"no vendor/llama.cpp in {sdist}")
+
+
+def setup_llama_build(p: Paths) -> None:
+    if p.llama_bench.exists() and p.llama_quantize.exists():
+        log(f"[setup] llama.cpp build: {p.llama_build} (cached)")
+        return
+    log("[setup] llama.cpp build (GGML_NATIVE; ~15 min on 2 cores)")
+    p.logs.mkdir(parents=True, exist_ok=True)
+    run(
+        ["cmake", "-S", p.llama_src, "-B", p.llama_build, *LLAMA_CMAKE_FLAGS],
+        nice=True,
+        log_file=p.logs / "llama-cmake.log",
+    )
+    run(
+        [
+            "cmake",
+            "--build",
+            p.llama_build,
+            "-j",
+            str(os.cpu_count() or 2),
+            "--target",
+            *LLAMA_TARGETS,
+        ],
+        nice=True,
+        log_file=p.logs / "llama-build.log",
+    )
+
+
+def setup_bandwidth(p: Paths) -> None:
+    src = HERE / "bandwidth.c"
+    stamp = p.bandwidth.with_suffix(".src-sha")
+    want = file_sha(src)
+    if p.bandwidth.exists() and stamp.exists() and stamp.read_text().strip() == want:
+        log(f"[setup] bandwidth probe: {p.bandwidth} (cached)")
+        return
+    log("[setup] bandwidth probe: compiling benchmarks/bandwidth.c")
+    p.bandwidth.parent.mkdir(parents=True, exist_ok=True)
+    cc = os.environ.get("CC", "cc")
+    run([cc, "-O3", "-march=native", "-pthread", src, "-o", p.bandwidth])
+    stamp.write_text(want + "\n")
+
+
+def setup_model(p: Paths, seed: int, layers: int) -> None:
+    # make_random_olmoe.py itself skips when the checkpoint is complete
+    log(f"[setup] random OLMoE checkpoint: {p.hf}")
+    run([p.py, HERE / "make_random_olmoe.py", p.hf, "--seed", seed, "--layers", layers], nice=True)
+
+
+def setup_gguf(p: Paths, keep_bf16: bool) -> None:
+    hf_stamp = read_json(p.hf / "colibri_bench_complete.json")
+    want = {"hf": hf_stamp, "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "quant": "Q4_0 --pure"}
+    stamp = p.gguf_q4.with_name(p.gguf_q4.name + ".stamp.json")
+    if p.gguf_q4.exists() and read_json(stamp) == want:
+        log(f"[setup] GGUF Q4_0 --pure: {p.gguf_q4} (cached)")
+        return
+    p.logs.mkdir(parents=True, exist_ok=True)
+    bf16_stamp = p.gguf_bf16.with_name(p.gguf_bf16.name + ".stamp.json")
+    if not (p.gguf_bf16.exists() and read_json(bf16_stamp) == want):
+        log("[setup] GGUF: convert_hf_to_gguf.py --outtype bf16")
+        tmp = p.gguf_bf16.with_name(p.gguf_bf16.name + ".partial")
+        run(
+            [
+                p.py,
+                HERE / "convert_to_gguf.py",
+                p.llama_src,
+                p.hf,
+                "--outfile",
+                tmp,
+                "--outtype",
+                "bf16",
+            ],
+            nice=True,
+            log_file=p.logs / "convert-gguf.log",
+        )
+        os.replace(tmp, p.gguf_bf16)
+        bf16_stamp.write_text(json.dumps(want, indent=2) + "\n")
+    log("[setup] GGUF: llama-quantize --pure Q4_0")
+    tmp = p.gguf_q4.with_name(p.gguf_q4.name + ".partial")
+    run(
+        [p.llama_quantize, "--pure", p.gguf_bf16, tmp, "Q4_0", str(os.cpu_count() or 2)],
+        nice=True,
+        log_file=p.logs / "quantize.log",
+    )
+    os.replace(tmp, p.gguf_q4)
+    stamp.write_text(json.dumps(want, indent=2) + "\n")
+    if not keep_bf16:
+        p.gguf_bf16.unlink(missing_ok=True)
+        bf16_stamp.unlink(missing_ok=True)
+
+
+def find_colibri(explicit: str | None) -> Path | None:
+    if explicit:
+        return Path(explicit)
+    cand = REPO / ".venv" / "bin" / "colibri"
+    if cand.exists():
+        return cand
+    w = shutil.which("colibri")
+    return Path(w) if w else None
+
+
+def colibri_version(exe: Path) -> str:
+    """`colibri --version`, else the installed package's version (for a Python entry point).
+
+    It goes into the converted model's stamp. A rebuild of the same version reuses
+    the cached conversion (reconverting takes ~15 min); if `colibri bench` then fails
+    on it, the model is reconverted once automatically (--reconvert-colibri forces it).
+    """
+    try:
+        r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip()
+        first = exe.read_text(errors="replace").split("\n", 1)[0]
+        if first.startswith("#!") and "python" in first:
+            code = "from importlib.metadata import version; print('colibri', version('colibri'))"
+            py = first[2:].strip().split()[0]
+            r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=60)
+            if r.returncode == 0:
+                return r.stdout.strip()
+    except (OSError, UnicodeDecodeError, subprocess.TimeoutExpired):
+        pass
+    return "unknown"
+
+
+def setup_colibri_model(p: Paths, exe: Path, force: bool) -> None:
+    hf_stamp = read_json(p.hf / "colibri_bench_complete.json")
+    want = {"hf": hf_stamp, "colibri": colibri_version(exe), "quant": "int4"}
+    stamp = p.colibri_model.with_name(p.colibri_model.name + ".stamp.json")
+    if not force and p.colibri_model.exists() and read_json(stamp) == want:
+        log(f"[setup] colibri int4 model: {p.colibri_model} (cached)")
+        return
+    log(f"[setup] colibri convert --quant int4 -> {p.colibri_model}")
+    p.logs.mkdir(parents=True, exist_ok=True)
+    tmp = p.colibri_model.with_name(p.colibri_model.name + ".partial")
+    remove_path(tmp)
+    run(
+        [exe, "convert", p.hf, tmp, "--quant", "int4"],
+        nice=True,
+        log_file=p.logs / "colibri-convert.log",
+    )
+    # the previous conversion is only replaced once the new one is complete
+    stamp.unlink(missing_ok=True)
+    remove_path(p.colibri_model)
+    os.replace(tmp, p.colibri_model)
+    stamp.write_text(json.dumps(want, indent=2) + "\n")
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def colibri_runs(exe: Path) -> bool:
+    """Does the colibri executable start at all (e.g. not mid-rebuild)?"""
+    try:
+        r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+        return r.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
