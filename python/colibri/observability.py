@@ -104,8 +104,21 @@ class Metrics:
         self.kv_bytes_per_token = Gauge(
             "colibri_engine_kv_bytes_per_token", "KV memory per token of context", registry=r
         )
+        self.prefill_done = Gauge(
+            "colibri_engine_prefill_tokens_done",
+            "Prompt tokens with KV so far in the slot's prefill in progress (0: none)",
+            ["slot"],
+            registry=r,
+        )
+        self.prefill_total = Gauge(
+            "colibri_engine_prefill_tokens",
+            "Prompt tokens of the slot's prefill in progress (0: none)",
+            ["slot"],
+            registry=r,
+        )
         for slot in range(scheduler.capacity):
-            self.kv_tokens.labels(slot=str(slot)).set(0)
+            for gauge in (self.kv_tokens, self.prefill_done, self.prefill_total):
+                gauge.labels(slot=str(slot)).set(0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -216,10 +229,22 @@ class RequestObserver:
             "prefill", context=self._ctx, attributes={"colibri.prompt_tokens": prompt_tokens}
         )
 
+    def prefill_progress(self, done: int, total: int) -> None:
+        """A part of the prompt's prefill is done (``done`` of ``total`` tokens have KV)."""
+        self._metrics.prefill_done.labels(slot=str(self._slot)).set(done)
+        self._metrics.prefill_total.labels(slot=str(self._slot)).set(total)
+        if self._prefill is not None:
+            self._prefill.add_event("progress", {"colibri.prompt_tokens_done": done})
+
+    def _prefill_ended(self) -> None:
+        self._metrics.prefill_done.labels(slot=str(self._slot)).set(0)
+        self._metrics.prefill_total.labels(slot=str(self._slot)).set(0)
+
     def token(self, reused: int = 0) -> None:
         """A generated token; ``reused`` (known at the first one): prompt tokens taken from the
         slot's history, which were not prefilled."""
         if self._first_token is None:
+            self._prefill_ended()
             self._first_token = time.perf_counter()
             self._prefilled = self._prompt_tokens - reused
             self._metrics.prompt_tokens.inc(self._prefilled)
@@ -240,6 +265,7 @@ class RequestObserver:
 
     def engine_finished(self, reason: str, completion_tokens: int, error: str | None) -> None:
         end = time.perf_counter()
+        self._prefill_ended()
         self._metrics.engine_call.observe(end - self._engine_start)
         self._metrics.kv_tokens.labels(slot=str(self._slot)).set(
             self._prompt_tokens + completion_tokens

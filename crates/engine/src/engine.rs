@@ -1,5 +1,10 @@
 //! Generation over a loaded [`Model`]: prefill a prompt, then decode one token at a time,
-//! stopping at a stop token, the token budget or the context length.
+//! stopping at a stop token, the token budget or the context length. A long prompt prefills in
+//! steps of about [`STEP_TARGET`] each ([`Generation::step`]), so a caller can report progress,
+//! stop between steps, and let other slots' generations take turns in between; the results do
+//! not depend on the steps (every position's arithmetic is the same, as for the model's chunks).
+
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -15,7 +20,27 @@ pub struct GenerateOptions {
     pub seed: Option<u64>,
 }
 
-/// An in-progress generation: call [`Generation::next_token`] until it returns `None`.
+/// About how long one prefill step should take: the next step's length follows the last
+/// step's speed.
+pub const STEP_TARGET: Duration = Duration::from_millis(500);
+/// Positions of the first prefill step (before any speed is known) and the least of any step.
+const FIRST_STEP: usize = 128;
+const MIN_STEP: usize = 16;
+
+/// What one [`Generation::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Part of the prompt was prefilled: `done` of its `total` tokens have KV now (reused
+    /// history included).
+    Prefilled { done: usize, total: usize },
+    /// The next generated token.
+    Token(u32),
+    /// The generation has ended.
+    End,
+}
+
+/// An in-progress generation: call [`Generation::step`] (or [`Generation::next_token`]) until
+/// it ends.
 pub struct Generation {
     prompt: Vec<u32>,
     opts: GenerateOptions,
@@ -25,6 +50,10 @@ pub struct Generation {
     finished: bool,
     /// Prompt tokens whose KV came from the slot's history (known after the first step).
     reused: Option<usize>,
+    /// Prompt tokens with KV in the slot so far (during the prefill).
+    prefilled: usize,
+    /// Positions of the next prefill step.
+    step_len: usize,
     turn_ended: bool,
 }
 
@@ -49,6 +78,8 @@ impl Generation {
             last: None,
             finished: false,
             reused: None,
+            prefilled: 0,
+            step_len: FIRST_STEP,
             turn_ended: false,
         })
     }
@@ -58,23 +89,59 @@ impl Generation {
         self.reused
     }
 
-    /// The next token, or `None` when generation has ended. The prompt is matched against the
-    /// slot's history first: only the part it does not share is prefilled.
+    /// The next token, or `None` when generation has ended (prefill steps run until the
+    /// first token).
     pub fn next_token(&mut self, model: &Model, slot: &mut Slot) -> Result<Option<u32>> {
+        loop {
+            match self.step(model, slot)? {
+                Step::Prefilled { .. } => continue,
+                Step::Token(t) => return Ok(Some(t)),
+                Step::End => return Ok(None),
+            }
+        }
+    }
+
+    /// One step: a part of the prompt's prefill, or one token. The prompt is matched against
+    /// the slot's history first: only the part it does not share is prefilled. Each step's
+    /// positions join the slot's history as they are computed, so a generation dropped during
+    /// its prefill leaves the part done for the next request that shares it.
+    pub fn step(&mut self, model: &Model, slot: &mut Slot) -> Result<Step> {
         if self.finished || self.produced >= self.opts.max_tokens {
             self.end(model, slot);
-            return Ok(None);
+            return Ok(Step::End);
         }
         let logits = match self.last {
             None => {
-                let kept = slot.reuse_prefix(&self.prompt);
-                self.reused = Some(kept);
-                slot.forward(model, &self.prompt[kept..])?
+                let total = self.prompt.len();
+                if self.reused.is_none() {
+                    if total > model.cfg.max_positions {
+                        return Err(Error::Input(format!(
+                            "{total} tokens exceed the context length {}",
+                            model.cfg.max_positions
+                        )));
+                    }
+                    let kept = slot.reuse_prefix(&self.prompt);
+                    self.reused = Some(kept);
+                    self.prefilled = kept;
+                }
+                let from = self.prefilled;
+                let len = self.step_len.min(max_step(model));
+                if total - from > len {
+                    let t0 = Instant::now();
+                    let to = from + len;
+                    slot.forward(model, &self.prompt[from..to])?;
+                    self.prefilled = to;
+                    self.step_len = next_step_len(len, t0.elapsed(), model);
+                    return Ok(Step::Prefilled { done: to, total });
+                }
+                let logits = slot.forward(model, &self.prompt[from..])?;
+                self.prefilled = total;
+                logits
             }
             Some(tok) => {
                 if slot.tokens.len() >= model.cfg.max_positions {
                     self.end(model, slot);
-                    return Ok(None);
+                    return Ok(Step::End);
                 }
                 slot.forward(model, &[tok])?
             }
@@ -85,7 +152,7 @@ impl Generation {
         if self.opts.stop_token_ids.contains(&tok) {
             self.finished = true;
         }
-        Ok(Some(tok))
+        Ok(Step::Token(tok))
     }
 
     /// Ends the turn (once): the slot's history is made durable and the model closes the
@@ -99,5 +166,119 @@ impl Generation {
             // A failed heat save changes nothing else; the next turn tries again.
             let _ = model.end_turn();
         }
+    }
+}
+
+/// The next prefill step's length after one of `len` positions took `took`: about
+/// [`STEP_TARGET`] at that speed (later positions attend over more history, so the estimate
+/// errs long by a little), a multiple of [`MIN_STEP`], at most the model's prefill chunk, and at
+/// most twice the last step (one fast step does not jump to the largest).
+fn next_step_len(len: usize, took: Duration, model: &Model) -> usize {
+    let rate = len as f64 / took.as_secs_f64().max(1e-6);
+    let want = (rate * STEP_TARGET.as_secs_f64()) as usize;
+    (want.min(2 * len).min(max_step(model)) / MIN_STEP * MIN_STEP).max(MIN_STEP)
+}
+
+/// The longest prefill step: one forward pass's chunk.
+fn max_step(model: &Model) -> usize {
+    model.prefill_chunk().max(MIN_STEP)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Quant;
+
+    fn opts(max_tokens: usize) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens,
+            temperature: 0.0,
+            top_p: 1.0,
+            stop_token_ids: Vec::new(),
+            seed: None,
+        }
+    }
+
+    /// A prompt prefilled in steps gives the tokens of the same prompt in one pass; progress
+    /// rises to the prompt's length; a generation dropped mid-prefill leaves the steps done in
+    /// the slot, and a retry reuses them and gives the same tokens again.
+    #[test]
+    fn stepped_prefill_gives_the_same_tokens_and_keeps_its_progress() {
+        let hf = crate::testutil::fixture("glm4_moe");
+        let root = crate::testutil::scratch_dir("engine", "steps");
+        let d = root.join("model");
+        crate::convert::convert(&hf, &d, Quant::F32, &mut |_, _, _| {}).unwrap();
+        let mut model = Model::load(&d, Some(2)).unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
+        let vocab = model.cfg.vocab_size as u32;
+        let prompt: Vec<u32> = (0..200u32).map(|i| (i * 31 + 7) % vocab).collect();
+
+        model.set_prefill_chunk(usize::MAX);
+        let mut slot = Slot::new(&model);
+        let mut whole = Generation::new(prompt.clone(), opts(6)).unwrap();
+        let mut expected = Vec::new();
+        while let Some(t) = whole.next_token(&model, &mut slot).unwrap() {
+            expected.push(t);
+        }
+
+        model.set_prefill_chunk(48);
+        let mut slot = Slot::new(&model);
+        let mut gen = Generation::new(prompt.clone(), opts(6)).unwrap();
+        let (mut progress, mut tokens) = (Vec::new(), Vec::new());
+        loop {
+            match gen.step(&model, &mut slot).unwrap() {
+                Step::Prefilled { done, total } => {
+                    assert_eq!(total, prompt.len());
+                    progress.push(done);
+                }
+                Step::Token(t) => tokens.push(t),
+                Step::End => break,
+            }
+        }
+        assert_eq!(tokens, expected);
+        assert!(progress.len() >= 200 / 48, "{progress:?}");
+        assert!(progress.windows(2).all(|w| w[0] < w[1]) && progress[0] <= 48);
+        assert!(*progress.last().unwrap() < prompt.len());
+
+        // Dropped after two steps: the slot keeps what they computed.
+        let mut slot = Slot::new(&model);
+        let mut gen = Generation::new(prompt.clone(), opts(6)).unwrap();
+        let Step::Prefilled { done: first, .. } = gen.step(&model, &mut slot).unwrap() else {
+            panic!("expected a prefill step")
+        };
+        let Step::Prefilled { done, .. } = gen.step(&model, &mut slot).unwrap() else {
+            panic!("expected a prefill step")
+        };
+        assert!(done > first);
+        gen.end(&model, &mut slot);
+        assert_eq!(slot.tokens, prompt[..done]);
+        let mut retry = Generation::new(prompt.clone(), opts(6)).unwrap();
+        let mut again = Vec::new();
+        while let Some(t) = retry.next_token(&model, &mut slot).unwrap() {
+            again.push(t);
+        }
+        assert_eq!(retry.reused(), Some(done));
+        assert_eq!(again, expected);
+    }
+
+    #[test]
+    fn step_lengths_follow_the_speed_within_bounds() {
+        let hf = crate::testutil::fixture("olmoe");
+        let root = crate::testutil::scratch_dir("engine", "lens");
+        let d = root.join("model");
+        crate::convert::convert(&hf, &d, Quant::F32, &mut |_, _, _| {}).unwrap();
+        let mut model = Model::load(&d, Some(1)).unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
+        model.set_prefill_chunk(512);
+        // 128 positions in 1 s: 64 fit the target.
+        assert_eq!(next_step_len(128, Duration::from_secs(1), &model), 64);
+        // Fast: at most double, then at most the chunk.
+        assert_eq!(next_step_len(128, Duration::from_millis(1), &model), 256);
+        assert_eq!(next_step_len(400, Duration::from_millis(1), &model), 512);
+        // Very slow: never below the least step.
+        assert_eq!(
+            next_step_len(16, Duration::from_secs(100), &model),
+            MIN_STEP
+        );
     }
 }

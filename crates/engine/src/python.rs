@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::convert;
-use crate::engine::{GenerateOptions, Generation};
+use crate::engine::{GenerateOptions, Generation, Step};
 use crate::error::Error;
 use crate::format::Quant;
 use crate::model::Model as RsModel;
@@ -300,6 +300,24 @@ impl TokenStream {
             let mut gen = gen.lock().map_err(poisoned)?;
             let mut slot = slot.lock().map_err(poisoned)?;
             gen.next_token(&model, &mut slot).map_err(to_py)
+        })
+    }
+
+    /// One step: a token id; `(done, total)` prompt tokens after a part of the prefill; or
+    /// `None` once the generation has ended.
+    fn step<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let model = self.model.clone();
+        let gen = self.gen.clone();
+        let slot = self.slot.clone();
+        let step = py.detach(move || {
+            let mut gen = gen.lock().map_err(poisoned)?;
+            let mut slot = slot.lock().map_err(poisoned)?;
+            gen.step(&model, &mut slot).map_err(to_py)
+        })?;
+        Ok(match step {
+            Step::Token(t) => Some(t.into_pyobject(py)?.into_any()),
+            Step::Prefilled { done, total } => Some((done, total).into_pyobject(py)?.into_any()),
+            Step::End => None,
         })
     }
 

@@ -40,6 +40,10 @@ async def health(request: Request) -> Response:
     if _authenticated(request):
         body.update(model=model.id, **model.scheduler.snapshot())
         body["kv_bytes_per_token"] = model.engine.info.get("kv_bytes_per_token")
+        body["prefill"] = [
+            {"slot": slot, "prompt_tokens": total, "prompt_tokens_done": done}
+            for slot, done, total in model.generator.prefilling.values()
+        ]
         if dead:
             body["error"] = dead
     return json_response(body, status=503 if dead else 200)

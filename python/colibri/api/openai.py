@@ -18,7 +18,7 @@ from colibri.api.openai_request import parse_chat, parse_completion
 from colibri.chat.plan import plan_chat
 from colibri.chat.request import ChatRequest, Sampling
 from colibri.chat.tools import ToolCall
-from colibri.runtime.generation import Finished, GenerationSpec
+from colibri.runtime.generation import Finished, GenerationSpec, Progress
 from colibri.runtime.reply import Reply, collect, respond
 
 
@@ -53,6 +53,27 @@ def _usage_chunk(reply: Reply, cid: str, obj: str, fin: Finished) -> bytes:
             "usage": _usage(reply.prompt_tokens, fin),
         }
     )
+
+
+def _progress(reply: Reply, cid: str, obj: str, event: Progress) -> bytes:
+    """A prefill step done: an SSE comment (every client skips it; it shows the stream is
+    alive), and with ``stream_options.x_colibri_progress`` a chunk with no choices."""
+    out = f": prefill {event.done}/{event.total}\n\n".encode()
+    if reply.sampling.progress_chunks:
+        out += _sse(
+            {
+                "id": cid,
+                "object": obj,
+                "created": reply.created,
+                "model": reply.model.id,
+                "choices": [],
+                "x_colibri_progress": {
+                    "prompt_tokens": event.total,
+                    "prompt_tokens_done": event.done,
+                },
+            }
+        )
+    return out
 
 
 def _sse(data: Any) -> bytes:
@@ -136,7 +157,10 @@ async def _chat_events(reply: Reply) -> AsyncIterator[bytes]:
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
     try:
-        async for event in reply.events():
+        async for event in reply.events(progress=True):
+            if isinstance(event, Progress):
+                yield _progress(reply, cid, "chat.completion.chunk", event)
+                continue
             pieces = event.pieces if isinstance(event, Finished) else event
             for kind, value in pieces:
                 if isinstance(value, ToolCall):
@@ -245,7 +269,10 @@ async def _completion_events(reply: Reply) -> AsyncIterator[bytes]:
         )
 
     try:
-        async for event in reply.events():
+        async for event in reply.events(progress=True):
+            if isinstance(event, Progress):
+                yield _progress(reply, cid, "text_completion", event)
+                continue
             pieces = event.pieces if isinstance(event, Finished) else event
             for _, text in pieces:
                 yield chunk(text)

@@ -53,11 +53,12 @@ def _sampling(body: Body, default_max_tokens: int | None) -> Sampling:
     n = body.integer("n")
     refuse_unless(n in (None, 1), "only n=1 is supported (one choice per request)", "n")
     stream = bool(body.boolean("stream"))
-    include_usage = False
+    include_usage = progress_chunks = False
     options = body.obj("stream_options")
     if options is not None:
         refuse_unless(stream, "'stream_options' is only allowed with stream=true", "stream_options")
         include_usage = bool(options.boolean("include_usage"))
+        progress_chunks = bool(options.boolean("x_colibri_progress"))
         options.boolean("include_obfuscation")  # random padding against length side channels:
         options.finish()  # a loopback server adds none, whatever is asked
     for key in ("frequency_penalty", "presence_penalty"):
@@ -87,6 +88,7 @@ def _sampling(body: Body, default_max_tokens: int | None) -> Sampling:
         stream=stream,
         include_usage=include_usage,
         cache_slot=cache_slot,
+        progress_chunks=progress_chunks,
     )
 
 

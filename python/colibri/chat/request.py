@@ -20,6 +20,8 @@ class Sampling:
     stream: bool
     include_usage: bool
     cache_slot: int | None = None
+    # Stream prefill progress as chunks (OpenAI's stream_options.x_colibri_progress).
+    progress_chunks: bool = False
 
 
 @dataclass

@@ -194,6 +194,19 @@ class _Tokens(Iterator[int]):
             self.reused_tokens = self._stream.reused_tokens
         return int(tok)
 
+    def step(self) -> int | tuple[int, int] | None:
+        """One step of the generation: a token id; ``(done, total)`` prompt tokens once a part
+        of the prefill is computed (a long prompt prefills in steps of about half a second, so
+        the caller can report progress and stop between them); None once it has ended."""
+        if self._stream is None:
+            return None
+        step = self._stream.step()
+        if self.reused_tokens is None:
+            self.reused_tokens = self._stream.reused_tokens
+        if step is None or isinstance(step, tuple):
+            return step
+        return int(step)
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()

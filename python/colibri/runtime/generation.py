@@ -3,8 +3,9 @@
 The engine computes each token with the GIL released, on one dedicated thread; the event loop
 stays free to serve other requests (health, listing, queued clients). Admission (which requests
 run, in which KV slot) is the scheduler's job; generations admitted to different slots take
-turns token by token on the engine thread. Closing a stream (a client that went away) stops the
-computation after the token in flight.
+turns step by step on the engine thread (a step is one token, or a part of a long prompt's
+prefill of about half a second). Closing a stream (a client that went away) stops the
+computation after the step in flight; the prefill steps done stay in the slot's history.
 """
 
 from __future__ import annotations
@@ -49,8 +50,17 @@ class Finished:
     stop_sequence: str | None = None
 
 
-def _next_token(stream: Any) -> int | None:
-    return next(stream, None)
+@dataclass(frozen=True)
+class Progress:
+    """A part of the prompt's prefill is done: ``done`` of its ``total`` tokens have KV
+    (tokens reused from the slot's history included)."""
+
+    done: int
+    total: int
+
+
+def _step(stream: Any) -> int | tuple[int, int] | None:
+    return stream.step()
 
 
 class Generator:
@@ -61,14 +71,17 @@ class Generator:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-engine")
         # Set when the engine failed in a way no request explains (health reports it).
         self.dead: str | None = None
+        # Prefills in progress, by stream: (slot or None for a private history, done, total).
+        self.prefilling: dict[int, tuple[int | None, int, int]] = {}
 
     async def stream(
         self,
         spec: GenerationSpec,
         observer: RequestObserver | None = None,
         slot: int | None = None,
-    ) -> AsyncIterator[list[Piece] | Finished]:
-        """Yields lists of pieces as they become final, then one :class:`Finished`."""
+    ) -> AsyncIterator[list[Piece] | Progress | Finished]:
+        """Yields :class:`Progress` while a long prompt prefills, lists of pieces as they
+        become final, then one :class:`Finished`."""
         loop = asyncio.get_running_loop()
         out = OutputPipeline(
             self.engine.detokenize,
@@ -95,13 +108,21 @@ class Generator:
         try:
             while True:
                 try:
-                    token = await loop.run_in_executor(self._thread, _next_token, tokens)
+                    step = await loop.run_in_executor(self._thread, _step, tokens)
                 except Exception as e:
                     error = f"{type(e).__name__}: {e}"
                     self.dead = error
                     raise
-                if token is None:
+                if isinstance(step, tuple):
+                    self.prefilling[id(tokens)] = (slot, *step)
+                    if observer is not None:
+                        observer.prefill_progress(*step)
+                    yield Progress(*step)
+                    continue
+                self.prefilling.pop(id(tokens), None)
+                if step is None:
                     break
+                token = step
                 count += 1
                 if observer is not None:
                     observer.token(tokens.reused_tokens or 0)
@@ -127,6 +148,7 @@ class Generator:
             reason = "cancelled" if error is None else "error"
             raise
         finally:
+            self.prefilling.pop(id(tokens), None)
             tokens.close()
             if observer is not None:
                 observer.engine_finished(reason, count, error)

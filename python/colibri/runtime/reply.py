@@ -19,7 +19,7 @@ from colibri.chat.tools import ToolCall
 from colibri.errors import ApiError
 from colibri.observability import RequestObserver
 from colibri.runtime.admission import admit, shared_prefix, until_disconnect
-from colibri.runtime.generation import Finished, GenerationSpec
+from colibri.runtime.generation import Finished, GenerationSpec, Progress
 from colibri.runtime.scheduler import Lease
 from colibri.runtime.served import ServedModel
 
@@ -50,14 +50,17 @@ class Reply:
     def headers(self) -> dict[str, str]:
         return {"x-colibri-queue-wait-ms": f"{self.lease.queue_wait_s * 1e3:.1f}"}
 
-    async def events(self) -> AsyncIterator[list[Piece] | Finished]:
-        """The engine's events; the slot is given back however this ends."""
+    async def events(self, progress: bool = False) -> AsyncIterator[Any]:
+        """The engine's events: lists of pieces, then :class:`Finished`, with
+        :class:`Progress` during the prefill when ``progress``. The slot is given back however
+        this ends."""
         outcome = "failed"
         try:
             async for event in self.model.generator.stream(
                 self.spec, self.observer, self.lease.slot
             ):
-                yield event
+                if progress or not isinstance(event, Progress):
+                    yield event
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
