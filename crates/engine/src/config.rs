@@ -64,6 +64,7 @@ pub struct ModelConfig {
     /// Leading dims of each head that RoPE rotates (rotate-half style); the rest pass through.
     pub rotary_dim: usize,
     pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
     pub rms_norm_eps: f32,
     pub max_positions: usize,
     pub attention: AttentionKind,
@@ -154,12 +155,39 @@ fn check_size(key: &str, x: usize, min: usize, max: usize) -> Result<usize> {
     Ok(x)
 }
 
-/// RoPE settings: `rope_parameters` (transformers 5), else top-level `rope_theta` /
-/// `partial_rotary_factor` / `rope_scaling` (older checkpoints).
-fn rope_settings(r: &Reader, default_partial: f64) -> Result<(f64, f64)> {
+/// How RoPE frequencies are scaled for contexts past the pretraining length (transformers'
+/// `rope_type`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// `default`: none.
+    None,
+    /// `linear`: every frequency divided by `factor` (position interpolation).
+    Linear { factor: f64 },
+    /// `yarn`: frequencies interpolated by `factor` below the correction range, kept above it,
+    /// ramped between (beta_fast / beta_slow rotations over `original_max_positions`); cos and
+    /// sin multiplied by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_positions: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
+}
+
+/// RoPE settings: (theta, partial rotary fraction, scaling) from `rope_parameters`
+/// (transformers 5), else top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling`
+/// (older checkpoints). Scaling parameters as transformers' `modeling_rope_utils` reads them.
+fn rope_settings(
+    r: &Reader,
+    default_partial: f64,
+    max_positions: usize,
+) -> Result<(f64, f64, RopeScaling)> {
     let params = r.get("rope_parameters").or_else(|| r.get("rope_scaling"));
     let mut theta = r.f64_or("rope_theta", 10000.0)?;
     let mut partial = r.f64_or("partial_rotary_factor", default_partial)?;
+    let mut scaling = RopeScaling::None;
     if let Some(p) = params {
         if !p.is_object() {
             return Err(bad("config.json: `rope_parameters` must be an object"));
@@ -170,13 +198,26 @@ fn rope_settings(r: &Reader, default_partial: f64) -> Result<(f64, f64)> {
             .or_else(|| p.get("type"))
             .and_then(Value::as_str)
             .unwrap_or("default");
-        if kind != "default" {
-            return Err(bad(format!(
-                "config.json: RoPE type `{kind}` is not supported yet (only `default`)"
-            )));
-        }
         theta = p.f64_or("rope_theta", theta)?;
         partial = p.f64_or("partial_rotary_factor", partial)?;
+        scaling =
+            match kind {
+                "default" => RopeScaling::None,
+                "linear" => RopeScaling::Linear {
+                    factor: positive(&p, "factor", None)?,
+                },
+                "yarn" => yarn(r, &p, max_positions)?,
+                "dynamic" => return Err(bad(
+                    "config.json: RoPE type `dynamic` is not supported: its frequencies change \
+                     with the length of each forward pass, which a KV cache cannot follow",
+                )),
+                other => {
+                    return Err(bad(format!(
+                        "config.json: RoPE type `{other}` is not supported yet (default, linear, \
+                     yarn)"
+                    )))
+                }
+            };
     }
     if !(theta.is_finite() && theta > 0.0) {
         return Err(bad(format!(
@@ -188,7 +229,74 @@ fn rope_settings(r: &Reader, default_partial: f64) -> Result<(f64, f64)> {
             "config.json: partial_rotary_factor {partial} must be in (0, 1]"
         )));
     }
-    Ok((theta, partial))
+    Ok((theta, partial, scaling))
+}
+
+/// A RoPE parameter that must be a positive number (`default` when absent, if any).
+fn positive(p: &Reader, key: &str, default: Option<f64>) -> Result<f64> {
+    let v = match (p.get(key), default) {
+        (None, Some(d)) => d,
+        (None, None) => return Err(bad(format!("config.json: RoPE scaling needs `{key}`"))),
+        (Some(_), _) => p.f64_or(key, 0.0)?,
+    };
+    if !(v.is_finite() && v > 0.0) {
+        return Err(bad(format!(
+            "config.json: RoPE `{key}` {v} must be a positive number"
+        )));
+    }
+    Ok(v)
+}
+
+/// YaRN's parameters, defaulted as transformers' `_compute_yarn_parameters` does:
+/// `original_max_position_embeddings` from the RoPE parameters, else the top-level field, else
+/// `max_position_embeddings`; `factor` absent: max / original; `attention_factor` absent:
+/// `0.1 ln(factor) + 1`, or with `mscale` and `mscale_all_dim` the ratio of those terms;
+/// `beta_fast` 32, `beta_slow` 1, `truncate` true.
+fn yarn(top: &Reader, p: &Reader, max_positions: usize) -> Result<RopeScaling> {
+    let original = match p.get("original_max_position_embeddings") {
+        Some(_) => positive(p, "original_max_position_embeddings", None)?,
+        None => positive(
+            top,
+            "original_max_position_embeddings",
+            Some(max_positions as f64),
+        )?,
+    };
+    let factor = match p.get("factor") {
+        Some(_) => positive(p, "factor", None)?,
+        None => max_positions as f64 / original,
+    };
+    let get_mscale = |scale: f64, m: f64| {
+        if scale <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * scale.ln() + 1.0
+        }
+    };
+    let attention_factor = match p.get("attention_factor") {
+        Some(_) => positive(p, "attention_factor", None)?,
+        None => {
+            let m = p.f64_or("mscale", 0.0)?;
+            let m_all = p.f64_or("mscale_all_dim", 0.0)?;
+            if m != 0.0 && m_all != 0.0 {
+                get_mscale(factor, m) / get_mscale(factor, m_all)
+            } else {
+                get_mscale(factor, 1.0)
+            }
+        }
+    };
+    // transformers reads `beta_fast or 32`: 0 counts as absent too.
+    let beta = |key: &str, default: f64| -> Result<f64> {
+        let v = p.f64_or(key, 0.0)?;
+        Ok(if v == 0.0 { default } else { v })
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_positions: original,
+        beta_fast: beta("beta_fast", 32.0)?,
+        beta_slow: beta("beta_slow", 1.0)?,
+        attention_factor,
+        truncate: p.bool_or("truncate", true)?,
+    })
 }
 
 fn token_ids(v: Option<&Value>) -> Vec<u32> {
@@ -258,6 +366,7 @@ impl ModelConfig {
             head_dim,
             rotary_dim: 0,
             rope_theta: 0.0,
+            rope_scaling: RopeScaling::None,
             rms_norm_eps: 0.0,
             max_positions: 0,
             attention: AttentionKind::Gqa,
@@ -280,15 +389,17 @@ impl ModelConfig {
         c.top_k = r.size_req("num_experts_per_tok", 0, MAX_DIM)?;
         // The family's own fields and checks (they may refuse the shared ones too).
         (family.configure)(&r, &mut c)?;
-        let (rope_theta, partial) = rope_settings(&r, family.default_rotary_fraction)?;
+        c.max_positions = r.usize_or("max_position_embeddings", 4096)?;
+        let (rope_theta, partial, scaling) =
+            rope_settings(&r, family.default_rotary_fraction, c.max_positions)?;
         c.rope_theta = rope_theta;
+        c.rope_scaling = scaling;
         c.rotary_dim = ((c.head_dim as f64 * partial) as usize) & !1;
         if c.rotary_dim == 0 {
             return Err(bad("config.json: rotary dimension is zero"));
         }
         c.rms_norm_eps = r.f64_or("rms_norm_eps", family.default_rms_norm_eps)? as f32;
         c.vocab_size = r.size_req("vocab_size", 1, MAX_DIM)?;
-        c.max_positions = r.usize_or("max_position_embeddings", 4096)?;
         c.tie_word_embeddings = r.bool_or("tie_word_embeddings", false)?;
         c.eos_token_ids = token_ids(r.get("eos_token_id"));
         c.bos_token_id = token_ids(r.get("bos_token_id")).first().copied();
@@ -365,13 +476,45 @@ mod tests {
     }
 
     #[test]
-    fn scaled_rope_is_refused() {
+    fn rope_types_colibri_cannot_follow_are_refused_by_name() {
+        for kind in ["dynamic", "longrope", "llama3"] {
+            let mut v = glm();
+            v["rope_parameters"] = json!({"rope_type": kind, "factor": 4.0});
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(kind), "{e}");
+        }
         let mut v = glm();
-        v["rope_parameters"] = json!({"rope_type": "yarn", "factor": 4.0});
-        assert!(ModelConfig::from_hf(&v)
-            .unwrap_err()
-            .to_string()
-            .contains("yarn"));
+        v["rope_parameters"] = json!({"rope_type": "linear"});
+        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+        assert!(e.contains("factor"), "{e}");
+        v["rope_parameters"] = json!({"rope_type": "yarn", "factor": -2.0});
+        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+        assert!(e.contains("factor"), "{e}");
+    }
+
+    #[test]
+    fn yarn_defaults_follow_transformers() {
+        let mut v = glm();
+        v["max_position_embeddings"] = json!(131072);
+        v["rope_parameters"] =
+            json!({"rope_type": "yarn", "original_max_position_embeddings": 32768});
+        let c = ModelConfig::from_hf(&v).unwrap();
+        let RopeScaling::Yarn {
+            factor,
+            attention_factor,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } = c.rope_scaling
+        else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!(
+            (factor, beta_fast, beta_slow, truncate),
+            (4.0, 32.0, 1.0, true)
+        );
+        assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
     }
 
     #[test]

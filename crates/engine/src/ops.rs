@@ -3,6 +3,8 @@
 //! `attention/`, which builds on these; nothing here uses it). All f32, written to match
 //! PyTorch's order of operations closely enough for 1e-4 relative agreement.
 
+use crate::config::RopeScaling;
+
 /// `x * rsqrt(mean(x^2) + eps) * weight`, in place, over each `weight.len()`-sized row of `x`.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();
@@ -15,9 +17,11 @@ pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
-/// Rotary tables for one position: `cos`/`sin` of length `rotary_dim / 2`.
+/// Rotary frequencies (`rotary_dim / 2`), scaled as the config says, and the factor cos and
+/// sin are multiplied by (YaRN's attention factor; 1 otherwise).
 pub struct Rope {
     inv_freq: Vec<f32>,
+    attention_factor: f32,
 }
 
 /// Cosines and sines of one position's rotation angles (`rotary_dim / 2` each).
@@ -27,15 +31,66 @@ pub struct RopeAngles {
 }
 
 impl Rope {
+    /// Unscaled RoPE.
     pub fn new(rotary_dim: usize, theta: f64) -> Rope {
-        let inv_freq = (0..rotary_dim / 2)
-            .map(|i| {
-                // Same as transformers: computed in f32 from an f32 exponent.
-                let exp = (2 * i) as f32 / rotary_dim as f32;
-                1.0f32 / (theta as f32).powf(exp)
-            })
+        Rope::scaled(rotary_dim, theta, &RopeScaling::None)
+    }
+
+    /// RoPE with `scaling`, computed as transformers' `modeling_rope_utils` does (in f32 where
+    /// it computes in f32, in f64 where it computes with Python floats).
+    pub fn scaled(rotary_dim: usize, theta: f64, scaling: &RopeScaling) -> Rope {
+        // base ** (arange(0, dim, 2) / dim) in f32, as transformers computes it.
+        let pos_freqs: Vec<f32> = (0..rotary_dim / 2)
+            .map(|i| (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
             .collect();
-        Rope { inv_freq }
+        let (inv_freq, attention_factor) = match *scaling {
+            RopeScaling::None => (pos_freqs.iter().map(|&p| 1.0 / p).collect(), 1.0),
+            RopeScaling::Linear { factor } => (
+                pos_freqs
+                    .iter()
+                    .map(|&p| (1.0 / p) / factor as f32)
+                    .collect(),
+                1.0,
+            ),
+            RopeScaling::Yarn {
+                factor,
+                original_max_positions,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            } => {
+                let dim = rotary_dim as f64;
+                let correction_dim = |rotations: f64| {
+                    dim * (original_max_positions / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001; // as transformers: no division by zero
+                }
+                let inv: Vec<f32> = pos_freqs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| {
+                        let extrapolation = 1.0 / p;
+                        let interpolation = 1.0 / (factor as f32 * p);
+                        let ramp = ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
+                        let keep = 1.0 - ramp;
+                        interpolation * (1.0 - keep) + extrapolation * keep
+                    })
+                    .collect();
+                (inv, attention_factor as f32)
+            }
+        };
+        Rope {
+            inv_freq,
+            attention_factor,
+        }
     }
 
     pub fn half(&self) -> usize {
@@ -56,7 +111,10 @@ impl Rope {
             .iter()
             .map(|&f| {
                 let a = pos as f32 * f;
-                (a.cos(), a.sin())
+                (
+                    a.cos() * self.attention_factor,
+                    a.sin() * self.attention_factor,
+                )
             })
             .unzip();
         RopeAngles { cos, sin }
@@ -322,6 +380,57 @@ mod tests {
         rms_norm(&mut x, &[1.0; 4], 0.0);
         let ms: f32 = x.iter().map(|v| v * v).sum::<f32>() / 4.0;
         assert!((ms - 1.0).abs() < 1e-5);
+    }
+
+    /// Scaled RoPE (linear, YaRN with its defaults and variants, partial rotary) against
+    /// transformers' own frequencies and rotations (tests/fixtures/rope, made by
+    /// scripts/make_rope_fixtures.py).
+    #[test]
+    fn scaled_rope_matches_transformers() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/rope/cases.json"
+        );
+        let fixture: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let cases = fixture["cases"].as_object().unwrap();
+        assert!(cases.len() >= 6);
+        for (name, case) in cases {
+            let c = crate::config::ModelConfig::from_hf(&case["config"]).unwrap();
+            let rope = Rope::scaled(c.rotary_dim, c.rope_theta, &c.rope_scaling);
+            let floats = |v: &serde_json::Value| -> Vec<f32> {
+                v.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+                    .collect()
+            };
+            let want = floats(&case["inv_freq"]);
+            assert_eq!(rope.inv_freq.len(), want.len(), "{name}");
+            for (i, (a, b)) in rope.inv_freq.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 2e-7 * b.abs(),
+                    "{name}: inv_freq[{i}] {a} vs {b}"
+                );
+            }
+            let af = case["attention_factor"].as_f64().unwrap() as f32;
+            assert!((rope.attention_factor - af).abs() < 1e-6, "{name}: {af}");
+            let positions = case["positions"].as_array().unwrap();
+            for (j, p) in positions.iter().enumerate() {
+                let angles = rope.angles(p.as_u64().unwrap() as usize);
+                for (got, key) in [(&angles.cos, "cos"), (&angles.sin, "sin")] {
+                    let want = floats(&case[key][j]);
+                    let worst = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    // The same f32 angles; libm's and PyTorch's vectorised cos/sin differ by a
+                    // few ulp of the argument's range reduction at 1e5 radians.
+                    assert!(worst < 1e-5, "{name}: {key} at {p}: off by {worst}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -348,7 +348,7 @@ impl Model {
         );
         let kv_layout = layers::kv_layout(&cfg);
         Ok(Model {
-            rope: Rope::new(cfg.rotary_dim, cfg.rope_theta),
+            rope: Rope::scaled(cfg.rotary_dim, cfg.rope_theta, &cfg.rope_scaling),
             cfg,
             manifest,
             resident,
