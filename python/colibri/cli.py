@@ -23,19 +23,47 @@ def _model_dir(arg: str | None) -> Path:
     return default_model_dir()
 
 
+class UsageError(Exception):
+    """A bad flag only the model directory can tell (a --context above the model's): exit
+    status 2, as argparse's own."""
+
+
 def _load(args: argparse.Namespace, slots: int = 1, kv_dir: Path | None = None):
     from colibri.runtime.engine import Engine
 
-    return Engine(
-        _model_dir(args.model),
-        threads=args.threads,
-        slots=slots,
-        kv_dir=kv_dir,
-        ram_gb=args.ram_gb,
-        pin_gb=args.pin_gb,
-        # Flags only switch on; off means "as COLI_DIRECT_IO / COLI_PREFETCH say".
-        direct_io=True if args.direct_io else None,
-        prefetch=True if args.prefetch else None,
+    try:
+        return Engine(
+            _model_dir(args.model),
+            threads=args.threads,
+            slots=slots,
+            kv_dir=kv_dir,
+            ram_gb=args.ram_gb,
+            pin_gb=args.pin_gb,
+            # Flags only switch on; off means "as COLI_DIRECT_IO / COLI_PREFETCH say".
+            direct_io=True if args.direct_io else None,
+            prefetch=True if args.prefetch else None,
+            context=args.context,
+        )
+    except ValueError as e:
+        # The engine's refusal of a context above the model's (crates/engine/src/model/mod.rs).
+        if args.context is not None and str(e).startswith(f"context {args.context} is out of"):
+            raise UsageError(f"--{e}") from None
+        raise
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def kv_report(slots: int, info: dict) -> str:
+    """The startup line on the context in use and the KV memory it can take at most."""
+    context, own = info["context_length"], info["model_context_length"]
+    per_token = info["kv_bytes_per_token"]
+    lowered = f" (the model's: {own})" if context < own else ""
+    return (
+        f"colibri: context {context} tokens{lowered}; KV memory up to "
+        f"{_size(slots * context * per_token)} ({slots} slot(s) x {context} tokens x "
+        f"{per_token} bytes per token)"
     )
 
 
@@ -97,13 +125,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         print(f"colibri serve: {e}. {kv_dir_in_use_hint(kv_dir)}", file=sys.stderr)
         return 2
+    context, per_token = engine.info["context_length"], engine.info["kv_bytes_per_token"]
     try:
-        server.check_kv_memory(
-            args.kv_slots, engine.info["context_length"], engine.info["kv_bytes_per_token"]
-        )
+        server.check_kv_memory(args.kv_slots, context, per_token)
     except server.StartupRefused as e:
-        print(f"colibri serve: {e}", file=sys.stderr)
+        have = server.available_memory_bytes() or 0
+        fit = have // max(1, args.kv_slots * per_token)
+        hint = f", or keep them with --context {fit} or less" if 1 <= fit < context else ""
+        print(f"colibri serve: {e}{hint}", file=sys.stderr)
         return 2
+    print(kv_report(args.kv_slots, engine.info), file=sys.stderr, flush=True)
     from colibri.demo.builtin import model_id_for
 
     dir_id = model_id_for(model_dir)
@@ -244,9 +275,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _env_number(name: str, kind: type, default: float) -> str:
-    """The default of a numeric flag from the environment, checked by the flag's own type."""
-    return os.environ.get(name, str(kind(default)))
+def _env_number(name: str, kind: type, default: float | None) -> str | None:
+    """The default of a numeric flag from the environment, checked by the flag's own type
+    (``None``: no default unless the variable is set)."""
+    return os.environ.get(name, None if default is None else str(kind(default)))
 
 
 def _number(kind: type, low: float, high: float | None = None, above: bool = False):
@@ -283,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument(
             "--threads", type=int, default=None, help="worker threads (default: all cores)"
+        )
+        sp.add_argument(
+            "--context",
+            type=_positive_int,
+            default=_env_number("COLI_CONTEXT", int, None),
+            metavar="N",
+            help="run with a context of N tokens, at most the model's ($COLI_CONTEXT; "
+            "default: the model's)",
         )
         sp.add_argument(
             "--ram-gb",
@@ -415,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except UsageError as e:
+        print(f"colibri {args.command}: {e}", file=sys.stderr)
+        return 2
     except (RuntimeError, ValueError, OSError) as e:
         print(f"colibri: {e}", file=sys.stderr)
         return 1

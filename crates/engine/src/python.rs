@@ -33,6 +33,8 @@ struct Model {
     slots: Vec<Arc<Mutex<Slot>>>,
     /// One line per slot file that was refused at load (reported by the Python side).
     notes: Vec<String>,
+    /// The model's own context length (`max_position_embeddings`), whatever `context` chose.
+    model_context: usize,
 }
 
 #[pymethods]
@@ -40,8 +42,9 @@ impl Model {
     #[new]
     /// `ram_gb`, `pin_gb`, `direct_io`, `prefetch`: the expert cache (store/); each defaults to
     /// its environment variable (`COLI_RAM_GB`, `COLI_PIN_GB`, `COLI_DIRECT_IO`,
-    /// `COLI_PREFETCH`), and without a budget every expert is resident.
-    #[pyo3(signature = (path, threads=None, kernel=None, slots=1, kv_dir=None, ram_gb=None, pin_gb=None, direct_io=None, prefetch=None))]
+    /// `COLI_PREFETCH`), and without a budget every expert is resident. `context`: run with a
+    /// context of this many tokens, 1 up to the model's own (default: the model's own).
+    #[pyo3(signature = (path, threads=None, kernel=None, slots=1, kv_dir=None, ram_gb=None, pin_gb=None, direct_io=None, prefetch=None, context=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -54,6 +57,7 @@ impl Model {
         pin_gb: Option<f64>,
         direct_io: Option<bool>,
         prefetch: Option<bool>,
+        context: Option<i64>,
     ) -> PyResult<Model> {
         let mut opts = ExpertOptions::from_env().map_err(to_py)?;
         let gb = |name: &str, v: f64| -> PyResult<u64> {
@@ -103,11 +107,24 @@ impl Model {
                 Some(k)
             }
         };
+        if let Some(n) = context {
+            // Refused before the weights are read when the manifest says the model's context
+            // (a directory that is not a model is reported by the load itself).
+            if let Some(limit) = manifest_context(&path) {
+                context_positions(n, limit).map_err(to_py)?;
+            }
+        }
         let mut m = py
             .detach(|| RsModel::load_with(&path, threads, &opts))
             .map_err(to_py)?;
         if let Some(k) = kernel {
             m.set_kernel(k);
+        }
+        let model_context = m.cfg.max_positions;
+        if let Some(n) = context {
+            // Before any slot exists: caches, restores and generation all take the new limit.
+            let positions = context_positions(n, model_context).map_err(to_py)?;
+            m.set_context(positions).map_err(to_py)?;
         }
         let mut notes = Vec::new();
         let slots = py
@@ -124,6 +141,7 @@ impl Model {
             inner: Arc::new(m),
             slots: slots.into_iter().map(|s| Arc::new(Mutex::new(s))).collect(),
             notes,
+            model_context,
         })
     }
 
@@ -135,6 +153,7 @@ impl Model {
         d.set_item("architecture", c.family.hf_name)?;
         d.set_item("vocab_size", c.vocab_size)?;
         d.set_item("context_length", c.max_positions)?;
+        d.set_item("model_context_length", self.model_context)?;
         d.set_item("quantization", m.manifest.quantization.kind.name())?;
         d.set_item("hidden_size", c.hidden_size)?;
         d.set_item("num_layers", c.num_layers)?;
@@ -265,6 +284,21 @@ impl Model {
 const MAX_SLOTS: usize = 16;
 /// Memory left free when sizing the default expert budget: KV, activations, the rest.
 const FIT_RESERVE_BYTES: u64 = 1 << 30;
+
+/// The context length a model directory's manifest gives, read without loading the model
+/// (None when the manifest or its config cannot be read).
+fn manifest_context(dir: &std::path::Path) -> Option<usize> {
+    let manifest = crate::format::read_manifest(dir).ok()?;
+    let cfg = crate::config::ModelConfig::from_hf(&manifest.config).ok()?;
+    Some(cfg.max_positions)
+}
+
+/// `n` (as Python gave it) as a context for a model whose context is `limit`.
+fn context_positions(n: i64, limit: usize) -> crate::error::Result<usize> {
+    let positions = usize::try_from(n).map_err(|_| crate::model::context_error(n, limit))?;
+    RsModel::check_context(positions, limit)?;
+    Ok(positions)
+}
 
 impl Model {
     fn slot(&self, i: usize) -> PyResult<&Arc<Mutex<Slot>>> {

@@ -39,6 +39,7 @@ async def health(request: Request) -> Response:
     body: dict = {"status": "error" if dead else "ok"}
     if _authenticated(request):
         body.update(model=model.id, **model.scheduler.snapshot())
+        body["context_length"] = model.engine.info.get("context_length")
         body["kv_bytes_per_token"] = model.engine.info.get("kv_bytes_per_token")
         body["prefill"] = [
             {"slot": slot, "prompt_tokens": total, "prompt_tokens_done": done}

@@ -28,7 +28,12 @@ class Engine:
     experts (an expert cache over the experts file; default ``COLI_RAM_GB``, else every expert
     resident), ``pin_gb`` of it holds the hottest experts for the whole run (``COLI_PIN_GB``),
     ``direct_io`` reads with O_DIRECT (``COLI_DIRECT_IO``), ``prefetch`` loads the next layer's
-    likely experts ahead (``COLI_PREFETCH``). Results never depend on these.
+    likely experts ahead (``COLI_PREFETCH``). Results never depend on these. ``context`` runs
+    the model with a context of that many tokens (prompt and reply), 1 up to the model's own
+    (``max_position_embeddings``, the default): generation stops there, ``logits`` refuses more,
+    KV memory is bounded by it, and a persisted slot holding that many tokens or more starts
+    empty; anything else raises ``ValueError`` naming both numbers. ``info["context_length"]``
+    is the context in use, ``info["model_context_length"]`` the model's own.
     Generation and scoring release the GIL, so other Python threads keep running.
     """
 
@@ -43,6 +48,7 @@ class Engine:
         pin_gb: float | None = None,
         direct_io: bool | None = None,
         prefetch: bool | None = None,
+        context: int | None = None,
     ) -> None:
         self.path = Path(path)
         self._model = _engine.Model(
@@ -55,6 +61,7 @@ class Engine:
             pin_gb,
             direct_io,
             prefetch,
+            context,
         )
         for note in self._model.load_notes():
             log.warning("KV slot file refused: %s", note)

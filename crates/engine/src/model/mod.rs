@@ -40,6 +40,15 @@ pub(crate) fn fmt_err(msg: impl Into<String>) -> Error {
     Error::Format(msg.into())
 }
 
+/// The refusal of a context of `positions` tokens for a model whose context is `limit`
+/// ([`Model::check_context`]; `positions` may be any number a caller was given).
+pub(crate) fn context_error(positions: impl std::fmt::Display, limit: usize) -> Error {
+    Error::Input(format!(
+        "context {positions} is out of range: the model's context length is {limit} \
+         (give 1 to {limit})"
+    ))
+}
+
 /// Where a routed expert's three matrices sit inside its record.
 pub(super) struct ExpertLayout {
     pub(super) record_size: usize,
@@ -110,6 +119,27 @@ impl Model {
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// Runs the model with a context of `positions` tokens (prompt and reply) instead of the
+    /// one it was trained for (`max_position_embeddings`): the KV caches, [`Model::forward`] and
+    /// the generation loop all stop there, and slot files holding that many tokens or more
+    /// start empty. Call it before making caches or slots (ones made earlier keep the old
+    /// limit). Refuses 0 and more than the current context ([`Model::check_context`]).
+    pub fn set_context(&mut self, positions: usize) -> Result<()> {
+        Model::check_context(positions, self.cfg.max_positions)?;
+        self.cfg.max_positions = positions;
+        Ok(())
+    }
+
+    /// Whether a context of `positions` tokens can run a model whose context is `limit`: at
+    /// least 1 and at most `limit`, else an input error naming both numbers.
+    pub fn check_context(positions: usize, limit: usize) -> Result<()> {
+        if (1..=limit).contains(&positions) {
+            Ok(())
+        } else {
+            Err(context_error(positions, limit))
+        }
     }
 
     pub fn new_cache(&self) -> KvCache {
