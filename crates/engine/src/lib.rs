@@ -23,6 +23,7 @@ pub mod pool;
 pub mod quant;
 pub mod sampler;
 pub mod settings;
+pub mod slot_writer;
 pub mod slotfile;
 pub mod slots;
 pub mod store;

@@ -228,7 +228,7 @@ pub fn open_persistent(
             Slot::new(model)
         }
     };
-    slot.set_store(Box::new(file));
+    slot.set_store(Box::new(crate::slot_writer::BackgroundFile::new(file)?));
     Ok(slot)
 }
 
