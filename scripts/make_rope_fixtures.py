@@ -7,6 +7,10 @@ the attention factor, and cos/sin at a few positions (f32, as the models' rotary
 computes them) are written to tests/fixtures/rope/cases.json. The engine's unit tests compare
 against them (crates/engine/src/ops.rs).
 
+Then whole models: the committed qwen3_moe and glm4_moe reference checkpoints with a scaled
+RoPE in their config, run by transformers on a 120-token prompt; the logits go to
+tests/fixtures/rope/<case>.npz with the RoPE parameters used (tests/test_rope_models.py).
+
 Needs torch and transformers (a throwaway venv outside the repository):
 
     python scripts/make_rope_fixtures.py
@@ -129,6 +133,46 @@ def reference(config: dict) -> dict:
     }
 
 
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+MODEL_CASES = {
+    # Positions past the (pretend) pretraining length of 32, where YaRN's ramp matters.
+    "qwen3_moe_yarn": (
+        "qwen3_moe",
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "glm4_moe_linear": (
+        "glm4_moe",
+        {
+            "rope_type": "linear",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "factor": 3.0,
+        },
+    ),
+}
+
+
+def model_case(arch: str, rope: dict) -> dict:
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = FIXTURES / arch / "hf"
+    config = AutoConfig.from_pretrained(hf)
+    config.rope_parameters = dict(rope)
+    model = AutoModelForCausalLM.from_pretrained(hf, config=config, dtype=torch.float32)
+    model.eval()
+    vocab = config.vocab_size
+    prompt = [(i * 37 + 11) % vocab for i in range(120)]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float().numpy()
+    return {"prompt": np.array(prompt, dtype=np.int64), "logits": logits.astype(np.float32)}
+
+
 def main() -> None:
     out = {
         "generator": f"scripts/make_rope_fixtures.py, transformers {transformers.__version__}, "
@@ -138,6 +182,13 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {OUT} ({len(CASES)} cases)")
+    import numpy as np
+
+    for name, (arch, rope) in MODEL_CASES.items():
+        data = model_case(arch, rope)
+        path = OUT.parent / f"{name}.npz"
+        np.savez_compressed(path, rope=json.dumps(rope), arch=arch, **data)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
