@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 from collections.abc import Iterator, Sequence
 
+import httpx
 import orjson
 import pytest
 from hypothesis import given
@@ -651,3 +652,27 @@ def test_loopback_forms_with_any_port_are_accepted(host: str):
 def test_a_foreign_domain_suffix_is_never_accepted(prefix: str):
     assert not GUARD.is_allowed(prefix + ".evil.com")
     assert not GUARD.is_allowed(prefix + ".myhost.lan")
+
+
+def test_a_refused_request_with_a_body_closes_its_connection_cleanly():
+    """A 401 sent before the body is read says Connection: close, so a keep-alive client's next
+    request goes down a fresh connection instead of meeting the close (found as a CI flake)."""
+    from .server import RunningServer
+
+    srv = RunningServer("--api-key", KEY)
+    body = {"model": "colibri-builtin", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            for _ in range(20):
+                r = http.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+                assert r.status_code == 401
+                assert r.headers["connection"] == "close"
+                r = http.post(
+                    "/v1/chat/completions", json={**body, "max_tokens": 1}, headers=bearer()
+                )
+                assert r.status_code == 200
+                # Without a body nothing is left unread: the connection is kept.
+                r = http.get("/v1/models")
+                assert r.status_code == 401 and "close" not in r.headers.get("connection", "")
+    finally:
+        srv.stop()

@@ -73,9 +73,24 @@ def _header_values(scope: Scope, name: bytes) -> list[bytes]:
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, err: ApiError) -> None:
-    """Answer with ``err`` in the envelope of the protocol the path belongs to."""
+    """Answer with ``err`` in the envelope of the protocol the path belongs to.
+
+    A refusal sent before the request's body was read says ``Connection: close``: the server
+    drops the connection after it (the unread body would be taken for the next request), and a
+    client that saw the header does not send its next request down a connection about to close
+    (without it, a keep-alive client's next request could meet the close: "server disconnected
+    without sending a response")."""
     note_error(scope, err)
-    await error_response(scope["path"], err)(scope, receive, send)
+    has_body = any(v.strip() != b"0" for v in _header_values(scope, b"content-length")) or bool(
+        _header_values(scope, b"transfer-encoding")
+    )
+
+    async def send_closing(message: dict) -> None:
+        if has_body and message["type"] == "http.response.start":
+            message = {**message, "headers": [*message["headers"], (b"connection", b"close")]}
+        await send(message)
+
+    await error_response(scope["path"], err)(scope, receive, send_closing)
 
 
 # --- host names ----------------------------------------------------------------------------------
