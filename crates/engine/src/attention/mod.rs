@@ -12,7 +12,7 @@ use std::ops::Range;
 #[cfg(target_arch = "x86_64")]
 use crate::ops::widen_checked;
 use crate::ops::{softmax, widen_portable};
-use rows::{accumulate_rows, score_rows, Simd};
+use rows::{accumulate_rows, score_rows, score_rows_pair, Simd};
 
 /// A kv head's history: `n` rows of `head_dim` values, one per position, contiguous.
 #[derive(Clone, Copy)]
@@ -123,11 +123,29 @@ fn attend_generic(
     for lo in (0..last).step_by(CHUNK) {
         let hi = (lo + CHUNK).min(last);
         let keys = chunk_rows(a.keys, lo * hd..hi * hd, &mut wide, widen);
-        for (q, s) in qs.iter().zip(scores.iter_mut()) {
+        // Two queries at a time where both see the whole chunk (every key row loaded once for
+        // both); each query's dot products are the same arithmetic either way.
+        let mut j = 0;
+        while j < qs.len() {
+            if j + 1 < qs.len() && scores[j].len() >= hi {
+                let (first, rest) = scores.split_at_mut(j + 1);
+                let pair = [&mut first[j][lo..hi], &mut rest[0][lo..hi]];
+                score_rows_pair([qs[j], qs[j + 1]], keys, a.scale, pair, simd);
+                j += 2;
+                continue;
+            }
+            let s = &mut scores[j];
             let top = hi.min(s.len());
             if top > lo {
-                score_rows(q, &keys[..(top - lo) * hd], a.scale, &mut s[lo..top], simd);
+                score_rows(
+                    qs[j],
+                    &keys[..(top - lo) * hd],
+                    a.scale,
+                    &mut s[lo..top],
+                    simd,
+                );
             }
+            j += 1;
         }
     }
     for s in scores.iter_mut() {

@@ -98,6 +98,54 @@ pub(super) fn score_rows(q: &[f32], keys: &[f32], scale: f32, scores: &mut [f32]
     }
 }
 
+/// [`score_rows`] for two queries over the same rows: each key row is loaded once for both
+/// (with AVX); every score is the same arithmetic as [`score_rows`]'s, so the same bits.
+#[inline(always)]
+pub(super) fn score_rows_pair(
+    q: [&[f32]; 2],
+    keys: &[f32],
+    scale: f32,
+    scores: [&mut [f32]; 2],
+    simd: Simd,
+) {
+    let [s0, s1] = scores;
+    #[cfg(target_arch = "x86_64")]
+    if simd == Simd::Avx && q[0].len() == q[1].len() && s0.len() == s1.len() {
+        let hd = q[0].len();
+        let row = |p: usize| p * hd;
+        let mut p = 0;
+        while p + DOTS <= s0.len() {
+            prefetch_rows(
+                keys,
+                (p + PREFETCH_AHEAD..p + PREFETCH_AHEAD + DOTS).map(row),
+                hd,
+            );
+            let k: [&[f32]; DOTS] = std::array::from_fn(|r| &keys[row(p + r)..row(p + r) + hd]);
+            // SAFETY: `Simd::Avx` is only passed by the attention paths that checked for AVX;
+            // every row holds hd values.
+            let [d0, d1] = unsafe { dots_avx_pair(q, k) };
+            for ((a, b), (x, y)) in s0[p..p + DOTS]
+                .iter_mut()
+                .zip(s1[p..p + DOTS].iter_mut())
+                .zip(d0.into_iter().zip(d1))
+            {
+                *a = x * scale;
+                *b = y * scale;
+            }
+            p += DOTS;
+        }
+        for p in p..s0.len() {
+            s0[p] = dot(q[0], &keys[row(p)..row(p) + hd]) * scale;
+            s1[p] = dot(q[1], &keys[row(p)..row(p) + hd]) * scale;
+        }
+        return;
+    }
+    let n = s0.len() * q[0].len();
+    score_rows(q[0], &keys[..n], scale, s0, simd);
+    let n = s1.len() * q[1].len();
+    score_rows(q[1], &keys[..n], scale, s1, simd);
+}
+
 /// `out += weights[p] * values row p`, in position order.
 #[inline(always)]
 pub(super) fn accumulate_rows(weights: &[f32], values: &[f32], out: &mut [f32], simd: Simd) {
@@ -145,6 +193,43 @@ unsafe fn dots_avx(q: &[f32], k: [&[f32]; DOTS]) -> [f32; DOTS] {
         }
     }
     sums
+}
+
+/// [`dots_avx`] for two queries against the same `DOTS` rows, each key vector loaded once:
+/// per query the same products, sums and lane order, so the same bits.
+///
+/// # Safety
+/// The CPU has AVX; both queries have the same length and every `k[r]` holds that many values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn dots_avx_pair(q: [&[f32]; 2], k: [&[f32]; DOTS]) -> [[f32; DOTS]; 2] {
+    use std::arch::x86_64::*;
+    let hd = q[0].len();
+    let chunks = hd / 8;
+    assert!(q[1].len() == hd && k.iter().all(|k| k.len() >= hd));
+    let mut acc = [[_mm256_setzero_ps(); DOTS]; 2];
+    for c in 0..chunks {
+        // SAFETY: c * 8 + 8 <= hd <= k[r].len() and q[i].len(); unaligned loads.
+        let y: [__m256; DOTS] =
+            std::array::from_fn(|r| unsafe { _mm256_loadu_ps(k[r].as_ptr().add(c * 8)) });
+        for (acc, q) in acc.iter_mut().zip(&q) {
+            // SAFETY: as above.
+            let x = unsafe { _mm256_loadu_ps(q.as_ptr().add(c * 8)) };
+            for (a, y) in acc.iter_mut().zip(&y) {
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(x, *y));
+            }
+        }
+    }
+    std::array::from_fn(|i| {
+        // SAFETY: the CPU has AVX (contract).
+        let mut sums = unsafe { lane_sums(&acc[i]) };
+        for (s, k) in sums.iter_mut().zip(&k) {
+            for d in chunks * 8..hd {
+                *s += q[i][d] * k[d];
+            }
+        }
+        sums
+    })
 }
 
 /// Each vector's eight lanes summed in lane order, `((l0 + l1) + l2) + ... + l7`: the bits of
