@@ -24,9 +24,10 @@ use crate::slots::SlotStore;
 /// Commits queued at most before a commit waits for the writer (each holds one step's rows).
 const QUEUE: usize = 2;
 
-/// The rows of positions `start ..` of every layer, position-major (what a commit appends).
+/// The rows of positions `start .. end` of every layer, position-major (what a commit appends).
 struct Tail {
     start: usize,
+    end: usize,
     widths: Vec<(usize, usize)>,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
@@ -42,16 +43,7 @@ impl KvRows for Tail {
     }
 
     fn positions(&self) -> usize {
-        let n = (0..self.widths.len())
-            .filter_map(|l| {
-                let (kw, vw) = self.widths[l];
-                (kw > 0)
-                    .then(|| self.keys[l].len() / kw)
-                    .or_else(|| (vw > 0).then(|| self.values[l].len() / vw))
-            })
-            .min()
-            .unwrap_or(0);
-        self.start + n
+        self.end
     }
 
     /// Only the positions it holds are ever asked for (a commit reads its own range); others
@@ -160,6 +152,7 @@ impl SlotStore for BackgroundFile {
         }
         let rows = Tail {
             start,
+            end,
             widths: (0..layers)
                 .map(|l| (kv.key_width(l), kv.value_width(l)))
                 .collect(),
