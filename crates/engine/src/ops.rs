@@ -293,41 +293,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `dst[i] = src[i]` widened (exact): the `half` crate's conversion.
-pub(crate) fn widen_portable(src: &[half::f16], dst: &mut [f32]) {
-    half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
-}
-
-/// `dst[i] = src[i]` widened with F16C's `vcvtph2ps`, eight at a time (exact, like
-/// [`widen_portable`]). Only reached from the attention paths chosen after detecting F16C.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn widen_checked(src: &[half::f16], dst: &mut [f32]) {
-    if std::arch::is_x86_feature_detected!("f16c") {
-        // SAFETY: the CPU has F16C and AVX (F16C implies AVX; checked just above).
-        unsafe { widen_f16c(src, dst) }
-    } else {
-        widen_portable(src, dst)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx,f16c")]
-unsafe fn widen_f16c(src: &[half::f16], dst: &mut [f32]) {
-    use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
-    let n = src.len().min(dst.len());
-    let whole = n / 8 * 8;
-    for i in (0..whole).step_by(8) {
-        // SAFETY: i + 8 <= n, so 16 bytes of `src` and 32 of `dst` from i are in bounds;
-        // unaligned loads and stores.
-        unsafe {
-            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-        }
-    }
-    for i in whole..n {
-        dst[i] = src[i].to_f32();
-    }
-}
 
 /// `dst[i] = f16(src[i])`, rounded to nearest even exactly as `half::f16::from_f32`; with F16C's
 /// `vcvtps2ph` eight at a time where the CPU has it. (The half crate's slice conversion runs in
@@ -523,19 +488,6 @@ mod tests {
                 assert!(same_bits(&s, &softmax_want), "softmax avx2, seed {seed}");
             }
         }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn f16c_widening_is_exact_for_every_half() {
-        if !std::arch::is_x86_feature_detected!("f16c") {
-            return;
-        }
-        let all: Vec<half::f16> = (0..=u16::MAX).map(half::f16::from_bits).collect();
-        let (mut a, mut b) = (vec![0.0f32; all.len()], vec![0.0f32; all.len()]);
-        widen_checked(&all, &mut a);
-        widen_portable(&all, &mut b);
-        assert!(same_bits(&a, &b));
     }
 
     #[test]

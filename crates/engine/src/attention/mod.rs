@@ -1,25 +1,18 @@
 //! Attention over a KV history: consecutive query positions of one head attending causally
-//! over its kv head's keys and values (f32 or f16 rows). `attend` picks the path: the fused
-//! f16 decode (`f16_decode.rs`: one query, widened in registers) or the buffered block path
-//! here (chunks of rows read once for every query of a block; AVX2 / AVX-512 / portable), whose
-//! dot products and weighted sums are in `rows.rs`. Every path gives the same bits.
+//! over its kv head's keys and values (f32 or f16 rows). One kernel (`flash.rs`: tiles of the
+//! history, online softmax), written over sixteen-lane vectors (`lanes.rs`) and compiled for
+//! AVX-512, AVX2 + FMA and plain Rust, chosen at run time; every path gives the same bits, and
+//! a query gives the same bits in a prefill block as decoding alone.
 
-mod f16_decode;
-mod rows;
+mod flash;
+mod lanes;
 
-use std::ops::Range;
-
-#[cfg(target_arch = "x86_64")]
-use crate::ops::widen_checked;
-use crate::ops::{softmax, widen_portable};
-use rows::{accumulate_rows, score_rows, score_rows_pair, Simd};
-
-/// A kv head's history: `n` rows of `head_dim` values, one per position, contiguous.
+/// A kv head's history: `n` rows of `dim` values, one per position, contiguous.
 #[derive(Clone, Copy)]
 pub enum HeadRows<'a> {
     F32(&'a [f32]),
-    /// Half the bytes to stream; widened to f32 a chunk at a time (exactly), so the arithmetic
-    /// is the f32 path's on the rounded values.
+    /// Half the bytes to stream; widened to f32 exactly, so the arithmetic is the f32 path's
+    /// on the rounded values.
     F16(&'a [half::f16]),
 }
 
@@ -32,141 +25,85 @@ pub struct AttendArgs<'a> {
     pub scale: f32,
 }
 
-/// Positions read (and widened from f16) at a time: 16 KiB of f32 at head_dim 128, so a chunk
-/// stays in L1 while every query of a block uses it.
-const CHUNK: usize = 32;
-
-/// Consecutive query positions of one head attending causally over its kv head: query `j`
-/// (`qs[j]`, `head_dim` values) sees the first `a.n0 + j` positions, and `out[j * head_dim..]`
-/// receives the softmax-weighted sum of their values.
-///
-/// Each key and value chunk is read (and widened) once for the whole block instead of once per
-/// query, which is what makes long prompts cheaper. Every query's arithmetic is the same as on
-/// its own (the same chunks, the same four-position groups, the same order), so a query gives
-/// the same bits in any block, and prefill agrees with decode bit for bit.
-///
-/// Compiled three times (plain x86-64, AVX2+FMA, AVX-512) and chosen at run time. The AVX2 and
-/// AVX-512 paths compute the dot products and the weighted sum with explicit AVX vectors (see
-/// [`Simd`]), the plain one in portable Rust: the same arithmetic in the same order, so every
-/// path gives the same bits.
-pub fn attend(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
+/// The compiled forms of the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    Portable,
     #[cfg(target_arch = "x86_64")]
-    {
-        // Decode over an f16 history: widened in registers, nothing to share between queries.
-        if let ([q], HeadRows::F16(keys), HeadRows::F16(values)) = (qs, a.keys, a.values) {
-            if f16_decode::supported(q.len()) {
-                return f16_decode::attend_one(q, keys, values, a.n0, a.scale, out);
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Kernel {
+    /// The fastest form this CPU runs.
+    pub fn best() -> Kernel {
+        Kernel::available().pop().unwrap_or(Kernel::Portable)
+    }
+
+    /// Every form this CPU runs, slowest first.
+    pub fn available() -> Vec<Kernel> {
+        let mut k = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                k.push(Kernel::Avx2);
+                if has!("avx512f") {
+                    k.push(Kernel::Avx512);
+                }
             }
         }
-        let f16c = std::arch::is_x86_feature_detected!("f16c");
-        if std::arch::is_x86_feature_detected!("avx512f") && f16c {
-            // SAFETY: the CPU has AVX-512F and F16C (checked just above).
-            return unsafe { attend_avx512(qs, a, out) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && f16c
-        {
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
-            return unsafe { attend_avx2(qs, a, out) };
-        }
+        k
     }
-    attend_generic(qs, a, out, widen_portable, Simd::Portable)
+}
+
+/// Consecutive query positions of one head attending causally over its kv head: query `j`
+/// (`qs[j]`, the key size each) sees the first `a.n0 + j` positions, and `out[j * vd..]`
+/// receives the softmax-weighted sum of their values (`vd = out.len() / qs.len()`, the value
+/// size, which may differ from the key size).
+pub fn attend(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
+    attend_on(Kernel::best(), qs, a, out)
+}
+
+/// [`attend`] with a chosen form of the kernel.
+///
+/// # Panics
+/// If this CPU cannot run `kernel` (see [`Kernel::available`]), or the shapes disagree.
+pub fn attend_on(kernel: Kernel, qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
+    assert!(
+        Kernel::available().contains(&kernel),
+        "{kernel:?} not on this CPU"
+    );
+    match kernel {
+        // SAFETY: the plain form needs no CPU feature.
+        Kernel::Portable => unsafe { flash::attend_tiles::<lanes::Portable>(qs, a, out) },
+        // SAFETY: the CPU has the form's features (asserted above).
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { attend_avx2(qs, a, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => unsafe { attend_avx512(qs, a, out) },
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn attend_avx512(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
-    attend_generic(qs, a, out, widen_checked, Simd::Avx)
+    // SAFETY: the CPU has the features enabled here (the caller checked).
+    unsafe { flash::attend_tiles::<lanes::Avx512>(qs, a, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
-    attend_generic(qs, a, out, widen_checked, Simd::Avx)
-}
-
-/// Rows `rows` of a head's history as f32: borrowed, or widened into `wide`.
-#[inline(always)]
-fn chunk_rows<'a>(
-    src: HeadRows<'a>,
-    rows: Range<usize>,
-    wide: &'a mut [f32],
-    widen: fn(&[half::f16], &mut [f32]),
-) -> &'a [f32] {
-    match src {
-        HeadRows::F32(x) => &x[rows],
-        HeadRows::F16(x) => {
-            let wide = &mut wide[..rows.len()];
-            widen(&x[rows], wide);
-            wide
-        }
-    }
-}
-
-#[inline(always)]
-fn attend_generic(
-    qs: &[&[f32]],
-    a: &AttendArgs,
-    out: &mut [f32],
-    widen: fn(&[half::f16], &mut [f32]),
-    simd: Simd,
-) {
-    let Some(q0) = qs.first() else { return };
-    let hd = q0.len();
-    debug_assert!(a.n0 >= 1 && out.len() == qs.len() * hd);
-    let seen = |j: usize| a.n0 + j;
-    let last = seen(qs.len() - 1);
-    let mut scores: Vec<Vec<f32>> = (0..qs.len()).map(|j| vec![0.0f32; seen(j)]).collect();
-    let mut wide = vec![0.0f32; CHUNK * hd];
-    out.fill(0.0);
-    for lo in (0..last).step_by(CHUNK) {
-        let hi = (lo + CHUNK).min(last);
-        let keys = chunk_rows(a.keys, lo * hd..hi * hd, &mut wide, widen);
-        // Two queries at a time where both see the whole chunk (every key row loaded once for
-        // both); each query's dot products are the same arithmetic either way.
-        let mut j = 0;
-        while j < qs.len() {
-            if j + 1 < qs.len() && scores[j].len() >= hi {
-                let (first, rest) = scores.split_at_mut(j + 1);
-                let pair = [&mut first[j][lo..hi], &mut rest[0][lo..hi]];
-                score_rows_pair([qs[j], qs[j + 1]], keys, a.scale, pair, simd);
-                j += 2;
-                continue;
-            }
-            let s = &mut scores[j];
-            let top = hi.min(s.len());
-            if top > lo {
-                score_rows(
-                    qs[j],
-                    &keys[..(top - lo) * hd],
-                    a.scale,
-                    &mut s[lo..top],
-                    simd,
-                );
-            }
-            j += 1;
-        }
-    }
-    for s in scores.iter_mut() {
-        softmax(s);
-    }
-    for lo in (0..last).step_by(CHUNK) {
-        let hi = (lo + CHUNK).min(last);
-        let values = chunk_rows(a.values, lo * hd..hi * hd, &mut wide, widen);
-        for (s, o) in scores.iter().zip(out.chunks_exact_mut(hd)) {
-            let top = hi.min(s.len());
-            if top > lo {
-                accumulate_rows(&s[lo..top], &values[..(top - lo) * hd], o, simd);
-            }
-        }
-    }
+    // SAFETY: as above.
+    unsafe { flash::attend_tiles::<lanes::Avx2>(qs, a, out) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::widen_portable;
 
     /// Deterministic test values in [-0.7, 0.7).
     pub(super) fn wave(i: usize) -> f32 {
@@ -186,28 +123,24 @@ mod tests {
         out
     }
 
-    /// `attend` (the path this CPU takes) against the portable path, bit for bit.
-    fn assert_paths_agree(keys: &[f32], values: &[f32], q: &[f32], n: usize, scale: f32) {
-        let a = AttendArgs {
-            keys: HeadRows::F32(keys),
-            values: HeadRows::F32(values),
-            n0: n,
-            scale,
-        };
-        let (mut o1, mut o2) = (vec![0.0; q.len()], vec![0.0; q.len()]);
-        attend(&[q], &a, &mut o1);
-        attend_generic(&[q], &a, &mut o2, widen_portable, Simd::Portable);
-        assert_eq!(o1, o2, "hd {} n {n}", q.len());
+    /// Every form of the kernel this CPU runs gives the portable form's bits.
+    fn assert_kernels_agree(qs: &[&[f32]], a: &AttendArgs, vd: usize) -> Vec<f32> {
+        let mut want = vec![f32::NAN; qs.len() * vd];
+        attend_on(Kernel::Portable, qs, a, &mut want);
+        for k in Kernel::available() {
+            let mut got = vec![f32::NAN; qs.len() * vd];
+            attend_on(k, qs, a, &mut got);
+            assert_eq!(got, want, "{k:?}: kd {} vd {vd} n0 {}", qs[0].len(), a.n0);
+        }
+        want
     }
 
     #[test]
-    fn attend_paths_give_identical_bits() {
+    fn attending_over_identical_values_gives_those_values() {
         let (n, hd) = (37, 24);
         let keys: Vec<f32> = (0..n * hd).map(wave).collect();
-        let values: Vec<f32> = (0..n * hd).map(|i| wave(i + 3)).collect();
         let q: Vec<f32> = (0..hd).map(|i| wave(i * 13)).collect();
-        assert_paths_agree(&keys, &values, &q, n, 0.2);
-        // Attending over identical values gives those values (the weights sum to one).
+        // The weights sum to one.
         let same: Vec<f32> = (0..n * hd).map(|i| wave(i % hd)).collect();
         let o = attend_one(&q, HeadRows::F32(&keys), HeadRows::F32(&same), n);
         for (d, v) in o.iter().enumerate() {
@@ -216,14 +149,40 @@ mod tests {
     }
 
     #[test]
-    fn vector_and_portable_attention_agree_bit_for_bit_at_real_head_sizes() {
-        // 64 and 128 take the register-resident weighted sum; 24 the general one.
-        for hd in [24, 64, 128] {
-            for n in [1, 5, 32, 77] {
-                let keys: Vec<f32> = (0..n * hd).map(|i| wave(i * 3)).collect();
-                let values: Vec<f32> = (0..n * hd).map(|i| wave(i + 11)).collect();
-                let q: Vec<f32> = (0..hd).map(|i| wave(i * 13)).collect();
-                assert_paths_agree(&keys, &values, &q, n, 0.125);
+    fn every_kernel_gives_the_same_bits() {
+        use half::f16;
+        // Head sizes with and without a tail past the sixteen lanes, key and value sizes apart
+        // (MLA), histories around the tile and the four-key groups, blocks of 1 to 5.
+        for (kd, vd) in [(24, 24), (64, 64), (128, 128), (192, 128), (40, 72)] {
+            for n in [1, 5, 31, 32, 33, 77, 130] {
+                let keys: Vec<f32> = (0..n * kd).map(|i| wave(i * 3)).collect();
+                let values: Vec<f32> = (0..n * vd).map(|i| wave(i + 11)).collect();
+                let k16: Vec<f16> = keys.iter().map(|&x| f16::from_f32(x)).collect();
+                let v16: Vec<f16> = values.iter().map(|&x| f16::from_f32(x)).collect();
+                let queries: Vec<Vec<f32>> = (0..5)
+                    .map(|j| (0..kd).map(|i| wave(i * 13 + j * 29)).collect())
+                    .collect();
+                for b in [1, 2, 5] {
+                    let b = b.min(n);
+                    let qs: Vec<&[f32]> = queries[..b].iter().map(|q| q.as_slice()).collect();
+                    for f16_rows in [false, true] {
+                        let a = AttendArgs {
+                            keys: if f16_rows {
+                                HeadRows::F16(&k16)
+                            } else {
+                                HeadRows::F32(&keys)
+                            },
+                            values: if f16_rows {
+                                HeadRows::F16(&v16)
+                            } else {
+                                HeadRows::F32(&values)
+                            },
+                            n0: n + 1 - b,
+                            scale: 0.125,
+                        };
+                        assert_kernels_agree(&qs, &a, vd);
+                    }
+                }
             }
         }
     }
@@ -249,6 +208,7 @@ mod tests {
     /// Causal softmax attention in f64, one query at a time: the reference.
     fn reference(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32) -> Vec<f64> {
         let hd = q.len();
+        let vd = values.len() / n.max(1);
         let scores: Vec<f64> = (0..n)
             .map(|p| {
                 let k = &keys[p * hd..(p + 1) * hd];
@@ -262,10 +222,10 @@ mod tests {
         let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let w: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
         let total: f64 = w.iter().sum();
-        (0..hd)
+        (0..vd)
             .map(|d| {
                 (0..n)
-                    .map(|p| w[p] * values[p * hd + d] as f64)
+                    .map(|p| w[p] * values[p * vd + d] as f64)
                     .sum::<f64>()
                     / total
             })
@@ -294,8 +254,10 @@ mod tests {
             let mut draw = |len: usize, amp: f32| -> Vec<f32> {
                 (0..len).map(|_| rng.random_range(-amp..amp)).collect()
             };
+            // MLA's shape: keys of 192, values of 128.
+            let vd = if hd == 192 { 128 } else { hd };
             let keys = draw(n * hd, 1.0);
-            let values = draw(n * hd, 1.0);
+            let values = draw(n * vd, 1.0);
             let queries = draw(b * hd, 1.0);
             let scale = 8.0 / (hd as f32).sqrt() / 4.0;
             for f16_rows in [false, true] {
@@ -327,13 +289,14 @@ mod tests {
                     scale,
                 };
                 let qs: Vec<&[f32]> = queries.chunks_exact(hd).collect();
-                let mut out = vec![f32::NAN; b * hd];
+                let mut out = vec![f32::NAN; b * vd];
                 attend(&qs, &a, &mut out);
                 for (j, q) in qs.iter().enumerate() {
-                    let want = reference(q, &kr, &vr, n0 + j, scale);
+                    let seen = n0 + j;
+                    let want = reference(q, &kr, &vr[..seen * vd], seen, scale);
                     let peak = want.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
                     for (d, w) in want.iter().enumerate() {
-                        let err = (out[j * hd + d] as f64 - w).abs() / peak;
+                        let err = (out[j * vd + d] as f64 - w).abs() / peak;
                         worst = worst.max(err);
                         assert!(
                             err < 2e-5,
@@ -397,14 +360,7 @@ mod tests {
                     n0,
                     scale: 0.2,
                 };
-                let mut out = vec![f32::NAN; b * hd];
-                attend(&qs, &a, &mut out);
-                let mut portable = vec![f32::NAN; b * hd];
-                attend_generic(&qs, &a, &mut portable, widen_portable, Simd::Portable);
-                assert_eq!(
-                    out, portable,
-                    "hd {hd} n0 {n0} b {b}: against the portable path"
-                );
+                let out = assert_kernels_agree(&qs, &a, hd);
                 for (j, q) in qs.iter().enumerate() {
                     let n = n0 + j;
                     let alone = attend_one(q, keys(n), values(n), n);

@@ -1,0 +1,432 @@
+//! The attention kernel, flash-attention shaped: the history is read in tiles of [`TILE`]
+//! positions (at fixed absolute offsets), and each query keeps a running maximum, a running
+//! total and its weighted sum of values, rescaled when a tile raises the maximum (the online
+//! softmax), so no row of scores longer than a tile ever exists.
+//!
+//! Written once over [`Lanes`]: per score, sixteen fused multiply-add partial sums over the key
+//! dimension, summed as a fixed tree, then the scalar tail; per value element, fused
+//! multiply-adds in position order. Every backend computes exactly that, a query's tiles are
+//! the same in a block as alone, and f16 rows widen exactly, so prefill (blocks of queries over
+//! tiles widened into a buffer once for the whole block) and decode (one query reading the f16
+//! rows straight from the cache) give the same bits.
+
+use half::f16;
+
+use super::lanes::{Lanes, LANES};
+use super::{AttendArgs, HeadRows};
+use crate::ops::exp;
+
+/// Positions per tile: the keys and values of a tile (16 KiB each at 128 dims) stay in L1
+/// while every query of a block uses them.
+pub(super) const TILE: usize = 32;
+/// Keys scored together (independent accumulator chains).
+const GROUP: usize = 4;
+
+/// Rows of one head's history: f32 or f16, `dim` values each, contiguous.
+trait Rows: Copy {
+    /// Sixteen values from index `at` as lanes.
+    ///
+    /// # Safety
+    /// `at + 16 <= len`; the CPU has `L`'s features.
+    unsafe fn lanes<L: Lanes>(self, at: usize) -> L;
+    fn get(self, at: usize) -> f32;
+}
+
+impl Rows for &[f32] {
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(self, at: usize) -> L {
+        debug_assert!(at + LANES <= self.len());
+        // SAFETY: in bounds (contract).
+        unsafe { L::load(self.as_ptr().add(at)) }
+    }
+    #[inline(always)]
+    fn get(self, at: usize) -> f32 {
+        self[at]
+    }
+}
+
+impl Rows for &[f16] {
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(self, at: usize) -> L {
+        debug_assert!(at + LANES <= self.len());
+        // SAFETY: in bounds (contract).
+        unsafe { L::load_f16(self.as_ptr().add(at)) }
+    }
+    #[inline(always)]
+    fn get(self, at: usize) -> f32 {
+        self[at].to_f32()
+    }
+}
+
+/// One query's online-softmax state: the largest score so far and the total of
+/// `exp(score - max)` over the positions seen.
+#[derive(Clone, Copy)]
+struct Running {
+    max: f32,
+    total: f32,
+}
+
+/// Dimensions of one call: key (and query) and value sizes, the score scale.
+#[derive(Clone, Copy)]
+struct Dims {
+    kd: usize,
+    vd: usize,
+    scale: f32,
+}
+
+/// `out[j * vd..]` = softmax-weighted sum of the values query `qs[j]` sees (the first
+/// `a.n0 + j` positions). See the module comment for the arithmetic.
+///
+/// # Safety
+/// The CPU has `L`'s features.
+#[inline(always)]
+pub(super) unsafe fn attend_tiles<L: Lanes>(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
+    let Some(q0) = qs.first() else { return };
+    let b = qs.len();
+    let dims = Dims {
+        kd: q0.len(),
+        vd: out.len() / b,
+        scale: a.scale,
+    };
+    let (kd, vd) = (dims.kd, dims.vd);
+    let last = a.n0 + b - 1;
+    assert!(
+        a.n0 >= 1 && kd > 0 && out.len() == b * vd && qs.iter().all(|q| q.len() == kd),
+        "attend: inconsistent shapes"
+    );
+    assert!(
+        rows_len(a.keys) >= last * kd && rows_len(a.values) >= last * vd,
+        "attend: the history is shorter than the queries see"
+    );
+    out.fill(0.0);
+    let mut runs = vec![
+        Running {
+            max: f32::NEG_INFINITY,
+            total: 0.0
+        };
+        b
+    ];
+    // A block of queries widens each f16 tile once for all of them; one query reads the f16
+    // rows directly (nothing to share).
+    let direct = b == 1;
+    let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+    for lo in (0..last).step_by(TILE) {
+        let hi = (lo + TILE).min(last);
+        let (kr, vr) = (lo * kd..hi * kd, lo * vd..hi * vd);
+        // SAFETY (each call): the CPU has L's features (contract); the tile's rows are the
+        // ranges just taken, inside the history (asserted above).
+        unsafe {
+            match (a.keys, a.values) {
+                (HeadRows::F32(k), HeadRows::F32(v)) => {
+                    tile::<L, &[f32]>(qs, &k[kr], &v[vr], lo, hi, a.n0, dims, &mut runs, out)
+                }
+                (HeadRows::F16(k), HeadRows::F16(v)) if direct => {
+                    // Streaming from memory: ask for the next tile while this one computes.
+                    prefetch(&k[(hi * kd).min(k.len())..(hi + TILE).min(last) * kd]);
+                    prefetch(&v[(hi * vd).min(v.len())..(hi + TILE).min(last) * vd]);
+                    tile::<L, &[f16]>(qs, &k[kr], &v[vr], lo, hi, a.n0, dims, &mut runs, out)
+                }
+                (keys, values) => {
+                    let k = widened::<L>(keys, kr, &mut kbuf);
+                    let v = widened::<L>(values, vr, &mut vbuf);
+                    tile::<L, &[f32]>(qs, k, v, lo, hi, a.n0, dims, &mut runs, out)
+                }
+            }
+        }
+    }
+    for (o, r) in out.chunks_exact_mut(vd).zip(&runs) {
+        for x in o.iter_mut() {
+            *x /= r.total;
+        }
+    }
+}
+
+/// Hints the cache to fetch `x` (a hint only: it never changes a result).
+#[inline(always)]
+fn prefetch(x: &[f16]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..x.len()).step_by(32) {
+        // SAFETY: `off < x.len()`, so the address is inside `x`; a prefetch reads nothing
+        // architecturally and cannot fault.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                x.as_ptr().add(off).cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}
+
+fn rows_len(r: HeadRows) -> usize {
+    match r {
+        HeadRows::F32(x) => x.len(),
+        HeadRows::F16(x) => x.len(),
+    }
+}
+
+/// Rows `range` of a history as f32: borrowed, or widened (exactly) into `buf`.
+///
+/// # Safety
+/// The CPU has `L`'s features.
+#[inline(always)]
+unsafe fn widened<'a, L: Lanes>(
+    src: HeadRows<'a>,
+    range: std::ops::Range<usize>,
+    buf: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    match src {
+        HeadRows::F32(x) => &x[range],
+        HeadRows::F16(x) => {
+            let x = &x[range];
+            buf.resize(x.len(), 0.0);
+            let whole = x.len() / LANES * LANES;
+            for i in (0..whole).step_by(LANES) {
+                // SAFETY: i + 16 <= len of both; the CPU has L's features (contract).
+                unsafe { L::load_f16(x.as_ptr().add(i)).store(buf.as_mut_ptr().add(i)) };
+            }
+            for (d, s) in buf[whole..].iter_mut().zip(&x[whole..]) {
+                *d = s.to_f32();
+            }
+            buf
+        }
+    }
+}
+
+/// Every query of the block that sees part of tile `lo..hi` (rows `keys`, `values`, relative
+/// to `lo`) takes it in: two at a time where both see all of it (each key and value row loaded
+/// once for both), else one.
+///
+/// # Safety
+/// The CPU has `L`'s features; `keys`/`values` hold `hi - lo` rows.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn tile<L: Lanes, R: Rows>(
+    qs: &[&[f32]],
+    keys: R,
+    values: R,
+    lo: usize,
+    hi: usize,
+    n0: usize,
+    dims: Dims,
+    runs: &mut [Running],
+    out: &mut [f32],
+) {
+    let vd = dims.vd;
+    let mut j = 0;
+    while j < qs.len() {
+        let seen = n0 + j;
+        let count = hi.min(seen).saturating_sub(lo);
+        if count == 0 {
+            j += 1;
+            continue;
+        }
+        let (o, rest) = out[j * vd..].split_at_mut(vd);
+        if j + 1 < qs.len() && seen >= hi {
+            let (r0, r1) = runs[j..].split_at_mut(1);
+            // SAFETY: forwarded contract; both queries see the whole tile (`count` rows).
+            unsafe {
+                take_in::<L, R, 2>(
+                    [qs[j], qs[j + 1]],
+                    keys,
+                    values,
+                    count,
+                    dims,
+                    [&mut r0[0], &mut r1[0]],
+                    [o, &mut rest[..vd]],
+                )
+            };
+            j += 2;
+        } else {
+            // SAFETY: forwarded contract.
+            unsafe { take_in::<L, R, 1>([qs[j]], keys, values, count, dims, [&mut runs[j]], [o]) };
+            j += 1;
+        }
+    }
+}
+
+/// `Q` queries take in the first `count` rows of a tile: scores, the online-softmax update,
+/// the weighted values.
+///
+/// # Safety
+/// The CPU has `L`'s features; `keys`/`values` hold `count` rows.
+#[inline(always)]
+unsafe fn take_in<L: Lanes, R: Rows, const Q: usize>(
+    qs: [&[f32]; Q],
+    keys: R,
+    values: R,
+    count: usize,
+    dims: Dims,
+    runs: [&mut Running; Q],
+    outs: [&mut [f32]; Q],
+) {
+    let mut w = [[f32::NEG_INFINITY; TILE]; Q];
+    let mut p = 0;
+    while p + GROUP <= count {
+        // SAFETY: rows p..p + GROUP < count (contract).
+        let d = unsafe { dots::<L, R, Q, GROUP>(qs, keys, p, dims.kd) };
+        for (w, d) in w.iter_mut().zip(d) {
+            for (w, d) in w[p..p + GROUP].iter_mut().zip(d) {
+                *w = d * dims.scale;
+            }
+        }
+        p += GROUP;
+    }
+    while p < count {
+        // SAFETY: as above.
+        let d = unsafe { dots::<L, R, Q, 1>(qs, keys, p, dims.kd) };
+        for (w, [d]) in w.iter_mut().zip(d) {
+            w[p] = d * dims.scale;
+        }
+        p += 1;
+    }
+    let mut corr = [0.0f32; Q];
+    let half = TILE / 2;
+    for ((w, run), corr) in w.iter_mut().zip(runs).zip(corr.iter_mut()) {
+        // Positions past `count` hold -inf: they change no maximum, and their weight is
+        // exactly 0.
+        // SAFETY (the loads): each half of the tile holds 16 values; the CPU has L's
+        // features (contract).
+        let (a, b) = unsafe { (L::load(w.as_ptr()), L::load(w.as_ptr().add(half))) };
+        let max = run.max.max(unsafe { a.maximum(b).max_all() });
+        *corr = exp(run.max - max);
+        for s in w.iter_mut() {
+            *s = exp(*s - max);
+        }
+        // SAFETY: as above.
+        let tile_total = unsafe { L::load(w.as_ptr()).add(L::load(w.as_ptr().add(half))).sum() };
+        run.total = run.total * *corr + tile_total;
+        run.max = max;
+    }
+    // SAFETY: forwarded contract.
+    unsafe { accumulate::<L, R, Q>(outs, corr, &w, count, values, dims.vd) };
+}
+
+/// `dot(q, key row p + r)` for `G` consecutive rows and `Q` queries, each key vector loaded
+/// once for all queries: sixteen fused partial sums per score, the tree sum, the scalar tail.
+///
+/// # Safety
+/// The CPU has `L`'s features; `keys` holds rows `p..p + G` of `kd` values.
+#[inline(always)]
+unsafe fn dots<L: Lanes, R: Rows, const Q: usize, const G: usize>(
+    qs: [&[f32]; Q],
+    keys: R,
+    p: usize,
+    kd: usize,
+) -> [[f32; G]; Q] {
+    let chunks = kd / LANES;
+    // SAFETY (all loads): chunk c of a row spans c * 16..c * 16 + 16 <= kd values of the row
+    // and of each query (contract).
+    unsafe {
+        // Plain loops, not `array::from_fn`: its closures would not inherit the caller's
+        // target features, and the vector operations would become calls.
+        let mut acc = [[L::zero(); G]; Q];
+        for c in 0..chunks {
+            let mut k = [L::zero(); G];
+            for (r, k) in k.iter_mut().enumerate() {
+                *k = keys.lanes::<L>((p + r) * kd + c * LANES);
+            }
+            for (acc, q) in acc.iter_mut().zip(&qs) {
+                let x = L::load(q.as_ptr().add(c * LANES));
+                for (a, k) in acc.iter_mut().zip(&k) {
+                    *a = x.mul_add(*k, *a);
+                }
+            }
+        }
+        let mut out = [[0.0f32; G]; Q];
+        for ((out, acc), q) in out.iter_mut().zip(&acc).zip(&qs) {
+            for (r, (o, a)) in out.iter_mut().zip(acc).enumerate() {
+                let mut s = a.sum();
+                for d in chunks * LANES..kd {
+                    s = q[d].mul_add(keys.get((p + r) * kd + d), s);
+                }
+                *o = s;
+            }
+        }
+        out
+    }
+}
+
+/// `out = out * corr + sum over p < count of w[p] * value row p`, per query, in position
+/// order (fused), the running sums held in registers eight vectors at a time.
+///
+/// # Safety
+/// The CPU has `L`'s features; `values` holds `count` rows of `vd`; each out holds `vd`.
+#[inline(always)]
+unsafe fn accumulate<L: Lanes, R: Rows, const Q: usize>(
+    mut outs: [&mut [f32]; Q],
+    corr: [f32; Q],
+    w: &[[f32; TILE]; Q],
+    count: usize,
+    values: R,
+    vd: usize,
+) {
+    let chunks = vd / LANES;
+    let mut c = 0;
+    // SAFETY (each call): chunks c..c + G of every row and out are inside them (contract).
+    unsafe {
+        while c < chunks {
+            match chunks - c {
+                8.. => c = span::<L, R, Q, 8>(&mut outs, corr, w, count, values, vd, c),
+                4..=7 => c = span::<L, R, Q, 4>(&mut outs, corr, w, count, values, vd, c),
+                2 | 3 => c = span::<L, R, Q, 2>(&mut outs, corr, w, count, values, vd, c),
+                _ => c = span::<L, R, Q, 1>(&mut outs, corr, w, count, values, vd, c),
+            }
+        }
+    }
+    for d in chunks * LANES..vd {
+        for ((o, corr), w) in outs.iter_mut().zip(corr).zip(w) {
+            let mut x = o[d] * corr;
+            for (p, &wp) in w[..count].iter().enumerate() {
+                x = wp.mul_add(values.get(p * vd + d), x);
+            }
+            o[d] = x;
+        }
+    }
+}
+
+/// [`accumulate`] for chunks `c..c + G` (16 values each); returns `c + G`.
+///
+/// # Safety
+/// As [`accumulate`], and `c + G <= vd / 16`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn span<L: Lanes, R: Rows, const Q: usize, const G: usize>(
+    outs: &mut [&mut [f32]; Q],
+    corr: [f32; Q],
+    w: &[[f32; TILE]; Q],
+    count: usize,
+    values: R,
+    vd: usize,
+    c: usize,
+) -> usize {
+    // SAFETY (all loads and stores): chunk c + g spans (c + g) * 16..+16 <= vd values of each
+    // out and of each value row p < count (contract).
+    unsafe {
+        let mut acc = [[L::zero(); G]; Q];
+        for ((acc, o), &corr) in acc.iter_mut().zip(outs.iter()).zip(&corr) {
+            let k = L::splat(corr);
+            for (g, a) in acc.iter_mut().enumerate() {
+                *a = L::load(o.as_ptr().add((c + g) * LANES)).mul(k);
+            }
+        }
+        for p in 0..count {
+            let mut v = [L::zero(); G];
+            for (g, v) in v.iter_mut().enumerate() {
+                *v = values.lanes::<L>(p * vd + (c + g) * LANES);
+            }
+            for (acc, w) in acc.iter_mut().zip(w) {
+                let wv = L::splat(w[p]);
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    *a = wv.mul_add(*v, *a);
+                }
+            }
+        }
+        for (acc, o) in acc.iter().zip(outs.iter_mut()) {
+            for (g, a) in acc.iter().enumerate() {
+                a.store(o.as_mut_ptr().add((c + g) * LANES));
+            }
+        }
+    }
+    c + G
+}
