@@ -35,9 +35,9 @@ class Run:
 @dataclass(frozen=True)
 class Agent:
     name: str
-    package: str  # npm package or PyPI distribution
+    package: str  # npm package, PyPI distribution or Go package path
     version: str
-    registry: str  # "npm" | "pypi"
+    registry: str  # "npm" | "pypi" | "go"
     binary: str  # path of the executable inside the install directory
     # (install dir, server base URL without /v1, model id, home, task) -> the run
     run: Callable[[Path, str, str, Path, str], Run]
@@ -60,6 +60,8 @@ class Agent:
         try:
             if self.registry == "npm":
                 _npm_install(self.home, f"{self.package}@{self.version}")
+            elif self.registry == "go":
+                _go_install(self.home, f"{self.package}@v{self.version}")
             else:
                 _pip_install(self.home, f"{self.package}=={self.version}")
         except subprocess.CalledProcessError as e:
@@ -84,6 +86,17 @@ def _pip_install(prefix: Path, spec: str) -> None:
     subprocess.run(
         [str(prefix / "bin" / "python"), "-m", "pip", "install", "-q",
          "--disable-pip-version-check", spec],
+        check=True, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+
+
+def _go_install(prefix: Path, spec: str) -> None:
+    # Built from source out of the Go module proxy (GOTOOLCHAIN passes through, for a module
+    # that needs a newer Go); niced, as the build takes every core for minutes.
+    subprocess.run(
+        ["go", "install", spec],
+        env={**os.environ, "GOBIN": str(prefix / "bin"), "CGO_ENABLED": "0"},
+        preexec_fn=lambda: os.nice(10),
         check=True, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
 
@@ -226,6 +239,38 @@ enabled = false
                {"~/.codex/config.toml": config})  # fmt: skip
 
 
+def _crush(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
+    config = {
+        "$schema": "https://charm.land/crush.json",
+        "providers": {
+            "colibri": {
+                # crush's own advice: "openai-compat" for a server that is not OpenAI.
+                "name": "colibri", "type": "openai-compat", "base_url": url + "/v1",
+                "api_key": "local",
+                "models": [{"id": model, "name": model, "context_window": 2048,
+                            "default_max_tokens": 512}],
+            }
+        },
+        "models": {size: {"provider": "colibri", "model": model} for size in ("large", "small")},
+        # No catalogue download (catwalk) and no usage metrics; the view tool only.
+        "options": {
+            "disable_provider_auto_update": True, "disable_metrics": True,
+            "disabled_tools": ["agent", "agentic_fetch", "bash", "download", "edit", "fetch",
+                               "glob", "grep", "ls", "multiedit", "sourcegraph", "todos",
+                               "write"],
+        },
+    }  # fmt: skip
+    env = {
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local/share"),
+        "CRUSH_DISABLE_PROVIDER_AUTO_UPDATE": "1",
+        "CRUSH_DISABLE_METRICS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    files = {"crush.json": json.dumps(config, indent=2)}  # the project's config
+    return Run([str(exe), "run", "--quiet", task], env, files)
+
+
 AGENTS = {
     a.name: a
     for a in (
@@ -239,6 +284,7 @@ AGENTS = {
         Agent("codex", "@openai/codex", "0.171.0", "npm",
               "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex",
               _codex),
+        Agent("crush", "github.com/charmbracelet/crush", "0.96.1", "go", "bin/crush", _crush),
     )
 }  # fmt: skip
 
