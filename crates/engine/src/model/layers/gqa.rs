@@ -13,9 +13,10 @@ use crate::model::plan::Plan;
 use crate::model::Model;
 use crate::ops::{self, RopeAngles};
 
-/// Query positions of one head attended together in a prefill (they share each chunk of keys
-/// and values they read).
-const ATTN_BLOCK: usize = 16;
+/// Query positions of one head attended together in a prefill (they share each tile of keys
+/// and values they read; 32 scored 1.15x the query-position pairs per second of 16 at a 4k
+/// history, one thread).
+const ATTN_BLOCK: usize = 32;
 
 /// One layer's attention weights.
 pub(in crate::model) struct Gqa {
