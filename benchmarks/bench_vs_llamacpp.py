@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,12 +46,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from vs_llamacpp.common import log  # noqa: E402
+from vs_llamacpp.long import run_long  # noqa: E402
 from vs_llamacpp.machine import (  # noqa: E402
+    Quiet,
     cpu_cache_bytes,
     cpu_times,  # noqa: F401  (bench_experts.py uses it from here, as does others_cpu)
     others_cpu,  # noqa: F401
     probe_size_mib,
-    wait_for_idle,
+    wait_for_idle,  # noqa: F401  (bench_experts.py uses it from here)
 )
 from vs_llamacpp.measure import (  # noqa: E402
     measure_bandwidth,
@@ -61,17 +62,15 @@ from vs_llamacpp.measure import (  # noqa: E402
     measure_llama_depth,
 )
 from vs_llamacpp.prepare import (  # noqa: E402
+    LONG_CONTEXT,
+    MODEL_CONTEXT,
     Paths,
     colibri_runs,
-    colibri_version,
-    find_colibri,
-    setup_bandwidth,
+    find_colibri,  # noqa: F401  (bench_experts.py uses these from here)
+    setup_all,
     setup_colibri_model,
-    setup_gguf,
-    setup_llama_build,
-    setup_llama_src,
-    setup_model,
-    setup_venv,
+    setup_model,  # noqa: F401
+    setup_venv,  # noqa: F401
 )
 from vs_llamacpp.report import build_report, bytes_per_decoded_token  # noqa: E402
 
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="colibri vs llama.cpp speed benchmark (see module docstring)"
     )
-    ap.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default 5)")
+    ap.add_argument("--rounds", type=int, help="alternating A/B rounds (default 5, with --long 2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
@@ -94,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reps",
         type=int,
-        default=3,
-        help="repetitions per engine per round, median taken (llama-bench -r, colibri --repeat)",
+        help="repetitions per engine per round, median taken (llama-bench -r, colibri --repeat; "
+        "default 3, with --long 1)",
     )
     ap.add_argument(
         "--bw-size-mib",
@@ -133,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         help="'quiet' = other processes use at most this fraction of all CPUs (default 0.15)",
     )
     ap.add_argument(
-        "--out", type=Path, default=HERE / "results" / "latest.md", help="markdown output path"
+        "--out",
+        type=Path,
+        help="markdown output path (default benchmarks/results/latest.md, with --long "
+        "long-latest.md)",
     )
     ap.add_argument("--json-out", type=Path, help="also write raw per-round results as JSON")
     ap.add_argument(
@@ -156,6 +158,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--keep-bf16-gguf", action="store_true", help="keep the 14 GB bf16 GGUF after quantizing"
     )
+    ap.add_argument(
+        "--long",
+        action="store_true",
+        help="the long-prompt mode instead: prefill at each of --lengths, decode after "
+        "--long-depth, time to first token through the server (vs_llamacpp/long.py)",
+    )
+    ap.add_argument(
+        "--lengths",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[512, 2048, 8192, 16384, 32768],
+        help="--long: prompt lengths, comma-separated (default 512,2048,8192,16384,32768)",
+    )
+    ap.add_argument(
+        "--long-depth",
+        type=int,
+        default=16384,
+        help="--long: decode after a prompt this long, and the server's time to first token "
+        "for it (default 16384; 0 = skip both)",
+    )
+    ap.add_argument(
+        "--ttft-reps",
+        type=int,
+        default=2,
+        help="--long: time-to-first-token samples per side per round, the order alternating "
+        "(default 2; single runs here vary by ~10%%, twice the target's 5%%)",
+    )
+    ap.add_argument(
+        "--context",
+        type=int,
+        help="the random model's max_position_embeddings, with its own cached files "
+        f"(default {MODEL_CONTEXT}; with --long the largest of --lengths and 32768)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random model seed")
     ap.add_argument(
         "--layers",
@@ -166,47 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.bw_size_mib = probe_size_mib(a.bw_size_mib, cpu_cache_bytes())
 
-    p = Paths(a.cache.expanduser().resolve(), a.layers)
-    p.cache.mkdir(parents=True, exist_ok=True)
-    t_setup = time.time()
-    setup_venv(p)
-    setup_llama_src(p)
-    setup_llama_build(p)
-    setup_bandwidth(p)
-    setup_model(p, a.seed, a.layers)
-    setup_gguf(p, a.keep_bf16_gguf)
-
-    colibri_note = None
-    colibri_ver = None
-    exe = None
-    if a.skip_colibri:
-        colibri_note = "skipped (--skip-colibri)."
-    else:
-        exe = find_colibri(a.colibri)
-        if exe is None or not exe.exists():
-            colibri_note = (
-                "no colibri executable (looked for --colibri, REPO/.venv/bin/colibri, PATH); "
-                "build it and re-run."
-            )
-            exe = None
-            log(f"[colibri] SKIPPED: {colibri_note}")
-        elif not colibri_runs(exe):
-            colibri_note = f"`{exe} --help` fails (broken or mid-rebuild?); fix it and re-run."
-            log(f"[colibri] SKIPPED: {colibri_note}")
-            exe = None
-        else:
-            colibri_ver = colibri_version(exe)
-            try:
-                setup_colibri_model(p, exe, a.reconvert_colibri)
-            except SystemExit as e:  # conversion failed: report, still measure llama.cpp
-                colibri_note = (
-                    f"`colibri convert` failed: {str(e).splitlines()[0]} "
-                    f"(see {p.logs}/colibri-convert.log)"
-                )
-                log(f"[colibri] SKIPPED: {e}")
-                exe = None
-    log(f"[setup] done in {time.time() - t_setup:.0f}s")
+    if a.context is None:
+        a.context = max(LONG_CONTEXT, *a.lengths) if a.long else MODEL_CONTEXT
+    if a.long and max(a.lengths) > a.context:
+        ap.error(f"--lengths up to {max(a.lengths)} need a --context of at least that")
+    if a.rounds is None:
+        a.rounds = 2 if a.long else 5
+    if a.reps is None:
+        a.reps = 1 if a.long else 3
+    if a.out is None:
+        a.out = HERE / "results" / ("long-latest.md" if a.long else "latest.md")
+    p = Paths(a.cache.expanduser().resolve(), a.layers, a.context)
+    exe, colibri_note, colibri_ver = setup_all(p, a)
     if a.setup_only:
+        return 0
+    if a.long:
+        rounds, report = run_long(a, p, exe, colibri_note, colibri_ver)
+        write_results(a, report, {"rounds": rounds})
         return 0
 
     cfg = json.loads((p.hf / "config.json").read_text())
@@ -219,39 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     retried_convert = False
     colibri_failures = 0
     colibri_errors: list[str] = []
-    wait_budget = [a.max_wait_total]  # seconds of waiting/re-measuring left for the whole run
-
-    def settle() -> float | None:
-        """Wait for an idle machine, within the per-wait and whole-run budgets."""
-        limit = min(a.wait_idle, wait_budget[0])
-        if limit <= 0:
-            return None
-        t0 = time.monotonic()
-        busy = wait_for_idle(limit, a.idle_threshold)
-        wait_budget[0] -= time.monotonic() - t0
-        return busy
-
-    def clean(measure, what: str) -> dict:
-        """Measure; while other processes took > --max-others of the CPUs meanwhile,
-        wait for quiet and measure again (--retries times), keeping the cleanest."""
-        best = None
-        for attempt in range(1 + a.retries):
-            t0 = time.monotonic()
-            res = measure()
-            if attempt:
-                wait_budget[0] -= time.monotonic() - t0
-            res["attempts"] = attempt + 1
-            busy = res.get("others_cpu")
-            if best is None or (busy or 0) < (best.get("others_cpu") or 0):
-                best = res
-            if busy is None or busy <= a.max_others or attempt == a.retries:
-                break
-            if wait_budget[0] <= 0:
-                log(f"  {what}: other processes took {busy:.0%} CPU (no waiting budget left)")
-                break
-            log(f"  {what}: other processes took {busy:.0%} CPU meanwhile; re-measuring")
-            settle()
-        return best
+    quiet = Quiet(a)
+    settle, clean = quiet.settle, quiet.clean
 
     for i in range(a.rounds):
         engines = ["llama", "colibri"] if i % 2 == 0 else ["colibri", "llama"]
@@ -324,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             colibri_note + " " if colibri_note else ""
         ) + f"`colibri bench` failed: {failed}"
     report = build_report(a, rounds, bpt, colibri_note, colibri_ver)
+    write_results(a, report, {"rounds": rounds, "bytes_per_token": bpt})
+    return 0
+
+
+def write_results(a: argparse.Namespace, report: str, raw: dict) -> None:
+    """Print the markdown report and write it to --out (and the raw results to --json-out)."""
     print()
     print(report)
     out = a.out if a.out.is_absolute() else Path.cwd() / a.out
@@ -332,10 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {out}")
     if a.json_out:
         a.json_out.parent.mkdir(parents=True, exist_ok=True)
-        a.json_out.write_text(
-            json.dumps({"rounds": rounds, "bytes_per_token": bpt}, indent=2) + "\n"
-        )
-    return 0
+        a.json_out.write_text(json.dumps(raw, indent=2) + "\n")
 
 
 if __name__ == "__main__":

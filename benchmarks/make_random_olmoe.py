@@ -16,9 +16,15 @@ seeded synthetic corpus, vocab 8192 <= 50304) is written alongside, so the
 directory is a complete checkpoint that transformers, llama.cpp's converter and
 colibri can all load. Nothing is downloaded.
 
+``--max-position-embeddings`` changes only config.json (and the tokenizer's
+``model_max_length``), not a single weight: with ``--weights-from DIR``, a
+complete checkpoint in DIR that differs from this one only there lends its
+shards as hard links (no second 14 GB copy on disk, no regeneration).
+
 Needs numpy and tokenizers. Usage:
 
     python benchmarks/make_random_olmoe.py OUT_DIR [--seed 0] [--layers 16]
+        [--max-position-embeddings 4096] [--weights-from DIR ...]
 """
 
 from __future__ import annotations
@@ -239,7 +245,7 @@ def synthetic_corpus(seed: int, n_lines: int = 20000):
         yield " ".join(ws) + punct[int(rng.integers(len(punct)))]
 
 
-def write_tokenizer(out: Path, seed: int) -> None:
+def write_tokenizer(out: Path, seed: int, max_len: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -264,7 +270,7 @@ def write_tokenizer(out: Path, seed: int) -> None:
                 "eos_token": "<|endoftext|>",
                 "pad_token": "<|padding|>",
                 "unk_token": "<|endoftext|>",
-                "model_max_length": 4096,
+                "model_max_length": max_len,
                 "clean_up_tokenization_spaces": False,
             },
             indent=2,
@@ -284,6 +290,31 @@ def write_tokenizer(out: Path, seed: int) -> None:
     )
 
 
+def weights_stamp(stamp: dict) -> dict:
+    """What the weights depend on: the stamp without the context length."""
+    return dict(stamp, config=dict(stamp["config"], max_position_embeddings=None))
+
+
+def link_shards(src: Path, dst: Path, stamp: dict) -> int | None:
+    """Hard-link src's shards and index into dst when src is a complete checkpoint with the
+    same weights (same stamp up to the context length); its parameter count, else None."""
+    try:
+        done = json.loads((src / "colibri_bench_complete.json").read_text())
+        index = json.loads((src / "model.safetensors.index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if weights_stamp(done.get("stamp", {"config": {}})) != weights_stamp(stamp):
+        return None
+    names = sorted(set(index["weight_map"].values())) + ["model.safetensors.index.json"]
+    for name in names:
+        try:
+            os.link(src / name, dst / name)
+        except OSError:  # another filesystem: a copy
+            shutil.copy2(src / name, dst / name)
+    print(f"  shards linked from {src}", flush=True)
+    return int(done["n_params"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
@@ -294,10 +325,27 @@ def main(argv: list[str] | None = None) -> int:
         default=BASE_CONFIG["num_hidden_layers"],
         help="number of layers (default 16; fewer for a quick smoke test)",
     )
+    ap.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=BASE_CONFIG["max_position_embeddings"],
+        help="the config's context length (default 4096; the weights do not depend on it)",
+    )
+    ap.add_argument(
+        "--weights-from",
+        type=Path,
+        action="append",
+        default=[],
+        help="a checkpoint whose shards to hard-link if its weights are the same (repeatable)",
+    )
     ap.add_argument("--force", action="store_true", help="regenerate even if OUT is complete")
     args = ap.parse_args(argv)
 
-    cfg = dict(BASE_CONFIG, num_hidden_layers=args.layers)
+    cfg = dict(
+        BASE_CONFIG,
+        num_hidden_layers=args.layers,
+        max_position_embeddings=args.max_position_embeddings,
+    )
     stamp = {"generator_version": GENERATOR_VERSION, "seed": args.seed, "config": cfg}
     done_file = args.out / "colibri_bench_complete.json"
     if (
@@ -320,8 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         + "\n"
     )
-    write_tokenizer(tmp, args.seed)
-    n_params = write_shards(tmp, cfg, args.seed)
+    write_tokenizer(tmp, args.seed, args.max_position_embeddings)
+    n_params = next(
+        (n for src in args.weights_from if (n := link_shards(src, tmp, stamp)) is not None), None
+    )
+    if n_params is None:
+        n_params = write_shards(tmp, cfg, args.seed)
     (tmp / "colibri_bench_complete.json").write_text(
         json.dumps({"stamp": stamp, "n_params": n_params}, indent=2) + "\n"
     )

@@ -1,12 +1,13 @@
-"""The machine the benchmark runs on: how busy other processes keep its CPUs (and waiting for
-quiet), the size of its caches (which sizes the bandwidth probe's buffer), and its description
-for the report."""
+"""The machine the benchmark runs on: how busy other processes keep its CPUs (waiting for quiet,
+re-measuring a disturbed run), the size of its caches (which sizes the bandwidth probe's
+buffer), and its description for the report."""
 
 from __future__ import annotations
 
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .common import log
@@ -102,3 +103,47 @@ def mem_total_gb() -> float:
     except OSError:
         pass
     return 0.0
+
+
+class Quiet:
+    """Measuring on a shared machine: wait for quiet before a round, and measure again when
+    other processes took more than --max-others of the CPUs meanwhile, all within the
+    per-wait (--wait-idle) and whole-run (--max-wait-total) budgets of the options `a`."""
+
+    def __init__(self, a) -> None:
+        self.a = a
+        self.budget = a.max_wait_total  # seconds of waiting/re-measuring left for the whole run
+
+    def settle(self) -> float | None:
+        """Wait for an idle machine, within the per-wait and whole-run budgets."""
+        limit = min(self.a.wait_idle, self.budget)
+        if limit <= 0:
+            return None
+        t0 = time.monotonic()
+        busy = wait_for_idle(limit, self.a.idle_threshold)
+        self.budget -= time.monotonic() - t0
+        return busy
+
+    def clean(self, measure: Callable[[], dict], what: str) -> dict:
+        """Measure; while other processes took > --max-others of the CPUs meanwhile,
+        wait for quiet and measure again (--retries times), keeping the cleanest."""
+        a = self.a
+        best: dict = {}
+        for attempt in range(1 + a.retries):
+            t0 = time.monotonic()
+            res = measure()
+            res["run_s"] = time.monotonic() - t0  # this attempt's own wall time
+            if attempt:
+                self.budget -= res["run_s"]
+            res["attempts"] = attempt + 1
+            busy = res.get("others_cpu")
+            if not best or (busy or 0) < (best.get("others_cpu") or 0):
+                best = res
+            if busy is None or busy <= a.max_others or attempt == a.retries:
+                break
+            if self.budget <= 0:
+                log(f"  {what}: other processes took {busy:.0%} CPU (no waiting budget left)")
+                break
+            log(f"  {what}: other processes took {busy:.0%} CPU meanwhile; re-measuring")
+            self.settle()
+        return best

@@ -1,6 +1,8 @@
 """One measurement each: a command run to completion with its peak RSS and the CPU others took
 meanwhile, the machine's read bandwidth (bandwidth.c), llama-bench on the Q4_0 model (with and
-without a context depth), and ``colibri bench`` on the int4 model."""
+without a context depth, and prefill alone at one prompt length), ``colibri bench`` on the int4
+model, and the time to first token through ``colibri serve`` vs the engine alone
+(bench_server_overhead.py --ttft-tokens)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from .common import HERE
 from .machine import cpu_times, others_cpu
 from .prepare import Paths
 
@@ -119,18 +122,51 @@ def measure_llama(p: Paths, a) -> dict:
     return res
 
 
-def measure_llama_depth(p: Paths, a) -> dict:
-    """Decode after --depth tokens of context (llama-bench fills the depth once, untimed)."""
-    rows, r = run_llama_bench(p, a, ["-p", 0, "-n", a.gen_tokens, "-d", a.depth], 1800)
+def long_timeout(tokens: int, reps: int) -> float:
+    """Seconds a run prefilling `tokens` (its warm-up and `reps` timed passes) may take:
+    enough for 5 tok/s, at least 30 minutes."""
+    return max(1800.0, 900 + (reps + 1) * tokens / 5)
+
+
+def measure_llama_depth(p: Paths, a, depth: int | None = None) -> dict:
+    """Decode after `depth` (default --depth) tokens of context (llama-bench fills the depth
+    once, untimed)."""
+    depth = depth or a.depth
+    rows, r = run_llama_bench(
+        p, a, ["-p", 0, "-n", a.gen_tokens, "-d", depth], long_timeout(depth, 1)
+    )
     rows = [row for row in rows if row.get("n_gen", 0) > 0]
     if not rows:
         raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
-    return {"decode_tok_s": median_ts(rows[0]), "others_cpu": r["others_cpu"]}
+    return {
+        "decode_tok_s": median_ts(rows[0]),
+        "peak_rss_mb": r["rss_mb"],
+        "others_cpu": r["others_cpu"],
+    }
 
 
-def measure_colibri(exe: Path, p: Paths, a, prompt_tokens: int | None = None) -> dict:
-    """`colibri bench`; its decode runs after the prompt, so a `prompt_tokens` of --depth
-    measures decode at that depth."""
+def measure_llama_prefill(p: Paths, a, tokens: int) -> dict:
+    """Prefill alone of a `tokens`-token prompt (llama-bench -p N -n 0, after its untimed
+    warm-up pass of the same length)."""
+    rows, r = run_llama_bench(p, a, ["-p", tokens, "-n", 0], long_timeout(tokens, a.reps))
+    rows = [row for row in rows if row.get("n_prompt", 0) > 0]
+    if not rows:
+        raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
+    return {
+        "prefill_tok_s": median_ts(rows[0]),
+        "peak_rss_mb": r["rss_mb"],
+        "others_cpu": r["others_cpu"],
+        "flash_attn": rows[0].get("flash_attn"),
+    }
+
+
+def measure_colibri(
+    exe: Path, p: Paths, a, prompt_tokens: int | None = None, gen_tokens: int | None = None
+) -> dict:
+    """`colibri bench` (an untimed warm-up pass of the same prompt length first); its decode
+    runs after the prompt, so a `prompt_tokens` of --depth measures decode at that depth, and
+    a `gen_tokens` of 0 only prefill."""
+    prompt_tokens = prompt_tokens or a.prompt_tokens
     cmd = [
         exe,
         "bench",
@@ -139,14 +175,14 @@ def measure_colibri(exe: Path, p: Paths, a, prompt_tokens: int | None = None) ->
         "--threads",
         a.threads,
         "--prompt-tokens",
-        prompt_tokens or a.prompt_tokens,
+        prompt_tokens,
         "--gen-tokens",
-        a.gen_tokens,
+        a.gen_tokens if gen_tokens is None else gen_tokens,
         "--repeat",
         a.reps,
         "--json",
     ]
-    r = run_with_rss(cmd, 1800)
+    r = run_with_rss(cmd, long_timeout(prompt_tokens, a.reps))
     obj = last_json_object(r["out"]) if r["rc"] == 0 else None
     if not obj or "decode_tok_s" not in obj or "prefill_tok_s" not in obj:
         msg = (r["err"] or r["out"]).strip()[-3000:]
@@ -158,3 +194,28 @@ def measure_colibri(exe: Path, p: Paths, a, prompt_tokens: int | None = None) ->
         "others_cpu": r["others_cpu"],
         "raw": obj,
     }
+
+
+def measure_ttft(py: Path, p: Paths, a, tokens: int, server_first: bool) -> dict:
+    """Time to first token for a fresh `tokens`-token prompt, through `colibri serve`
+    (/v1/completions, streamed) vs the engine alone, from bench_server_overhead.py run by
+    colibri's own Python (`py`)."""
+    cmd = [
+        py,
+        HERE / "bench_server_overhead.py",
+        "--model",
+        p.colibri_model,
+        "--threads",
+        a.threads,
+        "--ttft-tokens",
+        tokens,
+        "--rounds",
+        a.ttft_reps,
+        *(["--server-first"] if server_first else []),
+    ]
+    r = run_with_rss(cmd, 2 * long_timeout(tokens, a.ttft_reps))
+    obj = last_json_object(r["out"]) if r["rc"] == 0 else None
+    if not obj or "server_ttft_s" not in obj:
+        msg = (r["err"] or r["out"]).strip()[-3000:]
+        raise RuntimeError(f"bench_server_overhead.py --ttft-tokens failed ({r['rc']}):\n{msg}")
+    return {**obj, "others_cpu": r["others_cpu"]}

@@ -12,12 +12,15 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 from .common import HERE, REPO, log, run
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist whose vendor/llama.cpp we build
 LLAMA_TARGETS = ["llama-bench", "llama-quantize"]
+MODEL_CONTEXT = 4096  # the OLMoE config's max_position_embeddings (make_random_olmoe.py)
+LONG_CONTEXT = 32768  # the long-prompt mode's (bench_vs_llamacpp.py --long)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -49,7 +52,11 @@ def read_json(path: Path):
 
 
 class Paths:
-    def __init__(self, cache: Path, layers: int):
+    """The cache's files. The model's are named after its shape: a layer count other than 16
+    and a context other than MODEL_CONTEXT (which changes config.json and so every
+    conversion) each get their own files."""
+
+    def __init__(self, cache: Path, layers: int, context: int = MODEL_CONTEXT):
         self.cache = cache
         self.venv = cache / "venv"
         self.py = self.venv / "bin" / "python"
@@ -62,8 +69,11 @@ class Paths:
         self.llama_quantize = self.llama_build / "bin" / "llama-quantize"
         self.bandwidth = cache / "bin" / "bandwidth"
         self.logs = cache / "logs"
-        suffix = "" if layers == 16 else f"-{layers}L"
-        models = cache / "models"
+        suffix = ("" if layers == 16 else f"-{layers}L") + (
+            "" if context == MODEL_CONTEXT else f"-ctx{context}"
+        )
+        self.context = context
+        self.models = models = cache / "models"
         self.hf = models / f"olmoe-random{suffix}-hf"
         self.gguf_bf16 = models / f"olmoe-random{suffix}-bf16.gguf"
         self.gguf_q4 = models / f"olmoe-random{suffix}-q4_0-pure.gguf"
@@ -163,9 +173,25 @@ def setup_bandwidth(p: Paths) -> None:
 
 
 def setup_model(p: Paths, seed: int, layers: int) -> None:
-    # make_random_olmoe.py itself skips when the checkpoint is complete
+    # make_random_olmoe.py itself skips when the checkpoint is complete, and hard-links the
+    # shards of a sibling with the same weights (another context length) instead of writing them
     log(f"[setup] random OLMoE checkpoint: {p.hf}")
-    run([p.py, HERE / "make_random_olmoe.py", p.hf, "--seed", seed, "--layers", layers], nice=True)
+    siblings = [d for d in sorted(p.models.glob("olmoe-random*-hf")) if d != p.hf]
+    run(
+        [
+            p.py,
+            HERE / "make_random_olmoe.py",
+            p.hf,
+            "--seed",
+            seed,
+            "--layers",
+            layers,
+            "--max-position-embeddings",
+            p.context,
+            *[x for d in siblings for x in ("--weights-from", d)],
+        ],
+        nice=True,
+    )
 
 
 def setup_gguf(p: Paths, keep_bf16: bool) -> None:
@@ -210,6 +236,48 @@ def setup_gguf(p: Paths, keep_bf16: bool) -> None:
         bf16_stamp.unlink(missing_ok=True)
 
 
+def setup_all(p: Paths, a) -> tuple[Path | None, str | None, str | None]:
+    """Every setup step, for the options of bench_vs_llamacpp.py (a): the colibri executable
+    to measure (None: skipped or broken), a note on why it is missing, and its version."""
+    p.cache.mkdir(parents=True, exist_ok=True)
+    t_setup = time.time()
+    setup_venv(p)
+    setup_llama_src(p)
+    setup_llama_build(p)
+    setup_bandwidth(p)
+    setup_model(p, a.seed, a.layers)
+    setup_gguf(p, a.keep_bf16_gguf)
+    note, ver, exe = None, None, None
+    if a.skip_colibri:
+        note = "skipped (--skip-colibri)."
+    else:
+        exe = find_colibri(a.colibri)
+        if exe is None or not exe.exists():
+            note = (
+                "no colibri executable (looked for --colibri, REPO/.venv/bin/colibri, PATH); "
+                "build it and re-run."
+            )
+            exe = None
+            log(f"[colibri] SKIPPED: {note}")
+        elif not colibri_runs(exe):
+            note = f"`{exe} --help` fails (broken or mid-rebuild?); fix it and re-run."
+            log(f"[colibri] SKIPPED: {note}")
+            exe = None
+        else:
+            ver = colibri_version(exe)
+            try:
+                setup_colibri_model(p, exe, a.reconvert_colibri)
+            except SystemExit as e:  # conversion failed: report, still measure llama.cpp
+                note = (
+                    f"`colibri convert` failed: {str(e).splitlines()[0]} "
+                    f"(see {p.logs}/colibri-convert.log)"
+                )
+                log(f"[colibri] SKIPPED: {e}")
+                exe = None
+    log(f"[setup] done in {time.time() - t_setup:.0f}s")
+    return exe, note, ver
+
+
 def find_colibri(explicit: str | None) -> Path | None:
     if explicit:
         return Path(explicit)
@@ -231,16 +299,27 @@ def colibri_version(exe: Path) -> str:
         r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
         if r.returncode == 0 and r.stdout.strip():
             return r.stdout.strip()
-        first = exe.read_text(errors="replace").split("\n", 1)[0]
-        if first.startswith("#!") and "python" in first:
+        py = colibri_python(exe)
+        if py:
             code = "from importlib.metadata import version; print('colibri', version('colibri'))"
-            py = first[2:].strip().split()[0]
             r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=60)
             if r.returncode == 0:
                 return r.stdout.strip()
-    except (OSError, UnicodeDecodeError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired):
         pass
     return "unknown"
+
+
+def colibri_python(exe: Path) -> Path | None:
+    """The Python interpreter of a colibri entry point script (its #! line), which imports
+    colibri; None for anything else."""
+    try:
+        first = exe.read_text(errors="replace").split("\n", 1)[0]
+    except (OSError, UnicodeDecodeError):
+        return None
+    if first.startswith("#!") and "python" in first:
+        return Path(first[2:].strip().split()[0])
+    return None
 
 
 def setup_colibri_model(p: Paths, exe: Path, force: bool) -> None:
