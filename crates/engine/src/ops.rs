@@ -140,6 +140,27 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
+/// The constants of [`exp`] (the attention kernel's sixteen-lane exp uses them too).
+pub(crate) mod exp_consts {
+    pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 = C1 + C2, C1 with few significant bits so n * C1 is exact.
+    pub const C1: f32 = 0.693_359_4;
+    pub const C2: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer (|v| < 2^22).
+    pub const MAGIC: f32 = 12_582_912.0;
+    pub const LO: f32 = -87.68; // n >= -126: 2^n is a normal number
+    pub const HI: f32 = 88.37; // n <= 127
+    /// Cephes' polynomial, highest power first (its 5.0000001201e-1 is 0.5 in f32).
+    pub const POLY: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
+}
+
 /// `e^x` within 1-2 ulp of the correctly rounded value (range reduction by ln 2 in two parts,
 /// then Cephes' degree-5 minimax polynomial for `expf`), written without branches so that
 /// loops over it vectorize: libm's `expf`, one call per value, was ~2% of a 1024-token prefill's
@@ -150,23 +171,14 @@ pub fn silu(x: f32) -> f32 {
 /// the same bits.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 = C1 + C2, C1 with few significant bits so n * C1 is exact.
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer (|v| < 2^22).
-    const MAGIC: f32 = 12_582_912.0;
-    const LO: f32 = -87.68; // n >= -126: 2^n is a normal number
-    const HI: f32 = 88.37; // n <= 127
+    use exp_consts::*;
     let xc = x.clamp(LO, HI);
     let n = (xc * LOG2E + MAGIC) - MAGIC;
     let r = (xc - n * C1) - n * C2;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
+    let mut p = POLY[0];
+    for c in &POLY[1..] {
+        p = p * r + c;
+    }
     let y = p * (r * r) + r + 1.0;
     let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
     let e = y * scale;
@@ -292,7 +304,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     s
 }
-
 
 /// `dst[i] = f16(src[i])`, rounded to nearest even exactly as `half::f16::from_f32`; with F16C's
 /// `vcvtps2ph` eight at a time where the CPU has it. (The half crate's slice conversion runs in

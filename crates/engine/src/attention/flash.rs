@@ -12,7 +12,7 @@
 
 use half::f16;
 
-use super::lanes::{Lanes, LANES};
+use super::lanes::{self, Lanes, LANES};
 use super::{AttendArgs, HeadRows};
 use crate::ops::exp;
 
@@ -290,11 +290,14 @@ unsafe fn take_in<L: Lanes, R: Rows, const Q: usize>(
         let (a, b) = unsafe { (L::load(w.as_ptr()), L::load(w.as_ptr().add(half))) };
         let max = run.max.max(unsafe { a.maximum(b).max_all() });
         *corr = exp(run.max - max);
-        for s in w.iter_mut() {
-            *s = exp(*s - max);
-        }
-        // SAFETY: as above.
-        let tile_total = unsafe { L::load(w.as_ptr()).add(L::load(w.as_ptr().add(half))).sum() };
+        // SAFETY: as above (the stores too).
+        let tile_total = unsafe {
+            let m = L::splat(max);
+            let (a, b) = (lanes::exp(a.sub(m)), lanes::exp(b.sub(m)));
+            a.store(w.as_mut_ptr());
+            b.store(w.as_mut_ptr().add(half));
+            a.add(b).sum()
+        };
         run.total = run.total * *corr + tile_total;
         run.max = max;
     }
@@ -335,8 +338,17 @@ unsafe fn dots<L: Lanes, R: Rows, const Q: usize, const G: usize>(
         }
         let mut out = [[0.0f32; G]; Q];
         for ((out, acc), q) in out.iter_mut().zip(&acc).zip(&qs) {
-            for (r, (o, a)) in out.iter_mut().zip(acc).enumerate() {
-                let mut s = a.sum();
+            // Four scores' trees side by side where there are four (same bits as one by one).
+            match <[L; 4]>::try_from(&acc[..]) {
+                Ok(four) => out.copy_from_slice(&L::sums4(four)),
+                Err(_) => {
+                    for (o, a) in out.iter_mut().zip(acc) {
+                        *o = a.sum();
+                    }
+                }
+            }
+            for (r, o) in out.iter_mut().enumerate() {
+                let mut s = *o;
                 for d in chunks * LANES..kd {
                     s = q[d].mul_add(keys.get((p + r) * kd + d), s);
                 }

@@ -33,6 +33,44 @@ pub(super) trait Lanes: Copy {
     /// The lanes summed as a tree: lane `j` plus lane `j + 8`, then `j + 4`, `j + 2`, `j + 1`
     /// (the order of [`tree_sum`]).
     unsafe fn sum(self) -> f32;
+    /// [`Lanes::sum`] of four vectors (the same tree each, so the same bits), the vector
+    /// backends adding their lanes side by side.
+    #[inline(always)]
+    unsafe fn sums4(v: [Self; 4]) -> [f32; 4] {
+        // SAFETY: the CPU has the features (contract).
+        unsafe { [v[0].sum(), v[1].sum(), v[2].sum(), v[3].sum()] }
+    }
+    unsafe fn sub(self, b: Self) -> Self;
+    /// The lane-wise minimum (of numbers, as [`Lanes::maximum`]).
+    unsafe fn minimum(self, b: Self) -> Self;
+    /// `2^n` per lane, for lanes holding whole numbers `n` in -126..=127.
+    unsafe fn pow2(self) -> Self;
+    /// [`crate::ops::exp`]'s special cases: per lane, 0 where `x` is below its range, infinity
+    /// where above, `x` where it is NaN, else `self`.
+    unsafe fn exp_specials(self, x: Self) -> Self;
+}
+
+/// [`crate::ops::exp`] on every lane, the same operations in the same order (so the same
+/// bits): sixteen at once where the scalar loop would not vectorize.
+///
+/// # Safety
+/// The CPU has `L`'s features.
+#[inline(always)]
+pub(super) unsafe fn exp<L: Lanes>(x: L) -> L {
+    use crate::ops::exp_consts::*;
+    // SAFETY (every call): the CPU has L's features (contract).
+    unsafe {
+        let xc = x.minimum(L::splat(HI)).maximum(L::splat(LO));
+        let magic = L::splat(MAGIC);
+        let n = xc.mul(L::splat(LOG2E)).add(magic).sub(magic);
+        let r = xc.sub(n.mul(L::splat(C1))).sub(n.mul(L::splat(C2)));
+        let mut p = L::splat(POLY[0]);
+        for &c in &POLY[1..] {
+            p = p.mul(r).add(L::splat(c));
+        }
+        let y = p.mul(r.mul(r)).add(r).add(L::splat(1.0));
+        y.mul(n.pow2()).exp_specials(x)
+    }
 }
 
 /// The reference order of [`Lanes::sum`].
@@ -102,6 +140,30 @@ impl Lanes for Portable {
     unsafe fn sum(self) -> f32 {
         tree_sum(self.0)
     }
+    #[inline(always)]
+    unsafe fn sub(self, b: Self) -> Self {
+        Portable(std::array::from_fn(|i| self.0[i] - b.0[i]))
+    }
+    #[inline(always)]
+    unsafe fn minimum(self, b: Self) -> Self {
+        Portable(std::array::from_fn(|i| self.0[i].min(b.0[i])))
+    }
+    #[inline(always)]
+    unsafe fn pow2(self) -> Self {
+        Portable(std::array::from_fn(|i| {
+            f32::from_bits((((self.0[i] as i32) + 127) as u32) << 23)
+        }))
+    }
+    #[inline(always)]
+    unsafe fn exp_specials(self, x: Self) -> Self {
+        use crate::ops::exp_consts::{HI, LO};
+        Portable(std::array::from_fn(|i| match x.0[i] {
+            x if x.is_nan() => x,
+            x if x < LO => 0.0,
+            x if x > HI => f32::INFINITY,
+            _ => self.0[i],
+        }))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -123,6 +185,39 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(r2, _mm_shuffle_ps::<1>(r2, r2)))
     }
 
+    /// [`sum8`] of four registers at once: the tree's steps j + 4, j + 2 and j + 1 each done
+    /// for all four side by side (lane j + w added to lane j, as in [`super::tree_sum`]).
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[inline(always)]
+    unsafe fn sums4_8(r: [__m256; 4]) -> [f32; 4] {
+        // j + 4: each register's high half added to its low half, two registers per result
+        // (r0 | r1 and r2 | r3 in the two 128-bit halves).
+        let t01 = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(r[0], r[1]),
+            _mm256_permute2f128_ps::<0x31>(r[0], r[1]),
+        );
+        let t23 = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(r[2], r[3]),
+            _mm256_permute2f128_ps::<0x31>(r[2], r[3]),
+        );
+        // j + 2: per half [a0 + a2, a1 + a3, b0 + b2, b1 + b3] for a of t01, b of t23.
+        let u = _mm256_add_ps(
+            _mm256_shuffle_ps::<0b01_00_01_00>(t01, t23),
+            _mm256_shuffle_ps::<0b11_10_11_10>(t01, t23),
+        );
+        // j + 1: lane 0 of each half holds t01's sum, lane 1 t23's.
+        let s = _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(u, u),
+            _mm256_shuffle_ps::<0b11_01_11_01>(u, u),
+        );
+        let mut out = [0.0f32; 8];
+        // SAFETY: `out` holds eight values.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
+        [out[0], out[4], out[1], out[5]]
+    }
+
     /// The largest of eight lanes.
     ///
     /// # Safety
@@ -132,6 +227,30 @@ mod x86 {
         let r4 = _mm_max_ps(_mm256_castps256_ps128(r8), _mm256_extractf128_ps::<1>(r8));
         let r2 = _mm_max_ps(r4, _mm_movehl_ps(r4, r4));
         _mm_cvtss_f32(_mm_max_ss(r2, _mm_shuffle_ps::<1>(r2, r2)))
+    }
+
+    /// `2^n` for eight lanes of whole numbers in -126..=127.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[inline(always)]
+    unsafe fn pow2_8(n: __m256) -> __m256 {
+        let biased = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased))
+    }
+
+    /// [`Lanes::exp_specials`] on eight lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[inline(always)]
+    unsafe fn exp_specials8(e: __m256, x: __m256) -> __m256 {
+        use crate::ops::exp_consts::{HI, LO};
+        let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(LO));
+        let e = _mm256_blendv_ps(e, _mm256_setzero_ps(), below);
+        let above = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(HI));
+        let e = _mm256_blendv_ps(e, _mm256_set1_ps(f32::INFINITY), above);
+        _mm256_blendv_ps(e, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
     }
 
     /// Lanes 0-7 and 8-15 in two AVX registers (with FMA and F16C).
@@ -196,6 +315,45 @@ mod x86 {
         unsafe fn sum(self) -> f32 {
             unsafe { sum8(_mm256_add_ps(self.0, self.1)) }
         }
+        #[inline(always)]
+        unsafe fn sums4(v: [Self; 4]) -> [f32; 4] {
+            let [a, b, c, d] = v;
+            unsafe {
+                sums4_8([
+                    _mm256_add_ps(a.0, a.1),
+                    _mm256_add_ps(b.0, b.1),
+                    _mm256_add_ps(c.0, c.1),
+                    _mm256_add_ps(d.0, d.1),
+                ])
+            }
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            Avx2(_mm256_sub_ps(self.0, b.0), _mm256_sub_ps(self.1, b.1))
+        }
+        #[inline(always)]
+        unsafe fn minimum(self, b: Self) -> Self {
+            Avx2(_mm256_min_ps(self.0, b.0), _mm256_min_ps(self.1, b.1))
+        }
+        #[inline(always)]
+        unsafe fn pow2(self) -> Self {
+            unsafe { Avx2(pow2_8(self.0), pow2_8(self.1)) }
+        }
+        #[inline(always)]
+        unsafe fn exp_specials(self, x: Self) -> Self {
+            unsafe { Avx2(exp_specials8(self.0, x.0), exp_specials8(self.1, x.1)) }
+        }
+    }
+
+    /// The tree's first step on sixteen lanes: lane j + 8 added to lane j.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline(always)]
+    unsafe fn halves(x: __m512) -> __m256 {
+        let lo = _mm512_castps512_ps256(x);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)));
+        _mm256_add_ps(lo, hi)
     }
 
     /// Sixteen lanes in one AVX-512 register.
@@ -249,9 +407,42 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn sum(self) -> f32 {
-            let lo = _mm512_castps512_ps256(self.0);
-            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(self.0)));
-            unsafe { sum8(_mm256_add_ps(lo, hi)) }
+            unsafe { sum8(halves(self.0)) }
+        }
+        #[inline(always)]
+        unsafe fn sums4(v: [Self; 4]) -> [f32; 4] {
+            unsafe {
+                sums4_8([
+                    halves(v[0].0),
+                    halves(v[1].0),
+                    halves(v[2].0),
+                    halves(v[3].0),
+                ])
+            }
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            Avx512(_mm512_sub_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn minimum(self, b: Self) -> Self {
+            Avx512(_mm512_min_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn pow2(self) -> Self {
+            let n = _mm512_add_epi32(_mm512_cvttps_epi32(self.0), _mm512_set1_epi32(127));
+            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<23>(n)))
+        }
+        #[inline(always)]
+        unsafe fn exp_specials(self, x: Self) -> Self {
+            use crate::ops::exp_consts::{HI, LO};
+            let (e, x) = (self.0, x.0);
+            let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(LO));
+            let e = _mm512_mask_blend_ps(below, e, _mm512_setzero_ps());
+            let above = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(HI));
+            let e = _mm512_mask_blend_ps(above, e, _mm512_set1_ps(f32::INFINITY));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            Avx512(_mm512_mask_blend_ps(nan, e, x))
         }
     }
 }
@@ -284,7 +475,60 @@ mod tests {
                     (v.sum(), v.max_all())
                 };
                 assert_eq!(sum.to_bits(), tree_sum(a).to_bits());
+                // Four at once, each its own tree: the lanes rotated by 0, 3, 6, 9.
+                let rot: [[f32; LANES]; 4] =
+                    std::array::from_fn(|k| std::array::from_fn(|i| a[(i + 3 * k) % LANES]));
+                // SAFETY: as above.
+                let sums = unsafe { L::sums4(rot.map(|r| L::load(r.as_ptr()))) };
+                for (got, r) in sums.iter().zip(rot) {
+                    assert_eq!(got.to_bits(), tree_sum(r).to_bits());
+                }
                 assert_eq!(max, a.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            }
+        }
+    }
+
+    /// The sixteen-lane exp gives `ops::exp`'s bits on a sweep of every exponent's range
+    /// (each f32 bit pattern with a stride, so all signs, exponents and the specials).
+    fn exp_is_exact<L: Lanes>() {
+        let mut xs: Vec<f32> = (0..=u32::MAX).step_by(4099).map(f32::from_bits).collect();
+        let specials = [
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -87.68,
+            88.37,
+        ];
+        xs.extend(specials);
+        xs.extend((-2000..2000).map(|i| i as f32 * 0.05));
+        xs.resize(xs.len().next_multiple_of(LANES), 1.0);
+        let mut got = [0.0f32; LANES];
+        for chunk in xs.chunks_exact(LANES) {
+            // SAFETY: 16 values each; the caller checked the CPU.
+            unsafe { exp(L::load(chunk.as_ptr())).store(got.as_mut_ptr()) };
+            for (g, &x) in got.iter().zip(chunk) {
+                let want = crate::ops::exp(x);
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "exp({x:e}): {g:e}, scalar {want:e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_backend_computes_exp_exactly() {
+        exp_is_exact::<Portable>();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                exp_is_exact::<Avx2>();
+            }
+            if has!("avx512f") && has!("f16c") {
+                exp_is_exact::<Avx512>();
             }
         }
     }
