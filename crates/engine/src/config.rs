@@ -12,10 +12,31 @@ use crate::model::registry::{self, Family};
 
 /// How a layer attends over the history (each kind has its file in `model/layers/`, which also
 /// says what it keeps per position).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum AttentionKind {
     /// Grouped-query attention: `num_kv_heads` key and value heads of `head_dim`, RoPE.
     Gqa,
+    /// Multi-head latent attention (DeepSeek-V3): a low-rank latent per position shared by
+    /// every head plus one decoupled RoPE key; `head_dim` is the RoPE part's width.
+    Mla(MlaDims),
+}
+
+/// The shape of multi-head latent attention (`model/layers/mla.rs`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaDims {
+    /// The query's low-rank projection (`q_a_proj`, RMSNorm, `q_b_proj`), or none (`q_proj`).
+    pub q_lora_rank: Option<usize>,
+    /// Width of the compressed KV latent `c_kv` each position keeps.
+    pub kv_lora_rank: usize,
+    /// Per head: query/key dims without RoPE, with RoPE (the shared rope key), value dims.
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// The rope dims of q and k come interleaved (pairs `2i, 2i+1`), as transformers'
+    /// `rope_interleave` reads them.
+    pub rope_interleave: bool,
+    /// The softmax scale: `qk_head_dim^-0.5`, times `mscale^2` with YaRN's `mscale_all_dim`.
+    pub softmax_scale: f32,
 }
 
 /// Where the query/key RMSNorm applies, if anywhere.

@@ -293,7 +293,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-
 /// `dst[i] = f16(src[i])`, rounded to nearest even exactly as `half::f16::from_f32`; with F16C's
 /// `vcvtps2ph` eight at a time where the CPU has it. (The half crate's slice conversion runs in
 /// software here; it made appending one token's keys and values ~14 µs per layer of an

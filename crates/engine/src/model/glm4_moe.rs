@@ -22,6 +22,26 @@ pub static FAMILY: Family = Family {
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
+    configure_sigmoid_moe(r, c, 1)?;
+    c.attention = AttentionKind::Gqa;
+    c.qk_norm = if r.bool_or("use_qk_norm", false)? {
+        QkNorm::PerHead
+    } else {
+        QkNorm::None
+    };
+    Ok(())
+}
+
+/// The MoE scheme GLM-4.5 and DeepSeek-V3 share: `n_routed_experts` of
+/// `moe_intermediate_size`, sigmoid routing with the correction bias restricted to the best
+/// `topk_group` of `n_group` groups, `routed_scaling_factor`, `n_shared_experts` (default 1)
+/// always-on experts, the first `first_k_dense_replace` layers dense (`first_dense_default`
+/// when the config gives none).
+pub(super) fn configure_sigmoid_moe(
+    r: &Reader,
+    c: &mut ModelConfig,
+    first_dense_default: usize,
+) -> Result<()> {
     let e = r.size_req("n_routed_experts", 0, MAX_DIM)?;
     let moe_i = r.size_req("moe_intermediate_size", 0, MAX_DIM)?;
     let n_group = r.usize_or("n_group", 1)?;
@@ -43,7 +63,7 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
         norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
         scaling: r.f64_or("routed_scaling_factor", 1.0)? as f32,
     };
-    let first_dense = r.usize_or("first_k_dense_replace", 1)?;
+    let first_dense = r.usize_or("first_k_dense_replace", first_dense_default)?;
     c.layers = (0..c.num_layers)
         .map(|i| {
             if i >= first_dense {
@@ -62,38 +82,40 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
     c.num_experts = e;
     c.moe_intermediate_size = moe_i;
     c.shared_intermediate_size = shared;
-    c.attention = AttentionKind::Gqa;
-    c.qk_norm = if r.bool_or("use_qk_norm", false)? {
-        QkNorm::PerHead
-    } else {
-        QkNorm::None
-    };
     Ok(())
 }
 
-fn tensor_plan(c: &ModelConfig) -> Plan {
+/// The tensors of a decoder with sigmoid-routed MoE layers (GLM-4.5, DeepSeek-V3): each layer's
+/// norms, its attention block (whichever kind the config chose) and its feed-forward block.
+pub(super) fn tensor_plan(c: &ModelConfig) -> Plan {
     let mut p = Plan::default();
     plan::add_embeddings(&mut p, c);
     for i in 0..c.num_layers {
         plan::add_layer_norms(&mut p, c, i);
         layers::plan_attention(&mut p, c, i);
         plan::add_ffn(&mut p, c, i);
-        if c.layers[i] == FfnKind::Moe {
-            p.vector(
-                format!("layers.{i}.router_bias"),
-                format!("model.layers.{i}.mlp.gate.e_score_correction_bias"),
-                c.num_experts,
-            );
-            if c.shared_intermediate_size > 0 {
-                plan::add_mlp(
-                    &mut p,
-                    &format!("layers.{i}.shared"),
-                    &format!("model.layers.{i}.mlp.shared_experts"),
-                    c.hidden_size,
-                    c.shared_intermediate_size,
-                );
-            }
-        }
+        plan_sigmoid_moe(&mut p, c, i);
     }
     p
+}
+
+/// Layer `i`'s tensors of the sigmoid-routed MoE beyond the router and experts: the correction
+/// bias and the shared expert (nothing for a dense layer).
+pub(super) fn plan_sigmoid_moe(p: &mut Plan, c: &ModelConfig, i: usize) {
+    if c.layers[i] == FfnKind::Moe {
+        p.vector(
+            format!("layers.{i}.router_bias"),
+            format!("model.layers.{i}.mlp.gate.e_score_correction_bias"),
+            c.num_experts,
+        );
+        if c.shared_intermediate_size > 0 {
+            plan::add_mlp(
+                p,
+                &format!("layers.{i}.shared"),
+                &format!("model.layers.{i}.mlp.shared_experts"),
+                c.hidden_size,
+                c.shared_intermediate_size,
+            );
+        }
+    }
 }
