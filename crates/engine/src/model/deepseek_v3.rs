@@ -30,6 +30,12 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
             "config.json: `attention_bias` true is not supported for DeepseekV3ForCausalLM",
         ));
     }
+    // Required (null for a full q_proj): transformers would read an absent one as 1536.
+    if !r.has("q_lora_rank") {
+        return Err(bad(
+            "config.json: missing `q_lora_rank` (null for a model with a full q_proj)",
+        ));
+    }
     let q_lora_rank = match r.get("q_lora_rank") {
         None => None,
         Some(_) => Some(r.size_req("q_lora_rank", 1, MAX_DIM)?),
