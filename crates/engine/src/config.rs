@@ -612,6 +612,16 @@ mod tests {
     }
 
     #[test]
+    fn the_mla_cache_keeps_one_latent_and_rope_key_run_per_layer() {
+        let c = ModelConfig::from_hf(&deepseek()).unwrap();
+        let layout = crate::model::layers::kv_layout(&c);
+        assert_eq!(layout.layers.len(), 3);
+        for l in &layout.layers {
+            assert_eq!((l.heads, l.key_dim, l.value_dim), (1, 20 + 8, 0));
+        }
+    }
+
+    #[test]
     fn malformed_mla_configs_are_refused_by_name() {
         for (key, value) in [
             ("kv_lora_rank", json!(0)),
@@ -634,6 +644,17 @@ mod tests {
             let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
             assert!(e.contains(key), "{key}: {e}");
         }
+        for (key, value) in [("scoring_func", "softmax"), ("topk_method", "greedy")] {
+            let mut v = deepseek();
+            v[key] = json!(value);
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        // DeepSeek-V3's and Kimi K2's own values pass.
+        let mut v = deepseek();
+        v["scoring_func"] = json!("sigmoid");
+        v["topk_method"] = json!("noaux_tc");
+        ModelConfig::from_hf(&v).unwrap();
         let mut v = deepseek();
         v["n_group"] = json!(4);
         let e = ModelConfig::from_hf(&v).unwrap_err().to_string();

@@ -24,7 +24,26 @@ pub static FAMILY: Family = Family {
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
-    glm4_moe::configure_sigmoid_moe(r, c, 3)?;
+    // transformers' DeepseekV3Config defaults for the fields a config leaves out.
+    let defaults = glm4_moe::MoeDefaults {
+        first_k_dense_replace: 3,
+        n_group: 8,
+        topk_group: 4,
+        routed_scaling_factor: 2.5,
+    };
+    glm4_moe::configure_sigmoid_moe(r, c, defaults)?;
+    // Older DeepSeek configs name the router's scheme; transformers' DeepSeek-V3 has only this
+    // one, so any other is refused rather than run as this one.
+    for (key, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
+        if let Some(v) = r.get(key) {
+            if v.as_str() != Some(want) {
+                return Err(bad(format!(
+                    "config.json: `{key}` {v} is not supported for DeepseekV3ForCausalLM \
+                     (only \"{want}\")"
+                )));
+            }
+        }
+    }
     if r.bool_or("attention_bias", false)? {
         return Err(bad(
             "config.json: `attention_bias` true is not supported for DeepseekV3ForCausalLM",

@@ -22,7 +22,16 @@ pub static FAMILY: Family = Family {
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
-    configure_sigmoid_moe(r, c, 1)?;
+    configure_sigmoid_moe(
+        r,
+        c,
+        MoeDefaults {
+            first_k_dense_replace: 1,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 1.0,
+        },
+    )?;
     c.attention = AttentionKind::Gqa;
     c.qk_norm = if r.bool_or("use_qk_norm", false)? {
         QkNorm::PerHead
@@ -32,20 +41,24 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// A family's defaults for the sigmoid-routed MoE fields a config may leave out.
+pub(super) struct MoeDefaults {
+    pub(super) first_k_dense_replace: usize,
+    pub(super) n_group: usize,
+    pub(super) topk_group: usize,
+    pub(super) routed_scaling_factor: f64,
+}
+
 /// The MoE scheme GLM-4.5 and DeepSeek-V3 share: `n_routed_experts` of
 /// `moe_intermediate_size`, sigmoid routing with the correction bias restricted to the best
 /// `topk_group` of `n_group` groups, `routed_scaling_factor`, `n_shared_experts` (default 1)
-/// always-on experts, the first `first_k_dense_replace` layers dense (`first_dense_default`
-/// when the config gives none).
-pub(super) fn configure_sigmoid_moe(
-    r: &Reader,
-    c: &mut ModelConfig,
-    first_dense_default: usize,
-) -> Result<()> {
+/// always-on experts, the first `first_k_dense_replace` layers dense. Fields the config does not
+/// give take the family's defaults (its transformers config class's).
+pub(super) fn configure_sigmoid_moe(r: &Reader, c: &mut ModelConfig, d: MoeDefaults) -> Result<()> {
     let e = r.size_req("n_routed_experts", 0, MAX_DIM)?;
     let moe_i = r.size_req("moe_intermediate_size", 0, MAX_DIM)?;
-    let n_group = r.usize_or("n_group", 1)?;
-    let topk_group = r.usize_or("topk_group", 1)?;
+    let n_group = r.usize_or("n_group", d.n_group)?;
+    let topk_group = r.usize_or("topk_group", d.topk_group)?;
     if n_group == 0 || e % n_group != 0 || topk_group == 0 || topk_group > n_group {
         return Err(bad(format!(
             "config.json: n_group {n_group} / topk_group {topk_group} do not fit {e} routed \
@@ -61,9 +74,9 @@ pub(super) fn configure_sigmoid_moe(
         n_group,
         topk_group,
         norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
-        scaling: r.f64_or("routed_scaling_factor", 1.0)? as f32,
+        scaling: r.f64_or("routed_scaling_factor", d.routed_scaling_factor)? as f32,
     };
-    let first_dense = r.usize_or("first_k_dense_replace", first_dense_default)?;
+    let first_dense = r.usize_or("first_k_dense_replace", d.first_k_dense_replace)?;
     c.layers = (0..c.num_layers)
         .map(|i| {
             if i >= first_dense {
