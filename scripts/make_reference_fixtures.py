@@ -8,7 +8,8 @@ dependencies):
     /root/refvenv/bin/pip install torch transformers safetensors numpy tokenizers
     /root/refvenv/bin/python scripts/make_reference_fixtures.py
 
-It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe}:
+It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe, deepseek_v3,
+deepseek_v3_noqlora}:
 
     tests/fixtures/<arch>/hf/            HF checkpoint (config.json, *.safetensors,
                                          tokenizer.json, tokenizer_config.json, ...)
@@ -39,6 +40,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
     OlmoeConfig,
@@ -218,10 +221,121 @@ SPECS = {
             eos_token_id=EOS,
         ),
     ),
+    # DeepSeek-V3 (MLA): 3 heads (kv heads = heads, as DeepSeek has), q_lora_rank 24 (q_a_proj +
+    # q_a_layernorm + q_b_proj), kv_lora_rank 20, qk_nope 12 / qk_rope 8 / v_head_dim 10 (all
+    # different), interleaved rope (rope_interleave, the default), YaRN factor 4 over a pretend
+    # 64-position pretraining length with mscale 1.0 and mscale_all_dim 0.8 (so both the cos/sin
+    # factor and the softmax scale move), layer 0 dense, 9 routed experts in 3 groups (top-2
+    # groups, top-3 experts), 1 shared expert, sigmoid + correction bias, x2.5. bf16 single
+    # file; router weight and correction bias f32.
+    "deepseek_v3": dict(
+        cls=DeepseekV3ForCausalLM,
+        cfg_cls=DeepseekV3Config,
+        tok_vocab=463,
+        storage=torch.bfloat16,
+        shards=1,
+        seed=4000,
+        cfg=dict(
+            vocab_size=463,
+            hidden_size=56,
+            intermediate_size=72,
+            moe_intermediate_size=20,
+            num_hidden_layers=3,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            q_lora_rank=24,
+            kv_lora_rank=20,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            n_routed_experts=9,
+            num_experts_per_tok=3,
+            n_group=3,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            attention_bias=False,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+            num_mtp_layers=0,
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
+    # DeepSeek-V3 without q_lora_rank (a plain q_proj, as DeepSeek-V2-Lite has): 4 heads,
+    # kv_lora_rank 16, qk_nope 8 / qk_rope 6 / v_head_dim 12, rotate-half rope
+    # (rope_interleave false), YaRN factor 2 with mscale = mscale_all_dim = 1.0 (DeepSeek's own
+    # setting: cos/sin unscaled, softmax scale x mscale^2), 2 dense layers then MoE (3 layers),
+    # 8 experts in 4 groups (top-2 groups, top-3 experts), 1 shared expert. f16 single file.
+    "deepseek_v3_noqlora": dict(
+        cls=DeepseekV3ForCausalLM,
+        cfg_cls=DeepseekV3Config,
+        tok_vocab=421,
+        storage=torch.float16,
+        shards=1,
+        seed=5000,
+        cfg=dict(
+            vocab_size=421,
+            hidden_size=48,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=6,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=2,
+            routed_scaling_factor=1.8,
+            norm_topk_prob=True,
+            rope_interleave=False,
+            attention_bias=False,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 2.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            num_mtp_layers=0,
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
 }
 
 # Parameters that stay float32 in the stored checkpoint regardless of `storage`.
-KEEP_F32 = {"glm4_moe": ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
+_ROUTER_F32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+KEEP_F32 = {"glm4_moe": _ROUTER_F32, "deepseek_v3": _ROUTER_F32, "deepseek_v3_noqlora": _ROUTER_F32}
+# Architectures with sigmoid, group-limited routing and a correction bias.
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v3_noqlora")
 
 
 # --------------------------------------------------------------------------------------
@@ -320,7 +434,13 @@ SCALES = {
     "embed": 0.6,  # embed_tokens ~ N(0, embed)
     "linear_gain": 1.0,  # every other 2-D/3-D weight ~ N(0, gain / sqrt(fan_in))
     "lm_head_gain": 5.0,
-    "router_gain": {"olmoe": 2.5, "qwen3_moe": 2.5, "glm4_moe": 1.5},
+    "router_gain": {
+        "olmoe": 2.5,
+        "qwen3_moe": 2.5,
+        "glm4_moe": 1.5,
+        "deepseek_v3": 1.5,
+        "deepseek_v3_noqlora": 1.5,
+    },
     "bias": 0.3,
     "e_score_correction_bias": 0.08,
     "norm_lo": 0.8,  # norm weights ~ U(norm_lo, norm_hi)
@@ -412,7 +532,7 @@ class RouterProbe:
         gaps = []
         for mod, logits in self.records:
             k = mod.top_k
-            if self.arch == "glm4_moe":
+            if self.arch in SIGMOID_ROUTED:
                 s = torch.sigmoid(logits) + mod.e_score_correction_bias.double()
                 ng, tg = mod.num_group, mod.topk_group
                 grouped = s.view(-1, ng, s.shape[-1] // ng)
@@ -568,29 +688,32 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
         p = f"model.layers.{layer}."
         h = rms(x, W[p + "input_layernorm.weight"])
         a = p + "self_attn."
-        q, k, v = (h @ W[a + n + "_proj.weight"].T for n in "qkv")
-        if a + "q_proj.bias" in W:
-            q, k, v = q + W[a + "q_proj.bias"], k + W[a + "k_proj.bias"], v + W[a + "v_proj.bias"]
-        if arch == "olmoe":  # norm over the whole projection, before the head split
-            q, k = rms(q, W[a + "q_norm.weight"]), rms(k, W[a + "k_norm.weight"])
-            if cfg.get("clip_qkv") is not None:
-                c = cfg["clip_qkv"]
-                q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
-        q, k, v = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
-        if arch == "qwen3_moe" or (arch == "glm4_moe" and cfg.get("use_qk_norm")):  # per head
-            q, k = rms(q, W[a + "q_norm.weight"]), rms(k, W[a + "k_norm.weight"])
-        q, k = rope_fn(q), rope_fn(k)
-        o = np.zeros((T, nh, hd))
-        for i in range(nh):
-            j = i // (nh // nkv)
-            sc = q[:, i] @ k[:, j].T * hd**-0.5 + mask
-            sc = np.exp(sc - sc.max(-1, keepdims=True))
-            o[:, i] = (sc / sc.sum(-1, keepdims=True)) @ v[:, j]
-        o = o.reshape(T, nh * hd) @ W[a + "o_proj.weight"].T
-        if a + "o_proj.bias" in W:
-            o = o + W[a + "o_proj.bias"]
-        x = x + o
-
+        if arch == "deepseek_v3":
+            x = x + numpy_mla(cfg, W, a, h, mask)
+        else:
+            q, k, v = (h @ W[a + n + "_proj.weight"].T for n in "qkv")
+            if a + "q_proj.bias" in W:
+                q = q + W[a + "q_proj.bias"]
+                k, v = k + W[a + "k_proj.bias"], v + W[a + "v_proj.bias"]
+            if arch == "olmoe":  # norm over the whole projection, before the head split
+                q, k = rms(q, W[a + "q_norm.weight"]), rms(k, W[a + "k_norm.weight"])
+                if cfg.get("clip_qkv") is not None:
+                    c = cfg["clip_qkv"]
+                    q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
+            q, k, v = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
+            if arch == "qwen3_moe" or (arch == "glm4_moe" and cfg.get("use_qk_norm")):  # per head
+                q, k = rms(q, W[a + "q_norm.weight"]), rms(k, W[a + "k_norm.weight"])
+            q, k = rope_fn(q), rope_fn(k)
+            o = np.zeros((T, nh, hd))
+            for i in range(nh):
+                j = i // (nh // nkv)
+                sc = q[:, i] @ k[:, j].T * hd**-0.5 + mask
+                sc = np.exp(sc - sc.max(-1, keepdims=True))
+                o[:, i] = (sc / sc.sum(-1, keepdims=True)) @ v[:, j]
+            o = o.reshape(T, nh * hd) @ W[a + "o_proj.weight"].T
+            if a + "o_proj.bias" in W:
+                o = o + W[a + "o_proj.bias"]
+            x = x + o
         h = rms(x, W[p + "post_attention_layernorm.weight"])
         m = p + "mlp."
         if m + "gate.weight" not in W:  # dense layer
@@ -599,7 +722,7 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
         E = W[m + "gate.weight"].shape[0]
         K = cfg["num_experts_per_tok"]
         r = h @ W[m + "gate.weight"].T  # [T, E]
-        if arch == "glm4_moe":
+        if arch in ("glm4_moe", "deepseek_v3"):
             s = 1.0 / (1.0 + np.exp(-r))
             sc = s + W[m + "gate.e_score_correction_bias"]
             ng, tg = cfg["n_group"], cfg["topk_group"]
@@ -630,6 +753,90 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
     x = rms(x, W["model.norm.weight"])
     head = W.get("lm_head.weight", W["model.embed_tokens.weight"])  # tied if absent
     return x @ head.T
+
+
+def yarn_inv_freq(cfg: dict, dim: int) -> tuple[np.ndarray, float]:
+    """YaRN inverse frequencies and cos/sin factor (transformers' `_compute_yarn_parameters`)."""
+    p = cfg["rope_parameters"]
+    base, factor = p["rope_theta"], p["factor"]
+    orig = p["original_max_position_embeddings"]
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if p.get("attention_factor") is not None:
+        af = p["attention_factor"]
+    elif p.get("mscale") and p.get("mscale_all_dim"):
+        af = get_mscale(factor, p["mscale"]) / get_mscale(factor, p["mscale_all_dim"])
+    else:
+        af = get_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    pos = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    extrapolation = 1.0 - ramp
+    inv = (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
+    return inv, af
+
+
+def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """DeepSeek-V3 multi-head latent attention of one layer (prefix `a`), expanded as
+    transformers computes it: the latent through kv_b_proj into per-head keys and values."""
+    T = h.shape[0]
+    nh = cfg["num_attention_heads"]
+    nope, rd, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    r = cfg["kv_lora_rank"]
+
+    def rms6(x, w):  # q_a_layernorm / kv_a_layernorm keep RMSNorm's default eps
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
+
+    if cfg.get("q_lora_rank"):
+        qa = rms6(h @ W[a + "q_a_proj.weight"].T, W[a + "q_a_layernorm.weight"])
+        q = qa @ W[a + "q_b_proj.weight"].T
+    else:
+        q = h @ W[a + "q_proj.weight"].T
+    q = q.reshape(T, nh, nope + rd)
+    ckv = h @ W[a + "kv_a_proj_with_mqa.weight"].T
+    lat = rms6(ckv[:, :r], W[a + "kv_a_layernorm.weight"])
+    kr = ckv[:, None, r:]  # [T, 1, rd]: one rope key shared by every head
+    kv = (lat @ W[a + "kv_b_proj.weight"].T).reshape(T, nh, nope + vd)
+    kn, v = kv[..., :nope], kv[..., nope:]
+    qn, qr = q[..., :nope], q[..., nope:]
+    p = cfg["rope_parameters"]
+    if p.get("rope_type", "default") == "yarn":
+        inv, af = yarn_inv_freq(cfg, rd)
+    else:
+        inv, af = 1.0 / p["rope_theta"] ** (np.arange(0, rd, 2, dtype=np.float64) / rd), 1.0
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
+    cos = (np.cos(np.concatenate([ang, ang], -1)) * af)[:, None, :]
+    sin = (np.sin(np.concatenate([ang, ang], -1)) * af)[:, None, :]
+
+    def rot(x):
+        if cfg.get("rope_interleave", True):  # (x0, x1, x2, ..) -> (x0, x2, .., x1, x3, ..)
+            x = np.concatenate([x[..., 0::2], x[..., 1::2]], -1)
+        half = rd // 2
+        return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+    qr, kr = rot(qr), rot(kr)
+    scale = (nope + rd) ** -0.5
+    if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):
+        m = 1.0 if p["factor"] <= 1 else 0.1 * p["mscale_all_dim"] * math.log(p["factor"]) + 1.0
+        scale *= m * m
+    o = np.zeros((T, nh, vd))
+    for i in range(nh):
+        sc = (qn[:, i] @ kn[:, i].T + qr[:, i] @ kr[:, 0].T) * scale + mask
+        sc = np.exp(sc - sc.max(-1, keepdims=True))
+        o[:, i] = (sc / sc.sum(-1, keepdims=True)) @ v[:, i]
+    return o.reshape(T, nh * vd) @ W[a + "o_proj.weight"].T
 
 
 # --------------------------------------------------------------------------------------
@@ -747,7 +954,7 @@ def make(arch: str) -> dict:
 
     # Routing sanity for GLM: the correction bias must actually change the selection.
     route_changed = None
-    if arch == "glm4_moe":
+    if arch in SIGMOID_ROUTED:
         route_changed = glm_bias_effect(ref, prompts)
         assert route_changed > 0, "e_score_correction_bias does not change routing"
 

@@ -13,7 +13,7 @@ import pytest
 from colibri import convert
 
 FIXTURES = Path(__file__).parent / "fixtures"
-ARCHS = ["olmoe", "qwen3_moe", "glm4_moe"]
+ARCHS = ["olmoe", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v3_noqlora"]
 
 
 class Reference:

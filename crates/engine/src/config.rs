@@ -12,10 +12,31 @@ use crate::model::registry::{self, Family};
 
 /// How a layer attends over the history (each kind has its file in `model/layers/`, which also
 /// says what it keeps per position).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum AttentionKind {
     /// Grouped-query attention: `num_kv_heads` key and value heads of `head_dim`, RoPE.
     Gqa,
+    /// Multi-head latent attention (DeepSeek-V3): a low-rank latent per position shared by
+    /// every head plus one decoupled RoPE key; `head_dim` is the RoPE part's width.
+    Mla(MlaDims),
+}
+
+/// The shape of multi-head latent attention (`model/layers/mla.rs`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaDims {
+    /// The query's low-rank projection (`q_a_proj`, RMSNorm, `q_b_proj`), or none (`q_proj`).
+    pub q_lora_rank: Option<usize>,
+    /// Width of the compressed KV latent `c_kv` each position keeps.
+    pub kv_lora_rank: usize,
+    /// Per head: query/key dims without RoPE, with RoPE (the shared rope key), value dims.
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// The rope dims of q and k come interleaved (pairs `2i, 2i+1`), as transformers'
+    /// `rope_interleave` reads them.
+    pub rope_interleave: bool,
+    /// The softmax scale: `qk_head_dim^-0.5`, times `mscale^2` with YaRN's `mscale_all_dim`.
+    pub softmax_scale: f32,
 }
 
 /// Where the query/key RMSNorm applies, if anywhere.
@@ -103,6 +124,10 @@ pub struct Reader<'a> {
 impl<'a> Reader<'a> {
     pub fn get(&self, key: &str) -> Option<&'a Value> {
         self.v.get(key).filter(|v| !v.is_null())
+    }
+    /// Whether the config has `key` at all (`null` included).
+    pub fn has(&self, key: &str) -> bool {
+        self.v.get(key).is_some()
     }
     pub fn usize_req(&self, key: &str) -> Result<usize> {
         self.get(key)
@@ -529,6 +554,111 @@ mod tests {
         assert_eq!(c.layers, vec![FfnKind::Moe, FfnKind::Dense, FfnKind::Moe]);
         assert_eq!(c.head_dim, 20);
         assert_eq!(c.rope_theta, 1e6);
+    }
+
+    fn deepseek() -> Value {
+        json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 56, "num_hidden_layers": 3,
+            "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 8, "vocab_size": 100,
+            "intermediate_size": 72, "moe_intermediate_size": 20, "n_routed_experts": 9,
+            "num_experts_per_tok": 3, "n_group": 3, "topk_group": 2, "first_k_dense_replace": 1,
+            "q_lora_rank": null, "kv_lora_rank": 20, "qk_nope_head_dim": 12,
+            "qk_rope_head_dim": 8, "v_head_dim": 10, "routed_scaling_factor": 2.5,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8},
+            "max_position_embeddings": 256
+        })
+    }
+
+    #[test]
+    fn deepseek_v3_reads_mla_dims_and_scales_the_softmax_as_transformers() {
+        let c = ModelConfig::from_hf(&deepseek()).unwrap();
+        let AttentionKind::Mla(d) = c.attention else {
+            panic!("{:?}", c.attention)
+        };
+        assert_eq!(
+            (
+                d.q_lora_rank,
+                d.kv_lora_rank,
+                d.qk_nope_head_dim,
+                d.qk_rope_head_dim,
+                d.v_head_dim
+            ),
+            (None, 20, 12, 8, 10)
+        );
+        assert!(d.rope_interleave, "transformers' default");
+        // RoPE rotates the rope part only: the whole 8 dims.
+        assert_eq!((c.head_dim, c.rotary_dim), (8, 8));
+        // qk_head_dim^-0.5 * yarn_get_mscale(4, 0.8)^2.
+        let m = 0.1 * 0.8 * 4f64.ln() + 1.0;
+        let want = (1.0 / 20f64.sqrt()) * m * m;
+        assert!(
+            (d.softmax_scale as f64 - want).abs() < 1e-7,
+            "{}",
+            d.softmax_scale
+        );
+        assert_eq!(c.layers, vec![FfnKind::Dense, FfnKind::Moe, FfnKind::Moe]);
+        assert_eq!(c.shared_intermediate_size, 20);
+        // The default RoPE type leaves the scale alone even with mscale_all_dim.
+        let mut v = deepseek();
+        v["rope_parameters"]["rope_type"] = json!("default");
+        v["q_lora_rank"] = json!(24);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        let AttentionKind::Mla(d) = c.attention else {
+            panic!()
+        };
+        assert_eq!(d.q_lora_rank, Some(24));
+        assert!((d.softmax_scale as f64 - 1.0 / 20f64.sqrt()).abs() < 1e-7);
+    }
+
+    #[test]
+    fn the_mla_cache_keeps_one_latent_and_rope_key_run_per_layer() {
+        let c = ModelConfig::from_hf(&deepseek()).unwrap();
+        let layout = crate::model::layers::kv_layout(&c);
+        assert_eq!(layout.layers.len(), 3);
+        for l in &layout.layers {
+            assert_eq!((l.heads, l.key_dim, l.value_dim), (1, 20 + 8, 0));
+        }
+    }
+
+    #[test]
+    fn malformed_mla_configs_are_refused_by_name() {
+        for (key, value) in [
+            ("kv_lora_rank", json!(0)),
+            ("kv_lora_rank", Value::Null),
+            ("qk_rope_head_dim", json!(5)),
+            ("v_head_dim", json!(0)),
+            ("q_lora_rank", json!(0)),
+            ("attention_bias", json!(true)),
+            ("qk_nope_head_dim", json!(1u64 << 40)),
+        ] {
+            let mut v = deepseek();
+            v[key] = value;
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        // transformers would default an absent q_lora_rank to 1536, not to none: refused.
+        for key in ["q_lora_rank", "kv_lora_rank", "qk_rope_head_dim"] {
+            let mut v = deepseek();
+            v.as_object_mut().unwrap().remove(key);
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        for (key, value) in [("scoring_func", "softmax"), ("topk_method", "greedy")] {
+            let mut v = deepseek();
+            v[key] = json!(value);
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        // DeepSeek-V3's and Kimi K2's own values pass.
+        let mut v = deepseek();
+        v["scoring_func"] = json!("sigmoid");
+        v["topk_method"] = json!("noaux_tc");
+        ModelConfig::from_hf(&v).unwrap();
+        let mut v = deepseek();
+        v["n_group"] = json!(4);
+        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+        assert!(e.contains("n_group"), "{e}");
     }
 
     /// Found by fuzzing: sizes from a corrupt config once reached allocations (`vec![..;

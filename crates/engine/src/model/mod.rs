@@ -5,6 +5,7 @@
 //! `layers/` (attention kinds, the dense MLP, the MoE and its routing); `load.rs` builds a
 //! [`Model`] from a converted directory and `forward.rs` runs it.
 
+pub mod deepseek_v3;
 mod forward;
 pub mod glm4_moe;
 pub mod layers;

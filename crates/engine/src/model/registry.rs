@@ -45,6 +45,7 @@ pub static FAMILIES: &[&Family] = &[
     &super::olmoe::FAMILY,
     &super::qwen3_moe::FAMILY,
     &super::glm4_moe::FAMILY,
+    &super::deepseek_v3::FAMILY,
 ];
 
 pub fn by_hf_name(name: &str) -> Option<&'static Family> {

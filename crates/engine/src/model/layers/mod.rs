@@ -3,6 +3,7 @@
 //! [`Attention`]; the feed-forward blocks are the dense [`mlp`] and the routed [`moe`].
 
 pub mod gqa;
+pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod routing;
@@ -18,6 +19,7 @@ use crate::ops::RopeAngles;
 /// One layer's attention block.
 pub(in crate::model) enum Attention {
     Gqa(gqa::Gqa),
+    Mla(mla::Mla),
 }
 
 /// One layer's feed-forward block.
@@ -38,6 +40,7 @@ pub(in crate::model) struct Layer {
 pub fn plan_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
     match c.attention {
         AttentionKind::Gqa => gqa::plan(p, c, i),
+        AttentionKind::Mla(_) => mla::plan(p, c, i),
     }
 }
 
@@ -45,6 +48,7 @@ pub fn plan_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
 pub fn kv_layout(c: &ModelConfig) -> KvLayout {
     match c.attention {
         AttentionKind::Gqa => gqa::kv_layout(c),
+        AttentionKind::Mla(_) => mla::kv_layout(c),
     }
 }
 
@@ -52,6 +56,7 @@ impl Attention {
     pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Attention> {
         Ok(match c.attention {
             AttentionKind::Gqa => Attention::Gqa(gqa::Gqa::load(t, c, i)?),
+            AttentionKind::Mla(_) => Attention::Mla(mla::Mla::load(t, c, i)?),
         })
     }
 }
@@ -68,6 +73,7 @@ impl Model {
     ) -> Vec<f32> {
         match a {
             Attention::Gqa(w) => self.gqa_attention(li, w, hn, angles, kv),
+            Attention::Mla(w) => self.mla_attention(li, w, hn, angles, kv),
         }
     }
 }

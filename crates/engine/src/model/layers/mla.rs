@@ -1,0 +1,282 @@
+//! Multi-head latent attention (DeepSeek-V3, as transformers' `DeepseekV3Attention` computes it).
+//!
+//! Per position: the query is `q_proj(x)` or, with `q_lora_rank`, `q_b_proj(rms(q_a_proj(x)))`,
+//! split per head into `qk_nope_head_dim` plain dims and `qk_rope_head_dim` rotated dims.
+//! `kv_a_proj_with_mqa(x)` gives the latent `c_kv` (`kv_lora_rank` wide, RMS-normed by
+//! `kv_a_layernorm`) and one rope key shared by every head. transformers expands the latent with
+//! `kv_b_proj` into each head's key (`k_nope`) and value, and attends with
+//! `q_nope . k_nope + q_rope . k_rope`.
+//!
+//! Here the cache keeps only what each position gives: the normed latent and the roped key,
+//! `kv_lora_rank + qk_rope_head_dim` floats per position and layer (one key run, no values:
+//! [`kv_layout`]). Attention is computed in the absorbed form, for decode and (the simplest
+//! correct form, for now; not yet measured against expanding the keys) for prefill alike:
+//! `q_nope . (W_uk c) = (W_uk^T q_nope) . c`, so each head's query becomes
+//! `[W_uk^T q_nope | q_rope]` and attends over the cached rows `[c | k_rope]` with the shared
+//! kernel; the values are the latents (the kernel is given the same rows as values and the
+//! rope columns of its output are dropped), and `W_uv` maps the weighted latent to the head's
+//! value after the softmax. `kv_b_proj` is kept in f32 (it is multiplied transposed, per head).
+//!
+//! RoPE: with `rope_interleave` transformers reorders the rope dims `(0, 2, 4, .., 1, 3, ..)`
+//! before its rotate-half rotation; the same reordering here, for q and k alike (a dot product
+//! does not see a permutation applied to both sides).
+
+use crate::config::{MlaDims, ModelConfig};
+use crate::error::Result;
+use crate::format::DType;
+use crate::kv::{KvCache, KvLayout, LayerKv};
+use crate::linear::{Acts, Linear, WeightRef};
+use crate::model::load::Tensors;
+use crate::model::plan::Plan;
+use crate::model::{fmt_err, Model};
+use crate::ops::{self, RopeAngles};
+
+/// Query positions of one head attended together in a prefill (as in `gqa.rs`).
+const ATTN_BLOCK: usize = 32;
+
+/// The epsilon of `q_a_layernorm` and `kv_a_layernorm`: transformers builds them with its
+/// RMSNorm's default, not `rms_norm_eps`.
+const LORA_NORM_EPS: f32 = 1e-6;
+
+/// How the query is projected.
+enum QueryProj {
+    Full(Linear),
+    LowRank {
+        a: Linear,
+        norm: Vec<f32>,
+        b: Linear,
+    },
+}
+
+/// One layer's MLA weights.
+pub(in crate::model) struct Mla {
+    q: QueryProj,
+    kv_a: Linear,
+    kv_a_norm: Vec<f32>,
+    /// `[heads * (nope + v), kv_lora_rank]`, f32: per head, `nope` rows of `W_uk` then `v`
+    /// rows of `W_uv`.
+    kv_b: Linear,
+    o: Linear,
+}
+
+fn dims(c: &ModelConfig) -> MlaDims {
+    match c.attention {
+        crate::config::AttentionKind::Mla(d) => d,
+        _ => unreachable!("an MLA block of a non-MLA config"),
+    }
+}
+
+/// What every layer keeps per position: one run of the normed latent and the roped key.
+pub fn kv_layout(c: &ModelConfig) -> KvLayout {
+    let d = dims(c);
+    KvLayout {
+        layers: vec![
+            LayerKv {
+                heads: 1,
+                key_dim: d.kv_lora_rank + d.qk_rope_head_dim,
+                value_dim: 0,
+            };
+            c.num_layers
+        ],
+    }
+}
+
+/// The tensors of layer `i`'s MLA block.
+pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
+    let d = dims(c);
+    let (h, heads) = (c.hidden_size, c.num_heads);
+    let qk = d.qk_nope_head_dim + d.qk_rope_head_dim;
+    let hf = |s: &str| format!("model.layers.{i}.self_attn.{s}");
+    let n = |s: &str| format!("layers.{i}.{s}");
+    match d.q_lora_rank {
+        None => p.matrix(n("q"), hf("q_proj.weight"), heads * qk, h),
+        Some(rank) => {
+            p.matrix(n("q_a"), hf("q_a_proj.weight"), rank, h);
+            p.vector(n("q_a_norm"), hf("q_a_layernorm.weight"), rank);
+            p.matrix(n("q_b"), hf("q_b_proj.weight"), heads * qk, rank);
+        }
+    }
+    p.matrix(
+        n("kv_a"),
+        hf("kv_a_proj_with_mqa.weight"),
+        d.kv_lora_rank + d.qk_rope_head_dim,
+        h,
+    );
+    p.vector(n("kv_a_norm"), hf("kv_a_layernorm.weight"), d.kv_lora_rank);
+    p.f32_matrix(
+        n("kv_b"),
+        hf("kv_b_proj.weight"),
+        heads * (d.qk_nope_head_dim + d.v_head_dim),
+        d.kv_lora_rank,
+    );
+    p.matrix(n("o"), hf("o_proj.weight"), h, heads * d.v_head_dim);
+}
+
+impl Mla {
+    pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Mla> {
+        let d = dims(c);
+        let (h, heads) = (c.hidden_size, c.num_heads);
+        let qk = d.qk_nope_head_dim + d.qk_rope_head_dim;
+        let n = |s: &str| format!("layers.{i}.{s}");
+        let q = match d.q_lora_rank {
+            None => QueryProj::Full(t.linear(&n("q"), heads * qk, h)?),
+            Some(rank) => QueryProj::LowRank {
+                a: t.linear(&n("q_a"), rank, h)?,
+                norm: t.vector(&n("q_a_norm"), rank)?,
+                b: t.linear(&n("q_b"), heads * qk, rank)?,
+            },
+        };
+        let kv_b = t.linear(
+            &n("kv_b"),
+            heads * (d.qk_nope_head_dim + d.v_head_dim),
+            d.kv_lora_rank,
+        )?;
+        if kv_b.dtype != DType::F32 {
+            return Err(fmt_err(format!("tensor `{}` should be f32", n("kv_b"))));
+        }
+        Ok(Mla {
+            q,
+            kv_a: t.linear(&n("kv_a"), d.kv_lora_rank + d.qk_rope_head_dim, h)?,
+            kv_a_norm: t.vector(&n("kv_a_norm"), d.kv_lora_rank)?,
+            kv_b,
+            o: t.linear(&n("o"), h, heads * d.v_head_dim)?,
+        })
+    }
+}
+
+/// Reorders interleaved rope dims `(x0, x1, x2, x3, ..)` to `(x0, x2, .., x1, x3, ..)`, as
+/// transformers' `apply_rotary_pos_emb_interleave` does before rotating.
+fn deinterleave(x: &mut [f32], tmp: &mut Vec<f32>) {
+    let half = x.len() / 2;
+    tmp.clear();
+    tmp.extend_from_slice(x);
+    for i in 0..half {
+        x[i] = tmp[2 * i];
+        x[half + i] = tmp[2 * i + 1];
+    }
+}
+
+impl Model {
+    /// The MLA output of layer `li` for the normed inputs `hn` (one row per position at
+    /// `kv.len ..`); writes the positions' latents and rope keys to `kv`.
+    pub(in crate::model) fn mla_attention(
+        &self,
+        li: usize,
+        layer: &Mla,
+        hn: Vec<f32>,
+        angles: &[RopeAngles],
+        kv: &mut KvCache,
+    ) -> Vec<f32> {
+        let n = angles.len();
+        let c = &self.cfg;
+        let d = dims(c);
+        let (h, heads) = (c.hidden_size, c.num_heads);
+        let (nope, rope, vd, r) = (
+            d.qk_nope_head_dim,
+            d.qk_rope_head_dim,
+            d.v_head_dim,
+            d.kv_lora_rank,
+        );
+        let qk = nope + rope;
+        let kw = r + rope;
+        let mut acts = Acts::from_vec(hn, n, h);
+        let (mut q, mut latent) = match &layer.q {
+            QueryProj::Full(w) => {
+                let mut out = self.project(&[*w, layer.kv_a], &mut acts);
+                let kva = out.pop().unwrap();
+                (out.pop().unwrap(), kva)
+            }
+            QueryProj::LowRank { a, norm, b } => {
+                let mut out = self.project(&[*a, layer.kv_a], &mut acts);
+                let kva = out.pop().unwrap();
+                let mut qa = out.pop().unwrap();
+                self.per_position(&mut qa, a.rows, |_, row| {
+                    ops::rms_norm(row, norm, LORA_NORM_EPS)
+                });
+                let mut qa = Acts::from_vec(qa, n, a.rows);
+                (self.project(&[*b], &mut qa).remove(0), kva)
+            }
+        };
+        // The latent is normed, the rope key rotated; both go to the cache as one row.
+        self.per_position(&mut latent, kw, |i, row| {
+            let (lat, kr) = row.split_at_mut(r);
+            ops::rms_norm(lat, &layer.kv_a_norm, LORA_NORM_EPS);
+            if d.rope_interleave {
+                deinterleave(kr, &mut Vec::with_capacity(rope));
+            }
+            self.rope.apply_angles(kr, rope, &angles[i]);
+        });
+        let p0 = kv.len;
+        kv.write(li, p0, &latent, &[]);
+        // Each head's rope query rotated in place.
+        self.per_position(&mut q, heads * qk, |i, row| {
+            let mut tmp = Vec::with_capacity(rope);
+            for head in row.chunks_exact_mut(qk) {
+                let qr = &mut head[nope..];
+                if d.rope_interleave {
+                    deinterleave(qr, &mut tmp);
+                }
+                self.rope.apply_angles(qr, rope, &angles[i]);
+            }
+        });
+        let WeightRef::F32(kv_b) = self.w(&layer.kv_b) else {
+            unreachable!("kv_b is f32 (checked at load)")
+        };
+        let per_head = (nope + vd) * r;
+        // Absorbed queries, per (position, head): [W_uk^T q_nope | q_rope], `kw` wide.
+        let absorbed = self.pool.map(n * heads, |t| {
+            let (i, head) = (t / heads, t % heads);
+            let qh = &q[i * heads * qk + head * qk..i * heads * qk + (head + 1) * qk];
+            let w_uk = &kv_b[head * per_head..head * per_head + nope * r];
+            let mut out = vec![0.0f32; kw];
+            let (qa, qr) = out.split_at_mut(r);
+            for (x, row) in qh[..nope].iter().zip(w_uk.chunks_exact(r)) {
+                for (o, w) in qa.iter_mut().zip(row) {
+                    *o += x * w;
+                }
+            }
+            qr.copy_from_slice(&qh[nope..]);
+            out
+        });
+        let kv = &*kv;
+        // Tasks of (block of ATTN_BLOCK query positions, head), the latest blocks first; the
+        // one key run is every head's history.
+        let blocks = n.div_ceil(ATTN_BLOCK);
+        let task = |t: usize| (blocks - 1 - t / heads, t % heads);
+        let lats = self.pool.map(blocks * heads, |t| {
+            let (b, head) = task(t);
+            let (i0, i1) = (b * ATTN_BLOCK, ((b + 1) * ATTN_BLOCK).min(n));
+            let qs: Vec<&[f32]> = (i0..i1)
+                .map(|i| absorbed[i * heads + head].as_slice())
+                .collect();
+            let (rows, _) = kv.head(li, 0, p0 + i1);
+            let args = crate::attention::AttendArgs {
+                keys: rows,
+                values: rows,
+                n0: p0 + i0 + 1,
+                scale: d.softmax_scale,
+            };
+            let mut out = vec![0.0f32; qs.len() * kw];
+            crate::attention::attend(&qs, &args, &mut out);
+            out
+        });
+        // Each head's weighted latent through W_uv, per (position, head).
+        let mut att = vec![0.0f32; n * heads * vd];
+        let outs = self.pool.map(n * heads, |t| {
+            let (i, head) = (t / heads, t % heads);
+            let b = i / ATTN_BLOCK;
+            let out = &lats[(blocks - 1 - b) * heads + head];
+            let j = i - b * ATTN_BLOCK;
+            let lat = &out[j * kw..j * kw + r];
+            let w_uv = &kv_b[head * per_head + nope * r..(head + 1) * per_head];
+            w_uv.chunks_exact(r)
+                .map(|row| ops::dot(row, lat))
+                .collect::<Vec<f32>>()
+        });
+        for (t, o) in outs.iter().enumerate() {
+            att[t * vd..(t + 1) * vd].copy_from_slice(o);
+        }
+        let mut acts = Acts::from_vec(att, n, heads * vd);
+        self.project(&[layer.o], &mut acts).remove(0)
+    }
+}
