@@ -109,6 +109,14 @@ def run_llama_bench(p: Paths, a, args: list, timeout: int) -> tuple[list[dict], 
         raise SystemExit(f"could not parse llama-bench JSON:\n{r['out'][-2000:]}") from None
 
 
+def first_row(rows: list[dict], field: str, r: dict) -> dict:
+    """llama-bench's first JSON row with a positive `field` (n_prompt or n_gen)."""
+    for row in rows:
+        if row.get(field, 0) > 0:
+            return row
+    raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
+
+
 def measure_llama(p: Paths, a) -> dict:
     rows, r = run_llama_bench(p, a, ["-p", a.prompt_tokens, "-n", a.gen_tokens], 900)
     res = {"peak_rss_mb": r["rss_mb"], "others_cpu": r["others_cpu"]}
@@ -135,11 +143,9 @@ def measure_llama_depth(p: Paths, a, depth: int | None = None) -> dict:
     rows, r = run_llama_bench(
         p, a, ["-p", 0, "-n", a.gen_tokens, "-d", depth], long_timeout(depth, 1)
     )
-    rows = [row for row in rows if row.get("n_gen", 0) > 0]
-    if not rows:
-        raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
+    row = first_row(rows, "n_gen", r)
     return {
-        "decode_tok_s": median_ts(rows[0]),
+        "decode_tok_s": median_ts(row),
         "peak_rss_mb": r["rss_mb"],
         "others_cpu": r["others_cpu"],
     }
@@ -149,14 +155,12 @@ def measure_llama_prefill(p: Paths, a, tokens: int) -> dict:
     """Prefill alone of a `tokens`-token prompt (llama-bench -p N -n 0, after its untimed
     warm-up pass of the same length)."""
     rows, r = run_llama_bench(p, a, ["-p", tokens, "-n", 0], long_timeout(tokens, a.reps))
-    rows = [row for row in rows if row.get("n_prompt", 0) > 0]
-    if not rows:
-        raise SystemExit(f"unexpected llama-bench output:\n{r['out'][-2000:]}")
+    row = first_row(rows, "n_prompt", r)
     return {
-        "prefill_tok_s": median_ts(rows[0]),
+        "prefill_tok_s": median_ts(row),
         "peak_rss_mb": r["rss_mb"],
         "others_cpu": r["others_cpu"],
-        "flash_attn": rows[0].get("flash_attn"),
+        "flash_attn": row.get("flash_attn"),
     }
 
 

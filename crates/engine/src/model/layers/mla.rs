@@ -31,9 +31,6 @@ use crate::model::plan::Plan;
 use crate::model::{fmt_err, Model};
 use crate::ops::{self, RopeAngles};
 
-/// Query positions of one head attended together in a prefill (as in `gqa.rs`).
-const ATTN_BLOCK: usize = 32;
-
 /// The epsilon of `q_a_layernorm` and `kv_a_layernorm`: transformers builds them with its
 /// RMSNorm's default, not `rms_norm_eps`.
 const LORA_NORM_EPS: f32 = 1e-6;
@@ -239,43 +236,29 @@ impl Model {
             out
         });
         let kv = &*kv;
-        // Tasks of (block of ATTN_BLOCK query positions, head), the latest blocks first; the
-        // one key run is every head's history.
-        let blocks = n.div_ceil(ATTN_BLOCK);
-        let task = |t: usize| (blocks - 1 - t / heads, t % heads);
-        let lats = self.pool.map(blocks * heads, |t| {
-            let (b, head) = task(t);
-            let (i0, i1) = (b * ATTN_BLOCK, ((b + 1) * ATTN_BLOCK).min(n));
-            let qs: Vec<&[f32]> = (i0..i1)
-                .map(|i| absorbed[i * heads + head].as_slice())
-                .collect();
-            let (rows, _) = kv.head(li, 0, p0 + i1);
-            let args = crate::attention::AttendArgs {
-                keys: rows,
-                values: rows,
-                n0: p0 + i0 + 1,
-                scale: d.softmax_scale,
-            };
-            let mut out = vec![0.0f32; qs.len() * kw];
-            crate::attention::attend(&qs, &args, &mut out);
-            out
-        });
+        // The one key run is every head's history, and its own values (the latent part).
+        let lats = self.attend_causal(
+            n,
+            heads,
+            p0,
+            kw,
+            d.softmax_scale,
+            |i, head| absorbed[i * heads + head].as_slice(),
+            |_, len| {
+                let (rows, _) = kv.head(li, 0, len);
+                (rows, rows)
+            },
+        );
         // Each head's weighted latent through W_uv, per (position, head).
-        let mut att = vec![0.0f32; n * heads * vd];
         let outs = self.pool.map(n * heads, |t| {
-            let (i, head) = (t / heads, t % heads);
-            let b = i / ATTN_BLOCK;
-            let out = &lats[(blocks - 1 - b) * heads + head];
-            let j = i - b * ATTN_BLOCK;
-            let lat = &out[j * kw..j * kw + r];
+            let head = t % heads;
+            let lat = &lats[t * kw..t * kw + r];
             let w_uv = &kv_b[head * per_head + nope * r..(head + 1) * per_head];
             w_uv.chunks_exact(r)
                 .map(|row| ops::dot(row, lat))
                 .collect::<Vec<f32>>()
         });
-        for (t, o) in outs.iter().enumerate() {
-            att[t * vd..(t + 1) * vd].copy_from_slice(o);
-        }
+        let att = outs.concat();
         let mut acts = Acts::from_vec(att, n, heads * vd);
         self.project(&[layer.o], &mut acts).remove(0)
     }

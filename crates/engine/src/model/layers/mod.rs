@@ -8,6 +8,7 @@ pub mod mlp;
 pub mod moe;
 pub mod routing;
 
+use crate::attention::{AttendArgs, HeadRows};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::error::Result;
 use crate::kv::{KvCache, KvLayout};
@@ -61,7 +62,56 @@ impl Attention {
     }
 }
 
+/// Query positions of one head attended together in a prefill (they share each tile of keys
+/// and values they read; 32 scored 1.15x the query-position pairs per second of 16 at a 4k
+/// history, one thread).
+const ATTN_BLOCK: usize = 32;
+
 impl Model {
+    /// Causal attention of the `n` positions after `p0` for `heads` heads, every attention kind's
+    /// core: tasks of (block of [`ATTN_BLOCK`] positions, head) over the pool, the costliest
+    /// (latest) blocks first. `query(i, head)` is position `i`'s query for `head`, and
+    /// `history(head, len)` the first `len` keys and values that head attends over. Returns
+    /// `width` values (the value width) per (position, head), position-major.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::model) fn attend_causal<'q, 'h>(
+        &self,
+        n: usize,
+        heads: usize,
+        p0: usize,
+        width: usize,
+        scale: f32,
+        query: impl Fn(usize, usize) -> &'q [f32] + Sync,
+        history: impl Fn(usize, usize) -> (HeadRows<'h>, HeadRows<'h>) + Sync,
+    ) -> Vec<f32> {
+        let blocks = n.div_ceil(ATTN_BLOCK);
+        let task = |t: usize| (blocks - 1 - t / heads, t % heads);
+        let outs = self.pool.map(blocks * heads, |t| {
+            let (b, head) = task(t);
+            let (i0, i1) = (b * ATTN_BLOCK, ((b + 1) * ATTN_BLOCK).min(n));
+            let qs: Vec<&[f32]> = (i0..i1).map(|i| query(i, head)).collect();
+            let (keys, values) = history(head, p0 + i1);
+            let args = AttendArgs {
+                keys,
+                values,
+                n0: p0 + i0 + 1,
+                scale,
+            };
+            let mut out = vec![0.0f32; qs.len() * width];
+            crate::attention::attend(&qs, &args, &mut out);
+            out
+        });
+        let mut att = vec![0.0f32; n * heads * width];
+        for (t, out) in outs.iter().enumerate() {
+            let (b, head) = task(t);
+            for (j, o) in out.chunks_exact(width).enumerate() {
+                let at = ((b * ATTN_BLOCK + j) * heads + head) * width;
+                att[at..at + width].copy_from_slice(o);
+            }
+        }
+        att
+    }
+
     /// Layer `li`'s attention over the normed inputs `hn` at positions `kv.len ..`.
     pub(in crate::model) fn attention(
         &self,
