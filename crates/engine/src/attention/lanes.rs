@@ -40,6 +40,40 @@ pub(super) trait Lanes: Copy {
         // SAFETY: the CPU has the features (contract).
         unsafe { [v[0].sum(), v[1].sum(), v[2].sum(), v[3].sum()] }
     }
+    /// The first two steps of [`Lanes::sum`]'s tree (lane j + 8, then j + 4) for four
+    /// vectors: lanes `4i..4i + 4` of the result hold the four partial sums of `v[i]`.
+    #[inline(always)]
+    unsafe fn reduce4(v: [Self; 4]) -> Self {
+        let mut out = [0.0f32; LANES];
+        for (o, v) in out.chunks_exact_mut(4).zip(v) {
+            let mut a = [0.0f32; LANES];
+            // SAFETY: `a` and `out` hold sixteen values; the CPU has the features (contract).
+            unsafe { v.store(a.as_mut_ptr()) };
+            for (j, o) in o.iter_mut().enumerate() {
+                *o = (a[j] + a[j + 8]) + (a[j + 4] + a[j + 12]);
+            }
+        }
+        // SAFETY: as above.
+        unsafe { Self::load(out.as_ptr()) }
+    }
+    /// The tree's last two steps (lane j + 2, then j + 1) for sixteen sums at once: lane
+    /// `4i + m` of the result finishes the partial sums in lanes `4i..4i + 4` of `e[m]`
+    /// ([`Lanes::reduce4`]'s output), so sixteen scores come out as one vector in lane order
+    /// when `e[m]` holds the scores `m`, `m + 4`, `m + 8`, `m + 12`.
+    #[inline(always)]
+    unsafe fn finish16(e: [Self; 4]) -> Self {
+        let mut out = [0.0f32; LANES];
+        for (m, e) in e.into_iter().enumerate() {
+            let mut y = [0.0f32; LANES];
+            // SAFETY: sixteen values; the CPU has the features (contract).
+            unsafe { e.store(y.as_mut_ptr()) };
+            for (i, y) in y.chunks_exact(4).enumerate() {
+                out[4 * i + m] = (y[0] + y[2]) + (y[1] + y[3]);
+            }
+        }
+        // SAFETY: as above.
+        unsafe { Self::load(out.as_ptr()) }
+    }
     unsafe fn sub(self, b: Self) -> Self;
     /// The lane-wise minimum (of numbers, as [`Lanes::maximum`]).
     unsafe fn minimum(self, b: Self) -> Self;
@@ -193,20 +227,9 @@ mod x86 {
     #[inline(always)]
     unsafe fn sums4_8(r: [__m256; 4]) -> [f32; 4] {
         // j + 4: each register's high half added to its low half, two registers per result
-        // (r0 | r1 and r2 | r3 in the two 128-bit halves).
-        let t01 = _mm256_add_ps(
-            _mm256_permute2f128_ps::<0x20>(r[0], r[1]),
-            _mm256_permute2f128_ps::<0x31>(r[0], r[1]),
-        );
-        let t23 = _mm256_add_ps(
-            _mm256_permute2f128_ps::<0x20>(r[2], r[3]),
-            _mm256_permute2f128_ps::<0x31>(r[2], r[3]),
-        );
-        // j + 2: per half [a0 + a2, a1 + a3, b0 + b2, b1 + b3] for a of t01, b of t23.
-        let u = _mm256_add_ps(
-            _mm256_shuffle_ps::<0b01_00_01_00>(t01, t23),
-            _mm256_shuffle_ps::<0b11_10_11_10>(t01, t23),
-        );
+        // (r0 | r1 and r2 | r3 in the two 128-bit halves); j + 2: per half
+        // [a0 + a2, a1 + a3, b0 + b2, b1 + b3] for a of t01, b of t23.
+        let u = halves_in_blocks(halves_pair(r[0], r[1]), halves_pair(r[2], r[3]));
         // j + 1: lane 0 of each half holds t01's sum, lane 1 t23's.
         let s = _mm256_add_ps(
             _mm256_shuffle_ps::<0b10_00_10_00>(u, u),
@@ -216,6 +239,46 @@ mod x86 {
         // SAFETY: `out` holds eight values.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
         [out[0], out[4], out[1], out[5]]
+    }
+
+    /// [`Lanes::finish16`] on eight lanes (two 128-bit blocks of partial sums per register):
+    /// lane `4i + m` of the result finishes block `i` of `e[m]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[inline(always)]
+    unsafe fn finish8(e: [__m256; 4]) -> __m256 {
+        // j + 2, then j + 1 (see `halves_in_blocks`).
+        let f0 = halves_in_blocks(e[0], e[1]);
+        let f1 = halves_in_blocks(e[2], e[3]);
+        _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(f0, f1),
+            _mm256_shuffle_ps::<0b11_01_11_01>(f0, f1),
+        )
+    }
+
+    /// Per 128-bit block `[a0 + a2, a1 + a3, b0 + b2, b1 + b3]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[inline(always)]
+    unsafe fn halves_in_blocks(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(
+            _mm256_shuffle_ps::<0b01_00_01_00>(a, b),
+            _mm256_shuffle_ps::<0b11_10_11_10>(a, b),
+        )
+    }
+
+    /// `[a's low half + its high half, b's low half + its high half]` (128-bit halves).
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[inline(always)]
+    unsafe fn halves_pair(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a, b),
+            _mm256_permute2f128_ps::<0x31>(a, b),
+        )
     }
 
     /// The largest of eight lanes.
@@ -328,6 +391,21 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn reduce4(v: [Self; 4]) -> Self {
+            let [a, b, c, d] = v;
+            unsafe {
+                Avx2(
+                    halves_pair(_mm256_add_ps(a.0, a.1), _mm256_add_ps(b.0, b.1)),
+                    halves_pair(_mm256_add_ps(c.0, c.1), _mm256_add_ps(d.0, d.1)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn finish16(e: [Self; 4]) -> Self {
+            let [a, b, c, d] = e;
+            unsafe { Avx2(finish8([a.0, b.0, c.0, d.0]), finish8([a.1, b.1, c.1, d.1])) }
+        }
+        #[inline(always)]
         unsafe fn sub(self, b: Self) -> Self {
             Avx2(_mm256_sub_ps(self.0, b.0), _mm256_sub_ps(self.1, b.1))
         }
@@ -354,6 +432,30 @@ mod x86 {
         let lo = _mm512_castps512_ps256(x);
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)));
         _mm256_add_ps(lo, hi)
+    }
+
+    /// `[a's blocks 0 + 2, 1 + 3, b's blocks 0 + 2, 1 + 3]` (128-bit blocks).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline(always)]
+    unsafe fn blocks_apart(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        )
+    }
+
+    /// [`halves_in_blocks`] on four 128-bit blocks.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline(always)]
+    unsafe fn halves_in_blocks16(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+        )
     }
 
     /// Sixteen lanes in one AVX-512 register.
@@ -421,6 +523,31 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn reduce4(v: [Self; 4]) -> Self {
+            unsafe {
+                // j + 8: [a's blocks 0 + 2, 1 + 3, b's 0 + 2, 1 + 3] (128-bit blocks).
+                let t01 = blocks_apart(v[0].0, v[1].0);
+                let t23 = blocks_apart(v[2].0, v[3].0);
+                // j + 4: [v0's blocks 0 + 1, v1's, v2's, v3's].
+                Avx512(_mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b10_00_10_00>(t01, t23),
+                    _mm512_shuffle_f32x4::<0b11_01_11_01>(t01, t23),
+                ))
+            }
+        }
+        #[inline(always)]
+        unsafe fn finish16(e: [Self; 4]) -> Self {
+            unsafe {
+                // As `finish8`, on four blocks.
+                let f0 = halves_in_blocks16(e[0].0, e[1].0);
+                let f1 = halves_in_blocks16(e[2].0, e[3].0);
+                Avx512(_mm512_add_ps(
+                    _mm512_shuffle_ps::<0b10_00_10_00>(f0, f1),
+                    _mm512_shuffle_ps::<0b11_01_11_01>(f0, f1),
+                ))
+            }
+        }
+        #[inline(always)]
         unsafe fn sub(self, b: Self) -> Self {
             Avx512(_mm512_sub_ps(self.0, b.0))
         }
@@ -484,6 +611,21 @@ mod tests {
                     assert_eq!(got.to_bits(), tree_sum(r).to_bits());
                 }
                 assert_eq!(max, a.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+                // Sixteen at once, score 4i + m from e[m]'s block i: the lanes rotated by r.
+                let rots: [[f32; LANES]; LANES] =
+                    std::array::from_fn(|r| std::array::from_fn(|i| a[(i + 5 * r) % LANES]));
+                // SAFETY: as above.
+                let all = unsafe {
+                    let e: [L; 4] = std::array::from_fn(|m| {
+                        L::reduce4(std::array::from_fn(|i| L::load(rots[4 * i + m].as_ptr())))
+                    });
+                    let mut all = [0.0f32; LANES];
+                    L::finish16(e).store(all.as_mut_ptr());
+                    all
+                };
+                for (got, r) in all.iter().zip(rots) {
+                    assert_eq!(got.to_bits(), tree_sum(r).to_bits());
+                }
             }
         }
     }
