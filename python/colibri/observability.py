@@ -287,5 +287,17 @@ class RequestObserver:
         if error is not None:
             self.root.set_status(Status(StatusCode.ERROR, error))
 
+    def scored(self, reused: int, reason: str, error: str | None) -> None:
+        """A scoring engine call ended (``reason`` "scored", "cancelled" or "error"): its
+        context's prefill counted like a prompt's, the call's duration observed."""
+        self._prefilled = self._prompt_tokens - reused
+        self._metrics.prompt_tokens.inc(self._prefilled)
+        self.root.set_attribute("colibri.cached_tokens", reused)
+        if self._record is not None:
+            self._record.cached_tokens = reused
+        if self._prefill is not None:
+            self._prefill.set_attribute("colibri.prefilled_tokens", self._prefilled)
+        self.engine_finished(reason, 0, error)
+
     def end(self) -> None:
         self.root.end()

@@ -42,19 +42,78 @@ pub enum Step {
 /// An in-progress generation: call [`Generation::step`] (or [`Generation::next_token`]) until
 /// it ends.
 pub struct Generation {
-    prompt: Vec<u32>,
     opts: GenerateOptions,
     sampler: Sampler,
     produced: usize,
     last: Option<u32>,
     finished: bool,
+    prefill: Prefill,
+    turn_ended: bool,
+}
+
+/// A prompt prefilled into a slot in steps of about [`STEP_TARGET`], after the part it shares
+/// with the slot's history (generation and scoring both start with one).
+pub(crate) struct Prefill {
+    prompt: Vec<u32>,
     /// Prompt tokens whose KV came from the slot's history (known after the first step).
     reused: Option<usize>,
-    /// Prompt tokens with KV in the slot so far (during the prefill).
-    prefilled: usize,
-    /// Positions of the next prefill step.
+    /// Prompt tokens with KV in the slot so far.
+    done: usize,
+    /// Positions of the next step.
     step_len: usize,
-    turn_ended: bool,
+}
+
+/// What one [`Prefill::step`] did.
+pub(crate) enum PrefillStep {
+    /// `done` of the prompt's `total` tokens have KV now; more steps follow.
+    Part { done: usize, total: usize },
+    /// The prompt is in the slot: the logits of its last token.
+    Last(Vec<f32>),
+}
+
+impl Prefill {
+    pub(crate) fn new(prompt: Vec<u32>) -> Prefill {
+        Prefill {
+            prompt,
+            reused: None,
+            done: 0,
+            step_len: FIRST_STEP,
+        }
+    }
+
+    pub(crate) fn reused(&self) -> Option<usize> {
+        self.reused
+    }
+
+    /// The next part of the prompt (the first step matches it against the slot's history and
+    /// keeps what they share, but at least one token to compute).
+    pub(crate) fn step(&mut self, model: &Model, slot: &mut Slot) -> Result<PrefillStep> {
+        let total = self.prompt.len();
+        if self.reused.is_none() {
+            if total > model.cfg.max_positions {
+                return Err(Error::Input(format!(
+                    "{total} tokens exceed the context length {}",
+                    model.cfg.max_positions
+                )));
+            }
+            let kept = slot.reuse_prefix(&self.prompt);
+            self.reused = Some(kept);
+            self.done = kept;
+        }
+        let from = self.done;
+        let len = self.step_len.min(max_step(model));
+        if total - from > len {
+            let t0 = Instant::now();
+            let to = from + len;
+            slot.forward(model, &self.prompt[from..to])?;
+            self.done = to;
+            self.step_len = next_step_len(len, t0.elapsed(), model);
+            return Ok(PrefillStep::Part { done: to, total });
+        }
+        let logits = slot.forward(model, &self.prompt[from..])?;
+        self.done = total;
+        Ok(PrefillStep::Last(logits))
+    }
 }
 
 impl Generation {
@@ -71,22 +130,19 @@ impl Generation {
         }
         let sampler = Sampler::new(opts.temperature, opts.top_p, opts.seed);
         Ok(Generation {
-            prompt,
             opts,
             sampler,
             produced: 0,
             last: None,
             finished: false,
-            reused: None,
-            prefilled: 0,
-            step_len: FIRST_STEP,
+            prefill: Prefill::new(prompt),
             turn_ended: false,
         })
     }
 
     /// Prompt tokens reused from the slot's history (None before the first step).
     pub fn reused(&self) -> Option<usize> {
-        self.reused
+        self.prefill.reused()
     }
 
     /// The next token, or `None` when generation has ended (prefill steps run until the
@@ -111,33 +167,10 @@ impl Generation {
             return Ok(Step::End);
         }
         let logits = match self.last {
-            None => {
-                let total = self.prompt.len();
-                if self.reused.is_none() {
-                    if total > model.cfg.max_positions {
-                        return Err(Error::Input(format!(
-                            "{total} tokens exceed the context length {}",
-                            model.cfg.max_positions
-                        )));
-                    }
-                    let kept = slot.reuse_prefix(&self.prompt);
-                    self.reused = Some(kept);
-                    self.prefilled = kept;
-                }
-                let from = self.prefilled;
-                let len = self.step_len.min(max_step(model));
-                if total - from > len {
-                    let t0 = Instant::now();
-                    let to = from + len;
-                    slot.forward(model, &self.prompt[from..to])?;
-                    self.prefilled = to;
-                    self.step_len = next_step_len(len, t0.elapsed(), model);
-                    return Ok(Step::Prefilled { done: to, total });
-                }
-                let logits = slot.forward(model, &self.prompt[from..])?;
-                self.prefilled = total;
-                logits
-            }
+            None => match self.prefill.step(model, slot)? {
+                PrefillStep::Part { done, total } => return Ok(Step::Prefilled { done, total }),
+                PrefillStep::Last(logits) => logits,
+            },
             Some(tok) => {
                 if slot.tokens.len() >= model.cfg.max_positions {
                     self.end(model, slot);

@@ -22,6 +22,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 pub mod sampler;
+pub mod score;
 pub mod settings;
 pub mod slot_writer;
 pub mod slotfile;

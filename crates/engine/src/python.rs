@@ -1,6 +1,6 @@
 //! The PyO3 module `colibri._engine`: the only place that knows about Python.
 //!
-//! Long calls (load, forward, each generated token, conversion) release the GIL. The typed,
+//! Long calls (load, forward, each generated token or scoring step, conversion) release the GIL. The typed,
 //! documented Python API (`colibri.Engine`) wraps these in `python/colibri/engine.py`.
 
 use std::path::PathBuf;
@@ -16,6 +16,7 @@ use crate::error::Error;
 use crate::format::Quant;
 use crate::model::Model as RsModel;
 use crate::quant::Kernel;
+use crate::score::{ScoreStep, Scoring};
 use crate::slots::{self, Slot};
 use crate::store::ExpertOptions;
 
@@ -225,6 +226,28 @@ impl Model {
         })
     }
 
+    /// A scoring of `options` (token lists) after `context`, nothing generated. With `slot`,
+    /// the context is matched against that slot's history and only the rest is prefilled, and
+    /// the slot keeps the context afterwards; without, it runs in a private, empty history.
+    #[pyo3(signature = (context, options, slot=None))]
+    fn score(
+        &self,
+        context: Vec<u32>,
+        options: Vec<Vec<u32>>,
+        slot: Option<usize>,
+    ) -> PyResult<ScoreStream> {
+        let scoring = Scoring::new(context, options).map_err(to_py)?;
+        let slot = match slot {
+            None => Arc::new(Mutex::new(Slot::new(&self.inner))),
+            Some(i) => self.slot(i)?.clone(),
+        };
+        Ok(ScoreStream {
+            model: self.inner.clone(),
+            scoring: Arc::new(Mutex::new(scoring)),
+            slot,
+        })
+    }
+
     /// Number of KV slots.
     fn slot_count(&self) -> usize {
         self.slots.len()
@@ -384,6 +407,75 @@ impl Drop for TokenStream {
     }
 }
 
+/// One scoring, computed a step per `step()` with the GIL released.
+#[pyclass(frozen, module = "colibri._engine")]
+struct ScoreStream {
+    model: Arc<RsModel>,
+    scoring: Arc<Mutex<Scoring>>,
+    slot: Arc<Mutex<Slot>>,
+}
+
+#[pymethods]
+impl ScoreStream {
+    /// One step: `(done, total)` context tokens after a part of its prefill; the index of the
+    /// option just scored; or `None` once every option is scored.
+    fn step<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let model = self.model.clone();
+        let scoring = self.scoring.clone();
+        let slot = self.slot.clone();
+        let step = py.detach(move || {
+            let mut scoring = scoring.lock().map_err(poisoned)?;
+            let mut slot = slot.lock().map_err(poisoned)?;
+            scoring.step(&model, &mut slot).map_err(to_py)
+        })?;
+        Ok(match step {
+            ScoreStep::Prefilled { done, total } => {
+                Some((done, total).into_pyobject(py)?.into_any())
+            }
+            ScoreStep::Scored { index } => Some(index.into_pyobject(py)?.into_any()),
+            ScoreStep::End => None,
+        })
+    }
+
+    /// `(logprob, tokens)` of each option scored so far, in order.
+    #[getter]
+    fn scores(&self) -> PyResult<Vec<(f64, usize)>> {
+        let scoring = self.scoring.lock().map_err(poisoned)?;
+        Ok(scoring
+            .scores()
+            .iter()
+            .map(|s| (s.logprob, s.tokens))
+            .collect())
+    }
+
+    /// Context tokens whose KV came from the slot's history (None before the first step).
+    #[getter]
+    fn reused_tokens(&self) -> PyResult<Option<usize>> {
+        Ok(self.scoring.lock().map_err(poisoned)?.reused())
+    }
+
+    /// Ends the scoring: the slot's history (the context) is made durable.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let model = self.model.clone();
+        let scoring = self.scoring.clone();
+        let slot = self.slot.clone();
+        py.detach(move || {
+            let mut scoring = scoring.lock().map_err(poisoned)?;
+            let mut slot = slot.lock().map_err(poisoned)?;
+            scoring.end(&model, &mut slot);
+            Ok(())
+        })
+    }
+}
+
+impl Drop for ScoreStream {
+    fn drop(&mut self) {
+        if let (Ok(mut scoring), Ok(mut slot)) = (self.scoring.lock(), self.slot.lock()) {
+            scoring.end(&self.model, &mut slot);
+        }
+    }
+}
+
 /// Converts a Hugging Face checkpoint directory; returns a summary dict.
 #[pyfunction]
 #[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false))]
@@ -484,6 +576,7 @@ fn architectures() -> Vec<(&'static str, &'static str)> {
 fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Model>()?;
     m.add_class::<TokenStream>()?;
+    m.add_class::<ScoreStream>()?;
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(upgrade_model, m)?)?;
     m.add_function(wrap_pyfunction!(default_kernel, m)?)?;

@@ -154,6 +154,19 @@ class Engine:
         )
         return _Tokens(stream)
 
+    def score(
+        self, context: list[int], options: list[list[int]], slot: int | None = None
+    ) -> _Scoring:
+        """The log-probabilities of each option (token ids) after ``context``, nothing
+        generated: step the returned object until it ends, then read its ``scores``.
+
+        With ``slot``, the context is matched against that KV slot's history and only the rest
+        is prefilled; the slot keeps the context afterwards (the options are run after it and
+        dropped), so a later scoring that shares its start reuses it. Without, the history is
+        private.
+        """
+        return _Scoring(self._model.score(list(context), [list(o) for o in options], slot))
+
     def last_profile(self) -> dict[str, Any]:
         """The last finished generation's profile: ``io_wait_s``, ``expert_matmul_s``,
         ``attention_s``, ``lm_head_s``, ``other_s``, ``bytes_read``, ``cache_hit_rate``,
@@ -218,6 +231,44 @@ class _Tokens(Iterator[int]):
         if self._stream is not None:
             self._stream.close()
         self._stream = None
+
+
+class _Scoring:
+    """A scoring in progress on the engine (see :meth:`Engine.score`)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream: Any | None = stream
+        self.reused_tokens: int | None = None
+
+    def step(self) -> int | tuple[int, int] | None:
+        """One step: ``(done, total)`` context tokens once a part of its prefill is computed;
+        the index of the option just scored; None once every option is scored."""
+        if self._stream is None:
+            return None
+        step = self._stream.step()
+        if self.reused_tokens is None:
+            self.reused_tokens = self._stream.reused_tokens
+        if step is None or isinstance(step, tuple):
+            return step
+        return int(step)
+
+    @property
+    def scores(self) -> list[tuple[float, int]]:
+        """``(logprob, tokens)`` per option scored so far: the natural-log probability of the
+        option's tokens after the context, and how many tokens it has."""
+        if self._stream is None:
+            return []
+        return [(float(lp), int(n)) for lp, n in self._stream.scores]
+
+    def run(self) -> list[tuple[float, int]]:
+        """Every step at once (on the calling thread); the scores."""
+        while self.step() is not None:
+            pass
+        return self.scores
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
 
 
 def convert(

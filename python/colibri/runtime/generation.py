@@ -59,6 +59,15 @@ class Progress:
     total: int
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A scoring's result: ``(logprob, tokens)`` per option, and the context tokens whose KV
+    came from the slot's history."""
+
+    scores: list[tuple[float, int]]
+    cached_tokens: int
+
+
 def _step(stream: Any) -> int | tuple[int, int] | None:
     return stream.step()
 
@@ -153,6 +162,48 @@ class Generator:
             if observer is not None:
                 observer.engine_finished(reason, count, error)
         yield Finished(reason, count, pieces, tokens.reused_tokens or 0, out.stop_sequence)
+
+    async def score(
+        self,
+        context: list[int],
+        options: list[list[int]],
+        observer: RequestObserver | None = None,
+        slot: int | None = None,
+    ) -> Scored:
+        """The options' ``(logprob, tokens)`` after ``context`` (see :meth:`Engine.score`),
+        computed step by step on the engine thread like a generation: a long context prefills
+        in parts (other slots' generations take turns in between), then one option a step.
+        Cancelling the caller stops it after the step in flight."""
+        loop = asyncio.get_running_loop()
+        scoring = self.engine.score(context, options, slot)
+        if observer is not None:
+            observer.engine_started(len(context))
+        error: str | None = None
+        reason = "cancelled"
+        try:
+            while True:
+                try:
+                    step = await loop.run_in_executor(self._thread, _step, scoring)
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+                    self.dead = error
+                    reason = "error"
+                    raise
+                if isinstance(step, tuple):
+                    self.prefilling[id(scoring)] = (slot, *step)
+                    if observer is not None:
+                        observer.prefill_progress(*step)
+                    continue
+                self.prefilling.pop(id(scoring), None)
+                if step is None:
+                    break
+            reason = "scored"
+        finally:
+            self.prefilling.pop(id(scoring), None)
+            scoring.close()
+            if observer is not None:
+                observer.scored(scoring.reused_tokens or 0, reason, error)
+        return Scored(scoring.scores, scoring.reused_tokens or 0)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,148 @@
+"""``POST /v1/brio``: closed-set scoring. The caller's options are read after a prompt and
+chosen by the model's own log-probabilities, with a normalised entropy that says how sure it
+is; nothing is generated (docs/API.md, "Closed-set scoring")."""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from colibri.api.access_log import record_of
+from colibri.api.brio_request import BrioQuestion, BrioRequest, parse_brio
+from colibri.api.http import read_json, request_id, served
+from colibri.errors import ApiError
+from colibri.runtime.scoring import Scorer, Usage, check_prompt, run_scoring
+from colibri.runtime.served import ServedModel
+from colibri.scoring.maths import OptionRead, entropy, ranked, softmax
+from colibri.scoring.prompts import question_prompt, schema_cell_prompt, state_prefix
+
+log = logging.getLogger("colibri.scoring")
+
+
+def _value_continuation(value: str) -> str:
+    """A schema value as the rest of the open JSON string it fills: escaped, then closed."""
+    return orjson.dumps(value).decode()[1:]
+
+
+def _check_before_admission(model: ServedModel, req: BrioRequest) -> None:
+    """Every prompt with its longest option must fit the context (for a schema, each cell with
+    the longest values of the fields before it)."""
+    for q in req.questions:
+        check_prompt(model, question_prompt(req.state, q.question), q.options)
+    chosen: list[tuple[str, Any]] = []
+    for name, values in req.fields:
+        prompt = schema_cell_prompt(req.state, req.task, chosen, name)
+        check_prompt(model, prompt, [_value_continuation(v) for v in values], joiner="")
+        chosen.append((name, max(values, key=len)))
+
+
+def _choices(reads: list[OptionRead], normalize: str) -> tuple[list[dict[str, Any]], float]:
+    """The options by probability (highest first) and the normalised entropy."""
+    if not reads or any(not math.isfinite(r.logprob) for r in reads):
+        raise ApiError(
+            502, "the engine gave no log-probabilities for the options", code="engine_error"
+        )
+    if normalize == "mean" and len({r.tokens for r in reads}) > 1:
+        log.warning(
+            "normalize=mean with unequal option token counts: %s",
+            ", ".join(f"{r.option!r}={r.tokens}" for r in reads),
+        )
+    probs = softmax([r.score(normalize) for r in reads])
+    choices = [
+        {
+            "option": reads[i].option,
+            "p": probs[i],
+            "logprob": reads[i].logprob,
+            "mean_logprob": reads[i].mean_logprob,
+            "tokens": reads[i].tokens,
+        }
+        for i in ranked(probs)
+    ]
+    return choices, entropy(probs)
+
+
+async def _answer(scorer: Scorer, state: str, q: BrioQuestion) -> dict[str, Any]:
+    reads = await scorer.read(question_prompt(state, q.question), q.options)
+    choices, h = _choices(reads, q.normalize)
+    return {
+        "answer": choices[0]["option"],
+        "entropy": h,
+        "normalize": q.normalize,
+        "choices": choices,
+    }
+
+
+async def _schema(scorer: Scorer, req: BrioRequest) -> dict[str, Any]:
+    chosen: list[tuple[str, Any]] = []
+    fields = []
+    for name, values in req.fields:
+        prompt = schema_cell_prompt(req.state, req.task, chosen, name)
+        continuations = [_value_continuation(v) for v in values]
+        reads = await scorer.read(prompt, continuations, joiner="")
+        choices, h = _choices(
+            [OptionRead(v, r.logprob, r.tokens) for v, r in zip(values, reads, strict=True)],
+            req.normalize,
+        )
+        best = choices[0]
+        fields.append(
+            {
+                "field": name,
+                "value": best["option"],
+                "p": best["p"],
+                "entropy": h,
+                "choices": choices,
+            }
+        )
+        chosen.append((name, best["option"]))
+    return {"json": dict(chosen), "fields": fields, "normalize": req.normalize}
+
+
+async def _run(scorer: Scorer, req: BrioRequest) -> dict[str, Any]:
+    if req.form == "schema":
+        return {"object": "brio.schema", **await _schema(scorer, req)}
+    if req.form == "options":
+        return {"object": "brio.choice", **await _answer(scorer, req.state, req.questions[0])}
+    answers = []
+    for q in req.questions:
+        answers.append({"question": q.question, **await _answer(scorer, req.state, q)})
+    return {"object": "brio.answers", "answers": answers}
+
+
+def _usage(u: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": 0,
+        "read_tokens": u.read_tokens,
+        "total_tokens": u.prompt_tokens + u.read_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+async def brio(request: Request) -> Response:
+    model = served(request)
+    req = parse_brio(await read_json(request))
+    model.check_model(req.model)
+    _check_before_admission(model, req)
+    observer = model.observe("brio", request_id(request), request.headers, record_of(request.scope))
+
+    async def work(scorer: Scorer) -> dict[str, Any]:
+        return await _run(scorer, req)
+
+    done = await run_scoring(
+        request, model, observer, req.cache_slot, state_prefix(req.state), work
+    )
+    body = {
+        **done.value,
+        "id": f"brio-{secrets.token_hex(12)}",
+        "created": int(time.time()),
+        "model": model.id,
+        "usage": _usage(done.usage),
+    }
+    return Response(orjson.dumps(body), media_type="application/json", headers=done.headers)

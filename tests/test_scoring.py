@@ -1,0 +1,121 @@
+"""Scoring without generation: the engine's option log-probabilities against the log-softmax
+of its own logits on every fixture family, and the formulas that turn them into choices."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from colibri import Engine
+from colibri.scoring.maths import confidence, entropy, ranked, softmax
+from colibri.scoring.prompts import question_prompt, schema_cell_prompt, state_prefix
+
+
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    row = row.astype(np.float64)
+    top = row.max()
+    return row - top - np.log(np.exp(row - top).sum())
+
+
+def expected(eng: Engine, context: list[int], option: list[int]) -> float:
+    logits = eng.logits(context + option)
+    return float(sum(log_softmax(logits[len(context) - 1 + i])[t] for i, t in enumerate(option)))
+
+
+def test_scores_equal_the_log_softmax_of_the_logits(reference, converted):
+    """Within 1e-5 on every family, options of 1..5 tokens, in a private history and in a
+    slot whose history already holds the context (nothing prefilled again)."""
+    eng = Engine(converted(reference.arch, "f32"), slots=1)
+    vocab = eng.info["vocab_size"]
+    context = [(i * 37 + 11) % vocab for i in range(30)]
+    options = [[(i * 13 + k) % vocab for i in range(k + 1)] for k in range(5)]
+    want = [expected(eng, context, o) for o in options]
+    private = eng.score(context, options).run()
+    first = eng.score(context, options, slot=0)
+    in_slot = first.run()
+    assert first.reused_tokens == 0
+    again = eng.score(context, options, slot=0)
+    reused = again.run()
+    assert again.reused_tokens == len(context) - 1
+    assert eng.slot_info(0)["tokens"] == context
+    for got in (private, in_slot, reused):
+        assert [n for _, n in got] == [len(o) for o in options]
+        for (lp, _), w in zip(got, want, strict=True):
+            assert abs(lp - w) <= 1e-5 * max(1.0, abs(w)), (reference.arch, lp, w)
+
+
+def test_a_question_after_a_scored_state_reuses_the_state(converted):
+    eng = Engine(converted("olmoe", "f32"), slots=1)
+    state = list(range(1, 41))
+    eng.score(state, [[5]], slot=0).run()
+    s = eng.score(state + [7, 8, 9], [[5], [6, 2]], slot=0)
+    got = s.run()
+    assert s.reused_tokens == len(state)
+    for (lp, _), o in zip(got, [[5], [6, 2]], strict=True):
+        assert abs(lp - expected(eng, state + [7, 8, 9], o)) <= 1e-5 * max(1.0, abs(lp))
+
+
+def test_bad_scoring_input_is_refused(converted):
+    eng = Engine(converted("olmoe", "f32"), slots=1)
+    with pytest.raises(ValueError, match="no tokens"):
+        eng.score([], [[1]])
+    with pytest.raises(ValueError, match="no options"):
+        eng.score([1], [])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.score([1, 2], [[eng.info["vocab_size"]]]).run()
+
+
+scores = st.lists(
+    st.floats(min_value=-1e4, max_value=1e4, allow_nan=False), min_size=1, max_size=64
+)
+
+
+@given(scores)
+def test_softmax_sums_to_one_and_keeps_the_order(s):
+    p = softmax(s)
+    assert math.isclose(sum(p), 1.0, rel_tol=1e-9)
+    assert all(0.0 <= x <= 1.0 for x in p)
+    order = ranked(p)
+    assert sorted(order) == list(range(len(s)))
+    assert all(p[a] >= p[b] for a, b in zip(order, order[1:], strict=False))
+    assert 0.0 <= entropy(p) <= 1.0 + 1e-6
+    assert 0.0 <= confidence(p) <= 1.0 + 1e-9
+
+
+@given(scores, st.randoms(use_true_random=False))
+def test_option_order_does_not_change_the_probabilities(s, rnd):
+    perm = list(range(len(s)))
+    rnd.shuffle(perm)
+    p, q = softmax(s), softmax([s[i] for i in perm])
+    for j, i in enumerate(perm):
+        assert math.isclose(q[j], p[i], rel_tol=1e-9, abs_tol=1e-300)
+
+
+@given(st.lists(st.floats(min_value=-50, max_value=50), min_size=2, max_size=16))
+def test_a_high_temperature_gives_the_uniform_distribution(s):
+    p = softmax(s, temperature=1e9)
+    assert all(math.isclose(x, 1 / len(s), rel_tol=1e-6) for x in p)
+    assert entropy(p) == pytest.approx(1.0, abs=1e-6)
+    assert confidence(p) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_entropy_and_confidence_at_the_extremes():
+    assert entropy([1.0, 0.0, 0.0]) == 0.0
+    assert entropy([0.5, 0.5]) == 1.0
+    assert confidence([1.0, 0.0, 0.0, 0.0]) == 1.0
+    assert confidence([1.0]) == 1.0
+    assert confidence([0.25] * 4) == 0.0
+    # Ties keep the input order.
+    assert ranked([0.2, 0.4, 0.4]) == [1, 2, 0]
+
+
+def test_prompts_have_the_documented_shape():
+    assert state_prefix("") == ""
+    assert question_prompt("doc", "Why?") == "Context:\ndoc\n\nQuestion: Why?\nAnswer:"
+    assert question_prompt("", None) == "Answer:"
+    cell = schema_cell_prompt("doc", "triage", [("team", 'we"b')], "urgent")
+    assert cell == 'Context:\ndoc\n\nTask: triage\n{"team": "we\\"b", "urgent": "'
