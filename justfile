@@ -33,6 +33,7 @@ bench: setup
     {{py}} benchmarks/bench_vs_llamacpp.py
     {{py}} benchmarks/bench_server_overhead.py
     {{py}} benchmarks/bench_kv_restart.py
+    {{py}} benchmarks/bench_scoring.py
     # Long prompts (prefill 512..32k, decode after 16k, TTFT through the server): hours.
     {{py}} benchmarks/bench_vs_llamacpp.py --long
 

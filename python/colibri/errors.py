@@ -4,6 +4,8 @@ envelope; chat planning and admission raise it without knowing the protocol."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ApiError(Exception):
     """A request refused with a status, a message a person can act on, and a stable code."""
@@ -15,6 +17,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -22,3 +25,5 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        # Top-level members beside the OpenAI envelope's "error" (e.g. a 422's "detail").
+        self.extra = extra or {}

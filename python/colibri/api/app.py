@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from colibri.api import anthropic, brio, openai, responses
+from colibri.api import anthropic, brio, openai, rank, responses, systemone
 from colibri.api.access_log import AccessLogMiddleware, note_error
 from colibri.api.errors import ApiError, error_response
 from colibri.api.http import json_response
@@ -156,6 +156,8 @@ def _starlette_app(served: ServedModel) -> Starlette:
         Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/brio", brio.brio, methods=["POST"]),
+        Route("/v1/systemone", systemone.systemone, methods=["POST"]),
+        Route("/v1/rank", rank.rank, methods=["POST"]),
     ]
 
     @contextlib.asynccontextmanager

@@ -24,6 +24,7 @@ _OPENAI_TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -65,7 +66,8 @@ def error_body(path: str, err: ApiError) -> bytes:
                 "type": _OPENAI_TYPES.get(err.status, "invalid_request_error"),
                 "param": err.param,
                 "code": err.code,
-            }
+            },
+            **err.extra,
         }
     )
 

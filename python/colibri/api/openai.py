@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,15 @@ from colibri.runtime.reply import Reply, collect, respond
 
 
 async def list_models(request: Request) -> Response:
-    return json_response({"object": "list", "data": [served(request).model_card()]})
+    model = served(request)
+    card = model.model_card()
+    # Jev's clients (the /v1/systemone contract) read "models" beside OpenAI's "data".
+    jev = {
+        "name": model.id,
+        "description": f"colibri serving {model.engine.info.get('architecture')}",
+        "release_date": time.strftime("%Y-%m-%d", time.gmtime(model.created)),
+    }
+    return json_response({"object": "list", "data": [card], "models": [jev]})
 
 
 async def get_model(request: Request) -> Response:

@@ -337,6 +337,8 @@ class BodyLimitMiddleware:
             413,
             f"Request body exceeds the maximum size of {self.max_bytes} bytes",
             code="request_too_large",
+            # The same body will never fit: SDKs that read this header do not retry it.
+            headers={"x-should-retry": "false"},
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

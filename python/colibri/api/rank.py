@@ -1,0 +1,103 @@
+"""``POST /v1/rank``: the CLM rank route on the scoring engine. Each candidate answer is read
+after the context and question; the reply ranks them by probability (a softmax of their
+log-probabilities over the temperature), best first (docs/API.md, "Ranking")."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from colibri.api.access_log import record_of
+from colibri.api.http import request_id, served
+from colibri.api.systemone_request import as_text, invalid, parse_json
+from colibri.errors import ApiError
+from colibri.runtime.scoring import Scorer, check_prompt, run_scoring
+from colibri.scoring.maths import ranked, softmax
+from colibri.scoring.prompts import question_prompt, state_prefix
+
+MAX_CANDIDATES = 256
+# Refusals a client must not retry as they are (seed 003: 413 and 400 carry this header).
+NO_RETRY = {"x-should-retry": "false"}
+
+
+def _too_many(message: str, code: str) -> ApiError:
+    return ApiError(413, message, code=code, headers=NO_RETRY)
+
+
+def _parse(data: Any) -> tuple[str | None, str, str | None, list[str], float]:
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object", [])
+    for key in data:
+        if key not in ("model", "context", "question", "answers", "temperature"):
+            raise invalid(f"unknown or unsupported parameter {key!r}", [key])
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("must be a string", ["model"])
+    context = data.get("context")
+    if context is not None and not isinstance(context, str | dict | list):
+        raise invalid("must be a string, an object or an array", ["context"])
+    question = data.get("question")
+    if question is not None and not isinstance(question, str):
+        raise invalid("must be a string", ["question"])
+    answers = data.get("answers")
+    if not isinstance(answers, list) or not answers:
+        raise invalid("'answers' must be a non-empty array of strings", ["answers"])
+    if len(answers) > MAX_CANDIDATES:
+        raise _too_many(
+            f"{len(answers)} candidates; at most {MAX_CANDIDATES} per request",
+            "clm_too_many_candidates",
+        )
+    for i, a in enumerate(answers):
+        if not isinstance(a, str) or not a.strip():
+            raise invalid("an answer must be a non-empty string", ["answers", i])
+    t = data.get("temperature", 1.0)
+    if t is None:
+        t = 1.0
+    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= 100:
+        raise invalid("'temperature' must be a number in (0, 100]", ["temperature"])
+    text = as_text(context) if context is not None else ""
+    q = question.strip() if question else None
+    return model, text, q or None, list(answers), float(t)
+
+
+async def rank(request: Request) -> Response:
+    started = time.perf_counter()
+    model = served(request)
+    name, context, question, answers, temperature = _parse(parse_json(await request.body()))
+    try:
+        if name is not None:
+            model.check_model(name)
+        prompt = question_prompt(context, question)
+        check_prompt(model, prompt, answers)
+    except ApiError as e:
+        e.headers.update(NO_RETRY)
+        raise
+    observer = model.observe("rank", request_id(request), request.headers, record_of(request.scope))
+
+    async def work(scorer: Scorer) -> list[float]:
+        reads = await scorer.read(prompt, answers)
+        scores = [r.logprob for r in reads]
+        if not all(math.isfinite(s) for s in scores):
+            raise ApiError(502, "the engine gave no log-probabilities", code="engine_error")
+        return softmax(scores, temperature)
+
+    done = await run_scoring(request, model, observer, None, state_prefix(context), work)
+    probs = done.value
+    body = {
+        "model": model.id,
+        "ranked": [
+            {"rank": k + 1, "candidate": answers[i], "prob": probs[i]}
+            for k, i in enumerate(ranked(probs))
+        ],
+    }
+    latency = (time.perf_counter() - started) * 1e3
+    return Response(
+        orjson.dumps(body),
+        media_type="application/json",
+        headers={**done.headers, "X-CLM-Latency-Ms": f"{latency:.1f}"},
+    )

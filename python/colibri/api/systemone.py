@@ -1,0 +1,99 @@
+"""``POST /v1/systemone``: the Jev question contract on the scoring engine. Each question
+(yes/no ``noul``, ``choice`` among labels, ``score`` on a scale) is asked after the state and
+answered from the model's log-probabilities of its options (docs/API.md, "Question scoring")."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from colibri.api.access_log import record_of
+from colibri.api.http import request_id, served
+from colibri.api.systemone_request import Question, SystemoneRequest, parse_json, parse_systemone
+from colibri.errors import ApiError
+from colibri.runtime.scoring import Scorer, check_prompt, run_scoring
+from colibri.scoring.maths import confidence, softmax
+from colibri.scoring.prompts import question_prompt, state_prefix
+
+
+def _prompt(req: SystemoneRequest, q: Question) -> str:
+    lead = f"{req.prefix}\n\n" if req.prefix else ""
+    return lead + question_prompt(req.state, q.text)
+
+
+def _answer(q: Question, probs: list[float]) -> dict[str, Any]:
+    """The question's answer from its options' probabilities (6 decimals)."""
+    if q.type == "noul":
+        return {"type": "noul", "noul": round(probs[0], 6)}
+    conf = round(confidence(probs), 6)
+    if q.type == "choice":
+        best = max(range(len(probs)), key=lambda i: (probs[i], -i))  # first label on ties
+        return {
+            "type": "choice",
+            "choice": q.options[best],
+            "probabilities": {
+                label: round(p, 6) for label, p in zip(q.options, probs, strict=True)
+            },
+            "confidence": conf,
+        }
+    return {
+        "type": "score",
+        "score": round(sum(i * p for i, p in enumerate(probs)), 6),
+        "legend": {str(i): level for i, level in enumerate(q.legend)},
+        "probabilities": {str(i): round(p, 6) for i, p in enumerate(probs)},
+        "confidence": conf,
+    }
+
+
+async def _scored(scorer: Scorer, req: SystemoneRequest, q: Question) -> list[float]:
+    reads = await scorer.read(_prompt(req, q), q.options)
+    scores = [r.score(req.normalize) for r in reads]
+    if any(s != s for s in scores):  # NaN
+        raise ApiError(502, "the engine gave no log-probabilities", code="engine_error")
+    return softmax(scores)
+
+
+async def systemone(request: Request) -> Response:
+    model = served(request)
+    req = parse_systemone(parse_json(await request.body()))
+    # Any model name is accepted (Jev clients send "jev-latest"); the reply names the served id.
+    engine_questions = [q for q in req.questions if len(q.options) > 1]
+    for q in engine_questions:
+        check_prompt(model, _prompt(req, q), q.options)
+    observer = model.observe(
+        "systemone", request_id(request), request.headers, record_of(request.scope)
+    )
+
+    async def work(scorer: Scorer) -> dict[str, list[float]]:
+        return {q.id: await _scored(scorer, req, q) for q in engine_questions}
+
+    affinity = (f"{req.prefix}\n\n" if req.prefix else "") + state_prefix(req.state)
+    if engine_questions:
+        done = await run_scoring(request, model, observer, req.cache_slot, affinity, work)
+        probs, usage, headers = done.value, done.usage, done.headers
+    else:
+        # One-label questions only: answered without the engine.
+        observer.end()
+        probs, usage, headers = {}, None, {}
+    answers = {q.id: _answer(q, probs.get(q.id, [1.0])) for q in req.questions}
+    rid = f"req_{secrets.token_hex(16)}"
+    body = {
+        "id": rid,
+        "model": model.id,
+        "provider": "colibri",
+        "answers": answers,
+        "usage": {
+            "input_tokens": usage.prompt_tokens if usage else 0,
+            "output_tokens": usage.read_tokens if usage else 0,
+            "cost": 0,
+        },
+    }
+    return Response(
+        orjson.dumps(body),
+        media_type="application/json",
+        headers={**headers, "x-typesafe-request-id": rid},
+    )
