@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from colibri import Engine
 from colibri.scoring.maths import confidence, entropy, ranked, softmax
-from colibri.scoring.prompts import question_prompt, schema_cell_prompt, state_prefix
+from colibri.scoring.prompts import (
+    question_prompt,
+    question_read,
+    schema_cell_prompt,
+    schema_read,
+    state_prefix,
+    value_continuation,
+)
 
 
 def log_softmax(row: np.ndarray) -> np.ndarray:
@@ -119,3 +126,11 @@ def test_prompts_have_the_documented_shape():
     assert question_prompt("", None) == "Answer:"
     cell = schema_cell_prompt("doc", "triage", [("team", 'we"b')], "urgent")
     assert cell == 'Context:\ndoc\n\nTask: triage\n{"team": "we\\"b", "urgent": "'
+    assert value_continuation('a"b') == 'a\\"b"'
+    # The chat form: the state as the system message, the question as the user's.
+    read = question_read("doc", "Why?")
+    assert (read.system, read.user, read.reply) == ("doc", "Why?", "")
+    assert read.continuation("yes") == " yes"
+    assert question_read("doc", None).user == "doc"
+    cell_read = schema_read("doc", None, [], "team")
+    assert cell_read.reply == '{"team": "' and cell_read.user == "Fill in the JSON object."

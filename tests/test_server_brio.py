@@ -18,6 +18,8 @@ CAPITALS = [
     "The capital of France is Paris.",
     "The capital of Italy is Rome.",
 ]
+# The demo model answers a sum with the number alone (and a capital with a sentence).
+SUMS = ["85", "45", "42"]
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +77,36 @@ def test_the_right_capital_among_four(http, question, answer):
     assert "x-colibri-queue-wait-ms" in r.headers
 
 
+@pytest.mark.parametrize(
+    ("question", "answer"),
+    [("What is 37 + 48?", "85"), ("What is 26 + 19?", "45"), ("What is 12 + 30?", "42")],
+)
+def test_the_right_sum_among_three(http, question, answer):
+    r = brio(http, question=question, options=SUMS)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["answer"] == answer and d["prompt_format"] == "chat"
+    assert d["entropy"] < 0.4  # confident
+
+
 def test_entropy_is_lower_on_a_question_the_model_knows(http):
-    def h(question: str) -> float:
-        r = brio(http, question=question, options=CAPITALS, normalize="mean")
+    def h(question: str, options: list[str], **kw) -> float:
+        r = brio(http, question=question, options=options, **kw)
         assert r.status_code == 200, r.text
         return r.json()["entropy"]
 
-    known = h("What is the capital of Portugal?")
     for nonsense in ("blorp fizzle wug?", "Hello"):
-        assert known < h(nonsense)
+        assert h("What is 37 + 48?", SUMS) < h(nonsense, SUMS)
+        known = h("What is the capital of Portugal?", CAPITALS, normalize="mean")
+        assert known < h(nonsense, CAPITALS, normalize="mean")
+
+
+def test_the_text_form_reads_the_plain_prompt(http):
+    """The contract's plain prompt (Question: ... Answer:), for models without chat."""
+    r = brio(http, question="What is the capital of Italy?", options=CAPITALS, prompt_format="text")
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["answer"] == CAPITALS[3] and d["prompt_format"] == "text"
 
 
 def test_questions_share_the_state_prefilled_once(http):
@@ -170,6 +193,7 @@ def test_a_messages_state_is_accepted(http):
         ({"state": "s", "options": ["a", "b"], "task": "t"}, 400, "task", None),
         ({"state": "s", "options": ["a", "b"], "cache_slot": 9}, 400, "cache_slot", None),
         ({"state": "s", "options": ["a", "b"], "cache_slot": "x"}, 400, "cache_slot", None),
+        ({"state": "s", "options": ["a", "b"], "prompt_format": "xml"}, 400, "prompt_format", None),
         (
             {
                 "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}],

@@ -18,29 +18,36 @@ from colibri.api.access_log import record_of
 from colibri.api.brio_request import BrioQuestion, BrioRequest, parse_brio
 from colibri.api.http import read_json, request_id, served
 from colibri.errors import ApiError
-from colibri.runtime.scoring import Scorer, Usage, check_prompt, run_scoring
+from colibri.runtime.scoring import (
+    Scorer,
+    Usage,
+    check_prompt,
+    prompt_format,
+    run_scoring,
+)
 from colibri.runtime.served import ServedModel
 from colibri.scoring.maths import OptionRead, entropy, ranked, softmax
-from colibri.scoring.prompts import question_prompt, schema_cell_prompt, state_prefix
+from colibri.scoring.prompts import question_read, schema_read, value_continuation
 
 log = logging.getLogger("colibri.scoring")
 
 
-def _value_continuation(value: str) -> str:
-    """A schema value as the rest of the open JSON string it fills: escaped, then closed."""
-    return orjson.dumps(value).decode()[1:]
-
-
-def _check_before_admission(model: ServedModel, req: BrioRequest) -> None:
+def _check_before_admission(model: ServedModel, req: BrioRequest, fmt: str) -> list[int]:
     """Every prompt with its longest option must fit the context (for a schema, each cell with
-    the longest values of the fields before it)."""
+    the longest values of the fields before it). Returns the first prompt's context tokens
+    (the slot whose history shares most with them is chosen)."""
+    first: list[int] | None = None
     for q in req.questions:
-        check_prompt(model, question_prompt(req.state, q.question), q.options)
+        context = check_prompt(model, question_read(req.state, q.question), q.options, fmt)
+        first = first or context
     chosen: list[tuple[str, Any]] = []
     for name, values in req.fields:
-        prompt = schema_cell_prompt(req.state, req.task, chosen, name)
-        check_prompt(model, prompt, [_value_continuation(v) for v in values], joiner="")
+        read = schema_read(req.state, req.task, chosen, name)
+        context = check_prompt(model, read, [value_continuation(v) for v in values], fmt)
+        first = first or context
         chosen.append((name, max(values, key=len)))
+    assert first is not None
+    return first
 
 
 def _choices(reads: list[OptionRead], normalize: str) -> tuple[list[dict[str, Any]], float]:
@@ -68,8 +75,8 @@ def _choices(reads: list[OptionRead], normalize: str) -> tuple[list[dict[str, An
     return choices, entropy(probs)
 
 
-async def _answer(scorer: Scorer, state: str, q: BrioQuestion) -> dict[str, Any]:
-    reads = await scorer.read(question_prompt(state, q.question), q.options)
+async def _answer(scorer: Scorer, state: str, q: BrioQuestion, fmt: str) -> dict[str, Any]:
+    reads = await scorer.read(question_read(state, q.question), q.options, fmt)
     choices, h = _choices(reads, q.normalize)
     return {
         "answer": choices[0]["option"],
@@ -79,13 +86,12 @@ async def _answer(scorer: Scorer, state: str, q: BrioQuestion) -> dict[str, Any]
     }
 
 
-async def _schema(scorer: Scorer, req: BrioRequest) -> dict[str, Any]:
+async def _schema(scorer: Scorer, req: BrioRequest, fmt: str) -> dict[str, Any]:
     chosen: list[tuple[str, Any]] = []
     fields = []
     for name, values in req.fields:
-        prompt = schema_cell_prompt(req.state, req.task, chosen, name)
-        continuations = [_value_continuation(v) for v in values]
-        reads = await scorer.read(prompt, continuations, joiner="")
+        read = schema_read(req.state, req.task, chosen, name)
+        reads = await scorer.read(read, [value_continuation(v) for v in values], fmt)
         choices, h = _choices(
             [OptionRead(v, r.logprob, r.tokens) for v, r in zip(values, reads, strict=True)],
             req.normalize,
@@ -104,14 +110,17 @@ async def _schema(scorer: Scorer, req: BrioRequest) -> dict[str, Any]:
     return {"json": dict(chosen), "fields": fields, "normalize": req.normalize}
 
 
-async def _run(scorer: Scorer, req: BrioRequest) -> dict[str, Any]:
+async def _run(scorer: Scorer, req: BrioRequest, fmt: str) -> dict[str, Any]:
     if req.form == "schema":
-        return {"object": "brio.schema", **await _schema(scorer, req)}
+        return {"object": "brio.schema", **await _schema(scorer, req, fmt)}
     if req.form == "options":
-        return {"object": "brio.choice", **await _answer(scorer, req.state, req.questions[0])}
+        return {
+            "object": "brio.choice",
+            **await _answer(scorer, req.state, req.questions[0], fmt),
+        }
     answers = []
     for q in req.questions:
-        answers.append({"question": q.question, **await _answer(scorer, req.state, q)})
+        answers.append({"question": q.question, **await _answer(scorer, req.state, q, fmt)})
     return {"object": "brio.answers", "answers": answers}
 
 
@@ -129,17 +138,17 @@ async def brio(request: Request) -> Response:
     model = served(request)
     req = parse_brio(await read_json(request))
     model.check_model(req.model)
-    _check_before_admission(model, req)
+    fmt = prompt_format(model, req.prompt_format)
+    affinity = _check_before_admission(model, req, fmt)
     observer = model.observe("brio", request_id(request), request.headers, record_of(request.scope))
 
     async def work(scorer: Scorer) -> dict[str, Any]:
-        return await _run(scorer, req)
+        return await _run(scorer, req, fmt)
 
-    done = await run_scoring(
-        request, model, observer, req.cache_slot, state_prefix(req.state), work
-    )
+    done = await run_scoring(request, model, observer, req.cache_slot, affinity, work)
     body = {
         **done.value,
+        "prompt_format": fmt,
         "id": f"brio-{secrets.token_hex(12)}",
         "created": int(time.time()),
         "model": model.id,

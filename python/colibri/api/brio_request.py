@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from colibri.api.validate import Body, bad
-from colibri.scoring.prompts import messages_state
+from colibri.scoring.prompts import FORMATS, messages_state
 
 MIN_OPTIONS = 2
 MAX_OPTIONS = 64
@@ -36,6 +36,8 @@ class BrioRequest:
     # schema form: the fields in order with their allowed values, and the task.
     fields: list[tuple[str, list[str]]]
     task: str | None
+    # "chat", "text", or None: the model's default (runtime/scoring.py prompt_format).
+    prompt_format: str | None = None
 
 
 def _options(value: Any, param: str) -> list[str]:
@@ -146,6 +148,9 @@ def parse_brio(data: Any) -> BrioRequest:
     normalize = _normalize(body.raw("normalize"), "normalize", "sum")
     cache_slot = body.integer("cache_slot", minimum=0)
     task = body.string("task")
+    prompt_format = body.raw("prompt_format")
+    if prompt_format is not None and prompt_format not in FORMATS:
+        raise bad("'prompt_format' must be 'chat' or 'text'", param="prompt_format")
     questions: list[BrioQuestion] = []
     fields: list[tuple[str, list[str]]] = []
     if form == "options":
@@ -169,4 +174,6 @@ def parse_brio(data: Any) -> BrioRequest:
     if task is not None and form != "schema":
         raise bad("'task' belongs to the schema form", param="task")
     body.finish()
-    return BrioRequest(model, form, state, normalize, cache_slot, questions, fields, task)
+    return BrioRequest(
+        model, form, state, normalize, cache_slot, questions, fields, task, prompt_format
+    )

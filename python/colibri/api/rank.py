@@ -16,9 +16,9 @@ from colibri.api.access_log import record_of
 from colibri.api.http import request_id, served
 from colibri.api.systemone_request import as_text, invalid, parse_json
 from colibri.errors import ApiError
-from colibri.runtime.scoring import Scorer, check_prompt, run_scoring
+from colibri.runtime.scoring import Scorer, check_prompt, prompt_format, run_scoring
 from colibri.scoring.maths import ranked, softmax
-from colibri.scoring.prompts import question_prompt, state_prefix
+from colibri.scoring.prompts import FORMATS, question_read
 
 MAX_CANDIDATES = 256
 # Refusals a client must not retry as they are (seed 003: 413 and 400 carry this header).
@@ -29,11 +29,11 @@ def _too_many(message: str, code: str) -> ApiError:
     return ApiError(413, message, code=code, headers=NO_RETRY)
 
 
-def _parse(data: Any) -> tuple[str | None, str, str | None, list[str], float]:
+def _parse(data: Any) -> tuple[str | None, str, str | None, list[str], float, str | None]:
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", [])
     for key in data:
-        if key not in ("model", "context", "question", "answers", "temperature"):
+        if key not in ("model", "context", "question", "answers", "temperature", "prompt_format"):
             raise invalid(f"unknown or unsupported parameter {key!r}", [key])
     model = data.get("model")
     if model is not None and not isinstance(model, str):
@@ -60,33 +60,41 @@ def _parse(data: Any) -> tuple[str | None, str, str | None, list[str], float]:
         t = 1.0
     if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= 100:
         raise invalid("'temperature' must be a number in (0, 100]", ["temperature"])
+    fmt = data.get("prompt_format")
+    if fmt is not None and fmt not in FORMATS:
+        raise invalid("must be 'chat' or 'text'", ["prompt_format"])
     text = as_text(context) if context is not None else ""
     q = question.strip() if question else None
-    return model, text, q or None, list(answers), float(t)
+    return model, text, q or None, list(answers), float(t), fmt
 
 
 async def rank(request: Request) -> Response:
     started = time.perf_counter()
     model = served(request)
-    name, context, question, answers, temperature = _parse(parse_json(await request.body()))
+    name, context, question, answers, temperature, requested = _parse(
+        parse_json(await request.body())
+    )
+    fmt = prompt_format(model, requested)
+    if not context and not question:
+        raise invalid("give a 'context' or a 'question' to rank the answers after", ["question"])
+    read = question_read(context, question)
     try:
         if name is not None:
             model.check_model(name)
-        prompt = question_prompt(context, question)
-        check_prompt(model, prompt, answers)
+        affinity = check_prompt(model, read, answers, fmt)
     except ApiError as e:
         e.headers.update(NO_RETRY)
         raise
     observer = model.observe("rank", request_id(request), request.headers, record_of(request.scope))
 
     async def work(scorer: Scorer) -> list[float]:
-        reads = await scorer.read(prompt, answers)
+        reads = await scorer.read(read, answers, fmt)
         scores = [r.logprob for r in reads]
         if not all(math.isfinite(s) for s in scores):
             raise ApiError(502, "the engine gave no log-probabilities", code="engine_error")
         return softmax(scores, temperature)
 
-    done = await run_scoring(request, model, observer, None, state_prefix(context), work)
+    done = await run_scoring(request, model, observer, None, affinity, work)
     probs = done.value
     body = {
         "model": model.id,

@@ -15,14 +15,18 @@ from colibri.api.access_log import record_of
 from colibri.api.http import request_id, served
 from colibri.api.systemone_request import Question, SystemoneRequest, parse_json, parse_systemone
 from colibri.errors import ApiError
-from colibri.runtime.scoring import Scorer, check_prompt, run_scoring
+from colibri.runtime.scoring import Scorer, check_prompt, prompt_format, run_scoring
 from colibri.scoring.maths import confidence, softmax
-from colibri.scoring.prompts import question_prompt, state_prefix
+from colibri.scoring.prompts import Read, question_read
 
 
-def _prompt(req: SystemoneRequest, q: Question) -> str:
+def _read(req: SystemoneRequest, q: Question) -> Read:
     lead = f"{req.prefix}\n\n" if req.prefix else ""
-    return lead + question_prompt(req.state, q.text)
+    read = question_read(req.state, q.text)
+    # The prefix leads both forms: the text prompt, and the system message (or, with no
+    # state, a system message of its own).
+    system = f"{lead}{read.system}" if read.system else (req.prefix or None)
+    return Read(lead + read.text, read.joiner, system, read.user)
 
 
 def _answer(q: Question, probs: list[float]) -> dict[str, Any]:
@@ -49,8 +53,8 @@ def _answer(q: Question, probs: list[float]) -> dict[str, Any]:
     }
 
 
-async def _scored(scorer: Scorer, req: SystemoneRequest, q: Question) -> list[float]:
-    reads = await scorer.read(_prompt(req, q), q.options)
+async def _scored(scorer: Scorer, req: SystemoneRequest, q: Question, fmt: str) -> list[float]:
+    reads = await scorer.read(_read(req, q), q.options, fmt)
     scores = [r.score(req.normalize) for r in reads]
     if any(s != s for s in scores):  # NaN
         raise ApiError(502, "the engine gave no log-probabilities", code="engine_error")
@@ -61,19 +65,18 @@ async def systemone(request: Request) -> Response:
     model = served(request)
     req = parse_systemone(parse_json(await request.body()))
     # Any model name is accepted (Jev clients send "jev-latest"); the reply names the served id.
+    fmt = prompt_format(model, req.prompt_format)
     engine_questions = [q for q in req.questions if len(q.options) > 1]
-    for q in engine_questions:
-        check_prompt(model, _prompt(req, q), q.options)
+    contexts = [check_prompt(model, _read(req, q), q.options, fmt) for q in engine_questions]
     observer = model.observe(
         "systemone", request_id(request), request.headers, record_of(request.scope)
     )
 
     async def work(scorer: Scorer) -> dict[str, list[float]]:
-        return {q.id: await _scored(scorer, req, q) for q in engine_questions}
+        return {q.id: await _scored(scorer, req, q, fmt) for q in engine_questions}
 
-    affinity = (f"{req.prefix}\n\n" if req.prefix else "") + state_prefix(req.state)
     if engine_questions:
-        done = await run_scoring(request, model, observer, req.cache_slot, affinity, work)
+        done = await run_scoring(request, model, observer, req.cache_slot, contexts[0], work)
         probs, usage, headers = done.value, done.usage, done.headers
     else:
         # One-label questions only: answered without the engine.

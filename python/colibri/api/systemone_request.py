@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from colibri.errors import ApiError
+from colibri.scoring.prompts import FORMATS
 
 MAX_QUESTIONS = 64
 MAX_LABELS = 255
@@ -68,6 +69,7 @@ class SystemoneRequest:
     normalize: str
     prefix: str | None
     cache_slot: int | None
+    prompt_format: str | None = None
 
 
 def _optional_text(value: Any, loc: list[str | int]) -> str | None:
@@ -178,6 +180,9 @@ def parse_systemone(data: Any) -> SystemoneRequest:
     prefix = data.get("prefix")
     if prefix is not None and (not isinstance(prefix, str) or not prefix.strip()):
         raise invalid("must be a non-empty string", ["prefix"])
+    fmt = data.get("prompt_format")
+    if fmt is not None and fmt not in FORMATS:
+        raise invalid("must be 'chat' or 'text'", ["prompt_format"])
     slot = data.get("cache_slot")
     if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or slot < 0):
         raise invalid("must be an integer >= 0", ["cache_slot"])
@@ -188,4 +193,5 @@ def parse_systemone(data: Any) -> SystemoneRequest:
         str(normalize),
         prefix,
         slot,
+        fmt,
     )

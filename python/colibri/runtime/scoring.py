@@ -11,12 +11,16 @@ from typing import Generic, TypeVar
 
 from starlette.requests import Request
 
+from colibri.chat.literal import shield, tokenize_shielded
+from colibri.chat.render import ContinuationRefused, render_chat
+from colibri.chat.template import TemplateRefused
 from colibri.errors import ApiError
 from colibri.observability import RequestObserver
-from colibri.runtime.admission import admit, until_disconnect
+from colibri.runtime.admission import admit, shared_prefix, until_disconnect
 from colibri.runtime.scheduler import Lease
 from colibri.runtime.served import ServedModel
 from colibri.scoring.maths import OptionRead
+from colibri.scoring.prompts import Read
 
 T = TypeVar("T")
 
@@ -32,29 +36,85 @@ class Usage:
     engine_calls: int = 0
 
 
-def read_tokens(
-    model: ServedModel, prompt: str, options: Sequence[str], joiner: str
-) -> tuple[list[int], list[list[int]]]:
-    """The prompt's tokens and each option's: the tokens of ``prompt + joiner + option`` after
-    the prompt's own, or, where the tokenizer merges across that boundary, the continuation
-    ``joiner + option`` tokenized alone. Text is read literally (a special token's string in it
-    is ordinary text)."""
+# The assistant reply rendered to find where a reply starts in the chat form (no template
+# rewrites a plain letter).
+_PROBE = "x"
+
+
+def prompt_format(model: ServedModel, requested: str | None) -> str:
+    """The form prompts are read in: as requested, else "chat" when the model has a chat
+    template (what a chat model was trained on), else "text"."""
+    if requested is not None:
+        return requested
+    return "chat" if model.template is not None else "text"
+
+
+def _chat_sequences(
+    model: ServedModel, read: Read, options: Sequence[str]
+) -> tuple[list[int], list[list[int]]] | None:
+    """The chat form's tokens: the conversation up to the assistant's reply so far, and that
+    followed by each option; None when the template cannot put text at the start of a reply
+    (the caller falls back to the text form)."""
+    if model.template is None:
+        return None
     engine = model.engine
-    context = engine.tokenize_literal(prompt)
-    n = len(context)
-    out = []
-    for option in options:
-        full = engine.tokenize_literal(prompt + joiner + option)
-        out.append(full[n:] if full[:n] == context else engine.tokenize_literal(joiner + option))
-    return context, out
+    specials = engine.special_tokens
+    messages = [{"role": "system", "content": read.system}] if read.system else []
+    messages.append({"role": "user", "content": read.user})
+    shielded = shield(messages, specials)
+    try:
+        rendered = render_chat(
+            model.template,
+            model.family,
+            [*shielded.messages, {"role": "assistant", "content": _PROBE}],
+            enable_thinking=False,
+        )
+    except (ContinuationRefused, TemplateRefused):
+        return None
+    if not rendered.continued or not rendered.text.endswith(_PROBE):
+        return None
+    head = rendered.text[: -len(_PROBE)]
+
+    def tokens(tail: str) -> list[int]:
+        # The reply is the caller's text: where it spells a special token, it stays text.
+        if any(s in tail for s in specials):
+            return tokenize_shielded(
+                head, shielded, engine.tokenize, engine.tokenize_literal
+            ) + engine.tokenize_literal(tail)
+        return tokenize_shielded(head + tail, shielded, engine.tokenize, engine.tokenize_literal)
+
+    return tokens(read.reply), [tokens(read.reply + o) for o in options]
 
 
-def check_prompt(
-    model: ServedModel, prompt: str, options: Sequence[str], joiner: str = " "
-) -> None:
-    """Refuses (before admission) a prompt whose longest option would not fit the context."""
-    context, option_ids = read_tokens(model, prompt, options, joiner)
+def read_tokens(
+    model: ServedModel, read: Read, options: Sequence[str], fmt: str
+) -> tuple[list[int], list[list[int]]]:
+    """The context's tokens and each option's, in form ``fmt``. Each option's sequence is the
+    tokenization of the whole text up to and with it (text read literally: a special token's
+    string in what the caller wrote is ordinary text); the context is the part every sequence
+    and the prompt alone share, so a tokenizer that merges across the boundary (``Answer:`` +
+    `` Lisbon``) is read as it would tokenize the whole text."""
+    chat = _chat_sequences(model, read, options) if fmt == "chat" else None
+    if chat is not None:
+        base, fulls = chat
+    else:
+        literal = model.engine.tokenize_literal
+        base = literal(read.text)
+        fulls = [literal(read.text + read.continuation(o)) for o in options]
+    n = len(base)
+    for f in fulls:
+        n = min(n, shared_prefix(base, f), len(f) - 1)
+    if n < 1:
+        raise ApiError(400, "nothing to read the options after: the prompt is empty")
+    return base[:n], [f[n:] for f in fulls]
+
+
+def check_prompt(model: ServedModel, read: Read, options: Sequence[str], fmt: str) -> list[int]:
+    """Refuses (before admission) a prompt whose longest option would not fit the context;
+    returns the prompt's context tokens."""
+    context, option_ids = read_tokens(model, read, options, fmt)
     check_fits(model, len(context) + max((len(o) for o in option_ids), default=0))
+    return context
 
 
 class Scorer:
@@ -66,11 +126,9 @@ class Scorer:
         self.observer = observer
         self.usage = Usage()
 
-    async def read(
-        self, prompt: str, options: Sequence[str], joiner: str = " "
-    ) -> list[OptionRead]:
-        """Each option's log-probability after ``prompt`` (the option follows ``joiner``)."""
-        context, option_ids = read_tokens(self.model, prompt, options, joiner)
+    async def read(self, read: Read, options: Sequence[str], fmt: str) -> list[OptionRead]:
+        """Each option's log-probability after ``read``'s prompt in form ``fmt``."""
+        context, option_ids = read_tokens(self.model, read, options, fmt)
         check_fits(self.model, len(context) + max((len(o) for o in option_ids), default=0))
         scored = await self.model.generator.score(
             context, option_ids, self.observer, self.lease.slot
@@ -120,11 +178,11 @@ async def run_scoring(
     model: ServedModel,
     observer: RequestObserver,
     cache_slot: int | None,
-    affinity: str,
+    affinity: list[int] | None,
     work: Callable[[Scorer], Awaitable[T]],
 ) -> Timed[T]:
     """Admits the request to a KV slot (``cache_slot``, else the free slot whose history
-    shares most with ``affinity``, the text every prompt of the request starts with), runs
+    shares most with ``affinity``, the tokens the request's first prompt starts with), runs
     ``work`` with a :class:`Scorer` on it, and gives the slot back however it ends. A client
     that disconnects stops the work after the engine step in flight."""
     started = time.perf_counter()
@@ -135,8 +193,7 @@ async def run_scoring(
                 f"the engine failed and cannot score: {model.generator.dead}; restart the server",
                 code="engine_failed",
             )
-        prefix = model.engine.tokenize_literal(affinity) if affinity else None
-        lease = await admit(request, model, cache_slot, observer, prefix)
+        lease = await admit(request, model, cache_slot, observer, affinity)
     except BaseException:
         observer.end()
         raise
