@@ -5,6 +5,7 @@ question, not just on the options' own text."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -221,3 +222,27 @@ def test_refusals(http, body, status, param, code):
     if code is not None:
         assert err["code"] == code
     assert err["message"]
+
+
+def test_a_client_that_goes_away_stops_the_scoring(http):
+    """64 questions of 64 sentence options (seconds of work): the client gives up after a
+    moment; the server stops after the engine step in flight and gives the slot back."""
+    before = http.get("/health").json()
+    options = [f"The capital of Portugal is Lisbon number {i}." for i in range(64)]
+    body = {
+        "model": MODEL,
+        "state": "A note.",
+        "questions": [{"question": f"Question {i}?", "options": options} for i in range(64)],
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/brio", json=body, timeout=1.0)
+    deadline = time.monotonic() + 5
+    while True:
+        now = http.get("/health").json()
+        if now["active"] == 0 and now["cancelled"] > before["cancelled"]:
+            break
+        assert time.monotonic() < deadline, (before, now)
+        time.sleep(0.05)
+    # The server goes on serving.
+    r = brio(http, question="What is 37 + 48?", options=SUMS)
+    assert r.status_code == 200 and r.json()["answer"] == "85"

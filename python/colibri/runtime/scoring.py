@@ -16,7 +16,7 @@ from colibri.chat.render import ContinuationRefused, render_chat
 from colibri.chat.template import TemplateRefused
 from colibri.errors import ApiError
 from colibri.observability import RequestObserver
-from colibri.runtime.admission import admit, shared_prefix, until_disconnect
+from colibri.runtime.admission import ClientGone, admit, shared_prefix, until_disconnect
 from colibri.runtime.scheduler import Lease
 from colibri.runtime.served import ServedModel
 from colibri.scoring.maths import OptionRead
@@ -202,6 +202,8 @@ async def run_scoring(
     try:
         value = await until_disconnect(request, work(scorer))
         outcome = "completed"
+    except ClientGone:
+        raise  # "cancelled"
     except Exception:
         outcome = "failed"
         raise
