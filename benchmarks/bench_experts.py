@@ -125,15 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = a.cache or Path(
         os.environ.get("COLIBRI_BENCH_CACHE", Path.home() / ".cache" / "colibri-bench")
     )
-    p = base.Paths(cache, 16)
-    model = a.model or p.colibri_model
-    if not (model / "manifest.json").exists():
-        exe = base.find_colibri(None)
-        if exe is None:
-            raise SystemExit(f"no model at {model} and no colibri executable to convert one")
-        base.setup_venv(p)
-        base.setup_model(p, 0, 16)
-        base.setup_colibri_model(p, exe, False)
+    model = base.ensure_colibri_model(base.Paths(cache, 16), a.model)
     build()
     configs = [c for c in CONFIGS if not a.quick or c[0] in QUICK]
     common = ["--threads", a.threads, "--tokens", a.tokens, "--prompt", a.prompt, "--rounds", 2]

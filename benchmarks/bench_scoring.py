@@ -89,15 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     cache = a.cache or Path(
         os.environ.get("COLIBRI_BENCH_CACHE", Path.home() / ".cache" / "colibri-bench")
     )
-    p = base.Paths(cache, 16)
-    model = a.model or p.colibri_model
-    if not (model / "manifest.json").exists():
-        exe = base.find_colibri(None)
-        if exe is None:
-            raise SystemExit(f"no model at {model} and no colibri executable to convert one")
-        base.setup_venv(p)
-        base.setup_model(p, 0, 16)
-        base.setup_colibri_model(p, exe, False)
+    model = base.ensure_colibri_model(base.Paths(cache, 16), a.model)
     engine = Engine(model, threads=a.threads, slots=1)
     one_round(engine, 64, 999)  # warm-up: page cache, allocations
     ratios, rows = [], []

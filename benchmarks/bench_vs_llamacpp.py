@@ -66,11 +66,9 @@ from vs_llamacpp.prepare import (  # noqa: E402
     MODEL_CONTEXT,
     Paths,
     colibri_runs,
-    find_colibri,  # noqa: F401  (bench_experts.py uses these from here)
+    ensure_colibri_model,  # noqa: F401  (bench_experts.py and bench_scoring.py use it)
     setup_all,
     setup_colibri_model,
-    setup_model,  # noqa: F401
-    setup_venv,  # noqa: F401
 )
 from vs_llamacpp.report import build_report, bytes_per_decoded_token  # noqa: E402
 

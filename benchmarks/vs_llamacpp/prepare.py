@@ -322,6 +322,20 @@ def colibri_python(exe: Path) -> Path | None:
     return None
 
 
+def ensure_colibri_model(p: Paths, model: Path | None) -> Path:
+    """``model``, or the bench's own int4 model (made if missing: the random checkpoint and its
+    conversion, nothing of llama.cpp): for the benchmarks that measure colibri alone."""
+    model = model or p.colibri_model
+    if not (model / "manifest.json").exists():
+        exe = find_colibri(None)
+        if exe is None:
+            raise SystemExit(f"no model at {model} and no colibri executable to convert one")
+        setup_venv(p)
+        setup_model(p, 0, 16)
+        setup_colibri_model(p, exe, False)
+    return model
+
+
 def setup_colibri_model(p: Paths, exe: Path, force: bool) -> None:
     hf_stamp = read_json(p.hf / "colibri_bench_complete.json")
     want = {"hf": hf_stamp, "colibri": colibri_version(exe), "quant": "int4"}

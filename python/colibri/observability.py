@@ -246,13 +246,8 @@ class RequestObserver:
         if self._first_token is None:
             self._prefill_ended()
             self._first_token = time.perf_counter()
-            self._prefilled = self._prompt_tokens - reused
-            self._metrics.prompt_tokens.inc(self._prefilled)
-            self.root.set_attribute("colibri.cached_tokens", reused)
-            if self._record is not None:
-                self._record.cached_tokens = reused
+            self._prompt_done(reused)
             if self._prefill is not None:
-                self._prefill.set_attribute("colibri.prefilled_tokens", self._prefilled)
                 self._prefill.end()
             self._decode = self._tracer.start_span("decode", context=self._ctx)
         self._metrics.generated_tokens.inc()
@@ -290,6 +285,12 @@ class RequestObserver:
     def scored(self, reused: int, reason: str, error: str | None) -> None:
         """A scoring engine call ended (``reason`` "scored", "cancelled" or "error"): its
         context's prefill counted like a prompt's, the call's duration observed."""
+        self._prompt_done(reused)
+        self.engine_finished(reason, 0, error)
+
+    def _prompt_done(self, reused: int) -> None:
+        """The prompt is in the slot: ``reused`` of its tokens came from the slot's history,
+        the rest were prefilled."""
         self._prefilled = self._prompt_tokens - reused
         self._metrics.prompt_tokens.inc(self._prefilled)
         self.root.set_attribute("colibri.cached_tokens", reused)
@@ -297,7 +298,6 @@ class RequestObserver:
             self._record.cached_tokens = reused
         if self._prefill is not None:
             self._prefill.set_attribute("colibri.prefilled_tokens", self._prefilled)
-        self.engine_finished(reason, 0, error)
 
     def end(self) -> None:
         self.root.end()

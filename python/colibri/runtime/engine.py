@@ -198,27 +198,21 @@ class Engine:
         return dict(self._model.slot_info(slot))
 
 
-class _Tokens(Iterator[int]):
-    """Iterator over a Rust token stream; ``close()`` ends it for good (and ends the slot's
-    turn: a persistent slot is synced to disk)."""
+class _Stepped:
+    """A Rust stream stepped from Python: a part of a prompt's prefill, or one result, per
+    ``step()``; ``close()`` ends it for good (and ends the slot's turn: a persistent slot is
+    synced to disk)."""
 
     def __init__(self, stream: Any) -> None:
-        self._stream: Any | None = stream
+        self._stream = stream
+        self._closed = False
         self.reused_tokens: int | None = None
 
-    def __next__(self) -> int:
-        if self._stream is None:
-            raise StopIteration
-        tok = next(self._stream)
-        if self.reused_tokens is None:
-            self.reused_tokens = self._stream.reused_tokens
-        return int(tok)
-
     def step(self) -> int | tuple[int, int] | None:
-        """One step of the generation: a token id; ``(done, total)`` prompt tokens once a part
-        of the prefill is computed (a long prompt prefills in steps of about half a second, so
-        the caller can report progress and stop between them); None once it has ended."""
-        if self._stream is None:
+        """One step: ``(done, total)`` prompt tokens once a part of the prefill is computed (a
+        long prompt prefills in steps of about half a second, so the caller can report progress
+        and stop between them); an int result; None once it has ended."""
+        if self._closed:
             return None
         step = self._stream.step()
         if self.reused_tokens is None:
@@ -228,36 +222,31 @@ class _Tokens(Iterator[int]):
         return int(step)
 
     def close(self) -> None:
-        if self._stream is not None:
+        if not self._closed:
             self._stream.close()
-        self._stream = None
+        self._closed = True
 
 
-class _Scoring:
-    """A scoring in progress on the engine (see :meth:`Engine.score`)."""
+class _Tokens(_Stepped, Iterator[int]):
+    """A generation's tokens (``step()`` results are token ids)."""
 
-    def __init__(self, stream: Any) -> None:
-        self._stream: Any | None = stream
-        self.reused_tokens: int | None = None
-
-    def step(self) -> int | tuple[int, int] | None:
-        """One step: ``(done, total)`` context tokens once a part of its prefill is computed;
-        the index of the option just scored; None once every option is scored."""
-        if self._stream is None:
-            return None
-        step = self._stream.step()
+    def __next__(self) -> int:
+        if self._closed:
+            raise StopIteration
+        tok = next(self._stream)
         if self.reused_tokens is None:
             self.reused_tokens = self._stream.reused_tokens
-        if step is None or isinstance(step, tuple):
-            return step
-        return int(step)
+        return int(tok)
+
+
+class _Scoring(_Stepped):
+    """A scoring in progress on the engine (see :meth:`Engine.score`); ``step()`` results are
+    the index of the option just scored."""
 
     @property
     def scores(self) -> list[tuple[float, int]]:
         """``(logprob, tokens)`` per option scored so far: the natural-log probability of the
         option's tokens after the context, and how many tokens it has."""
-        if self._stream is None:
-            return []
         return [(float(lp), int(n)) for lp, n in self._stream.scores]
 
     def run(self) -> list[tuple[float, int]]:
@@ -265,10 +254,6 @@ class _Scoring:
         while self.step() is not None:
             pass
         return self.scores
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
 
 
 def convert(
