@@ -21,6 +21,9 @@ use crate::format::*;
 use crate::model::plan::{self, Plan, MLP_PARTS};
 use crate::quant;
 
+mod fp8;
+use fp8::Fp8Blocks;
+
 fn ck(msg: impl Into<String>) -> Error {
     Error::Checkpoint(msg.into())
 }
@@ -38,10 +41,13 @@ struct TensorMeta {
 struct Checkpoint {
     maps: Vec<Mmap>,
     index: HashMap<String, TensorMeta>,
+    /// The block shape of FP8 weights, when config.json says the checkpoint has them.
+    fp8: Option<Fp8Blocks>,
 }
 
 impl Checkpoint {
-    fn open(dir: &Path) -> Result<Checkpoint> {
+    fn open(dir: &Path, config: &serde_json::Value) -> Result<Checkpoint> {
+        let fp8 = Fp8Blocks::from_config(config)?;
         let mut files: Vec<PathBuf> = fs::read_dir(dir)
             .map_err(io_err(dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -80,7 +86,7 @@ impl Checkpoint {
             }
             maps.push(map);
         }
-        Ok(Checkpoint { maps, index })
+        Ok(Checkpoint { maps, index, fp8 })
     }
 
     fn has(&self, name: &str) -> bool {
@@ -94,7 +100,7 @@ impl Checkpoint {
             .index
             .get(name)
             .ok_or_else(|| ck(format!("missing tensor `{name}`")))?;
-        check_dtype(name, m.dtype)?;
+        self.check_dtype(name, m)?;
         if m.shape != shape {
             return Err(ck(format!(
                 "tensor `{name}` has shape {:?}, expected {shape:?}",
@@ -126,13 +132,59 @@ impl Checkpoint {
             .index
             .get(name)
             .ok_or_else(|| ck(format!("missing tensor `{name}`")))?;
-        check_dtype(name, m.dtype)?;
+        self.check_dtype(name, m)?;
         Ok(m)
+    }
+
+    /// A supported dtype: BF16, F16, F32, or FP8 e4m3 as a 2-D weight with its block scales
+    /// (a checkpoint whose config declares FP8 blocks).
+    fn check_dtype(&self, name: &str, m: &TensorMeta) -> Result<()> {
+        if m.dtype != Dtype::F8_E4M3 {
+            return check_dtype(name, m.dtype);
+        }
+        let Some(blocks) = self.fp8 else {
+            return Err(ck(format!(
+                "tensor `{name}` is FP8 (F8_E4M3) but config.json has no quantization_config                  with quant_method \"fp8\" saying how it is scaled"
+            )));
+        };
+        if m.shape.len() != 2 {
+            return Err(ck(format!(
+                "tensor `{name}` is FP8 with shape {:?}: only 2-D FP8 weights are supported",
+                m.shape
+            )));
+        }
+        let scale = fp8::scale_name(name);
+        let s = self
+            .index
+            .get(&scale)
+            .ok_or_else(|| ck(format!("tensor `{name}` is FP8 but `{scale}` is missing")))?;
+        check_dtype(&scale, s.dtype)?;
+        let want = blocks.scale_shape(&m.shape);
+        if s.shape != want {
+            return Err(ck(format!(
+                "tensor `{scale}` has shape {:?}, expected {want:?} (blocks of {} x {} over                  `{name}` {:?})",
+                s.shape, blocks.rows, blocks.cols, m.shape
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether `name` is the scale tensor of an FP8 weight (read with the weight).
+    fn is_fp8_scale(&self, name: &str) -> bool {
+        fp8::scaled_weight(name)
+            .and_then(|w| self.index.get(w))
+            .is_some_and(|m| m.dtype == Dtype::F8_E4M3)
     }
 
     /// Elements `[first, first + count)` of the flattened tensor, as f32.
     fn read_elements(&self, name: &str, first: usize, count: usize) -> Result<Vec<f32>> {
         let m = self.meta(name)?;
+        if m.dtype == Dtype::F8_E4M3 {
+            let blocks = self.fp8.expect("meta() checked the FP8 config");
+            let (scales, _) = self.read_any(&fp8::scale_name(name))?;
+            let q = &self.maps[m.shard][m.data.clone()];
+            return fp8::dequantize(name, q, m.shape[1], &scales, blocks, first, count);
+        }
         let width = match m.dtype {
             Dtype::F32 => 4,
             _ => 2,
@@ -164,7 +216,8 @@ fn check_dtype(name: &str, dtype: Dtype) -> Result<()> {
     match dtype {
         Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok(()),
         other => Err(ck(format!(
-            "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32"
+            "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32 (and F8_E4M3 with \
+             block scales)"
         ))),
     }
 }
@@ -370,7 +423,7 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
             tok_path.display()
         )));
     }
-    let ckpt = Checkpoint::open(hf_dir)?;
+    let ckpt = Checkpoint::open(hf_dir, &cfg_json)?;
     let plan = family_plan(&cfg);
 
     // Every checkpoint tensor must be used or deliberately skipped.
@@ -389,7 +442,7 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
     let mut names: Vec<&String> = ckpt.index.keys().collect();
     names.sort();
     for name in names {
-        if used.contains(name) {
+        if used.contains(name) || ckpt.is_fp8_scale(name) {
             continue;
         }
         match plan::skip_reason(&cfg, name) {
@@ -638,5 +691,134 @@ mod tests {
         );
         assert!(!out.exists(), "a refused checkpoint writes nothing");
         fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// The nearest e4m3 byte to `x` (exhaustively: the fixtures are small).
+    fn nearest_e4m3(x: f32) -> u8 {
+        (0u8..=255)
+            .filter(|&b| fp8::e4m3(b).is_some())
+            .min_by(|&a, &b| {
+                let (da, db) = (fp8::e4m3(a).unwrap() - x, fp8::e4m3(b).unwrap() - x);
+                da.abs().total_cmp(&db.abs())
+            })
+            .unwrap()
+    }
+
+    /// Writes `tensors` (name, dtype, shape, bytes) as the checkpoint's one shard.
+    fn write_shard(dir: &Path, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| {
+                let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+                (n.clone(), v)
+            })
+            .collect();
+        let bytes = safetensors::serialize(views, None).unwrap();
+        fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    }
+
+    /// An FP8 block-quantized DeepSeek-V3 checkpoint (every linear projection e4m3 with scales
+    /// per 8 x 8 block, partial blocks included) converts to exactly the model of an f32
+    /// checkpoint holding the dequantized weights: the same bytes, f32 and int4.
+    #[test]
+    fn an_fp8_checkpoint_converts_as_its_dequantized_weights() {
+        let src = fixture("deepseek_v3");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        let ckpt = Checkpoint::open(&src, &cfg).unwrap();
+        let blocks = Fp8Blocks { rows: 8, cols: 8 };
+        let (mut fp8s, mut f32s) = (Vec::new(), Vec::new());
+        let mut names: Vec<&String> = ckpt.index.keys().collect();
+        names.sort();
+        let mut quantized = 0;
+        for name in names {
+            let (w, shape) = ckpt.read_any(name).unwrap();
+            let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            if shape.len() != 2 || !name.ends_with("_proj.weight") {
+                fp8s.push((name.clone(), Dtype::F32, shape.clone(), f32_bytes(&w)));
+                f32s.push((name.clone(), Dtype::F32, shape, f32_bytes(&w)));
+                continue;
+            }
+            quantized += 1;
+            let (rows, cols) = (shape[0], shape[1]);
+            let sshape = blocks.scale_shape(&shape);
+            let mut scales = vec![0.0f32; sshape[0] * sshape[1]];
+            for (i, x) in w.iter().enumerate() {
+                let at = (i / cols / 8) * sshape[1] + (i % cols) / 8;
+                scales[at] = scales[at].max(x.abs() / 448.0);
+            }
+            for s in scales.iter_mut().filter(|s| **s == 0.0) {
+                *s = 1.0;
+            }
+            let scale_of = |i: usize| scales[(i / cols / 8) * sshape[1] + (i % cols) / 8];
+            let q: Vec<u8> = w
+                .iter()
+                .enumerate()
+                .map(|(i, x)| nearest_e4m3(x / scale_of(i)))
+                .collect();
+            let deq: Vec<f32> = q
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| fp8::e4m3(b).unwrap() * scale_of(i))
+                .collect();
+            assert_eq!(deq.len(), rows * cols);
+            fp8s.push((name.clone(), Dtype::F8_E4M3, shape.clone(), q));
+            fp8s.push((
+                fp8::scale_name(name),
+                Dtype::F32,
+                sshape,
+                f32_bytes(&scales),
+            ));
+            f32s.push((name.clone(), Dtype::F32, shape, f32_bytes(&deq)));
+        }
+        assert!(quantized >= 10, "{quantized} FP8 weights");
+        let (a, b) = (
+            scratch_copy("deepseek_v3", "fp8"),
+            scratch_copy("deepseek_v3", "deq"),
+        );
+        write_shard(&a, &fp8s);
+        write_shard(&b, &f32s);
+        let mut fp8_cfg = cfg.clone();
+        fp8_cfg["quantization_config"] = serde_json::json!({"quant_method": "fp8",
+            "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [8, 8]});
+        fs::write(a.join("config.json"), fp8_cfg.to_string()).unwrap();
+        for quant in [Quant::F32, Quant::Int4] {
+            let (oa, ob) = (a.join("out"), b.join("out"));
+            convert(&a, &oa, quant, &mut quiet()).unwrap();
+            convert(&b, &ob, quant, &mut quiet()).unwrap();
+            for file in [RESIDENT_FILE, EXPERTS_FILE] {
+                assert!(
+                    fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
+                    "{quant:?}: {file} differs"
+                );
+            }
+        }
+
+        // Refusals: no FP8 config, a missing scale, a scale of the wrong shape.
+        fs::write(a.join("config.json"), cfg.to_string()).unwrap();
+        let e = convert(&a, &a.join("x"), Quant::F32, &mut quiet()).unwrap_err();
+        assert!(e.to_string().contains("no quantization_config"), "{e}");
+        fs::write(a.join("config.json"), fp8_cfg.to_string()).unwrap();
+        let (scale_at, _) = fp8s
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.0.ends_with("_scale_inv"))
+            .unwrap();
+        let weight = fp8::scaled_weight(&fp8s[scale_at].0).unwrap().to_string();
+        let mut missing = fp8s.clone();
+        missing.remove(scale_at);
+        write_shard(&a, &missing);
+        let e = convert(&a, &a.join("x"), Quant::F32, &mut quiet()).unwrap_err();
+        assert!(
+            e.to_string().contains(&format!("`{weight}` is FP8 but")),
+            "{e}"
+        );
+        let mut wrong = fp8s.clone();
+        wrong[scale_at] = (fp8s[scale_at].0.clone(), Dtype::F32, vec![1, 1], vec![0; 4]);
+        write_shard(&a, &wrong);
+        let e = convert(&a, &a.join("x"), Quant::F32, &mut quiet()).unwrap_err();
+        assert!(e.to_string().contains("blocks of 8 x 8"), "{e}");
+        fs::remove_dir_all(&a).unwrap();
+        fs::remove_dir_all(&b).unwrap();
     }
 }
