@@ -207,6 +207,12 @@ def test_rank_limits(http):
     assert r.headers["x-should-retry"] == "false"
     r = http.post("/v1/rank", content=b"{not json")
     assert r.status_code == 422
+    # 200 answers of ~200 tokens each: more than 32768 tokens to read.
+    r = http.post(
+        "/v1/rank", json={"question": "q", "answers": [f"{i} " + "w " * 100 for i in range(200)]}
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_tokens", r.text
+    assert r.headers["x-should-retry"] == "false"
 
 
 def test_models_list_has_jev_models(http):

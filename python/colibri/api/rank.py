@@ -16,11 +16,13 @@ from colibri.api.access_log import record_of
 from colibri.api.http import request_id, served
 from colibri.api.systemone_request import as_text, invalid, parse_json
 from colibri.errors import ApiError
-from colibri.runtime.scoring import Scorer, check_prompt, prompt_format, run_scoring
+from colibri.runtime.scoring import Scorer, check_prompt, prompt_format, read_tokens, run_scoring
 from colibri.scoring.maths import ranked, softmax
 from colibri.scoring.prompts import FORMATS, question_read
 
 MAX_CANDIDATES = 256
+# Tokens one request may make the engine read: the prompt once and every answer (seed 003).
+MAX_TOKENS = 32768
 # Refusals a client must not retry as they are (seed 003: 413 and 400 carry this header).
 NO_RETRY = {"x-should-retry": "false"}
 
@@ -81,7 +83,15 @@ async def rank(request: Request) -> Response:
     try:
         if name is not None:
             model.check_model(name)
-        affinity = check_prompt(model, read, answers, fmt)
+        affinity, option_ids = read_tokens(model, read, answers, fmt)
+        read_total = len(affinity) + sum(len(o) for o in option_ids)
+        if read_total > MAX_TOKENS:
+            raise _too_many(
+                f"the context and answers are {read_total} tokens; at most {MAX_TOKENS} per "
+                "request",
+                "too_many_tokens",
+            )
+        check_prompt(model, read, answers, fmt)
     except ApiError as e:
         e.headers.update(NO_RETRY)
         raise
