@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,13 +136,17 @@ class Engine:
         stop_token_ids: Iterable[int] = (),
         seed: int | None = None,
         slot: int | None = None,
+        grammar: Grammar | None = None,
     ) -> _Tokens:
         """Yields generated token ids one at a time (a stop token is yielded, then it ends).
 
         Each token is computed with the GIL released. Closing the iterator (or dropping it)
         stops the computation: no token is computed ahead of the one asked for. With ``slot``,
         the prompt is matched against that KV slot's history and only the rest is prefilled
-        (``reused_tokens`` says how much was reused); without, the history is private.
+        (``reused_tokens`` says how much was reused); without, the history is private. With
+        ``grammar``, every token is one the grammar allows (the stop tokens and
+        ``grammar.end_ids`` only where it accepts); a grammar that completes ends the
+        generation, and ``grammar_state`` says whether it was completed.
         """
         stream = self._model.generate(
             list(ids),
@@ -151,8 +156,16 @@ class Engine:
             list(stop_token_ids),
             seed,
             slot,
+            None if grammar is None else (grammar.kind, grammar.source),
+            [] if grammar is None else list(grammar.trigger),
+            [] if grammar is None else list(grammar.end_ids),
         )
         return _Tokens(stream)
+
+    def check_grammar(self, kind: str, source: str) -> None:
+        """Compiles a grammar (``json_schema``, ``lark`` or ``regex``) against the model's
+        tokenizer; ``ValueError`` with llguidance's message when it is refused."""
+        self._model.check_grammar(kind, source)
 
     def last_profile(self) -> dict[str, Any]:
         """The last finished generation's profile: ``io_wait_s``, ``expert_matmul_s``,
@@ -185,6 +198,19 @@ class Engine:
         return dict(self._model.slot_info(slot))
 
 
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on a generation's output, as llguidance reads it: ``kind`` is
+    ``json_schema``, ``lark`` or ``regex``; it applies once the output ends with the ``trigger``
+    token ids (empty: from the first token); ``end_ids`` (with the stop tokens) end the output
+    where the grammar accepts."""
+
+    kind: str
+    source: str
+    trigger: tuple[int, ...] = ()
+    end_ids: tuple[int, ...] = ()
+
+
 class _Tokens(Iterator[int]):
     """Iterator over a Rust token stream; ``close()`` ends it for good (and ends the slot's
     turn: a persistent slot is synced to disk)."""
@@ -192,6 +218,8 @@ class _Tokens(Iterator[int]):
     def __init__(self, stream: Any) -> None:
         self._stream: Any | None = stream
         self.reused_tokens: int | None = None
+        self._final_state: str | None = None
+        self._final_stats: dict[str, Any] | None = None
 
     def __next__(self) -> int:
         if self._stream is None:
@@ -214,9 +242,26 @@ class _Tokens(Iterator[int]):
             return step
         return int(step)
 
+    @property
+    def grammar_state(self) -> str | None:
+        """None without a grammar; else ``pending`` (before its trigger), ``active``,
+        ``satisfied`` (completed) or ``incomplete`` (ended before it was complete)."""
+        if self._stream is None:
+            return self._final_state
+        return self._stream.grammar_state
+
+    def mask_stats(self) -> dict[str, Any] | None:
+        """The grammar's mask timings: ``masks``, ``compute_s``, ``wait_s`` (None without one)."""
+        if self._stream is None:
+            return self._final_stats
+        stats = self._stream.mask_stats()
+        return None if stats is None else dict(stats)
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
+            self._final_state = self._stream.grammar_state
+            self._final_stats = self.mask_stats()
         self._stream = None
 
 
