@@ -168,6 +168,8 @@ pub struct MaskStats {
     pub compute: Duration,
     /// Time the step waited for a mask after its forward pass had finished.
     pub wait: Duration,
+    /// Time advancing the grammar over the sampled tokens.
+    pub consume: Duration,
 }
 
 /// One generation's grammar: the matcher, its trigger and state.
@@ -316,9 +318,10 @@ impl Constraint {
                     self.state = GrammarState::Satisfied;
                     return Ok(true);
                 }
-                self.matcher
-                    .consume_token(tok)
-                    .map_err(|e| Error::Input(format!("grammar: {e}")))?;
+                let t0 = Instant::now();
+                let consumed = self.matcher.consume_token(tok);
+                self.stats.consume += t0.elapsed();
+                consumed.map_err(|e| Error::Input(format!("grammar: {e}")))?;
                 if self.matcher.is_stopped() {
                     self.state = GrammarState::Satisfied;
                     return Ok(true);

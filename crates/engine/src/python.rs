@@ -440,8 +440,9 @@ impl TokenStream {
             .map(|s| s.name()))
     }
 
-    /// The grammar's mask timings: `masks`, `compute_s` (inside mask computation) and `wait_s`
-    /// (steps waiting for a mask after their forward pass); None without a grammar.
+    /// The grammar's timings: `masks`, `compute_s` (inside mask computation), `wait_s` (steps
+    /// waiting for a mask after their forward pass) and `consume_s` (advancing over the sampled
+    /// tokens); None without a grammar.
     fn mask_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(st) = self.gen.lock().map_err(poisoned)?.mask_stats() else {
             return Ok(None);
@@ -450,6 +451,7 @@ impl TokenStream {
         d.set_item("masks", st.masks)?;
         d.set_item("compute_s", st.compute.as_secs_f64())?;
         d.set_item("wait_s", st.wait.as_secs_f64())?;
+        d.set_item("consume_s", st.consume.as_secs_f64())?;
         Ok(Some(d))
     }
 

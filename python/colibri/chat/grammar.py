@@ -16,6 +16,7 @@ token references, so they match the token itself, never its text spelled in piec
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -237,8 +238,12 @@ def compile_checked(
 
 
 def _reason(message: str) -> str:
-    """llguidance's message without its grammar-position prefix noise."""
-    return " ".join(message.split())[:600]
+    """llguidance's message without its position prefix and the listing of our grammar."""
+    text = re.sub(r"^at \d+\(\d+\): ", "", " ".join(message.split()))
+    listing = text.find(" 1 | ")
+    if listing > 0:
+        text = text[:listing]
+    return text[:600]
 
 
 def special_markers(special_tokens: Sequence[str]) -> Markers:

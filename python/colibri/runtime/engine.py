@@ -251,7 +251,8 @@ class _Tokens(Iterator[int]):
         return self._stream.grammar_state
 
     def mask_stats(self) -> dict[str, Any] | None:
-        """The grammar's mask timings: ``masks``, ``compute_s``, ``wait_s`` (None without one)."""
+        """The grammar's timings: ``masks``, ``compute_s``, ``wait_s``, ``consume_s`` (None
+        without one)."""
         if self._stream is None:
             return self._final_stats
         stats = self._stream.mask_stats()
