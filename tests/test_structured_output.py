@@ -436,3 +436,38 @@ def test_a_random_model_writes_a_valid_forced_call_in_the_family_syntax(family, 
                 jsonschema.validate(json.loads(choice.message.content), answer)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("suffix", "in_reasoning", "after_reasoning"),
+    [("<think>", True, False), ("", False, False), ("<think></think>", False, True)],
+    ids=["prompt opened a think block", "the model may open one", "thinking off"],
+)
+def test_the_grammar_starts_after_the_think_block(suffix, in_reasoning, after_reasoning):
+    """In the engine: the think block is free text in the model's own words, then the JSON."""
+    from colibri.chat import grammar as g
+    from colibri.runtime.engine import Engine, Grammar
+
+    engine = Engine(demo_model_dir(), threads=2)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 999}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+    text = g.with_reasoning(
+        g.json_body(schema),
+        g.special_markers(engine.special_tokens),
+        "<think>",
+        "</think>",
+        in_reasoning,
+        after_reasoning,
+    )
+    prompt = engine.tokenize(f"[gMASK]<sop><|user|>\nWhat is 37 + 48?<|assistant|>{suffix}")
+    eos = tuple(engine.eos_token_ids)
+    stream = engine.generate(prompt, 150, grammar=Grammar("lark", text, end_ids=eos))
+    out = engine.detokenize(list(stream))
+    assert stream.grammar_state == "satisfied"
+    answer = out.rsplit("</think>", 1)[-1] if "</think>" in out else out
+    jsonschema.validate(json.loads(answer), schema)
+    if in_reasoning:
+        # Trained: the trace of the sum, unconstrained.
+        assert "37 + 48 = 85" in out.split("</think>")[0]
+    if after_reasoning:
+        assert "<think>" not in out and "</think>" not in out
