@@ -471,3 +471,28 @@ def test_the_grammar_starts_after_the_think_block(suffix, in_reasoning, after_re
         assert "37 + 48 = 85" in out.split("</think>")[0]
     if after_reasoning:
         assert "<think>" not in out and "</think>" not in out
+
+
+def test_responses_text_format_validates(server):
+    client = OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    for i, schema in enumerate(SCHEMAS[:5]):
+        r = client.responses.create(
+            model=MODEL,
+            input=PROMPTS[i % len(PROMPTS)],
+            max_output_tokens=200,
+            text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+        )
+        assert r.status == "completed", r
+        assert r.text.format.type == "json_schema"
+        jsonschema.validate(json.loads(r.output_text), schema)
+    r = client.responses.create(
+        model=MODEL,
+        input="Hello",
+        max_output_tokens=120,
+        tools=[{**STRICT_CONVERT["function"], "type": "function"}],
+        tool_choice="required",
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), STRICT_CONVERT["function"]["parameters"])
