@@ -496,3 +496,42 @@ def test_responses_text_format_validates(server):
     assert calls
     for call in calls:
         jsonschema.validate(json.loads(call.arguments), STRICT_CONVERT["function"]["parameters"])
+
+
+def test_an_unfinished_grammar_is_flagged_in_streams(client, claude):
+    schema = {"type": "string", "minLength": 40}
+    stream = structured(client, schema, "Hello", max_tokens=8, stream=True)
+    last = [c for c in stream if c.choices][-1].choices[0]
+    assert last.finish_reason == "length"
+    assert last.model_extra["x_colibri_grammar_incomplete"] is True
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Hello"}],
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    ) as s:
+        deltas = [e for e in s if e.type == "message_delta"]
+    assert deltas[-1].delta.stop_reason == "max_tokens"
+    assert deltas[-1].delta.model_extra["x_colibri_grammar_incomplete"] is True
+
+
+@pytest.mark.parametrize(
+    ("prop", "word"),
+    [
+        ({"type": "string", "pattern": "^[A-Z]+$"}, "pattern"),
+        ({"type": "string", "format": "date"}, "format"),
+        ({"type": ["string", "integer"]}, "type list"),
+        ({"enum": ["a<b"], "type": "string"}, "enum"),
+    ],
+)
+def test_glm_strict_arguments_it_cannot_write_are_refused_by_name(prop, word):
+    from colibri.chat import grammar as g
+
+    tools = g.GrammarTools(
+        {"f": {"type": "object", "properties": {"x": prop}, "required": ["x"]}},
+        frozenset({"f"}),
+        forced=True,
+        parallel=False,
+    )
+    with pytest.raises(g.GrammarRefused, match=word):
+        g.tool_grammar("glm", tools, g.special_markers(()), lambda body: f"start: {body}\n")
