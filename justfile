@@ -34,6 +34,8 @@ bench: setup
     {{py}} benchmarks/bench_server_overhead.py
     {{py}} benchmarks/bench_kv_restart.py
     {{py}} benchmarks/bench_scoring.py
+    # Decode with a JSON-schema grammar vs unconstrained (demo model; the mask's cost per token).
+    {{py}} benchmarks/bench_grammar.py
     # Long prompts (prefill 512..32k, decode after 16k, TTFT through the server): hours.
     {{py}} benchmarks/bench_vs_llamacpp.py --long
 

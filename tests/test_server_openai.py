@@ -299,9 +299,20 @@ REFUSED = [
         "invalid_request",
     ),
     (
-        "strict tool",
-        {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
-        "unsupported_parameter",
+        "strict tool whose schema cannot be enforced",
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "strict": True,
+                        "parameters": {"type": "object", "properties": {"x": {"not": {}}}},
+                    },
+                }
+            ]
+        },
+        "unsupported_schema",
     ),
     ("functions", {"functions": [{"name": "f"}]}, "invalid_request"),
     (
@@ -328,7 +339,17 @@ REFUSED = [
         },
         "invalid_request",
     ),
-    ("response_format", {"response_format": {"type": "json_object"}}, "unsupported_parameter"),
+    ("response_format type", {"response_format": {"type": "yaml"}}, "invalid_request"),
+    (
+        "response_format schema keyword",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}},
+            }
+        },
+        "unsupported_schema",
+    ),
     ("unknown field", {"top_k": 5}, "unknown_parameter"),
     ("max_tokens type", {"max_tokens": "many"}, "invalid_request"),
     ("max_tokens zero", {"max_tokens": 0}, "invalid_request"),

@@ -222,8 +222,9 @@ def test_a_codex_shaped_request(client, server):
 
 REFUSED = [
     ("unknown field", {"frobnicate": 1}, 400, "unknown_parameter"),
-    ("json schema", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
-     400, "unsupported_parameter"),
+    ("json schema keyword", {"text": {"format": {"type": "json_schema", "name": "x",
+     "schema": {"type": "array", "uniqueItems": True}}}}, 400, "unsupported_schema"),
+    ("text format type", {"text": {"format": {"type": "yaml"}}}, 400, "invalid_request"),
     ("truncation auto", {"truncation": "auto"}, 400, "unsupported_parameter"),
     ("background", {"background": True}, 400, "unsupported_parameter"),
     ("logprobs include", {"include": ["message.output_text.logprobs"]}, 400,

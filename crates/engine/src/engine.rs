@@ -3,10 +3,14 @@
 //! steps of about [`STEP_TARGET`] each ([`Generation::step`]), so a caller can report progress,
 //! stop between steps, and let other slots' generations take turns in between; the results do
 //! not depend on the steps (every position's arithmetic is the same, as for the model's chunks).
+//! A generation with a grammar ([`Generation::with_grammar`]) masks each step's logits to the
+//! tokens the grammar allows before sampling; the mask is computed on another thread while the
+//! step's forward pass runs.
 
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::grammar::{Constraint, GrammarState, MaskStats};
 use crate::model::Model;
 use crate::sampler::Sampler;
 use crate::slots::Slot;
@@ -49,6 +53,7 @@ pub struct Generation {
     finished: bool,
     prefill: Prefill,
     turn_ended: bool,
+    grammar: Option<Constraint>,
 }
 
 /// A prompt prefilled into a slot in steps of about [`STEP_TARGET`], after the part it shares
@@ -86,8 +91,14 @@ impl Prefill {
     }
 
     /// The next part of the prompt (the first step matches it against the slot's history and
-    /// keeps what they share, but at least one token to compute).
-    pub(crate) fn step(&mut self, model: &Model, slot: &mut Slot) -> Result<PrefillStep> {
+    /// keeps what they share, but at least one token to compute). `last` runs the prompt's last
+    /// part and returns its logits (a generation computes its grammar's mask meanwhile).
+    pub(crate) fn step(
+        &mut self,
+        model: &Model,
+        slot: &mut Slot,
+        last: impl FnOnce(&Model, &mut Slot, &[u32]) -> Result<Vec<f32>>,
+    ) -> Result<PrefillStep> {
         let total = self.prompt.len();
         if self.reused.is_none() {
             if total > model.cfg.max_positions {
@@ -110,7 +121,7 @@ impl Prefill {
             self.step_len = next_step_len(len, t0.elapsed(), model);
             return Ok(PrefillStep::Part { done: to, total });
         }
-        let logits = slot.forward(model, &self.prompt[from..])?;
+        let logits = last(model, slot, &self.prompt[from..])?;
         self.done = total;
         Ok(PrefillStep::Last(logits))
     }
@@ -137,7 +148,25 @@ impl Generation {
             finished: false,
             prefill: Prefill::new(prompt),
             turn_ended: false,
+            grammar: None,
         })
+    }
+
+    /// Constrains the output by a grammar. Its end tokens should include the stop tokens: a
+    /// stop token the grammar does not allow is masked like any other token.
+    pub fn with_grammar(mut self, grammar: Constraint) -> Generation {
+        self.grammar = Some(grammar);
+        self
+    }
+
+    /// The grammar's state (None without a grammar).
+    pub fn grammar_state(&self) -> Option<GrammarState> {
+        self.grammar.as_ref().map(|g| g.state())
+    }
+
+    /// The grammar's mask timings (None without a grammar).
+    pub fn mask_stats(&self) -> Option<MaskStats> {
+        self.grammar.as_ref().map(|g| g.stats)
     }
 
     /// Prompt tokens reused from the slot's history (None before the first step).
@@ -167,23 +196,43 @@ impl Generation {
             return Ok(Step::End);
         }
         let logits = match self.last {
-            None => match self.prefill.step(model, slot)? {
-                PrefillStep::Part { done, total } => return Ok(Step::Prefilled { done, total }),
-                PrefillStep::Last(logits) => logits,
-            },
+            None => {
+                let grammar = &mut self.grammar;
+                let last =
+                    |m: &Model, s: &mut Slot, ids: &[u32]| forward_masked(grammar, m, s, ids);
+                match self.prefill.step(model, slot, last)? {
+                    PrefillStep::Part { done, total } => {
+                        return Ok(Step::Prefilled { done, total })
+                    }
+                    PrefillStep::Last(logits) => logits,
+                }
+            }
             Some(tok) => {
                 if slot.tokens.len() >= model.cfg.max_positions {
                     self.end(model, slot);
                     return Ok(Step::End);
                 }
-                slot.forward(model, &[tok])?
+                forward_masked(&mut self.grammar, model, slot, &[tok])?
             }
         };
+        let mut logits = logits;
+        if let Some(g) = &mut self.grammar {
+            if !g.apply(&mut logits)? {
+                // Nothing the grammar allows: ends here, incomplete.
+                self.end(model, slot);
+                return Ok(Step::End);
+            }
+        }
         let tok = self.sampler.sample(&logits) as u32;
         self.produced += 1;
         self.last = Some(tok);
         if self.opts.stop_token_ids.contains(&tok) {
             self.finished = true;
+        }
+        if let Some(g) = &mut self.grammar {
+            if g.advance(tok)? {
+                self.finished = true;
+            }
         }
         Ok(Step::Token(tok))
     }
@@ -193,6 +242,9 @@ impl Generation {
     /// out, and by whoever drops a generation early.
     pub fn end(&mut self, model: &Model, slot: &mut Slot) {
         self.finished = true;
+        if let Some(g) = &mut self.grammar {
+            g.finish();
+        }
         if !self.turn_ended {
             self.turn_ended = true;
             slot.end_turn();
@@ -200,6 +252,30 @@ impl Generation {
             let _ = model.end_turn();
         }
     }
+}
+
+/// The forward pass over `ids`, with the grammar's next mask computed on another thread
+/// meanwhile (when it needs one and overlapping is on); the mask depends only on the tokens
+/// before `ids`' logits, which the grammar has already consumed.
+fn forward_masked(
+    grammar: &mut Option<Constraint>,
+    model: &Model,
+    slot: &mut Slot,
+    ids: &[u32],
+) -> Result<Vec<f32>> {
+    let Some(g) = grammar.as_mut().filter(|g| g.overlap() && g.needs_mask()) else {
+        return slot.forward(model, ids);
+    };
+    let (logits, mask, waited) = std::thread::scope(|s| {
+        let mask = s.spawn(|| g.compute_mask());
+        let logits = slot.forward(model, ids);
+        let t0 = Instant::now();
+        let mask = mask.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        (logits, mask, t0.elapsed())
+    });
+    g.stats.wait += waited;
+    mask?;
+    logits
 }
 
 /// The next prefill step's length after one of `len` positions took `took`: about
@@ -313,5 +389,103 @@ mod tests {
             next_step_len(16, Duration::from_secs(100), &model),
             MIN_STEP
         );
+    }
+}
+
+#[cfg(test)]
+mod grammar_tests {
+    use super::*;
+    use crate::format::Quant;
+    use crate::grammar::{GrammarEnv, GrammarKind};
+
+    fn opts(max_tokens: usize, temperature: f32, seed: u64) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens,
+            temperature,
+            top_p: 1.0,
+            stop_token_ids: vec![0],
+            seed: Some(seed),
+        }
+    }
+
+    fn run(model: &Model, gen: &mut Generation) -> Vec<u32> {
+        let mut slot = Slot::new(model);
+        let mut out = Vec::new();
+        while let Some(t) = gen.next_token(model, &mut slot).unwrap() {
+            out.push(t);
+        }
+        gen.end(model, &mut slot);
+        out
+    }
+
+    /// A grammar that allows exactly one string makes an untrained model (random weights)
+    /// write exactly that string, greedy and sampled, with and without the overlapped mask;
+    /// the end token comes where the string is complete. Too small a budget ends incomplete.
+    #[test]
+    fn a_forced_string_is_reproduced_exactly() {
+        let hf = crate::testutil::fixture("glm4_moe");
+        let root = crate::testutil::scratch_dir("engine", "grammar");
+        let d = root.join("model");
+        crate::convert::convert(&hf, &d, Quant::F32, &mut |_, _, _| {}).unwrap();
+        let model = Model::load(&d, Some(2)).unwrap();
+        let tok_file = d.join(&model.manifest.tokenizer);
+        let env = GrammarEnv::from_tokenizer_file(&tok_file, model.cfg.vocab_size, 0).unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
+        let want = r#"{"city": "Lisbon", "n": 42}"#;
+        let lark = format!("start: {}", serde_json::to_string(want).unwrap());
+        let prompt: Vec<u32> = (1..20).collect();
+        for (temperature, overlap) in [(0.0, true), (1.0, true), (1.5, false)] {
+            for seed in 0..3 {
+                let m = env.compile(GrammarKind::Lark, &lark).unwrap();
+                let mut c = Constraint::new(&env, m, Vec::new(), vec![0]).unwrap();
+                c.set_overlap(overlap);
+                let mut gen = Generation::new(prompt.clone(), opts(64, temperature, seed))
+                    .unwrap()
+                    .with_grammar(c);
+                let out = run(&model, &mut gen);
+                assert_eq!(gen.grammar_state(), Some(GrammarState::Satisfied));
+                let text = env.decode(&out);
+                let body = String::from_utf8_lossy(&text);
+                // Ends with the end token (0) where the string is complete, or right after it.
+                let body = body.strip_suffix("<|endoftext|>").unwrap_or(&body);
+                assert_eq!(body, want, "temperature {temperature} seed {seed}");
+                let stats = gen.mask_stats().unwrap();
+                assert!(stats.masks >= 2, "{stats:?}");
+            }
+        }
+        let m = env.compile(GrammarKind::Lark, &lark).unwrap();
+        let c = Constraint::new(&env, m, Vec::new(), vec![0]).unwrap();
+        let mut gen = Generation::new(prompt, opts(3, 0.0, 0))
+            .unwrap()
+            .with_grammar(c);
+        let out = run(&model, &mut gen);
+        assert_eq!(out.len(), 3);
+        assert_eq!(gen.grammar_state(), Some(GrammarState::Incomplete));
+    }
+
+    /// Along the tokenizer's tokens of a valid JSON text, every token is allowed by the mask of
+    /// the schema it matches (the mask never excludes a token the output needs).
+    #[test]
+    fn the_mask_never_excludes_a_needed_token() {
+        let hf = crate::testutil::fixture("glm4_moe");
+        let env = GrammarEnv::from_tokenizer_file(&hf.join("tokenizer.json"), 509, 0).unwrap();
+        let schema = r#"{"type":"object","properties":{"a":{"type":"array","items":{"type":"integer","minimum":-5,"maximum":900}},"b":{"enum":["red","green"]},"c":{"type":"string"}},"required":["a","b","c"],"additionalProperties":false}"#;
+        let text = r#"{"a":[1,-5,900,17],"b":"green","c":"hello, world \"q\""}"#;
+        let tokens = env.tokenize_greedy(text.as_bytes());
+        assert_eq!(env.decode(&tokens), text.as_bytes());
+        let m = env.compile(GrammarKind::JsonSchema, schema).unwrap();
+        let mut c = Constraint::new(&env, m, Vec::new(), vec![0]).unwrap();
+        for (i, &t) in tokens.iter().enumerate() {
+            let mut logits = vec![0.0f32; env.vocab_size()];
+            assert!(c.apply(&mut logits).unwrap());
+            assert_eq!(logits[t as usize], 0.0, "token {t} excluded");
+            assert_ne!(
+                logits[0], 0.0,
+                "the end token before the object is complete"
+            );
+            // The closing brace completes the grammar: nothing more is allowed, it ends there.
+            assert_eq!(c.advance(t).unwrap(), i + 1 == tokens.len());
+        }
+        assert_eq!(c.state(), GrammarState::Satisfied);
     }
 }

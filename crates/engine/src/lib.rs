@@ -4,7 +4,8 @@
 //! Layout: `config` (HF config.json -> [`config::ModelConfig`]), `format` (the model directory),
 //! `convert` (checkpoint -> model directory), `quant` (int4 and its kernels), `linear` (weights
 //! and parallel matmul), `ops` (norms, rope, softmax), `attention` (over a KV history), `model`
-//! (load + forward per family), `kv` (KV history), `sampler`, `engine` (generation), `python`
+//! (load + forward per family), `kv` (KV history), `sampler`, `grammar` (token masks from
+//! a grammar), `engine` (generation), `python`
 //! (bindings).
 
 pub mod alloc;
@@ -14,6 +15,7 @@ pub mod convert;
 pub mod engine;
 pub mod error;
 pub mod format;
+pub mod grammar;
 pub mod hugebuf;
 pub mod kv;
 pub mod linear;

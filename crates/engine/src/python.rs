@@ -4,7 +4,7 @@
 //! documented Python API (`colibri.Engine`) wraps these in `python/colibri/engine.py`.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -14,6 +14,7 @@ use crate::convert;
 use crate::engine::{GenerateOptions, Generation, Step};
 use crate::error::Error;
 use crate::format::Quant;
+use crate::grammar::{Constraint, GrammarEnv, GrammarKind};
 use crate::model::Model as RsModel;
 use crate::quant::Kernel;
 use crate::score::{ScoreStep, Scoring};
@@ -36,6 +37,10 @@ struct Model {
     notes: Vec<String>,
     /// The model's own context length (`max_position_embeddings`), whatever `context` chose.
     model_context: usize,
+    /// The model directory (its tokenizer is the grammars').
+    path: PathBuf,
+    /// The tokenizer as grammars need it, built on the first grammar (an error is kept).
+    grammar_env: OnceLock<std::result::Result<Arc<GrammarEnv>, String>>,
 }
 
 #[pymethods]
@@ -143,6 +148,8 @@ impl Model {
             slots: slots.into_iter().map(|s| Arc::new(Mutex::new(s))).collect(),
             notes,
             model_context,
+            path,
+            grammar_env: OnceLock::new(),
         })
     }
 
@@ -193,12 +200,25 @@ impl Model {
         Ok(PyBytes::new(py, bytemuck::cast_slice(&out)))
     }
 
+    /// Compiles a grammar (`kind`: `json_schema`, `lark` or `regex`) against the model's
+    /// tokenizer without generating: ValueError with llguidance's message when it is refused.
+    fn check_grammar(&self, py: Python<'_>, kind: &str, source: &str) -> PyResult<()> {
+        let env = self.grammar_env(py)?;
+        let kind = grammar_kind(kind)?;
+        py.detach(|| env.compile(kind, source).map(|_| ()))
+            .map_err(to_py)
+    }
+
     /// A generation. With `slot`, the prompt is matched against that slot's history and only
-    /// the rest is prefilled; without, it runs in a private, empty history.
-    #[pyo3(signature = (ids, max_tokens, temperature=0.0, top_p=1.0, stop_token_ids=Vec::new(), seed=None, slot=None))]
+    /// the rest is prefilled; without, it runs in a private, empty history. `grammar`:
+    /// `(kind, source)` constrains the output (see `check_grammar`) once the generated tokens
+    /// end with `grammar_trigger` (empty: from the first token); `grammar_end_ids` (and the
+    /// stop tokens) end it where the grammar accepts.
+    #[pyo3(signature = (ids, max_tokens, temperature=0.0, top_p=1.0, stop_token_ids=Vec::new(), seed=None, slot=None, grammar=None, grammar_trigger=Vec::new(), grammar_end_ids=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
+        py: Python<'_>,
         ids: Vec<u32>,
         max_tokens: usize,
         temperature: f32,
@@ -206,7 +226,30 @@ impl Model {
         stop_token_ids: Vec<u32>,
         seed: Option<u64>,
         slot: Option<usize>,
+        grammar: Option<(String, String)>,
+        grammar_trigger: Vec<u32>,
+        grammar_end_ids: Vec<u32>,
     ) -> PyResult<TokenStream> {
+        let constraint = match grammar {
+            None => None,
+            Some((kind, source)) => {
+                let env = self.grammar_env(py)?;
+                let kind = grammar_kind(&kind)?;
+                let mut ends = grammar_end_ids;
+                for &t in &stop_token_ids {
+                    if !ends.contains(&t) {
+                        ends.push(t);
+                    }
+                }
+                let c = py
+                    .detach(|| {
+                        let m = env.compile(kind, &source)?;
+                        Constraint::new(&env, m, grammar_trigger, ends)
+                    })
+                    .map_err(to_py)?;
+                Some(c)
+            }
+        };
         let opts = GenerateOptions {
             max_tokens,
             temperature,
@@ -214,7 +257,10 @@ impl Model {
             stop_token_ids,
             seed,
         };
-        let gen = Generation::new(ids, opts).map_err(to_py)?;
+        let mut gen = Generation::new(ids, opts).map_err(to_py)?;
+        if let Some(c) = constraint {
+            gen = gen.with_grammar(c);
+        }
         let slot = match slot {
             None => Arc::new(Mutex::new(Slot::new(&self.inner))),
             Some(i) => self.slot(i)?.clone(),
@@ -323,7 +369,28 @@ fn context_positions(n: i64, limit: usize) -> crate::error::Result<usize> {
     Ok(positions)
 }
 
+fn grammar_kind(name: &str) -> PyResult<GrammarKind> {
+    GrammarKind::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown grammar kind `{name}` (json_schema, lark, regex)"
+        ))
+    })
+}
+
 impl Model {
+    /// The model's grammar tokenizer, built once (from the model directory's tokenizer.json).
+    fn grammar_env(&self, py: Python<'_>) -> PyResult<Arc<GrammarEnv>> {
+        let built = self.grammar_env.get_or_init(|| {
+            let m = &self.inner;
+            let file = self.path.join(&m.manifest.tokenizer);
+            let eos = m.cfg.eos_token_ids.first().copied().unwrap_or(0);
+            py.detach(|| GrammarEnv::from_tokenizer_file(&file, m.cfg.vocab_size, eos))
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+        });
+        built.clone().map_err(PyRuntimeError::new_err)
+    }
+
     fn slot(&self, i: usize) -> PyResult<&Arc<Mutex<Slot>>> {
         self.slots.get(i).ok_or_else(|| {
             PyValueError::new_err(format!("slot must be 0..{}, got {i}", self.slots.len() - 1))
@@ -382,6 +449,33 @@ impl TokenStream {
     #[getter]
     fn reused_tokens(&self) -> PyResult<Option<usize>> {
         Ok(self.gen.lock().map_err(poisoned)?.reused())
+    }
+
+    /// The grammar's state: None without one, else `pending` (before its trigger), `active`,
+    /// `satisfied` (completed) or `incomplete` (the generation ended before it was complete).
+    #[getter]
+    fn grammar_state(&self) -> PyResult<Option<&'static str>> {
+        Ok(self
+            .gen
+            .lock()
+            .map_err(poisoned)?
+            .grammar_state()
+            .map(|s| s.name()))
+    }
+
+    /// The grammar's timings: `masks`, `compute_s` (inside mask computation), `wait_s` (steps
+    /// waiting for a mask after their forward pass) and `consume_s` (advancing over the sampled
+    /// tokens); None without a grammar.
+    fn mask_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(st) = self.gen.lock().map_err(poisoned)?.mask_stats() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("masks", st.masks)?;
+        d.set_item("compute_s", st.compute.as_secs_f64())?;
+        d.set_item("wait_s", st.wait.as_secs_f64())?;
+        d.set_item("consume_s", st.consume.as_secs_f64())?;
+        Ok(Some(d))
     }
 
     /// Ends the generation: the slot's history is made durable (fsync when persistent).

@@ -74,7 +74,10 @@ impl Scoring {
     pub fn step(&mut self, model: &Model, slot: &mut Slot) -> Result<ScoreStep> {
         let last = match self.last.take() {
             Some(l) => l,
-            None => match self.prefill.step(model, slot)? {
+            None => match self
+                .prefill
+                .step(model, slot, |m, s, ids| s.forward(m, ids))?
+            {
                 PrefillStep::Part { done, total } => {
                     return Ok(ScoreStep::Prefilled { done, total })
                 }

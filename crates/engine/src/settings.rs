@@ -8,7 +8,7 @@
 //! - **Once per process** (cached in a `OnceLock` on first use): `COLI_KERNEL`,
 //!   `COLI_KERNEL_PREFETCH` (the level can still be changed afterwards with
 //!   `quant::prefetch::set_prefetch_level`; benchmarks alternate levels in one process),
-//!   `COLI_AVX_VNNI`, `COLI_WHOLE_EXPERTS`. The kernels ask for them on every product, so a
+//!   `COLI_AVX_VNNI`, `COLI_WHOLE_EXPERTS`, `COLI_GRAMMAR_OVERLAP`. The kernels ask for them on every product, so a
 //!   change of the variable after the first product has no effect.
 //! - **At each model load** (deliberately not cached): `COLI_PREFILL_CHUNK`, `COLI_KV_DTYPE`,
 //!   `COLI_LOAD`, and the expert store's `COLI_RAM_GB`, `COLI_PIN_GB`, `COLI_DIRECT_IO`,
@@ -54,6 +54,14 @@ pub fn avx_vnni_allowed() -> bool {
 pub fn whole_experts() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("COLI_WHOLE_EXPERTS").map_or(true, |v| v != "0"))
+}
+
+/// `COLI_GRAMMAR_OVERLAP=1`: compute a grammar's token mask on another thread while the forward
+/// pass runs. Off by default: the mask costs microseconds, and a thread started per token waits
+/// for a core the compute pool holds (measured in docs/PERFORMANCE.md, "Constrained decoding").
+pub fn grammar_overlap() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("COLI_GRAMMAR_OVERLAP").is_ok_and(|v| v.trim() == "1"))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -165,8 +165,16 @@ class _MessagesEncoder:
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": _usage(reply, fin),
+            **_grammar_flag(fin),
             **self.extra,
         }
+
+
+def _grammar_flag(fin: Finished) -> dict[str, Any]:
+    """``x_colibri_grammar_incomplete: true`` when the output had to follow a grammar
+    (output_config.format, forced or strict tools) and ended before completing it (the stop
+    reason is then ``max_tokens``)."""
+    return {"x_colibri_grammar_incomplete": True} if fin.grammar_incomplete else {}
 
 
 def _content_blocks(pieces: list[Piece], omit_thinking: bool) -> list[dict[str, Any]]:
@@ -313,7 +321,11 @@ async def _events(
                 for chunk in blocks.close():
                     yield chunk
                 stop_reason, stop_sequence = _stop_reason(event, client_stops)
-                delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+                delta = {
+                    "stop_reason": stop_reason,
+                    "stop_sequence": stop_sequence,
+                    **_grammar_flag(event),
+                }
                 usage = _usage(reply, event)
                 yield _event("message_delta", {"delta": delta, "usage": usage, **extra})
                 yield _event("message_stop", {})

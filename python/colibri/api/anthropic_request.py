@@ -62,7 +62,7 @@ KNOWN_BETAS = {
     "advanced-tool-use-2025-11-20": "defer_loading: deferred tools are callable, not listed",
     "mid-conversation-tool-changes-2026-07-01": "tools may change: each request renders its own",
     "thinking-token-count-2026-05-13": "usage: output_tokens counts thinking as well",
-    "structured-outputs-2025-11-13": "output_config.format and strict tools: refused (not yet)",
+    "structured-outputs-2025-11-13": "output_config.format and strict tools: enforced by grammar",
     "output-128k-2025-02-19": "long outputs: bounded by the context",
     "context-1m-2025-08-07": "1M context: the served model's context applies",
     "model-context-window-exceeded-2025-08-26": "context overflow: 400 before generation",
@@ -245,8 +245,8 @@ def _tools(raw: list[Any] | None) -> tuple[list[dict[str, Any]], frozenset[str]]
         tool.raw("cache_control")
         if tool.boolean("defer_loading"):
             deferred.add(name or "")
-        strict = tool.boolean("strict")
-        refuse_unless(not strict, "'strict' tools need constrained decoding (not yet)", "tools")
+        if tool.boolean("strict"):
+            fn["strict"] = True  # the arguments follow input_schema (chat/grammar.py)
         tool.finish()
         tools.append({"type": "function", "function": fn})
     return tools, frozenset(deferred)
@@ -276,10 +276,29 @@ def _tool_choice(raw: Any) -> tuple[Any, bool]:
     return out, parallel
 
 
-def _thinking(body: Body) -> tuple[bool, bool]:
-    """(reasoning on, thinking text omitted from the reply)."""
+def _output_format(config: Body) -> dict[str, Any] | None:
+    """``output_config.format``: ``{"type": "json_schema", "schema": {...}}``, the JSON schema
+    the answer follows (enforced by grammar)."""
+    fmt = config.obj("format")
+    if fmt is None:
+        return None
+    kind = fmt.string("type", required=True)
+    if kind != "json_schema":
+        raise bad(
+            f"'output_config.format.type' must be 'json_schema', got '{kind}'", "output_config"
+        )
+    schema = fmt.obj("schema")
+    if schema is None:
+        raise bad("'output_config.format.schema' is required", "output_config")
+    fmt.finish()
+    return schema.raw_dict()
+
+
+def _thinking(body: Body) -> tuple[bool, bool, dict[str, Any] | None]:
+    """(reasoning on, thinking text omitted from the reply, the output's JSON schema)."""
     thinking = body.obj("thinking")
     effort = None
+    output_schema = None
     config = body.obj("output_config")
     if config is not None:
         effort = config.string("effort")
@@ -287,15 +306,10 @@ def _thinking(body: Body) -> tuple[bool, bool]:
             raise bad(
                 f"'output_config.effort' must be one of {', '.join(_EFFORTS)}", "output_config"
             )
-        refuse_unless(
-            config.raw("format") is None,
-            "'output_config.format' (structured output) needs constrained decoding, which this "
-            "server does not have yet",
-            "output_config",
-        )
+        output_schema = _output_format(config)
         config.finish()
     if thinking is None:
-        return effort is not None, False
+        return effort is not None, False, output_schema
     kind = thinking.string("type", required=True)
     if kind not in _THINKING:
         raise bad(f"'thinking.type' must be one of {', '.join(_THINKING)}", param="thinking")
@@ -305,7 +319,7 @@ def _thinking(body: Body) -> tuple[bool, bool]:
     if display is not None and display not in _DISPLAYS:
         raise bad(f"'thinking.display' must be one of {', '.join(_DISPLAYS)}", param="thinking")
     thinking.finish()
-    return kind != "disabled", display == "omitted"
+    return kind != "disabled", display == "omitted", output_schema
 
 
 def parse_messages(
@@ -350,7 +364,7 @@ def parse_messages(
     stream = body.boolean("stream")
     tools, deferred = _tools(body.array("tools"))
     tool_choice, parallel = _tool_choice(body.raw("tool_choice"))
-    thinking, omit_thinking = _thinking(body)
+    thinking, omit_thinking, output_schema = _thinking(body)
     body.obj("metadata")  # user_id for abuse tracking: nothing to do locally
     body.raw("service_tier")
     body.raw("speed")
@@ -373,5 +387,10 @@ def parse_messages(
         "enable_thinking": thinking,
         "cache_slot": cache_slot,
     }
-    chat = dataclasses.replace(parse_chat(openai_body, default_max_tokens), deferred_tools=deferred)
+    chat = dataclasses.replace(
+        parse_chat(openai_body, default_max_tokens),
+        deferred_tools=deferred,
+        output_schema=output_schema,
+        output_param="output_config",
+    )
     return MessagesRequest(chat=chat, thinking=thinking, omit_thinking=omit_thinking, edits=edits)

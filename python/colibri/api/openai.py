@@ -139,26 +139,39 @@ async def _chat_json(reply: Reply, thinking: bool) -> dict[str, Any]:
         "created": reply.created,
         "model": reply.model.id,
         "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": fin.reason}
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": fin.reason,
+                **_grammar_flag(fin),
+            }
         ],
         "usage": _usage(reply.prompt_tokens, fin),
     }
+
+
+def _grammar_flag(fin: Finished) -> dict[str, Any]:
+    """``x_colibri_grammar_incomplete: true`` on a choice whose output had to follow a grammar
+    (response_format, forced or strict tools) and ended before completing it."""
+    return {"x_colibri_grammar_incomplete": True} if fin.grammar_incomplete else {}
 
 
 async def _chat_events(reply: Reply) -> AsyncIterator[bytes]:
     cid = "chatcmpl-" + secrets.token_hex(12)
     usage_key = {"usage": None} if reply.sampling.include_usage else {}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None
+    ) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return _sse(
             {
                 "id": cid,
                 "object": "chat.completion.chunk",
                 "created": reply.created,
                 "model": reply.model.id,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-                ],
+                "choices": [{**choice, **(extra or {})}],
                 **usage_key,
             }
         )
@@ -181,7 +194,7 @@ async def _chat_events(reply: Reply) -> AsyncIterator[bytes]:
                 elif reply.show_reasoning:
                     yield chunk({"reasoning": value, "reasoning_content": value})
             if isinstance(event, Finished):
-                yield chunk({}, event.reason)
+                yield chunk({}, event.reason, _grammar_flag(event))
                 if reply.sampling.include_usage:
                     yield _usage_chunk(reply, cid, "chat.completion.chunk", event)
     except Exception as e:  # headers are sent: the error goes in the stream, then it ends

@@ -213,10 +213,8 @@ def _tool(raw: Any, i: int) -> dict[str, Any]:
         out["description"] = description
     parameters = fn.obj("parameters")
     out["parameters"] = parameters.raw_dict() if parameters is not None else {}
-    strict = fn.boolean("strict")
-    refuse_unless(
-        not strict, "'strict' tool schemas need constrained decoding, not supported yet", "tools"
-    )
+    if fn.boolean("strict"):
+        out["strict"] = True
     fn.finish()
     tool.finish()
     return {"type": "function", "function": out}
@@ -263,26 +261,52 @@ def _tools(body: Body) -> tuple[list[dict[str, Any]], str, str | None, bool]:
             param="functions",
         )
     tools = [_tool(t, i) for i, t in enumerate(body.array("tools") or [])]
+    strict = frozenset(t["function"]["name"] for t in tools if t["function"].pop("strict", False))
     names = [t["function"]["name"] for t in tools]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
         raise bad(f"tool '{duplicate}' is declared twice", param="tools")
     choice, name = _tool_choice(body, names)
     parallel = body.boolean("parallel_tool_calls")
-    return tools, choice, name, parallel is not False
+    return tools, choice, name, parallel is not False, strict
 
 
-def _response_format(body: Body) -> None:
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _response_format(body: Body) -> dict[str, Any] | None:
+    """The JSON schema the answer must follow (None: free text). ``json_object`` is any JSON
+    object; ``json_schema`` is enforced whether ``strict`` is true or not."""
     fmt = body.obj("response_format")
     if fmt is None:
-        return
+        return None
     kind = fmt.string("type", required=True)
-    refuse_unless(
-        kind == "text",
-        f"response_format type '{kind}' is not supported (no constrained decoding yet)",
-        "response_format",
-    )
+    schema: dict[str, Any] | None = None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.obj("json_schema")
+        if spec is None:
+            raise bad("'response_format.json_schema' is required", param="response_format")
+        name = spec.string("name", required=True) or ""
+        if not _SCHEMA_NAME.match(name):
+            raise bad(
+                "'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-', "
+                f"got {name!r}",
+                param="response_format",
+            )
+        spec.string("description")
+        spec.boolean("strict")
+        raw = spec.obj("schema")
+        schema = raw.raw_dict() if raw is not None else {}
+        spec.finish()
+    elif kind != "text":
+        raise bad(
+            f"response_format type must be 'text', 'json_object' or 'json_schema', got '{kind}'",
+            param="response_format",
+        )
     fmt.finish()
+    return schema
 
 
 def _prediction(body: Body) -> None:
@@ -308,8 +332,8 @@ def parse_chat(data: Any, default_max_tokens: int | None) -> ChatRequest:
         raise bad("'messages' must be a non-empty array", param="messages")
     messages = [_message(m, i) for i, m in enumerate(raw_messages)]
     sampling = _sampling(body, default_max_tokens)
-    tools, tool_choice, tool_choice_name, parallel = _tools(body)
-    _response_format(body)
+    tools, tool_choice, tool_choice_name, parallel, strict_tools = _tools(body)
+    output_schema = _response_format(body)
     logprobs = body.boolean("logprobs")
     refuse_unless(not logprobs, "'logprobs' is not supported", "logprobs")
     refuse_unless(
@@ -341,6 +365,9 @@ def parse_chat(data: Any, default_max_tokens: int | None) -> ChatRequest:
         tool_choice=tool_choice,
         tool_choice_name=tool_choice_name,
         parallel_tool_calls=parallel,
+        strict_tools=strict_tools,
+        output_schema=output_schema,
+        output_param="response_format",
     )
 
 

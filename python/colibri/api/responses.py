@@ -242,7 +242,7 @@ class _ResponsesEncoder:
             "store": req.store,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": req.text_format},
             "tool_choice": req.tool_choice,
             "tools": req.tools,
             "truncation": "disabled",
@@ -265,6 +265,9 @@ class _ResponsesEncoder:
             }
             if fin.reason == "length":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
+            if fin.grammar_incomplete:
+                # The output had to follow a grammar (text.format, forced or strict tools).
+                body["x_colibri_grammar_incomplete"] = True
         return body
 
     def finished(self, reply: Reply, items: list[dict[str, Any]], fin: Finished) -> dict:

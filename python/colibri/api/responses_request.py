@@ -10,7 +10,7 @@ not carried over, as in OpenAI's API).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from colibri.api.openai_request import parse_chat
@@ -44,6 +44,8 @@ class ResponsesRequest:
     hosted_tools: list[str] = field(default_factory=list)  # declared, not offered to the model
     # flattened name -> (namespace, name) for functions declared inside a namespace
     namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # text.format, echoed as sent (default {"type": "text"})
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
 
 
 def _parts_text(content: Any, param: str, kinds: tuple[str, ...]) -> str:
@@ -181,10 +183,8 @@ def _function(tool: Body, name: str, where: str) -> dict[str, Any]:
         fn["description"] = description
     parameters = tool.obj("parameters")
     fn["parameters"] = parameters.raw_dict() if parameters is not None else {}
-    strict = tool.boolean("strict")
-    refuse_unless(
-        not strict, f"'{where}.strict' needs constrained decoding, not supported yet", "tools"
-    )
+    if tool.boolean("strict"):
+        fn["strict"] = True  # the arguments follow parameters (chat/grammar.py)
     return {"type": "function", "function": fn}
 
 
@@ -257,24 +257,42 @@ def _reasoning(body: Body) -> tuple[bool, dict[str, Any]]:
     return effort != "none", {"effort": effort, "summary": summary}
 
 
-def _text(body: Body) -> None:
+def _text(body: Body) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(chat's response_format, text.format as sent). ``json_schema``'s fields sit in
+    ``text.format`` itself (``name``, ``schema``, ``strict``, ``description``)."""
     text = body.obj("text")
+    echo: dict[str, Any] = {"type": "text"}
+    response_format = None
     if text is None:
-        return
+        return None, echo
     fmt = text.obj("format")
     if fmt is not None:
         kind = fmt.string("type", required=True)
-        refuse_unless(
-            kind == "text",
-            f"text.format '{kind}' needs constrained decoding, not supported yet",
-            "text",
-        )
+        if kind == "json_object":
+            response_format = {"type": "json_object"}
+        elif kind == "json_schema":
+            spec = {"name": fmt.string("name", required=True)}
+            for key, value in (
+                ("description", fmt.string("description")),
+                ("strict", fmt.boolean("strict")),
+                ("schema", fmt.obj("schema")),
+            ):
+                if value is not None:
+                    spec[key] = value.raw_dict() if isinstance(value, Body) else value
+            response_format = {"type": "json_schema", "json_schema": spec}
+        elif kind != "text":
+            raise bad(
+                f"'text.format.type' must be text, json_object or json_schema, got '{kind}'",
+                param="text",
+            )
         fmt.finish()
+        echo = fmt.raw_dict()
     verbosity = text.string("verbosity")
     refuse_unless(
         verbosity in (None, "medium"), "'text.verbosity' other than medium is not supported", "text"
     )
     text.finish()
+    return response_format, echo
 
 
 def parse_responses(
@@ -299,7 +317,7 @@ def parse_responses(
     tools = _tools(raw_tools, hosted, namespaced)
     raw_choice = body.raw("tool_choice")
     thinking, reasoning = _reasoning(body)
-    _text(body)
+    response_format, text_format = _text(body)
     include = body.array("include") or []
     for value in include:
         refuse_unless(
@@ -348,6 +366,7 @@ def parse_responses(
         "max_tokens": max_output_tokens,
         "parallel_tool_calls": body.raw("parallel_tool_calls"),
         "cache_slot": body.raw("cache_slot"),
+        "response_format": response_format,
     }
     body.finish()
     history = conv.messages
@@ -360,7 +379,7 @@ def parse_responses(
         tool_choice=_tool_choice(raw_choice),
         enable_thinking=thinking,
     )
-    chat = parse_chat(openai_body, default_max_tokens)
+    chat = replace(parse_chat(openai_body, default_max_tokens), output_param="text")
     return ResponsesRequest(
         chat=chat,
         history=history,
@@ -375,6 +394,7 @@ def parse_responses(
         metadata=metadata.raw_dict() if metadata is not None else {},
         hosted_tools=hosted,
         namespaced=namespaced,
+        text_format=text_format,
     )
 
 

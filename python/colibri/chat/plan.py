@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from colibri.chat import grammar as g
+from colibri.chat.families import Family
 from colibri.chat.literal import shield, tokenize_shielded
 from colibri.chat.output import ReasoningState
-from colibri.chat.render import ContinuationRefused, render_chat
+from colibri.chat.render import ContinuationRefused, RenderedPrompt, render_chat
 from colibri.chat.request import ChatRequest
 from colibri.chat.template import TemplateRefused
 from colibri.chat.tooling import plan_tools
 from colibri.errors import ApiError
 from colibri.observability import RequestObserver
+from colibri.runtime.engine import Grammar
 from colibri.runtime.generation import GenerationSpec
 from colibri.runtime.served import ServedModel
 
@@ -101,4 +104,68 @@ def plan_chat(
         ignore_leading_stop=ignore_leading,
         reasoning=reasoning,
         tool_parser=tooling.parser_factory,
+        grammar=plan_grammar(model, req, family, rendered),
     )
+
+
+def plan_grammar(
+    model: ServedModel, req: ChatRequest, family: Family, rendered: RenderedPrompt
+) -> Grammar | None:
+    """The grammar the output must follow (chat/grammar.py), compiled once here so a schema
+    llguidance refuses is a 400 before admission; None when the output is free."""
+    tools_active = req.tools_active and family.tool_format is not None
+    declared = [
+        t
+        for t in req.tools
+        if req.tool_choice != "function" or t["function"]["name"] == req.tool_choice_name
+    ]
+    strict = req.strict_tools & {t["function"]["name"] for t in declared}
+    forced = req.tool_choice in ("required", "function")
+    want_tools = tools_active and (forced or bool(strict))
+    if req.output_schema is None and not want_tools:
+        return None
+    engine = model.engine
+    markers = g.special_markers(engine.special_tokens)
+
+    def wrap(body: str) -> str:
+        return g.with_reasoning(
+            body,
+            markers,
+            family.open_think if family.reasoning else None,
+            family.close_think if family.reasoning else None,
+            rendered.in_reasoning,
+            rendered.after_reasoning,
+        )
+
+    answer = None if req.output_schema is None else g.json_body(req.output_schema)
+    param, what = req.output_param, "The JSON schema"
+    if tools_active and (want_tools or answer is not None):
+        fmt = family.tool_format
+        assert fmt is not None
+        if not g.supports_tool_grammar(fmt.name):
+            if strict or answer is not None:
+                raise ApiError(
+                    400,
+                    f"strict tools and structured output with tools are not available for the "
+                    f"'{fmt.name}' tool-call format (family '{family.name}')",
+                    code="unsupported_parameter",
+                    param="tools",
+                )
+            return None  # a forced choice stays an instruction for this format
+        tools = g.GrammarTools(
+            {t["function"]["name"]: t["function"]["parameters"] for t in declared},
+            frozenset(strict),
+            forced,
+            req.parallel_tool_calls,
+        )
+        try:
+            text = g.tool_grammar(fmt.name, tools, markers, wrap, None if forced else answer)
+        except g.GrammarRefused as e:
+            raise ApiError(400, str(e), code="unsupported_schema", param="tools") from e
+        if answer is None or forced:
+            param, what = "tools", "The tools' parameters schemas"
+    else:
+        assert answer is not None
+        text = wrap(answer)
+    g.compile_checked(engine.check_grammar, text, param, what)
+    return Grammar("lark", text, end_ids=tuple(engine.eos_token_ids))

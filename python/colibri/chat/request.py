@@ -39,6 +39,12 @@ class ChatRequest:
     # Declared tools whose definitions stay out of the prompt until the client reveals them
     # (Anthropic's defer_loading): callable and parsed, not listed to the model.
     deferred_tools: frozenset[str] = frozenset()
+    # Declared tools whose arguments must follow their parameters schema (``strict``).
+    strict_tools: frozenset[str] = frozenset()
+    # The JSON schema the answer must follow (OpenAI response_format, Anthropic
+    # output_config.format), and the request field it came from (blamed when it is refused).
+    output_schema: dict[str, Any] | None = None
+    output_param: str = "response_format"
 
     @property
     def tools_active(self) -> bool:

@@ -25,7 +25,8 @@ class ToolPlan:
 
 
 def _instruction(req: ChatRequest) -> str | None:
-    """``required`` and named choices are enforced by instruction until constrained decoding."""
+    """The hint for ``required`` and named choices; for formats with a tool grammar
+    (chat/grammar.py) the call is also forced on the token stream."""
     if req.tool_choice == "required":
         return "You must call at least one of the available tools in your reply."
     if req.tool_choice == "function":

@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,13 +136,17 @@ class Engine:
         stop_token_ids: Iterable[int] = (),
         seed: int | None = None,
         slot: int | None = None,
+        grammar: Grammar | None = None,
     ) -> _Tokens:
         """Yields generated token ids one at a time (a stop token is yielded, then it ends).
 
         Each token is computed with the GIL released. Closing the iterator (or dropping it)
         stops the computation: no token is computed ahead of the one asked for. With ``slot``,
         the prompt is matched against that KV slot's history and only the rest is prefilled
-        (``reused_tokens`` says how much was reused); without, the history is private.
+        (``reused_tokens`` says how much was reused); without, the history is private. With
+        ``grammar``, every token is one the grammar allows (the stop tokens and
+        ``grammar.end_ids`` only where it accepts); a grammar that completes ends the
+        generation, and ``grammar_state`` says whether it was completed.
         """
         stream = self._model.generate(
             list(ids),
@@ -151,6 +156,9 @@ class Engine:
             list(stop_token_ids),
             seed,
             slot,
+            None if grammar is None else (grammar.kind, grammar.source),
+            [] if grammar is None else list(grammar.trigger),
+            [] if grammar is None else list(grammar.end_ids),
         )
         return _Tokens(stream)
 
@@ -166,6 +174,11 @@ class Engine:
         private.
         """
         return _Scoring(self._model.score(list(context), [list(o) for o in options], slot))
+
+    def check_grammar(self, kind: str, source: str) -> None:
+        """Compiles a grammar (``json_schema``, ``lark`` or ``regex``) against the model's
+        tokenizer; ``ValueError`` with llguidance's message when it is refused."""
+        self._model.check_grammar(kind, source)
 
     def last_profile(self) -> dict[str, Any]:
         """The last finished generation's profile: ``io_wait_s``, ``expert_matmul_s``,
@@ -196,6 +209,19 @@ class Engine:
         """``cached_tokens`` (the slot's history length), ``tokens``, ``persistent`` and
         ``store_error`` (why persisting stopped, if it did)."""
         return dict(self._model.slot_info(slot))
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on a generation's output, as llguidance reads it: ``kind`` is
+    ``json_schema``, ``lark`` or ``regex``; it applies once the output ends with the ``trigger``
+    token ids (empty: from the first token); ``end_ids`` (with the stop tokens) end the output
+    where the grammar accepts."""
+
+    kind: str
+    source: str
+    trigger: tuple[int, ...] = ()
+    end_ids: tuple[int, ...] = ()
 
 
 class _Stepped:
@@ -237,6 +263,19 @@ class _Tokens(_Stepped, Iterator[int]):
         if self.reused_tokens is None:
             self.reused_tokens = self._stream.reused_tokens
         return int(tok)
+
+    @property
+    def grammar_state(self) -> str | None:
+        """None without a grammar; else ``pending`` (before its trigger), ``active``,
+        ``satisfied`` (completed) or ``incomplete`` (ended before it was complete). Readable
+        after ``close()`` too."""
+        return self._stream.grammar_state
+
+    def mask_stats(self) -> dict[str, Any] | None:
+        """The grammar's timings: ``masks``, ``compute_s``, ``wait_s``, ``consume_s`` (None
+        without one)."""
+        stats = self._stream.mask_stats()
+        return None if stats is None else dict(stats)
 
 
 class _Scoring(_Stepped):

@@ -19,7 +19,7 @@ from typing import Any
 from colibri.chat.output import OutputPipeline, Piece, ReasoningState
 from colibri.chat.toolcalls import ToolCallParser
 from colibri.observability import RequestObserver
-from colibri.runtime.engine import Engine
+from colibri.runtime.engine import Engine, Grammar
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class GenerationSpec:
     reasoning: ReasoningState | None = None
     # Makes a fresh tool-call parser for each generation (None: no tools declared).
     tool_parser: Callable[[], ToolCallParser] | None = None
+    # Constrains the output (response_format, forced or strict tool calls; chat/grammar.py).
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -48,6 +50,9 @@ class Finished:
     cached_tokens: int = 0
     # The stop string that ended the output (client or implicit), if one did.
     stop_sequence: str | None = None
+    # The output had to follow a grammar and ended before completing it (the reason is then
+    # "length": the output is not valid).
+    grammar_incomplete: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class Generator:
             sorted(stop_ids),
             spec.seed,
             slot,
+            spec.grammar,
         )
         if observer is not None:
             observer.engine_started(len(spec.prompt_ids))
@@ -151,6 +157,15 @@ class Generator:
                 reason = "stop"
             if out.tool_calls:
                 reason = "tool_calls"
+            grammar_incomplete = False
+            if spec.grammar is not None:
+                state = tokens.grammar_state
+                if state == "satisfied" and reason == "length":
+                    reason = "stop"  # the grammar completed: the engine ended the output
+                elif state != "satisfied":
+                    # Never a complete-looking reply from an unfinished grammar (a stop string
+                    # that cut it short included).
+                    reason, grammar_incomplete = "length", True
             if pieces and observer is not None:
                 observer.output()
         except BaseException:
@@ -161,7 +176,14 @@ class Generator:
             tokens.close()
             if observer is not None:
                 observer.engine_finished(reason, count, error)
-        yield Finished(reason, count, pieces, tokens.reused_tokens or 0, out.stop_sequence)
+        yield Finished(
+            reason,
+            count,
+            pieces,
+            tokens.reused_tokens or 0,
+            out.stop_sequence,
+            grammar_incomplete,
+        )
 
     async def score(
         self,

@@ -1,0 +1,250 @@
+"""Grammars for constrained decoding: what the output of a chat request must look like, as a Lark
+grammar llguidance compiles against the model's tokenizer (the engine masks every token to it).
+
+- ``response_format`` json_object / json_schema (Anthropic ``output_config.format``): the answer
+  is one JSON value of the schema, compact (no free whitespace, so a model cannot pad forever).
+- forced tool calls (``tool_choice`` required / named, Anthropic any / tool) and ``strict`` tools:
+  the family's tool-call syntax, with each strict tool's arguments following its schema.
+- ``auto`` with strict tools: free text, or text then valid calls.
+
+Reasoning stays free: the grammar starts with the family's think block where the output may
+(or, when the prompt opened one, must) begin with it; the constraint applies after it closes.
+Family markers that are special tokens of the tokenizer are written as llguidance's ``<name>``
+token references, so they match the token itself, never its text spelled in pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from colibri.errors import ApiError
+
+# The JSON the grammar allows: no whitespace outside strings (llguidance's JSON options).
+_COMPACT = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class GrammarTools:
+    """The tools a grammar may call: name -> parameters schema, and which of them are strict."""
+
+    schemas: dict[str, dict[str, Any]]
+    strict: frozenset[str]
+    # The output must contain a call (required / named / any / tool).
+    forced: bool
+    parallel: bool
+
+
+@dataclass(frozen=True)
+class Markers:
+    """How the grammar writes the family's markers: a token reference when the marker is one
+    special token, else its text as a literal."""
+
+    special: frozenset[str]
+
+    def __call__(self, text: str) -> str:
+        if text in self.special:
+            return text
+        return _lit(text)
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def json_body(schema: dict[str, Any]) -> str:
+    """The Lark expression of one compact JSON value following ``schema``."""
+    return "%json " + json.dumps({**schema, "x-guidance": _COMPACT}, ensure_ascii=False)
+
+
+def with_reasoning(
+    body: str,
+    marker: Markers,
+    open_think: str | None,
+    close_think: str | None,
+    in_reasoning: bool,
+    after_reasoning: bool,
+) -> str:
+    """The whole grammar: free reasoning first where the output may (or must) begin with it,
+    then ``body`` (a Lark expression), after at most one newline."""
+    lines = [f"body: {body}", 'NL: "\\n"']
+    if open_think is None or close_think is None or after_reasoning:
+        lines.insert(0, "start: NL? body")
+    elif in_reasoning:
+        lines.insert(0, f"start: THINK? {marker(close_think)} NL? body")
+        lines.append("THINK: /(?s:.+)/")
+    else:
+        lines.insert(0, f"start: NL? ({marker(open_think)} THINK? {marker(close_think)} NL?)? body")
+        lines.append("THINK: /(?s:.+)/")
+    return "\n".join(lines) + "\n"
+
+
+class GrammarRefused(ValueError):
+    """The request's schema or tools cannot be written as a grammar; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool calls per family format
+
+
+def _glm_value(schema: Any, where: str) -> str:
+    """An argument value as GLM writes it: a ``string`` property as its raw text, anything else
+    as JSON (how chat/tools.py reads it back)."""
+    if not isinstance(schema, dict):
+        return json_body({})
+    kind = schema.get("type")
+    if isinstance(kind, list) and "string" in kind:
+        raise GrammarRefused(
+            f"{where}: a type list with 'string' cannot be told apart from text in this "
+            "family's raw argument values; use one type"
+        )
+    if kind != "string":
+        return json_body(schema)
+    if "enum" in schema or "const" in schema:
+        values = schema.get("enum", [schema.get("const")])
+        if not all(isinstance(v, str) and "<" not in v for v in values):
+            raise GrammarRefused(f"{where}: enum values must be strings without '<'")
+        return "(" + " | ".join(_lit(v) for v in values) + ")"
+    unsupported = sorted(set(schema) & {"pattern", "format"})
+    if unsupported:
+        raise GrammarRefused(
+            f"{where}: '{unsupported[0]}' on a string argument is not supported for this "
+            "family's raw argument values"
+        )
+    low = int(schema.get("minLength", 0))
+    high = schema.get("maxLength")
+    if low == 0 and high is None:
+        return "/[^<]*/"
+    return "/[^<]{" + f"{low}," + ("" if high is None else str(int(high))) + "}/"
+
+
+def _glm_call(
+    rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers
+) -> list[str]:
+    """``<tool_call>NAME`` then ``\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>`` per
+    argument, ``\\n</tool_call>`` (no newline when there are no arguments)."""
+    head = f"{m('<tool_call>')} {_lit(name)}"
+    end = m("</tool_call>")
+
+    def pair(key: str, value: str) -> str:
+        return (
+            f'"\\n" {m("<arg_key>")} {key} {m("</arg_key>")} "\\n" '
+            f"{m('<arg_value>')} {value} {m('</arg_value>')}"
+        )
+
+    if not strict:
+        free = pair("/[^<\\n]+/", "/[^<]*/")
+        return [f'{rule}: {head} ({free})* "\\n"? {end}']
+    props = schema.get("properties") or {}
+    if not isinstance(props, dict):
+        raise GrammarRefused(f"tool '{name}': 'properties' must be an object")
+    required = [k for k in schema.get("required") or [] if k in props]
+    missing = [k for k in schema.get("required") or [] if k not in props]
+    if missing:
+        raise GrammarRefused(f"tool '{name}': required argument '{missing[0]}' has no schema")
+    parts = []
+    # Required arguments in the order given, then optional ones, each at most once.
+    for key in required + [k for k in props if k not in required]:
+        if "<" in key or "\n" in key or not key:
+            raise GrammarRefused(f"tool '{name}': argument name {key!r} cannot be written")
+        item = pair(_lit(key), _glm_value(props[key], f"tool '{name}' argument '{key}'"))
+        parts.append(f"({item})" + ("" if key in required else "?"))
+    if not parts:
+        return [f"{rule}: {head} {end}"]
+    if not required:
+        return [f"{rule}: {head} ({' '.join(parts)} \"\\n\")? {end}"]
+    return [f'{rule}: {head} {" ".join(parts)} "\\n" {end}']
+
+
+def _json_call(
+    rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers
+) -> list[str]:
+    """Qwen3 (hermes): ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>``."""
+    args = schema if strict else {"type": "object"}
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": args},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    return [f'{rule}: {m("<tool_call>")} "\\n" {json_body(call)} "\\n" {m("</tool_call>")}']
+
+
+_CALL_BUILDERS: dict[str, Callable[[str, str, dict[str, Any], bool, Markers], list[str]]] = {
+    "glm": _glm_call,
+    "qwen3": _json_call,
+}
+
+
+def supports_tool_grammar(format_name: str) -> bool:
+    return format_name in _CALL_BUILDERS
+
+
+def tool_calls_body(format_name: str, tools: GrammarTools, m: Markers) -> tuple[str, list[str]]:
+    """(the Lark expression of the calls, the rules it uses)."""
+    build = _CALL_BUILDERS.get(format_name)
+    if build is None:
+        raise GrammarRefused(
+            f"forced and strict tool calls are not available for the '{format_name}' "
+            "tool-call format"
+        )
+    rules: list[str] = []
+    names = []
+    for i, (name, schema) in enumerate(tools.schemas.items()):
+        rules += build(f"call_{i}", name, schema, name in tools.strict, m)
+        names.append(f"call_{i}")
+    rules.append("call: " + " | ".join(names))
+    calls = "call (NL? call)*" if tools.parallel else "call"
+    return calls, rules
+
+
+def tool_grammar(
+    format_name: str,
+    tools: GrammarTools,
+    m: Markers,
+    wrap: Callable[[str], str],
+    answer: str | None = None,
+) -> str:
+    """The grammar of a reply with tools: calls only when forced; else free text (or
+    ``answer``, the response format's body) or text then calls."""
+    calls, rules = tool_calls_body(format_name, tools, m)
+    if tools.forced:
+        body = calls
+    elif answer is not None:
+        body = f"({answer}) | {calls}"
+    else:
+        body = f"TEXT | TEXT? {calls}"
+        rules.append("TEXT: /(?s:.+)/")
+    return wrap(body) + "\n".join(rules) + "\n"
+
+
+def compile_checked(
+    check: Callable[[str, str], None], grammar: str, param: str, what: str
+) -> None:
+    """Compiles ``grammar`` against the model's tokenizer; a refusal is a 400 naming llguidance's
+    reason (an unsupported JSON-schema keyword among them)."""
+    try:
+        check("lark", grammar)
+    except ValueError as e:
+        raise ApiError(
+            400,
+            f"{what} cannot be enforced: {_reason(str(e))}",
+            code="unsupported_schema",
+            param=param,
+        ) from e
+
+
+def _reason(message: str) -> str:
+    """llguidance's message without its position prefix and the listing of our grammar."""
+    text = re.sub(r"^at \d+\(\d+\): ", "", " ".join(message.split()))
+    listing = text.find(" 1 | ")
+    if listing > 0:
+        text = text[:listing]
+    return text[:600]
+
+
+def special_markers(special_tokens: Sequence[str]) -> Markers:
+    return Markers(frozenset(special_tokens))
