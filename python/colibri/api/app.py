@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from colibri.api import anthropic, openai, responses
+from colibri.api import anthropic, openai, responses, web
 from colibri.api.access_log import AccessLogMiddleware, note_error
 from colibri.api.errors import ApiError, error_response
 from colibri.api.http import json_response
@@ -155,6 +155,7 @@ def _starlette_app(served: ServedModel) -> Starlette:
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
+        *web.routes(),
     ]
 
     @contextlib.asynccontextmanager

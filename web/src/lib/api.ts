@@ -1,0 +1,242 @@
+// The dashboard's one contract with the server: request building, the chat stream, /health and
+// /v1/models. Pure helpers are exported for the unit tests.
+
+import { SseParser } from "./sse";
+
+export interface ChatMessage {
+  role: "system" | "user" | "assistant";
+  content: string;
+}
+
+export interface Connection {
+  /** "" for the page's own origin (the server that served it). */
+  baseUrl: string;
+  /** Kept in memory only; "" when the server has no key. */
+  apiKey: string;
+}
+
+export interface ChatOptions {
+  model: string;
+  messages: ChatMessage[];
+  thinking: boolean;
+  maxTokens: number | null;
+  temperature: number;
+  /** A KV slot, sent only when the server has more than one. */
+  slot: number | null;
+  slotCount: number;
+}
+
+export interface BuiltRequest {
+  url: string;
+  init: { method: "POST"; headers: Record<string, string>; body: string };
+}
+
+export function authHeaders(conn: Connection): Record<string, string> {
+  return conn.apiKey ? { Authorization: `Bearer ${conn.apiKey}` } : {};
+}
+
+export function endpoint(conn: Connection, path: string): string {
+  return conn.baseUrl.replace(/\/+$/, "") + path;
+}
+
+export function buildChatRequest(conn: Connection, opts: ChatOptions): BuiltRequest {
+  const body: Record<string, unknown> = {
+    model: opts.model,
+    messages: opts.messages.map((m) => ({ role: m.role, content: m.content })),
+    stream: true,
+    stream_options: { include_usage: true },
+    enable_thinking: opts.thinking,
+    temperature: opts.temperature,
+  };
+  if (opts.maxTokens !== null) body.max_tokens = opts.maxTokens;
+  if (opts.slot !== null && opts.slotCount > 1) body.cache_slot = opts.slot;
+  return {
+    url: endpoint(conn, "/v1/chat/completions"),
+    init: {
+      method: "POST",
+      headers: { "Content-Type": "application/json", ...authHeaders(conn) },
+      body: JSON.stringify(body),
+    },
+  };
+}
+
+/** An error as the server put it: its message and code, and Retry-After for a 429. */
+export class ServerError extends Error {
+  constructor(
+    message: string,
+    readonly status: number | null,
+    readonly code: string | null,
+  ) {
+    super(message);
+    this.name = "ServerError";
+  }
+}
+
+function isRecord(v: unknown): v is Record<string, unknown> {
+  return typeof v === "object" && v !== null && !Array.isArray(v);
+}
+
+/** The message of an OpenAI or Anthropic error envelope, else null. */
+export function envelopeMessage(body: unknown): { message: string; code: string | null } | null {
+  if (!isRecord(body) || !isRecord(body.error)) return null;
+  const err = body.error;
+  if (typeof err.message !== "string") return null;
+  const code = typeof err.code === "string" ? err.code : typeof err.type === "string" ? err.type : null;
+  return { message: err.message, code };
+}
+
+export function errorFromResponse(status: number, text: string, retryAfter: string | null): ServerError {
+  let parsed: unknown = null;
+  try {
+    parsed = JSON.parse(text);
+  } catch {
+    parsed = null;
+  }
+  const env = envelopeMessage(parsed);
+  let message = env ? env.message : text.trim() || `HTTP ${status}`;
+  if (status === 429 && retryAfter) message += ` (retry after ${retryAfter} s)`;
+  return new ServerError(message, status, env ? env.code : null);
+}
+
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+}
+
+export type StreamPart =
+  | { kind: "content"; text: string }
+  | { kind: "reasoning"; text: string }
+  | { kind: "finish"; reason: string }
+  | { kind: "usage"; usage: Usage }
+  | { kind: "error"; error: ServerError };
+
+/** What one `data:` payload of a chat stream says ("[DONE]" says nothing). */
+export function chunkParts(data: string): StreamPart[] {
+  if (data === "[DONE]") return [];
+  let chunk: unknown;
+  try {
+    chunk = JSON.parse(data);
+  } catch {
+    return [{ kind: "error", error: new ServerError(`unreadable stream data: ${data}`, null, null) }];
+  }
+  const env = envelopeMessage(chunk);
+  if (env) return [{ kind: "error", error: new ServerError(env.message, null, env.code) }];
+  if (!isRecord(chunk)) return [];
+  const parts: StreamPart[] = [];
+  const choices = Array.isArray(chunk.choices) ? chunk.choices : [];
+  for (const choice of choices) {
+    if (!isRecord(choice)) continue;
+    const delta = isRecord(choice.delta) ? choice.delta : {};
+    // The server sends reasoning under two names with the same text: take one.
+    const reasoning = delta.reasoning_content ?? delta.reasoning;
+    if (typeof reasoning === "string" && reasoning) parts.push({ kind: "reasoning", text: reasoning });
+    if (typeof delta.content === "string" && delta.content) parts.push({ kind: "content", text: delta.content });
+    if (typeof choice.finish_reason === "string") parts.push({ kind: "finish", reason: choice.finish_reason });
+  }
+  const usage = chunk.usage;
+  if (isRecord(usage) && typeof usage.completion_tokens === "number" && typeof usage.prompt_tokens === "number") {
+    parts.push({ kind: "usage", usage: { prompt_tokens: usage.prompt_tokens, completion_tokens: usage.completion_tokens } });
+  }
+  return parts;
+}
+
+export interface StreamStart {
+  queueWaitMs: number | null;
+  requestId: string | null;
+}
+
+/**
+ * Streams one chat turn. Aborting `signal` closes the connection, which the server takes as the
+ * client gone: it stops the generation after the token in flight and frees the KV slot.
+ * Resolves when the stream ends; rejects with ServerError (or the AbortError on Stop).
+ */
+export async function streamChat(
+  req: BuiltRequest,
+  signal: AbortSignal,
+  onStart: (s: StreamStart) => void,
+  onPart: (p: StreamPart) => void,
+  fetchImpl: typeof fetch = fetch,
+): Promise<void> {
+  let res: Response;
+  try {
+    res = await fetchImpl(req.url, { ...req.init, signal });
+  } catch (e) {
+    if (signal.aborted) throw e;
+    throw new ServerError(`cannot reach the server: ${e instanceof Error ? e.message : String(e)}`, null, "unreachable");
+  }
+  if (!res.ok) {
+    throw errorFromResponse(res.status, await res.text(), res.headers.get("retry-after"));
+  }
+  const wait = res.headers.get("x-colibri-queue-wait-ms");
+  onStart({ queueWaitMs: wait === null ? null : Number(wait), requestId: res.headers.get("x-request-id") });
+  if (!res.body) throw new ServerError("the response has no body", res.status, null);
+  const reader = res.body.getReader();
+  const parser = new SseParser();
+  const emit = (events: ReturnType<SseParser["push"]>) => {
+    for (const ev of events) for (const part of chunkParts(ev.data)) onPart(part);
+  };
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    emit(parser.push(value));
+  }
+  emit(parser.end());
+}
+
+export interface Health {
+  status: string;
+  model?: string;
+  active?: number;
+  queued?: number;
+  capacity?: number;
+  max_queue?: number;
+  admitted?: number;
+  completed?: number;
+  failed?: number;
+  rejected?: number;
+  timed_out?: number;
+  cancelled?: number;
+  context_length?: number;
+  kv_bytes_per_token?: number;
+  prefill?: { slot: number | null; prompt_tokens: number; prompt_tokens_done: number }[];
+  error?: string;
+}
+
+export interface ModelCard {
+  id: string;
+  created: number;
+  owned_by: string;
+  max_model_len?: number;
+}
+
+async function getJson(conn: Connection, path: string, signal?: AbortSignal): Promise<{ status: number; body: unknown }> {
+  let res: Response;
+  try {
+    res = await fetch(endpoint(conn, path), { headers: authHeaders(conn), ...(signal ? { signal } : {}) });
+  } catch (e) {
+    throw new ServerError(`cannot reach the server: ${e instanceof Error ? e.message : String(e)}`, null, "unreachable");
+  }
+  const text = await res.text();
+  // /health answers 503 with a body when the engine failed: still a snapshot to show.
+  if (!res.ok && !(path === "/health" && res.status === 503)) {
+    throw errorFromResponse(res.status, text, res.headers.get("retry-after"));
+  }
+  return { status: res.status, body: JSON.parse(text) as unknown };
+}
+
+export async function fetchHealth(conn: Connection, signal?: AbortSignal): Promise<Health> {
+  const { body } = await getJson(conn, "/health", signal);
+  return body as Health;
+}
+
+export async function fetchModels(conn: Connection, signal?: AbortSignal): Promise<ModelCard[]> {
+  const { body } = await getJson(conn, "/v1/models", signal);
+  if (!isRecord(body) || !Array.isArray(body.data)) return [];
+  return body.data as ModelCard[];
+}
+
+/** Decode speed: tokens after the first over the time since the first. */
+export function decodeRate(tokens: number, firstAt: number | null, now: number): number | null {
+  if (firstAt === null || tokens < 2 || now <= firstAt) return null;
+  return ((tokens - 1) * 1000) / (now - firstAt);
+}
