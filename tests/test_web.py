@@ -110,7 +110,15 @@ def test_the_key_still_guards_every_api_and_nothing_is_shadowed(keyed):
     # Public: the page, its files, the health status.
     assert httpx.get(keyed.url + "/health").json() == {"status": "ok"}
     # Everything else needs the key, as before the dashboard.
-    for path in ("/v1/models", "/metrics", "/v1/colibri/profile", "/index.html", "/nope"):
+    for path in (
+        "/v1/models",
+        "/metrics",
+        "/v1/colibri/profile",
+        "/v1/colibri/info",
+        "/v1/colibri/experts",
+        "/index.html",
+        "/nope",
+    ):
         r = httpx.get(keyed.url + path)
         assert r.status_code == 401, path
         assert r.json()["error"]["code"] == "invalid_api_key"
@@ -129,6 +137,55 @@ def test_the_key_still_guards_every_api_and_nothing_is_shadowed(keyed):
     # The Host check covers the page too (DNS rebinding).
     r = httpx.get(keyed.url + "/", headers={"Host": "evil.example"})
     assert r.status_code == 403
+
+
+def test_the_engine_info_endpoint_describes_the_served_model(keyed):
+    from colibri.demo.builtin import builtin_model_dir
+    from colibri.runtime.engine import Engine
+
+    r = httpx.get(keyed.url + "/v1/colibri/info", headers={"x-api-key": KEY})
+    assert r.status_code == 200
+    info = r.json()
+    engine = Engine(builtin_model_dir(), threads=2)
+    assert info["model"] == keyed.model_id
+    assert info["chat_family"] == "glm"
+    for name in ("architecture", "quantization", "num_layers", "num_experts", "kernel"):
+        assert info[name] == engine.info[name], name
+    assert info["threads"] == 2 and info["kv_slots"] == 1
+    assert info["expert_cache"] is None  # every expert resident without --ram-gb
+
+
+def test_the_experts_endpoint_maps_routing_heat_and_the_last_turn(keyed):
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def get() -> dict:
+        r = httpx.get(keyed.url + "/v1/colibri/experts", headers=auth)
+        assert r.status_code == 200
+        return r.json()
+
+    before = get()
+    r = httpx.post(
+        keyed.base_url + "/chat/completions",
+        headers=auth,
+        json={"model": keyed.model_id, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 8},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200
+    after = get()
+    assert after["turns"] == before["turns"] + 1
+    assert after["placement"] == "resident"
+    experts = after["experts"]
+    assert experts > 0 and after["layers"]
+    for layer in after["layers"]:
+        assert len(layer["counts"]) == experts
+        assert layer["routed"] and all(0 <= e < experts for e in layer["routed"])
+        assert layer["routed"] == sorted(set(layer["routed"]))
+    # The turn's selections were counted: 8 tokens and a prompt, top-k experts each.
+    grew = sum(sum(x["counts"]) for x in after["layers"]) - sum(
+        sum(x["counts"]) for x in before["layers"]
+    )
+    assert grew > 0
 
 
 def test_colibri_web_opens_the_dashboard_in_a_browser(tmp_path):

@@ -232,7 +232,69 @@ def test_the_system_page_shows_health_and_the_model(demo, open_page):
         assert field in table
     model = page.get_by_test_id("model-table").inner_text()
     assert "colibri-demo" in model and "2048 tokens" in model
+    info = httpx.get(demo.url + "/v1/colibri/info").json()
+    engine = page.get_by_test_id("engine-table").inner_text()
+    assert info["architecture"] in engine and info["kernel"] in engine
+    assert f"{info['num_experts']} experts ({info['experts_per_token']} per token)" in engine
     page.screenshot(path=str(SHOTS / "system-1280x800-light.png"))
+    no_console_errors(p)
+
+
+def test_the_profiling_page_shows_the_last_turn(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/")
+    page.get_by_text("colibri-demo").first.wait_for()
+    ask(page, "What is 37 + 48?")
+    wait_done(page)
+    page.get_by_role("link", name="Profiling").click()
+    page.wait_for_url(re.compile(r"#/profiling$"))
+    turns = httpx.get(demo.url + "/v1/colibri/profile").json()["turns"]
+    count = page.get_by_test_id("turn-count")
+    count.wait_for()
+    assert count.inner_text() == str(len(turns))
+    # The newest turn first: its prompt and reply token counts, and its phase bar.
+    first = page.get_by_test_id("turns-table").locator("tbody tr").first
+    cells = first.locator("td").all_inner_texts()
+    assert cells[0] == str(len(turns))
+    assert cells[1:3] == [str(turns[-1]["prefill_tokens"]), str(turns[-1]["decode_tokens"])]
+    bar = first.locator(".phasebar")
+    assert "expert matmul" in (bar.get_attribute("aria-label") or "")
+    widths = bar.locator(".ph").evaluate_all("els => els.map(e => e.getBoundingClientRect().width)")
+    assert len(widths) == 5 and sum(widths) > 0
+    page.screenshot(path=str(SHOTS / "profiling-1280x800-light.png"))
+    no_console_errors(p)
+
+
+def test_the_brain_page_maps_the_experts_and_flashes_after_a_turn(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/#/brain")
+    grid = page.get_by_test_id("brain-grid")
+    grid.wait_for()
+    known = httpx.get(demo.url + "/v1/colibri/experts").json()
+    assert grid.locator(".cell").count() == known["experts"] * len(known["layers"])
+    # A turn from another client: the page sees it on its next poll and flashes its experts.
+    question = [{"role": "user", "content": "What is 37 + 48?"}]
+    r = httpx.post(
+        demo.url + "/v1/chat/completions",
+        json={"model": "colibri-demo", "messages": question, "max_tokens": 40},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    page.locator(".cell.flash").first.wait_for(timeout=10_000)
+    now = httpx.get(demo.url + "/v1/colibri/experts").json()
+    assert now["turns"] == known["turns"] + 1
+    shown = page.locator(".cell.hit").evaluate_all(
+        "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.expert)])"
+    )
+    want = [[x["layer"], e] for x in now["layers"] for e in x["routed"]]
+    assert sorted(shown) == sorted(want) and want
+    page.screenshot(path=str(SHOTS / "brain-1280x800-light.png"))
+    # The same map as a table, for screen readers.
+    page.get_by_text("As a table").click()
+    rows = page.get_by_test_id("brain-table").locator("tbody tr")
+    assert rows.count() == known["experts"] * len(known["layers"])
     no_console_errors(p)
 
 
@@ -250,8 +312,17 @@ def test_no_horizontal_overflow_at_any_width_in_either_theme(demo, open_page, sc
         page.screenshot(path=str(SHOTS / f"widths-chat-{width}x{height}-{scheme}.png"))
         page.goto(demo.url + "/#/system")
         page.get_by_test_id("health-status").wait_for()
+        page.get_by_test_id("engine-table").wait_for()
         no_horizontal_overflow(page)
         page.screenshot(path=str(SHOTS / f"widths-system-{width}x{height}-{scheme}.png"))
+        page.goto(demo.url + "/#/profiling")
+        page.get_by_test_id("turns-table").wait_for()
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / f"widths-profiling-{width}x{height}-{scheme}.png"))
+        page.goto(demo.url + "/#/brain")
+        page.get_by_test_id("brain-grid").wait_for()
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / f"widths-brain-{width}x{height}-{scheme}.png"))
         no_console_errors(p)
 
 

@@ -1,8 +1,10 @@
 import { useEffect, useMemo, useState } from "react";
 import { ServerError, fetchHealth, fetchModels, type Connection, type ModelCard } from "./lib/api";
-import { parseRoute, type Route } from "./lib/route";
+import { ROUTES, parseRoute, type Route } from "./lib/route";
 import { applyTheme, loadTheme, nextTheme, type ThemeChoice } from "./lib/theme";
 import { Chat, type ServerFacts } from "./pages/Chat";
+import { Brain } from "./pages/Brain";
+import { Profiling } from "./pages/Profiling";
 import { System } from "./pages/System";
 
 // Served by colibri itself the API is on the page's own origin; the Vite dev server (port 5173)
@@ -19,6 +21,7 @@ function useRoute(): Route {
   return route;
 }
 
+const PAGE_NAMES: Record<Route, string> = { chat: "Chat", brain: "Brain", profiling: "Profiling", system: "System" };
 const THEME_LABEL: Record<ThemeChoice, string> = { system: "Theme: system", light: "Theme: light", dark: "Theme: dark" };
 const THEME_SHORT: Record<ThemeChoice, string> = { system: "Auto", light: "Light", dark: "Dark" };
 
@@ -88,9 +91,9 @@ export function App() {
       <header className="top">
         <span className="brand">colibri</span>
         <nav aria-label="Pages">
-          {(["chat", "system"] as const).map((r) => (
+          {ROUTES.map((r) => (
             <a key={r} href={`#/${r}`} aria-current={route === r ? "page" : undefined}>
-              {r === "chat" ? "Chat" : "System"}
+              {PAGE_NAMES[r]}
             </a>
           ))}
         </nav>
@@ -123,7 +126,12 @@ export function App() {
           {modelsError}
         </div>
       )}
-      <main id="main" tabIndex={-1}>{route === "chat" ? <Chat conn={conn} facts={facts} /> : <System conn={conn} models={models} modelsError={modelsError} />}</main>
+      <main id="main" tabIndex={-1}>
+        {route === "chat" && <Chat conn={conn} facts={facts} />}
+        {route === "brain" && <Brain conn={conn} />}
+        {route === "profiling" && <Profiling conn={conn} />}
+        {route === "system" && <System conn={conn} models={models} modelsError={modelsError} />}
+      </main>
     </div>
   );
 }

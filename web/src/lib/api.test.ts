@@ -155,3 +155,48 @@ describe("decodeRate and routes", () => {
     expect(parseRoute("#/nope")).toBe("chat");
   });
 });
+
+describe("profile maths", () => {
+  const turn = {
+    prefill_tokens: 15, decode_tokens: 34, prefill_s: 0.5, decode_s: 1.5, prefill_tok_s: 30, decode_tok_s: 22.7,
+    io_wait_s: 0.2, expert_matmul_s: 1.0, attention_s: 0.4, lm_head_s: 0.3, other_s: 0.1, bytes_read: 1000,
+    cache_hits: 30, cache_misses: 10, cache_hit_rate: 0.75, prefetch_reads: 0, prefetch_used: 0, prefetch_recall: 0,
+  };
+  it("splits a turn's wall time into its phases", async () => {
+    const { phaseShares } = await import("./api");
+    const shares = phaseShares(turn);
+    expect(shares.map((s) => s.phase)).toEqual(["io_wait_s", "expert_matmul_s", "attention_s", "lm_head_s", "other_s"]);
+    expect(shares.map((s) => s.share)).toEqual([0.1, 0.5, 0.2, 0.15, 0.05]);
+    expect(shares.reduce((a, s) => a + s.share, 0)).toBeCloseTo(1, 12);
+    expect(phaseShares({ ...turn, prefill_s: 0, decode_s: 0 }).every((s) => s.share === 0)).toBe(true);
+  });
+  it("totals turns, with the hit rate over all lookups", async () => {
+    const { profileTotals } = await import("./api");
+    const all = profileTotals([turn, { ...turn, cache_hits: 0, cache_misses: 40, decode_tokens: 6, decode_s: 0.5 }]);
+    expect(all).toMatchObject({ turns: 2, prefillTokens: 30, decodeTokens: 40, bytesRead: 2000 });
+    expect(all.hitRate).toBeCloseTo(30 / 80, 12);
+    expect(all.decodeTokS).toBeCloseTo(40 / 2, 12);
+    expect(profileTotals([{ ...turn, cache_hits: 0, cache_misses: 0 }]).hitRate).toBeNull();
+    expect(profileTotals([])).toMatchObject({ turns: 0, hitRate: null, decodeTokS: null });
+  });
+});
+
+describe("expertCells", () => {
+  it("lays the map out row-major with log heat and the last turn's experts", async () => {
+    const { expertCells } = await import("./api");
+    const cells = expertCells({
+      experts: 3,
+      placement: "resident",
+      turns: 4,
+      layers: [
+        { layer: 1, counts: [0, 1, 255], routed: [2] },
+        { layer: 2, counts: [15, 3], routed: [0, 1] },
+      ],
+    });
+    expect(cells.map((c) => [c.layer, c.expert])).toEqual([[1, 0], [1, 1], [1, 2], [2, 0], [2, 1], [2, 2]]);
+    expect(cells.map((c) => c.count)).toEqual([0, 1, 255, 15, 3, 0]);
+    expect(cells.map((c) => c.heat)).toEqual([0, 1 / 8, 1, 4 / 8, 2 / 8, 0]);
+    expect(cells.filter((c) => c.routed).map((c) => `${c.layer}:${c.expert}`)).toEqual(["1:2", "2:0", "2:1"]);
+    expect(expertCells({ experts: 2, placement: "resident", turns: 0, layers: [{ layer: 1, counts: [0, 0], routed: [] }] }).every((c) => c.heat === 0)).toBe(true);
+  });
+});

@@ -240,3 +240,161 @@ export function decodeRate(tokens: number, firstAt: number | null, now: number):
   if (firstAt === null || tokens < 2 || now <= firstAt) return null;
   return ((tokens - 1) * 1000) / (now - firstAt);
 }
+
+export interface EngineInfo {
+  model: string;
+  chat_family: string;
+  architecture?: string;
+  quantization?: string;
+  hidden_size?: number;
+  num_layers?: number;
+  num_experts?: number;
+  experts_per_token?: number;
+  vocab_size?: number;
+  context_length?: number;
+  model_context_length?: number;
+  kv_dtype?: string;
+  kv_bytes_per_token?: number;
+  kernel?: string;
+  kernel_prefetch?: string;
+  kernel_avx_vnni?: boolean;
+  threads?: number;
+  prefill_chunk?: number;
+  kv_slots?: number;
+  expert_cache: Record<string, unknown> | null;
+}
+
+export async function fetchInfo(conn: Connection, signal?: AbortSignal): Promise<EngineInfo> {
+  const { body } = await getJson(conn, "/v1/colibri/info", signal);
+  return body as EngineInfo;
+}
+
+/** One generation's profile, as the engine reports it (`Engine.last_profile()`). */
+export interface TurnProfile {
+  prefill_tokens: number;
+  decode_tokens: number;
+  prefill_s: number;
+  decode_s: number;
+  prefill_tok_s: number;
+  decode_tok_s: number;
+  io_wait_s: number;
+  expert_matmul_s: number;
+  attention_s: number;
+  lm_head_s: number;
+  other_s: number;
+  bytes_read: number;
+  cache_hits: number;
+  cache_misses: number;
+  cache_hit_rate: number;
+  prefetch_reads: number;
+  prefetch_used: number;
+  prefetch_recall: number;
+}
+
+export interface Profile {
+  turns: TurnProfile[];
+  last_routed_experts: number[][];
+  expert_cache: Record<string, number | string | boolean | null> | null;
+}
+
+export async function fetchProfile(conn: Connection, signal?: AbortSignal): Promise<Profile> {
+  const { body } = await getJson(conn, "/v1/colibri/profile", signal);
+  return body as Profile;
+}
+
+export const PHASES = [
+  ["io_wait_s", "I/O wait"],
+  ["expert_matmul_s", "expert matmul"],
+  ["attention_s", "attention"],
+  ["lm_head_s", "LM head"],
+  ["other_s", "other"],
+] as const;
+export type Phase = (typeof PHASES)[number][0];
+
+/** Where a turn's time went: each phase's seconds and share of the turn (prefill + decode). */
+export function phaseShares(t: TurnProfile): { phase: Phase; label: string; seconds: number; share: number }[] {
+  const wall = t.prefill_s + t.decode_s;
+  return PHASES.map(([phase, label]) => {
+    const seconds = Math.max(0, t[phase]);
+    return { phase, label, seconds, share: wall > 0 ? seconds / wall : 0 };
+  });
+}
+
+/** Totals over turns: tokens, seconds, bytes read and the cache hit rate over all lookups. */
+export function profileTotals(turns: TurnProfile[]): {
+  turns: number;
+  prefillTokens: number;
+  decodeTokens: number;
+  seconds: number;
+  bytesRead: number;
+  hitRate: number | null;
+  decodeTokS: number | null;
+} {
+  let prefillTokens = 0, decodeTokens = 0, seconds = 0, decodeSeconds = 0, bytesRead = 0, hits = 0, misses = 0;
+  for (const t of turns) {
+    prefillTokens += t.prefill_tokens;
+    decodeTokens += t.decode_tokens;
+    seconds += t.prefill_s + t.decode_s;
+    decodeSeconds += t.decode_s;
+    bytesRead += t.bytes_read;
+    hits += t.cache_hits;
+    misses += t.cache_misses;
+  }
+  return {
+    turns: turns.length,
+    prefillTokens,
+    decodeTokens,
+    seconds,
+    bytesRead,
+    hitRate: hits + misses > 0 ? hits / (hits + misses) : null,
+    decodeTokS: decodeSeconds > 0 ? decodeTokens / decodeSeconds : null,
+  };
+}
+
+/** Routing of one MoE layer: selections per expert since the heat began, and the experts the
+ * last turn routed to. */
+export interface ExpertLayer {
+  layer: number;
+  counts: number[];
+  routed: number[];
+}
+
+export interface ExpertMap {
+  experts: number;
+  layers: ExpertLayer[];
+  /** "resident": every expert in RAM; "cached": a RAM cache over the experts file. */
+  placement: "resident" | "cached";
+  /** Generations profiled so far: a new value means a new last turn. */
+  turns: number;
+}
+
+export async function fetchExperts(conn: Connection, signal?: AbortSignal): Promise<ExpertMap> {
+  const { body } = await getJson(conn, "/v1/colibri/experts", signal);
+  return body as ExpertMap;
+}
+
+export interface ExpertCell {
+  layer: number;
+  expert: number;
+  count: number;
+  /** 0..1: log-scaled selections against the hottest expert of the map. */
+  heat: number;
+  routed: boolean;
+}
+
+/** The map's cells, row-major (layers x experts), heat on a log scale so that the cold
+ * experts of a layer stay told apart from the never-used ones. */
+export function expertCells(map: ExpertMap): ExpertCell[] {
+  let max = 0;
+  for (const l of map.layers) for (const c of l.counts) max = Math.max(max, c);
+  const scale = Math.log2(max + 1);
+  const cells: ExpertCell[] = [];
+  for (const l of map.layers) {
+    const routed = new Set(l.routed);
+    for (let e = 0; e < map.experts; e++) {
+      const count = l.counts[e] ?? 0;
+      cells.push({ layer: l.layer, expert: e, count, heat: scale > 0 ? Math.log2(count + 1) / scale : 0, routed: routed.has(e) });
+    }
+  }
+  return cells;
+}

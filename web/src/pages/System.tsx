@@ -1,5 +1,5 @@
 import { useEffect, useState } from "react";
-import { ServerError, fetchHealth, type Connection, type Health, type ModelCard } from "../lib/api";
+import { ServerError, fetchHealth, fetchInfo, type Connection, type EngineInfo, type Health, type ModelCard } from "../lib/api";
 
 const COUNTERS: [keyof Health, string][] = [
   ["active", "requests holding a KV slot now"],
@@ -22,6 +22,23 @@ export function System({ conn, models, modelsError }: { conn: Connection; models
   const [health, setHealth] = useState<Health | null>(null);
   const [error, setError] = useState<string | null>(null);
   const [at, setAt] = useState<Date | null>(null);
+  const [info, setInfo] = useState<EngineInfo | null>(null);
+  const [infoError, setInfoError] = useState<string | null>(null);
+
+  useEffect(() => {
+    const controller = new AbortController();
+    fetchInfo(conn, controller.signal)
+      .then((i) => {
+        setInfo(i);
+        setInfoError(null);
+      })
+      .catch((e: unknown) => {
+        if (controller.signal.aborted) return;
+        setInfo(null);
+        setInfoError(e instanceof ServerError ? `${e.status ?? ""} ${e.message}`.trim() : String(e));
+      });
+    return () => controller.abort();
+  }, [conn]);
 
   useEffect(() => {
     let live = true;
@@ -121,6 +138,29 @@ export function System({ conn, models, modelsError }: { conn: Connection; models
               </tbody>
             </table>
           ))}
+        </div>
+        <div className="card">
+          <h2>Engine</h2>
+          {infoError !== null && <p className="error">{infoError}</p>}
+          {info && (
+            <table className="kv" data-testid="engine-table">
+              <tbody>
+                <tr><th scope="row">architecture</th><td>{info.architecture ?? "–"}</td></tr>
+                <tr><th scope="row">chat family</th><td>{info.chat_family}</td></tr>
+                <tr><th scope="row">weights</th><td>{info.quantization ?? "–"}</td></tr>
+                <tr>
+                  <th scope="row">shape</th>
+                  <td>
+                    {info.num_layers} layers, hidden {info.hidden_size}, {info.num_experts} experts ({info.experts_per_token} per token)
+                  </td>
+                </tr>
+                <tr><th scope="row">kernel</th><td>{info.kernel}{info.kernel_avx_vnni ? " + AVX-VNNI" : ""} (prefetch {info.kernel_prefetch})</td></tr>
+                <tr><th scope="row">threads</th><td>{info.threads}</td></tr>
+                <tr><th scope="row">KV cache</th><td>{info.kv_dtype}, {info.kv_slots} slot(s)</td></tr>
+                <tr><th scope="row">experts</th><td>{info.expert_cache === null ? "all resident in RAM" : "RAM cache over the experts file (see Profiling)"}</td></tr>
+              </tbody>
+            </table>
+          )}
         </div>
       </div>
     </section>
