@@ -5,10 +5,12 @@ target/web-screenshots/ (not committed)."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
+from pathlib import Path
 
 import httpx
 import pytest
@@ -189,7 +191,7 @@ def test_stop_ends_the_generation_on_the_server(endless, open_page):
     assert h["admitted"] == before["admitted"] + 1, h
     # The tokens shown stay; the page is ready for the next turn.
     assert reply.get_by_test_id("answer").inner_text().strip()
-    page.get_by_role("button", name="Send").wait_for()
+    page.get_by_role("button", name="Send", exact=True).wait_for()
     page.screenshot(path=str(SHOTS / "chat-stopped-1280x800.png"))
     no_console_errors(p)
 
@@ -216,6 +218,48 @@ def test_a_key_is_asked_for_and_a_wrong_one_refused_in_the_servers_words(endless
     assert KEY not in stored
     # The browser itself reports the refused requests of the wrong key; nothing else.
     no_console_errors(p, re.compile(r"Failed to load resource.*401"))
+
+
+def test_edit_export_and_history_survive_a_reload(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/")
+    page.get_by_text("colibri-demo").first.wait_for()
+    ask(page, "Hello")
+    wait_done(page)
+    # Edit the question and resend: the conversation restarts from it.
+    page.get_by_role("button", name="Edit and resend this message").click()
+    assert page.input_value("#prompt") == "Hello"
+    ask(page, "What is 37 + 48?")
+    wait_done(page)
+    assert page.locator('[data-testid="turn-user"]').count() == 1
+    assert page.locator('[data-testid="turn-assistant"]').count() == 1
+    assert last_reply(page).get_by_test_id("answer").inner_text().strip().rstrip(".") == "85"
+    # Export: the JSON is the chat request's own message shape, the Markdown readable.
+    with page.expect_download() as got:
+        page.get_by_role("button", name="Export JSON").click()
+    exported = json.loads(Path(got.value.path()).read_text())
+    assert exported["model"] == "colibri-demo"
+    user, reply = exported["messages"]
+    assert user == {"role": "user", "content": "What is 37 + 48?"}
+    assert reply["role"] == "assistant" and reply["content"].strip().rstrip(".") == "85"
+    assert "85" in reply["reasoning_content"]
+    with page.expect_download() as got:
+        page.get_by_role("button", name="Export Markdown").click()
+    md = Path(got.value.path()).read_text()
+    assert got.value.suggested_filename == "What-is-37-48.md"
+    assert "## You\n\nWhat is 37 + 48?" in md and "Reasoning" in md
+    # Kept in IndexedDB: after a reload the conversation is found by search and reopened.
+    page.reload()
+    page.get_by_text("colibri-demo").first.wait_for()
+    history = page.get_by_test_id("history")
+    history.locator("summary").click()
+    page.get_by_label("Search conversations").fill("37 48")
+    history.get_by_role("button", name="What is 37 + 48?", exact=True).click()
+    assert last_reply(page).get_by_test_id("answer").inner_text().strip().rstrip(".") == "85"
+    page.get_by_label("Search conversations").fill("no such words")
+    history.get_by_text("Nothing matches.").wait_for()
+    no_console_errors(p)
 
 
 def test_the_system_page_shows_health_and_the_model(demo, open_page):

@@ -9,6 +9,15 @@ import {
   type Connection,
   type Usage,
 } from "../lib/api";
+import {
+  deleteConversation,
+  listConversations,
+  saveConversation,
+  searchConversations,
+  titleOf,
+  type Conversation,
+} from "../lib/history";
+import { download, toJson, toMarkdown, type TranscriptTurn } from "../lib/transcript";
 
 interface Stats {
   startedAt: number;
@@ -39,6 +48,22 @@ export interface ServerFacts {
 }
 
 let nextId = 1;
+
+function newConversationId(): string {
+  return typeof crypto.randomUUID === "function" ? crypto.randomUUID() : `${Date.now()}-${Math.random()}`;
+}
+
+function toTranscript(t: Turn): TranscriptTurn {
+  return { role: t.role, content: t.content, reasoning: t.reasoning, finish: t.stats?.finish ?? null };
+}
+
+function fromTranscript(t: TranscriptTurn): Turn {
+  return { id: nextId++, role: t.role, content: t.content, reasoning: t.reasoning, reasoningOpen: false, streaming: false, error: null, stats: null };
+}
+
+function fileStem(title: string): string {
+  return title.replace(/[^\p{L}\p{N}]+/gu, "-").replace(/^-+|-+$/g, "").slice(0, 40) || "conversation";
+}
 
 function fmtMs(ms: number): string {
   return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
@@ -75,6 +100,13 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
   const [temperature, setTemperature] = useState("0");
   const [slot, setSlot] = useState<number | null>(null);
   const [now, setNow] = useState(() => performance.now());
+  const [convId, setConvId] = useState(newConversationId);
+  const [saved, setSaved] = useState<Conversation[]>([]);
+  const [query, setQuery] = useState("");
+  const [historyError, setHistoryError] = useState<string | null>(null);
+  const [editingId, setEditingId] = useState<number | null>(null);
+  const dirtyRef = useRef(false);
+  const promptRef = useRef<HTMLTextAreaElement | null>(null);
   const abortRef = useRef<AbortController | null>(null);
   const logRef = useRef<HTMLDivElement | null>(null);
   const stickRef = useRef(true);
@@ -92,6 +124,27 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
     const el = logRef.current;
     if (el && stickRef.current) el.scrollTop = el.scrollHeight;
   }, [turns]);
+
+  const refreshSaved = useCallback(() => {
+    listConversations()
+      .then((all) => {
+        setSaved(all);
+        setHistoryError(null);
+      })
+      .catch((e: unknown) => setHistoryError(`history unavailable: ${e instanceof Error ? e.message : String(e)}`));
+  }, []);
+
+  useEffect(() => refreshSaved(), [refreshSaved]);
+
+  // A conversation is saved once a reply has ended (never in the middle of one).
+  useEffect(() => {
+    if (busy || !dirtyRef.current || turns.length === 0) return;
+    dirtyRef.current = false;
+    const kept = turns.map(toTranscript);
+    saveConversation({ id: convId, title: titleOf(kept), model: facts.model, updatedAt: Date.now(), turns: kept })
+      .then(refreshSaved)
+      .catch((e: unknown) => setHistoryError(`not saved: ${e instanceof Error ? e.message : String(e)}`));
+  }, [busy, turns, convId, facts.model, refreshSaved]);
 
   const update = useCallback((id: number, f: (t: Turn) => Turn) => {
     setTurns((ts) => ts.map((t) => (t.id === id ? f(t) : t)));
@@ -112,6 +165,7 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
         error: null,
         stats: null,
       };
+      dirtyRef.current = true;
       setTurns([...history, reply]);
       if (model === null) {
         update(reply.id, (t) => ({ ...t, streaming: false, error: "No model: the server's /v1/models did not answer (see System)." }));
@@ -190,7 +244,10 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
     setDraft("");
     stickRef.current = true;
     const user: Turn = { id: nextId++, role: "user", content: text, reasoning: "", reasoningOpen: false, streaming: false, error: null, stats: null };
-    void send([...turns, user]);
+    // Editing an earlier question: the conversation goes on from there, the later turns dropped.
+    const at = editingId === null ? -1 : turns.findIndex((t) => t.id === editingId);
+    setEditingId(null);
+    void send([...(at >= 0 ? turns.slice(0, at) : turns), user]);
   };
 
   const regenerate = () => {
@@ -201,12 +258,43 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
     void send(turns.slice(0, last + 1));
   };
 
+  const edit = (t: Turn) => {
+    setEditingId(t.id);
+    setDraft(t.content);
+    promptRef.current?.focus();
+  };
+
+  const newChat = () => {
+    setTurns([]);
+    setEditingId(null);
+    setConvId(newConversationId());
+  };
+
+  const openConversation = (c: Conversation) => {
+    if (busy) return;
+    setTurns(c.turns.map(fromTranscript));
+    setConvId(c.id);
+    setEditingId(null);
+  };
+
+  const exportAs = (kind: "json" | "md") => {
+    const kept = turns.map(toTranscript);
+    const stem = fileStem(titleOf(kept));
+    if (kind === "json") download(`${stem}.json`, "application/json", toJson(facts.model, kept));
+    else download(`${stem}.md`, "text/markdown", toMarkdown(facts.model, kept));
+  };
+
+  const shown = searchConversations(saved, query);
+
   const onKey = (e: KeyboardEvent<HTMLTextAreaElement>) => {
     if (e.key === "Enter" && !e.shiftKey && !e.nativeEvent.isComposing) {
       e.preventDefault();
       submit();
     } else if (e.key === "Escape" && busy) {
       stop();
+    } else if (e.key === "Escape" && editingId !== null) {
+      setEditingId(null);
+      setDraft("");
     }
   };
 
@@ -214,6 +302,43 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
 
   return (
     <section className="chat" aria-label="Chat">
+      <details className="history" data-testid="history">
+        <summary>
+          History ({saved.length})
+        </summary>
+        <div className="history-body">
+          <div className="history-bar">
+            <label className="sr-only" htmlFor="history-search">
+              Search conversations
+            </label>
+            <input id="history-search" type="search" placeholder="Search conversations" value={query} onChange={(e) => setQuery(e.target.value)} />
+            <button type="button" onClick={newChat} disabled={busy}>
+              New chat
+            </button>
+          </div>
+          {historyError !== null && <p className="error">{historyError}</p>}
+          <ul className="history-list">
+            {shown.map((c) => (
+              <li key={c.id} className={c.id === convId ? "current" : undefined}>
+                <button type="button" className="link" onClick={() => openConversation(c)} disabled={busy}>
+                  {c.title}
+                </button>
+                <span className="muted small">{new Date(c.updatedAt).toLocaleString()}</span>
+                <button
+                  type="button"
+                  className="small"
+                  aria-label={`Delete conversation: ${c.title}`}
+                  onClick={() => void deleteConversation(c.id).then(refreshSaved)}
+                >
+                  Delete
+                </button>
+              </li>
+            ))}
+            {shown.length === 0 && <li className="muted">{saved.length === 0 ? "No saved conversation yet." : "Nothing matches."}</li>}
+          </ul>
+          <p className="muted small">Kept in this browser (IndexedDB), never sent anywhere.</p>
+        </div>
+      </details>
       <div
         className="log"
         ref={logRef}
@@ -246,7 +371,14 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
               </details>
             )}
             {t.role === "user" ? (
-              <div className="plain">{t.content}</div>
+              <>
+                <div className="plain">{t.content}</div>
+                {!busy && (
+                  <button type="button" className="copy" onClick={() => edit(t)} aria-label="Edit and resend this message">
+                    Edit
+                  </button>
+                )}
+              </>
             ) : (
               <div data-testid="answer">
                 <Markdown text={t.content} />
@@ -264,11 +396,27 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
         ))}
       </div>
       <form className="composer" onSubmit={submit}>
+        {editingId !== null && (
+          <div className="editing" role="status">
+            Editing an earlier message: sending it drops the turns after it.{" "}
+            <button
+              type="button"
+              className="small"
+              onClick={() => {
+                setEditingId(null);
+                setDraft("");
+              }}
+            >
+              Cancel
+            </button>
+          </div>
+        )}
         <label className="sr-only" htmlFor="prompt">
           Message
         </label>
         <textarea
           id="prompt"
+          ref={promptRef}
           value={draft}
           rows={2}
           placeholder="Message the model"
@@ -309,8 +457,14 @@ export function Chat({ conn, facts }: { conn: Connection; facts: ServerFacts }) 
           <button type="button" onClick={regenerate} disabled={busy || !turns.some((t) => t.role === "user")}>
             Regenerate
           </button>
-          <button type="button" onClick={() => setTurns([])} disabled={busy || turns.length === 0}>
-            Clear
+          <button type="button" onClick={() => exportAs("json")} disabled={busy || turns.length === 0}>
+            Export JSON
+          </button>
+          <button type="button" onClick={() => exportAs("md")} disabled={busy || turns.length === 0}>
+            Export Markdown
+          </button>
+          <button type="button" onClick={newChat} disabled={busy || turns.length === 0}>
+            New chat
           </button>
           {busy ? (
             <button type="button" className="primary danger" onClick={stop}>
