@@ -394,3 +394,22 @@ def test_the_theme_follows_the_system_and_can_be_switched(demo, open_page):
     assert page.evaluate("() => document.documentElement.dataset.theme") is None
     assert background(page) == dark
     no_console_errors(p)
+
+
+def test_a_server_gone_is_said_in_plain_words(open_page):
+    srv = RunningServer("--no-kv-persist")
+    try:
+        p = open_page()
+        page = p.page
+        page.goto(srv.url + "/")
+        page.get_by_text(srv.model_id).first.wait_for()
+        srv.stop()
+        ask(page, "Hello")
+        error = last_reply(page).get_by_test_id("error")
+        error.wait_for()
+        assert "cannot reach the server" in error.inner_text()
+        page.get_by_role("button", name="Send", exact=True).wait_for()
+        # The browser's own report of the refused connection; nothing else.
+        no_console_errors(p, re.compile(r"Failed to load resource|ERR_CONNECTION_REFUSED"))
+    finally:
+        srv.stop()
