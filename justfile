@@ -12,6 +12,8 @@ test: setup
     cargo test --release --workspace --quiet
     # The fuzz crate is its own workspace: its own target dir, so the two builds never mix.
     cargo test --release --quiet --manifest-path fuzz/Cargo.toml --target-dir target/fuzz-smoke
+    # The dashboard's unit tests (vitest); its browser tests are in the pytest suite.
+    cd web && npm test --silent
     {{py}} -m pytest -q tests -m "not clients"
     # The quick part of the real-client suite (two npm installs, cached): Claude Code and pi.
     {{py}} -m pytest -q -rA tests/clients -m clients -k "claude or pi"
@@ -21,12 +23,21 @@ test: setup
 test-clients: setup
     {{py}} -m pytest -q -rA tests/clients -m clients
 
+# Rebuild the web dashboard into python/colibri/_web (commit the result with the change to web/).
+web-build: setup
+    cd web && npm run build
+
+# The dashboard's Vite dev server on :5173, against a `colibri serve` on :8000.
+web-dev: setup
+    cd web && npm run dev
+
 # Formatting and lints (Rust and Python).
 lint: setup
     cargo fmt --all --check
     cargo clippy --release --workspace --all-targets -- -D warnings
     cargo clippy --release -p colibri-engine --features python -- -D warnings
     .venv/bin/ruff check python tests scripts benchmarks
+    cd web && npm run typecheck --silent
 
 # colibri vs llama.cpp on an OLMoE-1B-7B-shaped model (slow: builds llama.cpp once).
 bench: setup

@@ -22,4 +22,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # Builds the Rust engine in release mode and installs colibri (editable) into .venv.
 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release -E dev -q
-.venv/bin/python -c "import colibri._engine" 
+.venv/bin/python -c "import colibri._engine"
+# The dashboard's npm packages and the browser of its tests.
+scripts/setup-web.sh

@@ -16,7 +16,8 @@ _READY = re.compile(r"colibri: serving (\S+) on (http://\S+) ")
 
 class RunningServer:
     """``colibri serve`` on the random built-in model (whose output never ends on its own), or
-    with ``default_model=True`` on whatever the server picks without --model (the demo)."""
+    with ``default_model=True`` on whatever the server picks without --model (the demo).
+    ``command="web"`` starts `colibri web` instead (the same server, and a browser opened)."""
 
     def __init__(
         self,
@@ -24,6 +25,7 @@ class RunningServer:
         env: dict[str, str] | None = None,
         timeout: float = 120,
         default_model: bool = False,
+        command: str = "serve",
     ) -> None:
         if "--model" not in args and not default_model:
             from colibri.demo.builtin import builtin_model_dir
@@ -46,7 +48,7 @@ class RunningServer:
             self.kv_dir = self._own_kv_dir = tempfile.mkdtemp(prefix="colibri-kv-")
             args = ("--kv-dir", self.kv_dir, *args)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "colibri", "serve", "--port", "0", "--threads", "2", *args],
+            [sys.executable, "-m", "colibri", command, "--port", "0", "--threads", "2", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -156,7 +156,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     created = int((model_dir / "manifest.json").stat().st_mtime)
     served = ServedModel(engine, config, created)
-    server.run(create_app(served), sock, config.model_id, on_stop=served.scheduler.close)
+    from colibri.api.web import dashboard_dir
+
+    page = server.browser_url(sock) + "/" if dashboard_dir() is not None else None
+    if args.open_browser and page is not None:
+        server.open_browser(page)
+    server.run(
+        create_app(served), sock, config.model_id, on_stop=served.scheduler.close, dashboard=page
+    )
     return 0
 
 
@@ -305,6 +312,69 @@ _positive_float = _number(float, 0, above=True)
 _positive_int = _number(int, 1)
 
 
+def serve_args(sp: argparse.ArgumentParser, model_args) -> None:
+    """The flags of `colibri serve`, which `colibri web` shares."""
+    model_args(sp)
+    sp.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    sp.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free)")
+    sp.add_argument("--model-id", help="name clients use for the model ($COLI_MODEL_ID)")
+    sp.add_argument("--api-key", help="require this key from clients ($COLI_API_KEY)")
+    sp.add_argument(
+        "--allowed-host",
+        action="append",
+        help="extra Host header name to accept, repeatable ($COLI_ALLOWED_HOSTS, comma-separated)",
+    )
+    sp.add_argument(
+        "--cors-origin", action="append", help="extra exact CORS origin, repeatable ('*': any)"
+    )
+    sp.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        help="default reply budget for chat requests without max_tokens (default: the context)",
+    )
+    sp.add_argument(
+        "--chat-family",
+        choices=sorted(FAMILIES),
+        help="override the chat family detected from the model",
+    )
+    sp.add_argument(
+        "--kv-slots",
+        type=_slots,
+        default=_env_number("COLI_KV_SLOTS", int, 1),
+        help="KV slots: generations that run side by side, 1..16 ($COLI_KV_SLOTS, default 1)",
+    )
+    sp.add_argument(
+        "--max-queue",
+        type=_non_negative_int,
+        default=_env_number("COLI_MAX_QUEUE", int, 8),
+        help="requests that may wait for a slot ($COLI_MAX_QUEUE, default 8; 0: none wait)",
+    )
+    sp.add_argument(
+        "--queue-timeout",
+        type=_positive_float,
+        default=_env_number("COLI_QUEUE_TIMEOUT", float, 300.0),
+        help="seconds a request may wait for a slot ($COLI_QUEUE_TIMEOUT, default 300)",
+    )
+    sp.add_argument(
+        "--kv-dir",
+        help="where KV slot files live ($COLI_KV_DIR; default: per model, under the cache dir)",
+    )
+    sp.add_argument("--no-kv-persist", action="store_true", help="keep KV slots in memory only")
+    sp.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="access log lines on stderr: text (key=value, default) or json (one object a line)",
+    )
+    sp.add_argument("--quiet", action="store_true", help="no access log")
+    sp.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="allow a non-loopback --host without an API key (trusted networks only)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -346,67 +416,19 @@ def build_parser() -> argparse.ArgumentParser:
             help="load the next layer's likely experts ahead ($COLI_PREFETCH)",
         )
 
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free)")
-    s.add_argument("--model-id", help="name clients use for the model ($COLI_MODEL_ID)")
-    s.add_argument("--api-key", help="require this key from clients ($COLI_API_KEY)")
-    s.add_argument(
-        "--allowed-host",
-        action="append",
-        help="extra Host header name to accept, repeatable ($COLI_ALLOWED_HOSTS, comma-separated)",
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the web dashboard")
+    serve_args(s, model_args)
+    s.set_defaults(func=cmd_serve, open_browser=False)
+
+    w = sub.add_parser("web", help="serve (as `serve`) and open the web dashboard in a browser")
+    serve_args(w, model_args)
+    w.add_argument(
+        "--no-browser",
+        dest="open_browser",
+        action="store_false",
+        help="only print the dashboard's address (headless hosts)",
     )
-    s.add_argument(
-        "--cors-origin", action="append", help="extra exact CORS origin, repeatable ('*': any)"
-    )
-    s.add_argument(
-        "--max-tokens",
-        type=_positive_int,
-        default=None,
-        help="default reply budget for chat requests without max_tokens (default: the context)",
-    )
-    s.add_argument(
-        "--chat-family",
-        choices=sorted(FAMILIES),
-        help="override the chat family detected from the model",
-    )
-    s.add_argument(
-        "--kv-slots",
-        type=_slots,
-        default=_env_number("COLI_KV_SLOTS", int, 1),
-        help="KV slots: generations that run side by side, 1..16 ($COLI_KV_SLOTS, default 1)",
-    )
-    s.add_argument(
-        "--max-queue",
-        type=_non_negative_int,
-        default=_env_number("COLI_MAX_QUEUE", int, 8),
-        help="requests that may wait for a slot ($COLI_MAX_QUEUE, default 8; 0: none wait)",
-    )
-    s.add_argument(
-        "--queue-timeout",
-        type=_positive_float,
-        default=_env_number("COLI_QUEUE_TIMEOUT", float, 300.0),
-        help="seconds a request may wait for a slot ($COLI_QUEUE_TIMEOUT, default 300)",
-    )
-    s.add_argument(
-        "--kv-dir",
-        help="where KV slot files live ($COLI_KV_DIR; default: per model, under the cache dir)",
-    )
-    s.add_argument("--no-kv-persist", action="store_true", help="keep KV slots in memory only")
-    s.add_argument(
-        "--log-format",
-        choices=["text", "json"],
-        default="text",
-        help="access log lines on stderr: text (key=value, default) or json (one object a line)",
-    )
-    s.add_argument("--quiet", action="store_true", help="no access log")
-    s.add_argument(
-        "--allow-unauthenticated",
-        action="store_true",
-        help="allow a non-loopback --host without an API key (trusted networks only)",
-    )
-    s.set_defaults(func=cmd_serve)
+    w.set_defaults(func=cmd_serve, open_browser=True)
 
     g = sub.add_parser("generate", help="print a completion of a prompt")
     model_args(g)

@@ -70,9 +70,35 @@ def display_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run(app, sock: socket.socket, model_id: str, on_stop=None) -> None:
+def browser_url(sock: socket.socket) -> str:
+    """The address a browser on this machine uses: a wildcard bind (``0.0.0.0``, ``::``) is
+    reached through loopback, which the Host check allows (a Host of ``0.0.0.0`` it refuses)."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def open_browser(url: str) -> None:
+    """Opens ``url`` in the user's browser (``$BROWSER`` or the desktop's), from a thread: a
+    terminal browser may hold on to its caller, and the server must start meanwhile. The socket
+    is listening already, so the page's first request waits for the server, not refused."""
+    import threading
+    import webbrowser
+
+    def go() -> None:
+        if not webbrowser.open(url):
+            print(f"colibri: no browser could be opened; visit {url}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=go, name="open-browser", daemon=True).start()
+
+
+def run(
+    app, sock: socket.socket, model_id: str, on_stop=None, dashboard: str | None = None
+) -> None:
     """Serves ``app`` on ``sock`` until SIGINT or SIGTERM. ``on_stop`` runs as soon as the
-    signal arrives, before connections are drained (queued requests get a clear refusal)."""
+    signal arrives, before connections are drained (queued requests get a clear refusal).
+    ``dashboard``: the web dashboard's address, printed after the ready line."""
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
@@ -90,6 +116,8 @@ def run(app, sock: socket.socket, model_id: str, on_stop=None) -> None:
             loop.add_signal_handler(sig, stop.set)
         url = display_url(sock)
         print(f"colibri: serving {model_id} on {url} (OpenAI API at {url}/v1)", flush=True)
+        if dashboard is not None:
+            print(f"colibri: web dashboard at {dashboard}", flush=True)
 
         async def stopping() -> None:
             await stop.wait()

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from colibri.api import anthropic, brio, openai, rank, responses, systemone
+from colibri.api import anthropic, brio, openai, rank, responses, systemone, web
 from colibri.api.access_log import AccessLogMiddleware, note_error
 from colibri.api.errors import ApiError, error_response
 from colibri.api.http import json_response
@@ -66,6 +66,66 @@ async def profile(request: Request) -> Response:
             "turns": engine.profiles(),
             "last_routed_experts": engine.last_routed_experts(),
             "expert_cache": engine.store_stats(),
+        }
+    )
+
+
+_INFO_FIELDS = (
+    "architecture",
+    "quantization",
+    "hidden_size",
+    "num_layers",
+    "num_experts",
+    "experts_per_token",
+    "vocab_size",
+    "context_length",
+    "model_context_length",
+    "kv_dtype",
+    "kv_bytes_per_token",
+    "kernel",
+    "kernel_prefetch",
+    "kernel_avx_vnni",
+    "threads",
+    "prefill_chunk",
+)
+
+
+async def info(request: Request) -> Response:
+    """What the served model is and how the engine runs it (the dashboard's System page).
+    Behind the API key like generation."""
+    model: ServedModel = request.app.state.served
+    engine = model.engine
+    body = {"model": model.id, "chat_family": model.family.name}
+    body.update({name: engine.info.get(name) for name in _INFO_FIELDS})
+    body["kv_slots"] = model.config.kv_slots
+    body["expert_cache"] = engine.store_stats()
+    return json_response(body)
+
+
+async def experts(request: Request) -> Response:
+    """The routing map (the dashboard's Brain page): per MoE layer, how often the router chose
+    each expert (the engine's routing heat) and the experts of the last generation. Behind the
+    API key like generation."""
+    model: ServedModel = request.app.state.served
+    engine = model.engine
+    heat = engine.routing_heat()
+    routed = engine.last_routed_experts()
+    layers = [
+        {
+            "layer": int(entry["layer"]),
+            "counts": [int(c) for c in entry["counts"]],
+            "routed": sorted(routed[entry["layer"]]) if entry["layer"] < len(routed) else [],
+        }
+        for entry in heat.get("layers", [])
+    ]
+    snap = model.scheduler.snapshot()
+    return json_response(
+        {
+            "experts": int(heat.get("experts", 0)),
+            "layers": layers,
+            "placement": "resident" if engine.store_stats() is None else "cached",
+            # Admitted generations that have ended: a new value, a new last turn.
+            "turns": snap["admitted"] - snap["active"],
         }
     )
 
@@ -147,6 +207,8 @@ def _starlette_app(served: ServedModel) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/colibri/profile", profile, methods=["GET"]),
+        Route("/v1/colibri/info", info, methods=["GET"]),
+        Route("/v1/colibri/experts", experts, methods=["GET"]),
         Route("/v1/models", openai.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", openai.get_model, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -158,6 +220,7 @@ def _starlette_app(served: ServedModel) -> Starlette:
         Route("/v1/brio", brio.brio, methods=["POST"]),
         Route("/v1/systemone", systemone.systemone, methods=["POST"]),
         Route("/v1/rank", rank.rank, methods=["POST"]),
+        *web.routes(),
     ]
 
     @contextlib.asynccontextmanager

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .access_log import note_error
 from .errors import ApiError, error_response
+from .web import is_page_path
 
 DEFAULT_MAX_BODY_BYTES = 12_517_376
 
@@ -252,13 +253,15 @@ def _key_bytes(api_key: str | None) -> bytes | None:
 
 
 def _is_exempt(scope: Scope) -> bool:
-    """Requests that pass without a key: the health probe and CORS preflights."""
+    """Requests that pass without a key: the health probe, CORS preflights and the web
+    dashboard's static files (a page load carries no key; the page's API calls do)."""
     method = scope["method"]
     # OPTIONS is a CORS preflight; the CORS layer outside answers it, browsers never send a key.
     if method == "OPTIONS":
         return True
     # /health stays public; the route reads state["authenticated"] to decide how much to show.
-    return method in ("GET", "HEAD") and scope["path"] == "/health"
+    path = scope["path"]
+    return method in ("GET", "HEAD") and (path == "/health" or is_page_path(path))
 
 
 class ApiKeyMiddleware:

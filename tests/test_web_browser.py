@@ -1,0 +1,415 @@
+"""The dashboard in a real headless Chromium (Debian's /usr/bin/chromium, driven by Python
+Playwright, which downloads no browser) against the real `colibri serve`: the demo model for
+the chat, the random built-in model (whose replies never end) for Stop. Screenshots go to
+target/web-screenshots/ (not committed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .server import RunningServer
+from .web_support import CHROMIUM, ROOT, need_chromium
+
+playwright_sync = pytest.importorskip("playwright.sync_api")
+
+SHOTS = ROOT / "target" / "web-screenshots"
+KEY = "browser-key-7"
+VIEWPORTS = [(360, 640), (768, 1024), (1280, 800), (1920, 1080)]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    need_chromium()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with playwright_sync.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        (SHOTS / "versions.txt").write_text(
+            f"playwright {version('playwright')}\nchromium {b.version}\n"
+        )
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[RunningServer]:
+    srv = RunningServer("--no-kv-persist", default_model=True)
+    assert srv.model_id == "colibri-demo"
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def endless() -> Iterator[RunningServer]:
+    srv = RunningServer("--no-kv-persist", "--api-key", KEY)
+    yield srv
+    srv.stop()
+
+
+class Page:
+    """A fresh browser context and page that records every console error and page error."""
+
+    def __init__(self, browser, width: int, height: int, scheme: str = "light") -> None:
+        self.context = browser.new_context(
+            viewport={"width": width, "height": height}, color_scheme=scheme
+        )
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def open_page(browser) -> Iterator[Callable[..., Page]]:
+    pages: list[Page] = []
+
+    def make(width: int = 1280, height: int = 800, scheme: str = "light") -> Page:
+        pages.append(Page(browser, width, height, scheme))
+        return pages[-1]
+
+    yield make
+    for p in pages:
+        p.close()
+
+
+def no_console_errors(p: Page, allowed: re.Pattern[str] | None = None) -> None:
+    left = [e for e in p.errors if allowed is None or not allowed.search(e)]
+    assert left == [], left
+
+
+def ask(page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def last_reply(page):
+    return page.locator('[data-testid="turn-assistant"]').last
+
+
+def wait_done(page, timeout_ms: int = 60_000) -> None:
+    last_reply(page).and_(page.locator('[aria-busy="false"]')).wait_for(timeout=timeout_ms)
+
+
+def no_horizontal_overflow(page) -> None:
+    widths = page.evaluate(
+        "() => [document.documentElement.scrollWidth, document.documentElement.clientWidth,"
+        " document.body.scrollWidth]"
+    )
+    assert widths[0] <= widths[1] and widths[2] <= widths[1], widths
+
+
+def health(srv: RunningServer, key: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(srv.url + "/health", headers=headers).json()
+
+
+def test_the_chat_answers_37_plus_48_with_its_reasoning_apart(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/")
+    page.get_by_text("colibri-demo").first.wait_for()
+    ask(page, "What is 37 + 48?")
+    wait_done(page)
+    reply = last_reply(page)
+    assert reply.get_by_test_id("answer").inner_text().strip().rstrip(".") == "85"
+    # The reasoning is its own block, folded once the answer came, and can be reopened.
+    details = reply.locator("details.reasoning")
+    assert details.evaluate("d => d.open") is False
+    details.locator("summary").click()
+    assert details.evaluate("d => d.open") is True
+    trace = reply.get_by_test_id("reasoning").inner_text()
+    assert "85" in trace and "<think>" not in trace
+    assert "85" not in reply.get_by_test_id("answer").inner_text().replace("85", "", 1)
+    stats = reply.get_by_test_id("stats").inner_text()
+    assert re.search(r"TTFT \d", stats) and re.search(r"[\d.]+ tok/s", stats), stats
+    assert re.search(r"\d+ tokens", stats) and "queue" in stats, stats
+    assert "truncated" not in stats
+    page.screenshot(path=str(SHOTS / "chat-1280x800-light.png"))
+    no_console_errors(p)
+
+
+def test_a_reply_cut_by_its_budget_is_marked_truncated(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/#/chat")
+    page.get_by_text("colibri-demo").first.wait_for()
+    page.get_by_label("Max tokens").fill("2")
+    ask(page, "What is 12 + 30?")
+    wait_done(page)
+    stats = last_reply(page).get_by_test_id("stats")
+    assert "truncated" in stats.inner_text()
+    assert "2 tokens" in stats.inner_text()
+    no_console_errors(p)
+
+
+def test_stop_ends_the_generation_on_the_server(endless, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(endless.url + "/")
+    page.get_by_label("API key").fill(KEY)
+    page.get_by_text(endless.model_id).first.wait_for()
+    before = health(endless, KEY)
+    ask(page, "Hello")
+    reply = last_reply(page)
+    # Streaming: tokens arrive and the live rate shows, the server holds a slot for it.
+    page.wait_for_function(
+        "() => { const s = [...document.querySelectorAll('[data-testid=stats]')].pop();"
+        " const m = s && s.textContent.match(/(\\d+) tokens/); return m && +m[1] >= 8; }",
+        timeout=60_000,
+    )
+    assert "tok/s" in reply.get_by_test_id("stats").inner_text()
+    assert health(endless, KEY)["active"] == 1
+    page.get_by_role("button", name="Stop").click()
+    reply.get_by_text("stopped").wait_for()
+    deadline = time.monotonic() + 20
+    while True:
+        h = health(endless, KEY)
+        if h["active"] == 0 and h["cancelled"] == before["cancelled"] + 1:
+            break
+        assert time.monotonic() < deadline, h
+        time.sleep(0.1)
+    assert h["completed"] == before["completed"], h
+    assert h["admitted"] == before["admitted"] + 1, h
+    # The tokens shown stay; the page is ready for the next turn.
+    assert reply.get_by_test_id("answer").inner_text().strip()
+    page.get_by_role("button", name="Send", exact=True).wait_for()
+    page.screenshot(path=str(SHOTS / "chat-stopped-1280x800.png"))
+    no_console_errors(p)
+
+
+def test_a_key_is_asked_for_and_a_wrong_one_refused_in_the_servers_words(endless, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(endless.url + "/")
+    banner = page.get_by_test_id("banner")
+    banner.wait_for()
+    # Learned from the public /health: no refused request needed to know it.
+    assert "requires an API key" in banner.inner_text()
+    no_console_errors(p)
+    page.get_by_label("API key").fill("wrong-key")
+    page.get_by_text("Missing or invalid API key").wait_for()
+    assert banner.inner_text().startswith("401")
+    # The right key clears it; the key is never stored by the page.
+    page.get_by_label("API key").fill(KEY)
+    banner.wait_for(state="detached")
+    page.get_by_text(endless.model_id).first.wait_for()
+    stored = page.evaluate(
+        "() => JSON.stringify(Object.assign({}, localStorage)) + document.cookie + location.href"
+    )
+    assert KEY not in stored
+    # The browser itself reports the refused requests of the wrong key; nothing else.
+    no_console_errors(p, re.compile(r"Failed to load resource.*401"))
+
+
+def test_edit_export_and_history_survive_a_reload(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/")
+    page.get_by_text("colibri-demo").first.wait_for()
+    ask(page, "Hello")
+    wait_done(page)
+    # Edit the question and resend: the conversation restarts from it.
+    page.get_by_role("button", name="Edit and resend this message").click()
+    assert page.input_value("#prompt") == "Hello"
+    ask(page, "What is 37 + 48?")
+    wait_done(page)
+    assert page.locator('[data-testid="turn-user"]').count() == 1
+    assert page.locator('[data-testid="turn-assistant"]').count() == 1
+    assert last_reply(page).get_by_test_id("answer").inner_text().strip().rstrip(".") == "85"
+    # Export: the JSON is the chat request's own message shape, the Markdown readable.
+    with page.expect_download() as got:
+        page.get_by_role("button", name="Export JSON").click()
+    exported = json.loads(Path(got.value.path()).read_text())
+    assert exported["model"] == "colibri-demo"
+    user, reply = exported["messages"]
+    assert user == {"role": "user", "content": "What is 37 + 48?"}
+    assert reply["role"] == "assistant" and reply["content"].strip().rstrip(".") == "85"
+    assert "85" in reply["reasoning_content"]
+    with page.expect_download() as got:
+        page.get_by_role("button", name="Export Markdown").click()
+    md = Path(got.value.path()).read_text()
+    assert got.value.suggested_filename == "What-is-37-48.md"
+    assert "## You\n\nWhat is 37 + 48?" in md and "Reasoning" in md
+    # Kept in IndexedDB: after a reload the conversation is found by search and reopened.
+    page.reload()
+    page.get_by_text("colibri-demo").first.wait_for()
+    history = page.get_by_test_id("history")
+    history.locator("summary").click()
+    page.get_by_label("Search conversations").fill("37 48")
+    history.get_by_role("button", name="What is 37 + 48?", exact=True).click()
+    assert last_reply(page).get_by_test_id("answer").inner_text().strip().rstrip(".") == "85"
+    page.get_by_label("Search conversations").fill("no such words")
+    history.get_by_text("Nothing matches.").wait_for()
+    no_console_errors(p)
+
+
+def test_the_system_page_shows_health_and_the_model(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/")
+    # Keyboard: the System link is reachable and followed with Enter.
+    page.locator('a[href="#/system"]').focus()
+    page.keyboard.press("Enter")
+    page.wait_for_url(re.compile(r"#/system$"))
+    assert page.get_by_test_id("health-status").inner_text() == "ok"
+    table = page.get_by_test_id("health-table").inner_text()
+    for field in ("capacity", "admitted", "completed", "cancelled", "queued"):
+        assert field in table
+    model = page.get_by_test_id("model-table").inner_text()
+    assert "colibri-demo" in model and "2048 tokens" in model
+    info = httpx.get(demo.url + "/v1/colibri/info").json()
+    engine = page.get_by_test_id("engine-table").inner_text()
+    assert info["architecture"] in engine and info["kernel"] in engine
+    assert f"{info['num_experts']} experts ({info['experts_per_token']} per token)" in engine
+    page.screenshot(path=str(SHOTS / "system-1280x800-light.png"))
+    no_console_errors(p)
+
+
+def test_the_profiling_page_shows_the_last_turn(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/")
+    page.get_by_text("colibri-demo").first.wait_for()
+    ask(page, "What is 37 + 48?")
+    wait_done(page)
+    page.get_by_role("link", name="Profiling").click()
+    page.wait_for_url(re.compile(r"#/profiling$"))
+    turns = httpx.get(demo.url + "/v1/colibri/profile").json()["turns"]
+    count = page.get_by_test_id("turn-count")
+    count.wait_for()
+    assert count.inner_text() == str(len(turns))
+    # The newest turn first: its prompt and reply token counts, and its phase bar.
+    first = page.get_by_test_id("turns-table").locator("tbody tr").first
+    cells = first.locator("td").all_inner_texts()
+    assert cells[0] == str(len(turns))
+    assert cells[1:3] == [str(turns[-1]["prefill_tokens"]), str(turns[-1]["decode_tokens"])]
+    bar = first.locator(".phasebar")
+    assert "expert matmul" in (bar.get_attribute("aria-label") or "")
+    widths = bar.locator(".ph").evaluate_all("els => els.map(e => e.getBoundingClientRect().width)")
+    assert len(widths) == 5 and sum(widths) > 0
+    page.screenshot(path=str(SHOTS / "profiling-1280x800-light.png"))
+    no_console_errors(p)
+
+
+def test_the_brain_page_maps_the_experts_and_flashes_after_a_turn(demo, open_page):
+    p = open_page()
+    page = p.page
+    page.goto(demo.url + "/#/brain")
+    grid = page.get_by_test_id("brain-grid")
+    grid.wait_for()
+    known = httpx.get(demo.url + "/v1/colibri/experts").json()
+    assert grid.locator(".cell").count() == known["experts"] * len(known["layers"])
+    # A turn from another client: the page sees it on its next poll and flashes its experts.
+    question = [{"role": "user", "content": "What is 37 + 48?"}]
+    r = httpx.post(
+        demo.url + "/v1/chat/completions",
+        json={"model": "colibri-demo", "messages": question, "max_tokens": 40},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    page.locator(".cell.flash").first.wait_for(timeout=10_000)
+    now = httpx.get(demo.url + "/v1/colibri/experts").json()
+    assert now["turns"] == known["turns"] + 1
+    shown = page.locator(".cell.hit").evaluate_all(
+        "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.expert)])"
+    )
+    want = [[x["layer"], e] for x in now["layers"] for e in x["routed"]]
+    assert sorted(shown) == sorted(want) and want
+    page.screenshot(path=str(SHOTS / "brain-1280x800-light.png"))
+    # The same map as a table, for screen readers.
+    page.get_by_text("As a table").click()
+    rows = page.get_by_test_id("brain-table").locator("tbody tr")
+    assert rows.count() == known["experts"] * len(known["layers"])
+    no_console_errors(p)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_no_horizontal_overflow_at_any_width_in_either_theme(demo, open_page, scheme):
+    long_word = "w" * 300
+    for width, height in VIEWPORTS:
+        p = open_page(width, height, scheme)
+        page = p.page
+        page.goto(demo.url + "/")
+        page.get_by_text("colibri-demo").first.wait_for()
+        ask(page, f"What is 21 + 34? {long_word}")
+        wait_done(page)
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / f"widths-chat-{width}x{height}-{scheme}.png"))
+        page.goto(demo.url + "/#/system")
+        page.get_by_test_id("health-status").wait_for()
+        page.get_by_test_id("engine-table").wait_for()
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / f"widths-system-{width}x{height}-{scheme}.png"))
+        page.goto(demo.url + "/#/profiling")
+        page.get_by_test_id("turns-table").wait_for()
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / f"widths-profiling-{width}x{height}-{scheme}.png"))
+        page.goto(demo.url + "/#/brain")
+        page.get_by_test_id("brain-grid").wait_for()
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / f"widths-brain-{width}x{height}-{scheme}.png"))
+        no_console_errors(p)
+
+
+def test_the_theme_follows_the_system_and_can_be_switched(demo, open_page):
+    def background(page) -> str:
+        return page.evaluate("() => getComputedStyle(document.body).backgroundColor")
+
+    p = open_page(scheme="dark")
+    page = p.page
+    page.goto(demo.url + "/")
+    button = page.get_by_role("button", name=re.compile("^Theme"))
+    button.wait_for()
+    dark = background(page)
+    assert page.evaluate("() => document.documentElement.dataset.theme") is None
+    button.click()  # system -> light
+    assert page.evaluate("() => document.documentElement.dataset.theme") == "light"
+    light = background(page)
+    assert light != dark
+    page.reload()  # the choice is kept
+    page.get_by_role("button", name=re.compile("^Theme: light")).wait_for()
+    assert background(page) == light
+    page.get_by_role("button", name=re.compile("^Theme")).click()  # light -> dark
+    assert background(page) == dark
+    page.get_by_role("button", name=re.compile("^Theme")).click()  # dark -> system (dark here)
+    assert page.evaluate("() => document.documentElement.dataset.theme") is None
+    assert background(page) == dark
+    no_console_errors(p)
+
+
+def test_a_server_gone_is_said_in_plain_words(open_page):
+    srv = RunningServer("--no-kv-persist")
+    try:
+        p = open_page()
+        page = p.page
+        page.goto(srv.url + "/")
+        page.get_by_text(srv.model_id).first.wait_for()
+        srv.stop()
+        ask(page, "Hello")
+        error = last_reply(page).get_by_test_id("error")
+        error.wait_for()
+        assert "cannot reach the server" in error.inner_text()
+        page.get_by_role("button", name="Send", exact=True).wait_for()
+        # The browser's own report of the refused connection; nothing else.
+        no_console_errors(p, re.compile(r"Failed to load resource|ERR_CONNECTION_REFUSED"))
+    finally:
+        srv.stop()

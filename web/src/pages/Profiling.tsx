@@ -1,0 +1,169 @@
+import { useEffect, useState } from "react";
+import { PHASES, ServerError, fetchProfile, phaseShares, profileTotals, type Connection, type Profile, type TurnProfile } from "../lib/api";
+
+function bytes(n: number): string {
+  if (n >= 1e9) return `${(n / 1e9).toFixed(2)} GB`;
+  if (n >= 1e6) return `${(n / 1e6).toFixed(1)} MB`;
+  if (n >= 1e3) return `${(n / 1e3).toFixed(1)} kB`;
+  return `${n} B`;
+}
+
+function secs(s: number): string {
+  return s < 1 ? `${(s * 1000).toFixed(1)} ms` : `${s.toFixed(2)} s`;
+}
+
+function PhaseBar({ turn }: { turn: TurnProfile }) {
+  const shares = phaseShares(turn);
+  const title = shares.map((s) => `${s.label} ${secs(s.seconds)} (${(s.share * 100).toFixed(0)}%)`).join(", ");
+  return (
+    <div className="phasebar" role="img" aria-label={title} title={title}>
+      {shares.map((s, i) => (
+        <span key={s.phase} className={`ph ph${i}`} style={{ width: `${(s.share * 100).toFixed(2)}%` }} />
+      ))}
+    </div>
+  );
+}
+
+/** Decode (and prefill) tok/s over the turns, oldest left: a hand-drawn SVG line chart. */
+function Trend({ turns }: { turns: TurnProfile[] }) {
+  const w = 600, h = 120, pad = 4;
+  if (turns.length < 2) return <p className="muted">The trend shows from the second turn on.</p>;
+  const max = Math.max(...turns.map((t) => t.decode_tok_s), 1e-9);
+  const pts = turns
+    .map((t, i) => {
+      const x = pad + (i * (w - 2 * pad)) / (turns.length - 1);
+      const y = h - pad - (t.decode_tok_s / max) * (h - 2 * pad);
+      return `${x.toFixed(1)},${y.toFixed(1)}`;
+    })
+    .join(" ");
+  return (
+    <figure className="trend">
+      <svg viewBox={`0 0 ${w} ${h}`} preserveAspectRatio="none" role="img" aria-label={`decode tok/s over the last ${turns.length} turns, up to ${max.toFixed(1)}`}>
+        <polyline points={pts} fill="none" stroke="currentColor" strokeWidth="2" vectorEffect="non-scaling-stroke" />
+      </svg>
+      <figcaption className="muted">decode tok/s, last {turns.length} turns (oldest left), peak {max.toFixed(1)}</figcaption>
+    </figure>
+  );
+}
+
+export function Profiling({ conn }: { conn: Connection }) {
+  const [profile, setProfile] = useState<Profile | null>(null);
+  const [error, setError] = useState<string | null>(null);
+
+  useEffect(() => {
+    let live = true;
+    const controller = new AbortController();
+    const poll = async () => {
+      if (document.visibilityState === "hidden") return;
+      try {
+        const p = await fetchProfile(conn, controller.signal);
+        if (!live) return;
+        setProfile(p);
+        setError(null);
+      } catch (e) {
+        if (!live) return;
+        setError(e instanceof ServerError ? `${e.status ?? ""} ${e.message}`.trim() : String(e));
+      }
+    };
+    void poll();
+    const timer = window.setInterval(() => void poll(), 2000);
+    return () => {
+      live = false;
+      controller.abort();
+      window.clearInterval(timer);
+    };
+  }, [conn]);
+
+  const turns = profile?.turns ?? [];
+  const totals = profileTotals(turns);
+  const last = turns[turns.length - 1];
+  return (
+    <section className="system" aria-label="Profiling">
+      <h1>Profiling</h1>
+      {error !== null && (
+        <div className="error" role="alert">
+          {error}
+        </div>
+      )}
+      {profile === null ? (
+        error === null && <p>loading…</p>
+      ) : turns.length === 0 ? (
+        <p className="muted" data-testid="no-turns">No generation yet: ask something on the Chat page.</p>
+      ) : (
+        <>
+          <div className="tiles">
+            <div className="tile"><span className="muted">turns</span><strong data-testid="turn-count">{totals.turns}</strong></div>
+            <div className="tile"><span className="muted">last decode</span><strong>{last ? `${last.decode_tok_s.toFixed(1)} tok/s` : "–"}</strong></div>
+            <div className="tile"><span className="muted">last prefill</span><strong>{last ? `${last.prefill_tok_s.toFixed(1)} tok/s` : "–"}</strong></div>
+            <div className="tile"><span className="muted">cache hit rate</span><strong>{totals.hitRate === null ? "all resident" : `${(totals.hitRate * 100).toFixed(1)}%`}</strong></div>
+            <div className="tile"><span className="muted">expert bytes read</span><strong>{bytes(totals.bytesRead)}</strong></div>
+          </div>
+          <div className="card">
+            <h2>Where the time went</h2>
+            <p className="legend">
+              {PHASES.map(([phase, label], i) => (
+                <span key={phase}><span className={`swatch ph${i}`} aria-hidden="true" /> {label}</span>
+              ))}
+            </p>
+            <p className="muted small">
+              I/O wait is the time compute stood waiting for expert reads; reads that overlapped compute are in the bytes read, not in
+              the time. Other: the rest of each turn (sampling, norms, bookkeeping).
+            </p>
+            <div className="table-wrap">
+              <table className="turns" data-testid="turns-table">
+                <thead>
+                  <tr>
+                    <th scope="col">#</th>
+                    <th scope="col">prompt</th>
+                    <th scope="col">reply</th>
+                    <th scope="col">time</th>
+                    <th scope="col">decode</th>
+                    <th scope="col" className="wide">phases</th>
+                    <th scope="col">hits</th>
+                    <th scope="col">read</th>
+                  </tr>
+                </thead>
+                <tbody>
+                  {turns
+                    .map((t, i) => ({ t, n: i + 1 }))
+                    .reverse()
+                    .map(({ t, n }) => (
+                      <tr key={n}>
+                        <td>{n}</td>
+                        <td>{t.prefill_tokens}</td>
+                        <td>{t.decode_tokens}</td>
+                        <td>{secs(t.prefill_s + t.decode_s)}</td>
+                        <td>{t.decode_tok_s.toFixed(1)}</td>
+                        <td className="wide"><PhaseBar turn={t} /></td>
+                        <td>{`${(t.cache_hit_rate * 100).toFixed(0)}%`}</td>
+                        <td>{bytes(t.bytes_read)}</td>
+                      </tr>
+                    ))}
+                </tbody>
+              </table>
+            </div>
+          </div>
+          <div className="card">
+            <h2>Speed trend</h2>
+            <Trend turns={turns} />
+          </div>
+        </>
+      )}
+      {profile?.expert_cache && (
+        <div className="card">
+          <h2>Expert cache</h2>
+          <table className="kv">
+            <tbody>
+              {Object.entries(profile.expert_cache).map(([k, v]) => (
+                <tr key={k}>
+                  <th scope="row">{k}</th>
+                  <td>{typeof v === "object" && v !== null ? JSON.stringify(v) : String(v)}</td>
+                </tr>
+              ))}
+            </tbody>
+          </table>
+        </div>
+      )}
+    </section>
+  );
+}

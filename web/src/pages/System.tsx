@@ -1,0 +1,168 @@
+import { useEffect, useState } from "react";
+import { ServerError, fetchHealth, fetchInfo, type Connection, type EngineInfo, type Health, type ModelCard } from "../lib/api";
+
+const COUNTERS: [keyof Health, string][] = [
+  ["active", "requests holding a KV slot now"],
+  ["queued", "requests waiting for a slot now"],
+  ["capacity", "KV slots"],
+  ["max_queue", "limit of waiting requests"],
+  ["admitted", "requests given a slot, since start"],
+  ["completed", "generations that ended normally"],
+  ["failed", "generations that ended in an error"],
+  ["rejected", "429 queue_full answers"],
+  ["timed_out", "429 queue_timeout answers"],
+  ["cancelled", "clients gone while waiting or generating"],
+];
+
+function bytes(n: number): string {
+  return n >= 2 ** 20 ? `${(n / 2 ** 20).toFixed(1)} MiB` : n >= 1024 ? `${(n / 1024).toFixed(1)} KiB` : `${n} B`;
+}
+
+export function System({ conn, models, modelsError }: { conn: Connection; models: ModelCard[]; modelsError: string | null }) {
+  const [health, setHealth] = useState<Health | null>(null);
+  const [error, setError] = useState<string | null>(null);
+  const [at, setAt] = useState<Date | null>(null);
+  const [info, setInfo] = useState<EngineInfo | null>(null);
+  const [infoError, setInfoError] = useState<string | null>(null);
+
+  useEffect(() => {
+    const controller = new AbortController();
+    fetchInfo(conn, controller.signal)
+      .then((i) => {
+        setInfo(i);
+        setInfoError(null);
+      })
+      .catch((e: unknown) => {
+        if (controller.signal.aborted) return;
+        setInfo(null);
+        setInfoError(e instanceof ServerError ? `${e.status ?? ""} ${e.message}`.trim() : String(e));
+      });
+    return () => controller.abort();
+  }, [conn]);
+
+  useEffect(() => {
+    let live = true;
+    const controller = new AbortController();
+    const poll = async () => {
+      if (document.visibilityState === "hidden") return;
+      try {
+        const h = await fetchHealth(conn, controller.signal);
+        if (!live) return;
+        setHealth(h);
+        setError(null);
+        setAt(new Date());
+      } catch (e) {
+        if (!live) return;
+        setError(e instanceof ServerError ? e.message : String(e));
+      }
+    };
+    void poll();
+    const timer = window.setInterval(() => void poll(), 5000);
+    return () => {
+      live = false;
+      controller.abort();
+      window.clearInterval(timer);
+    };
+  }, [conn]);
+
+  const restricted = health !== null && health.model === undefined;
+  return (
+    <section className="system" aria-label="System">
+      <h1>System</h1>
+      {error !== null && (
+        <div className="error" role="alert">
+          {error}
+        </div>
+      )}
+      <div className="cards">
+        <div className="card">
+          <h2>Health</h2>
+          {health === null ? (
+            <p>loading…</p>
+          ) : (
+            <>
+              <p>
+                Status: <strong data-testid="health-status" className={health.status === "ok" ? "ok" : "bad"}>{health.status}</strong>
+                {at && <span className="muted"> · {at.toLocaleTimeString()}, every 5 s</span>}
+              </p>
+              {health.error && <p className="error">{health.error}</p>}
+              {restricted && <p className="muted">The server has an API key: enter it above to see the scheduler figures.</p>}
+              {!restricted && (
+                <table className="kv" data-testid="health-table">
+                  <tbody>
+                    {COUNTERS.map(([key, what]) => (
+                      <tr key={key}>
+                        <th scope="row" title={what}>{key}</th>
+                        <td>{String(health[key] ?? "–")}</td>
+                      </tr>
+                    ))}
+                    <tr>
+                      <th scope="row">prefill</th>
+                      <td>
+                        {(health.prefill ?? []).length === 0
+                          ? "none"
+                          : (health.prefill ?? []).map((p, i) => (
+                              <div key={i}>
+                                slot {p.slot ?? "private"}: {p.prompt_tokens_done}/{p.prompt_tokens}
+                              </div>
+                            ))}
+                      </td>
+                    </tr>
+                  </tbody>
+                </table>
+              )}
+            </>
+          )}
+        </div>
+        <div className="card">
+          <h2>Model</h2>
+          {modelsError !== null && <p className="error">{modelsError}</p>}
+          {models.map((m) => (
+            <table className="kv" key={m.id} data-testid="model-table">
+              <tbody>
+                <tr><th scope="row">id</th><td>{m.id}</td></tr>
+                <tr><th scope="row">context</th><td>{m.max_model_len ?? health?.context_length ?? "–"} tokens</td></tr>
+                {health?.kv_bytes_per_token !== undefined && (
+                  <tr>
+                    <th scope="row">KV per token</th>
+                    <td>{bytes(health.kv_bytes_per_token)}</td>
+                  </tr>
+                )}
+                {health?.kv_bytes_per_token !== undefined && health.context_length !== undefined && health.capacity !== undefined && (
+                  <tr>
+                    <th scope="row">KV at most</th>
+                    <td>{bytes(health.kv_bytes_per_token * health.context_length * health.capacity)}</td>
+                  </tr>
+                )}
+                <tr><th scope="row">model files</th><td>{new Date(m.created * 1000).toLocaleString()}</td></tr>
+              </tbody>
+            </table>
+          ))}
+        </div>
+        <div className="card">
+          <h2>Engine</h2>
+          {infoError !== null && <p className="error">{infoError}</p>}
+          {info && (
+            <table className="kv" data-testid="engine-table">
+              <tbody>
+                <tr><th scope="row">architecture</th><td>{info.architecture ?? "–"}</td></tr>
+                <tr><th scope="row">chat family</th><td>{info.chat_family}</td></tr>
+                <tr><th scope="row">weights</th><td>{info.quantization ?? "–"}</td></tr>
+                <tr>
+                  <th scope="row">shape</th>
+                  <td>
+                    {info.num_layers} layers, hidden {info.hidden_size}, {info.num_experts} experts ({info.experts_per_token} per token)
+                  </td>
+                </tr>
+                <tr><th scope="row">kernel</th><td>{info.kernel}{info.kernel_avx_vnni ? " + AVX-VNNI" : ""} (prefetch {info.kernel_prefetch})</td></tr>
+                <tr><th scope="row">threads</th><td>{info.threads}</td></tr>
+                <tr><th scope="row">KV cache</th><td>{info.kv_dtype}, {info.kv_slots} slot(s)</td></tr>
+                <tr><th scope="row">experts</th><td>{info.expert_cache === null ? "all resident in RAM" : "RAM cache over the experts file (see Profiling)"}</td></tr>
+              </tbody>
+            </table>
+          )}
+        </div>
+      </div>
+    </section>
+  );
+}
