@@ -423,6 +423,45 @@ mod tests {
         assert_eq!(c.state(), GrammarState::Satisfied);
     }
 
+    /// The think block chat/grammar.py writes for a family whose markers are text: free bytes
+    /// (a '<' included) until the first close marker, then only the grammar's body.
+    #[test]
+    fn a_lazy_think_block_ends_at_its_text_marker() {
+        let env = env();
+        let lark = concat!(
+            "start: think \"\\n\"? body\n",
+            "body: %json {\"type\": \"integer\", \"x-guidance\": {\"whitespace_flexible\": false}}\n",
+            "think[suffix=\"</think>\"]: /(?s:.*)/\n",
+        );
+        let m = env.compile(GrammarKind::Lark, lark).unwrap();
+        let mut c = Constraint::new(&env, m, Vec::new(), ends(&env)).unwrap();
+        let allowed = |c: &mut Constraint, b: u8| {
+            let mut logits = vec![0.0f32; env.vocab_size()];
+            c.apply(&mut logits).unwrap();
+            logits[b as usize] == 0.0
+        };
+        for &b in b"a{<b </thin" {
+            assert!(allowed(&mut c, b), "{}", b as char);
+            assert!(allowed(&mut c, b'z'));
+            assert!(!c.advance(b as u32).unwrap());
+        }
+        for &b in b"k>" {
+            assert!(allowed(&mut c, b));
+            c.advance(b as u32).unwrap();
+        }
+        assert!(allowed(&mut c, b'7'));
+        assert!(!allowed(&mut c, b'z'));
+        assert!(!allowed(&mut c, b'{'));
+        c.advance(b'7' as u32).unwrap();
+        let mut logits = vec![0.0f32; env.vocab_size()];
+        c.apply(&mut logits).unwrap();
+        assert_eq!(
+            logits[ends(&env)[0] as usize],
+            0.0,
+            "the end where the integer may end"
+        );
+    }
+
     #[test]
     fn an_open_grammar_at_the_end_is_incomplete() {
         let env = env();

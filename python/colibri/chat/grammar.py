@@ -73,12 +73,20 @@ def with_reasoning(
     lines = [f"body: {body}", 'NL: "\\n"']
     if open_think is None or close_think is None or after_reasoning:
         lines.insert(0, "start: NL? body")
-    elif in_reasoning:
-        lines.insert(0, f"start: THINK? {marker(close_think)} NL? body")
+        return "\n".join(lines) + "\n"
+    if close_think in marker.special:
+        # A special token cannot extend the text before it: a greedy lexeme ends there.
+        think = f"THINK? {close_think}"
         lines.append("THINK: /(?s:.+)/")
     else:
-        lines.insert(0, f"start: NL? ({marker(open_think)} THINK? {marker(close_think)} NL?)? body")
-        lines.append("THINK: /(?s:.+)/")
+        # Text markers: a lazy lexeme that ends at the first close marker, which it includes
+        # (a greedy one would read the marker as more thinking and never end).
+        think = "think"
+        lines.append(f"think[suffix={_lit(close_think)}]: /(?s:.*)/")
+    if in_reasoning:
+        lines.insert(0, f"start: {think} NL? body")
+    else:
+        lines.insert(0, f"start: NL? ({marker(open_think)} {think} NL?)? body")
     return "\n".join(lines) + "\n"
 
 
