@@ -19,6 +19,19 @@ pub enum AttentionKind {
     /// Multi-head latent attention (DeepSeek-V3): a low-rank latent per position shared by
     /// every head plus one decoupled RoPE key; `head_dim` is the RoPE part's width.
     Mla(MlaDims),
+    /// MLA whose queries attend only over the positions a lightning indexer picks (GLM-5's
+    /// DeepSeek sparse attention, `model/layers/dsa.rs`).
+    Dsa(MlaDims, IndexerDims),
+}
+
+/// The DSA lightning indexer (`model/layers/dsa.rs`): `heads` query heads of `head_dim`
+/// (the leading `qk_rope_head_dim` rotated) scoring one key per position, and the `topk`
+/// positions each query attends over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerDims {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub topk: usize,
 }
 
 /// The shape of multi-head latent attention (`model/layers/mla.rs`).
@@ -706,5 +719,87 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("rope_theta"));
+    }
+
+    fn glm5() -> Value {
+        json!({
+            "architectures": ["GlmMoeDsaForCausalLM"], "hidden_size": 56, "num_hidden_layers": 3,
+            "num_attention_heads": 3, "num_key_value_heads": 3, "vocab_size": 100,
+            "intermediate_size": 72, "moe_intermediate_size": 20, "n_routed_experts": 9,
+            "num_experts_per_tok": 3, "q_lora_rank": 24, "kv_lora_rank": 20,
+            "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10,
+            "index_n_heads": 6, "index_head_dim": 12, "index_topk": 7,
+            "max_position_embeddings": 256
+        })
+    }
+
+    #[test]
+    fn glm_moe_dsa_reads_the_indexer_and_transformers_defaults() {
+        let c = ModelConfig::from_hf(&glm5()).unwrap();
+        let AttentionKind::Dsa(d, x) = c.attention else {
+            panic!("{:?}", c.attention)
+        };
+        assert_eq!(d.q_lora_rank, Some(24));
+        assert!(d.rope_interleave, "GLM-5 always interleaves");
+        assert_eq!(
+            x,
+            IndexerDims {
+                heads: 6,
+                head_dim: 12,
+                topk: 7
+            }
+        );
+        // GlmMoeDsaConfig's defaults: 3 dense layers, one group, x2.5.
+        assert_eq!(c.layers, vec![FfnKind::Dense; 3]);
+        assert_eq!(
+            c.routing,
+            Routing::SigmoidGrouped {
+                n_group: 1,
+                topk_group: 1,
+                norm_topk_prob: true,
+                scaling: 2.5
+            }
+        );
+        assert_eq!(c.rms_norm_eps, 1e-5);
+        // mlp_layer_types, when listed, decides.
+        let mut v = glm5();
+        v["mlp_layer_types"] = json!(["dense", "sparse", "sparse"]);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        assert_eq!(c.layers, vec![FfnKind::Dense, FfnKind::Moe, FfnKind::Moe]);
+        let layout = crate::model::layers::kv_layout(&c);
+        for l in &layout.layers {
+            assert_eq!((l.heads, l.key_dim, l.value_dim), (1, 20 + 8, 12));
+        }
+        // An all-"full" schedule passes, however it is written.
+        for (key, value) in [
+            ("indexer_types", json!(["full", "full", "full"])),
+            ("index_topk_pattern", json!("FFF")),
+            ("index_topk_freq", json!(1)),
+        ] {
+            let mut v = glm5();
+            v[key] = value;
+            assert!(ModelConfig::from_hf(&v).is_ok(), "{key}");
+        }
+    }
+
+    #[test]
+    fn malformed_glm_moe_dsa_configs_are_refused_by_name() {
+        for (key, value) in [
+            ("q_lora_rank", Value::Null),
+            ("index_topk", json!(0)),
+            ("index_n_heads", json!(0)),
+            ("index_head_dim", json!(6)),
+            ("indexer_types", json!(["full", "shared", "full"])),
+            ("indexer_types", json!(["full"])),
+            ("index_topk_pattern", json!("FSF")),
+            ("index_topk_freq", json!(2)),
+            ("mlp_layer_types", json!(["dense", "dense"])),
+            ("attention_bias", json!(true)),
+        ] {
+            let mut v = glm5();
+            v[key] = value;
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
     }
 }
