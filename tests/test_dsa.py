@@ -132,7 +132,7 @@ def test_prompt_chunks_do_not_change_the_logits(dsa, converted):
         ("index_topk", 0),
         ("index_n_heads", 0),
         ("index_head_dim", 4),
-        ("indexer_types", ["full", "shared", "full"]),
+        ("indexer_types", ["shared", "full", "full"]),
         ("indexer_types", ["full"]),
         ("mlp_layer_types", ["dense", "moe", "sparse"]),
         ("kv_lora_rank", 0),
@@ -153,8 +153,10 @@ def test_a_malformed_config_is_refused_by_name(tmp_path, field, value):
     assert field in str(exc.value)
 
 
-def test_a_shared_indexer_schedule_is_refused_by_name(tmp_path):
-    hf = with_config(tmp_path, "glm_moe_dsa", indexer_types=None, index_topk_freq=2)
+def test_a_schedule_that_opens_with_a_shared_layer_is_refused_by_name(tmp_path):
+    hf = with_config(
+        tmp_path, "glm_moe_dsa", indexer_types=None, index_topk_freq=2, index_skip_topk_offset=0
+    )
     with pytest.raises((ValueError, RuntimeError, OSError)) as exc:
         convert(hf, tmp_path / "out", "f32")
     assert "index_topk_freq" in str(exc.value)

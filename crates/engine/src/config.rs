@@ -113,6 +113,9 @@ pub struct ModelConfig {
     pub shared_intermediate_size: usize,
     pub routing: Routing,
     pub layers: Vec<FfnKind>,
+    /// DSA only (else empty): per layer, whether it runs its own indexer (`"full"`) or reuses
+    /// the top-k of the last layer that did (`"shared"`).
+    pub indexer_layers: Vec<bool>,
     pub tie_word_embeddings: bool,
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
@@ -419,6 +422,7 @@ impl ModelConfig {
                 norm_topk_prob: false,
             },
             layers: vec![FfnKind::Dense; num_layers],
+            indexer_layers: Vec::new(),
             tie_word_embeddings: false,
             eos_token_ids: Vec::new(),
             bos_token_id: None,
@@ -770,16 +774,38 @@ mod tests {
         for l in &layout.layers {
             assert_eq!((l.heads, l.key_dim, l.value_dim), (1, 20 + 8, 12));
         }
-        // An all-"full" schedule passes, however it is written.
-        for (key, value) in [
-            ("indexer_types", json!(["full", "full", "full"])),
-            ("index_topk_pattern", json!("FFF")),
-            ("index_topk_freq", json!(1)),
+        assert_eq!(
+            c.indexer_layers,
+            vec![true; 3],
+            "every layer full by default"
+        );
+        // A schedule, however it is written; shared layers keep no indexer key.
+        for (key, value, want) in [
+            (
+                "indexer_types",
+                json!(["full", "shared", "full"]),
+                [true, false, true],
+            ),
+            ("index_topk_pattern", json!("FFS"), [true, true, false]),
+            ("index_topk_freq", json!(2), [true, true, false]),
         ] {
             let mut v = glm5();
             v[key] = value;
-            assert!(ModelConfig::from_hf(&v).is_ok(), "{key}");
+            let c = ModelConfig::from_hf(&v).unwrap();
+            assert_eq!(c.indexer_layers, want, "{key}");
+            let layout = crate::model::layers::kv_layout(&c);
+            let widths: Vec<usize> = layout.layers.iter().map(|l| l.value_dim).collect();
+            let keys: Vec<usize> = want.iter().map(|&f| if f { 12 } else { 0 }).collect();
+            assert_eq!(widths, keys, "{key}");
         }
+        // transformers' schedule: full when max(i + 1 - offset, 0) % freq == 0.
+        let mut v = glm5();
+        v["num_hidden_layers"] = json!(8);
+        v["index_topk_freq"] = json!(4);
+        v["index_skip_topk_offset"] = json!(3);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        let want = [true, true, true, false, false, false, true, false];
+        assert_eq!(c.indexer_layers, want);
     }
 
     #[test]
@@ -789,10 +815,11 @@ mod tests {
             ("index_topk", json!(0)),
             ("index_n_heads", json!(0)),
             ("index_head_dim", json!(6)),
-            ("indexer_types", json!(["full", "shared", "full"])),
+            ("indexer_types", json!(["shared", "full", "full"])),
             ("indexer_types", json!(["full"])),
-            ("index_topk_pattern", json!("FSF")),
-            ("index_topk_freq", json!(2)),
+            ("indexer_types", json!(["full", "half", "full"])),
+            ("index_topk_pattern", json!("SFF")),
+            ("index_topk_pattern", json!("FF")),
             ("mlp_layer_types", json!(["dense", "dense"])),
             ("attention_bias", json!(true)),
         ] {

@@ -5,9 +5,10 @@
 //! normed low-rank query, one key per position, per-head weights), and GLM-4.5's MoE
 //! (`glm4_moe.rs`: the leading dense layers, here `mlp_layer_types` or
 //! `first_k_dense_replace` (3); grouped sigmoid routing with the correction bias; x2.5 by
-//! default). Layers marked `"shared"` in `indexer_types` (reusing the previous layer's
-//! selection) are refused for now; layers past `num_hidden_layers` (the MTP head) are skipped
-//! at conversion.
+//! default). Layers marked `"shared"` (`indexer_types`, or the schedule of `index_topk_pattern`
+//! / `index_topk_freq` and `index_skip_topk_offset`) have no indexer and reuse the top-k of the
+//! last layer that has one, as transformers does; layers past `num_hidden_layers` (the MTP head)
+//! are skipped at conversion.
 
 use super::registry::Family;
 use super::{deepseek_v3, glm4_moe};
@@ -59,7 +60,7 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
             heads * head_dim
         )));
     }
-    check_indexer_types(r, c.num_layers)?;
+    c.indexer_layers = indexer_types(r, c.num_layers)?;
     c.attention = AttentionKind::Dsa(
         mla,
         IndexerDims {
@@ -99,53 +100,70 @@ fn read_mlp_layer_types(r: &Reader, c: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
-/// Every layer must run its own indexer (`"full"`): `indexer_types` when given, else the
-/// schedule transformers derives from `index_topk_pattern` or `index_topk_freq` /
-/// `index_skip_topk_offset`. A `"shared"` layer (the previous layer's selection reused) is
-/// refused by name rather than run as a full one.
-fn check_indexer_types(r: &Reader, layers: usize) -> Result<()> {
-    let refuse = |field: &str, layer: usize| {
-        Err(bad(format!(
-            "config.json: `{field}` makes layer {layer} reuse the previous layer's top-k \
-             (\"shared\"); {NAME} layers with a shared indexer are not supported"
-        )))
-    };
-    if let Some(v) = r.get("indexer_types") {
+/// Per layer, whether it runs its own indexer (`"full"`): `indexer_types` when given, else the
+/// schedule transformers derives from `index_topk_pattern`, or from `index_topk_freq` /
+/// `index_skip_topk_offset` (layer `i` is full when `max(i + 1 - offset, 0) % freq == 0`).
+/// The first layer must be full: a shared one would have no top-k to reuse.
+fn indexer_types(r: &Reader, layers: usize) -> Result<Vec<bool>> {
+    let (field, full) = if let Some(v) = r.get("indexer_types") {
         let types = v.as_array().filter(|a| a.len() == layers).ok_or_else(|| {
             bad(format!(
                 "config.json: `indexer_types` must list one type per layer ({layers})"
             ))
         })?;
-        for (i, t) in types.iter().enumerate() {
-            match t.as_str() {
-                Some("full") => {}
-                Some("shared") => return refuse("indexer_types", i),
-                _ => {
-                    return Err(bad(format!(
-                        "config.json: `indexer_types` entry {t} is not \"full\" or \"shared\""
-                    )))
-                }
+        let full = types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("full") => Ok(true),
+                Some("shared") => Ok(false),
+                _ => Err(bad(format!(
+                    "config.json: `indexer_types` entry {t} is not \"full\" or \"shared\""
+                ))),
+            })
+            .collect::<Result<Vec<bool>>>()?;
+        ("indexer_types", full)
+    } else if let Some(p) = r.get("index_topk_pattern") {
+        let letters: Vec<Option<bool>> = match p {
+            serde_json::Value::String(s) => s
+                .chars()
+                .map(|ch| match ch {
+                    'F' => Some(true),
+                    'S' => Some(false),
+                    _ => None,
+                })
+                .collect(),
+            serde_json::Value::Array(a) => a
+                .iter()
+                .map(|x| match x.as_str() {
+                    Some("full") => Some(true),
+                    Some("shared") => Some(false),
+                    _ => None,
+                })
+                .collect(),
+            _ => vec![None],
+        };
+        let full: Option<Vec<bool>> = letters.into_iter().collect();
+        match full {
+            Some(f) if f.len() == layers => ("index_topk_pattern", f),
+            _ => {
+                return Err(bad(format!(
+                    "config.json: `index_topk_pattern` must give \"F\" or \"S\" for each of \
+                     the {layers} layers"
+                )))
             }
         }
-        return Ok(());
+    } else {
+        let freq = r.usize_or("index_topk_freq", 1)?.max(1);
+        let offset = r.usize_or("index_skip_topk_offset", 2)?;
+        let full = (0..layers)
+            .map(|i| (i + 1).saturating_sub(offset) % freq == 0)
+            .collect();
+        ("index_topk_freq", full)
+    };
+    if full.first() == Some(&false) {
+        return Err(bad(format!(
+            "config.json: `{field}` makes layer 0 reuse a previous layer's top-k; there is none"
+        )));
     }
-    if let Some(p) = r.get("index_topk_pattern") {
-        let shared = match p {
-            serde_json::Value::String(s) => s.chars().position(|ch| ch != 'F'),
-            serde_json::Value::Array(a) => a.iter().position(|x| x.as_str() != Some("full")),
-            _ => Some(0),
-        };
-        return match shared {
-            Some(i) => refuse("index_topk_pattern", i),
-            None => Ok(()),
-        };
-    }
-    let freq = r.usize_or("index_topk_freq", 1)?.max(1);
-    let offset = r.usize_or("index_skip_topk_offset", 2)?;
-    for i in 0..layers {
-        if (i + 1).saturating_sub(offset) % freq != 0 {
-            return refuse("index_topk_freq", i);
-        }
-    }
-    Ok(())
+    Ok(full)
 }

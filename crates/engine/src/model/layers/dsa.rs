@@ -17,9 +17,13 @@
 //! can differ). Here ties go to the earlier position in every pass alike; the fixtures are
 //! seeded so that no query has a tie, or a gap under 1e-4, at its cut.
 //!
+//! A `"shared"` layer (`ModelConfig::indexer_layers`) has no indexer: its queries attend over
+//! the positions the last layer with one picked for them ([`Selection`], carried through the
+//! pass).
+//!
 //! The cache keeps, per position and layer, the MLA row (normed latent and rope key) as the
-//! layer's key run and the indexer's key as its second run ([`kv_layout`]), so decoding and
-//! slot files see the indexer keys of the whole history.
+//! layer's key run and, in a layer with an indexer, the indexer's key as its second run
+//! ([`kv_layout`]), so decoding and slot files see the indexer keys of the whole history.
 
 use super::mla::{self, Mla};
 use super::topk;
@@ -47,10 +51,22 @@ pub(in crate::model) struct Indexer {
     weights: Linear,
 }
 
-/// One layer's DSA block: the MLA weights and the indexer's.
+/// One layer's DSA block: the MLA weights and the indexer's (none in a shared layer).
 pub(in crate::model) struct Dsa {
     mla: Mla,
-    indexer: Indexer,
+    indexer: Option<Indexer>,
+}
+
+/// The positions the queries of one pass attend over, as the last layer with an indexer chose
+/// them: the first `dense` queries over their whole history, each later one over `chosen`.
+pub(in crate::model) struct Selection {
+    dense: usize,
+    chosen: Vec<Vec<usize>>,
+}
+
+/// Whether layer `i` runs its own indexer.
+fn has_indexer(c: &ModelConfig, i: usize) -> bool {
+    c.indexer_layers.get(i).copied().unwrap_or(true)
 }
 
 fn indexer_dims(c: &ModelConfig) -> IndexerDims {
@@ -61,25 +77,28 @@ fn indexer_dims(c: &ModelConfig) -> IndexerDims {
 }
 
 /// What every layer keeps per position: the MLA row (normed latent and rope key) as its key run
-/// and the indexer key as its second run (`value_dim`; MLA has no values of its own).
+/// and, with an indexer, the indexer key as its second run (`value_dim`; MLA has no values of
+/// its own).
 pub fn kv_layout(c: &ModelConfig) -> KvLayout {
     let d = mla::dims(c);
     let x = indexer_dims(c);
     KvLayout {
-        layers: vec![
-            LayerKv {
+        layers: (0..c.num_layers)
+            .map(|i| LayerKv {
                 heads: 1,
                 key_dim: d.kv_lora_rank + d.qk_rope_head_dim,
-                value_dim: x.head_dim,
-            };
-            c.num_layers
-        ],
+                value_dim: if has_indexer(c, i) { x.head_dim } else { 0 },
+            })
+            .collect(),
     }
 }
 
 /// The tensors of layer `i`'s DSA block: the MLA's and the indexer's.
 pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
     mla::plan(p, c, i);
+    if !has_indexer(c, i) {
+        return;
+    }
     let x = indexer_dims(c);
     let rank = mla::dims(c).q_lora_rank.expect("DSA has a low-rank query");
     let hf = |s: &str| format!("model.layers.{i}.self_attn.indexer.{s}");
@@ -98,6 +117,10 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
 
 impl Dsa {
     pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Dsa> {
+        let mla = Mla::load(t, c, i)?;
+        if !has_indexer(c, i) {
+            return Ok(Dsa { mla, indexer: None });
+        }
         let x = indexer_dims(c);
         let rank = mla::dims(c).q_lora_rank.expect("DSA has a low-rank query");
         let n = |s: &str| format!("layers.{i}.indexer.{s}");
@@ -106,14 +129,14 @@ impl Dsa {
             return Err(fmt_err(format!("tensor `{}` should be f32", n("weights"))));
         }
         Ok(Dsa {
-            mla: Mla::load(t, c, i)?,
-            indexer: Indexer {
+            mla,
+            indexer: Some(Indexer {
                 wq_b: t.linear(&n("wq_b"), x.heads * x.head_dim, rank)?,
                 wk: t.linear(&n("wk"), x.head_dim, c.hidden_size)?,
                 k_norm: t.vector(&n("k_norm"), x.head_dim)?,
                 k_norm_bias: t.vector(&n("k_norm_bias"), x.head_dim)?,
                 weights,
-            },
+            }),
         })
     }
 }
@@ -133,7 +156,8 @@ fn row_f32<'a>(rows: &'a HeadRows<'a>, t: usize, dim: usize, buf: &'a mut [f32])
 
 impl Model {
     /// The DSA output of layer `li` for the normed inputs `hn` (one row per position at
-    /// `kv.len ..`); writes the positions' MLA rows and indexer keys to `kv`.
+    /// `kv.len ..`); writes the positions' MLA rows and indexer keys to `kv`. A layer with an
+    /// indexer leaves its choice in `selection`; a shared layer attends over the one there.
     pub(in crate::model) fn dsa_attention(
         &self,
         li: usize,
@@ -141,20 +165,87 @@ impl Model {
         hn: Vec<f32>,
         angles: &[RopeAngles],
         kv: &mut KvCache,
+        selection: &mut Option<Selection>,
     ) -> Vec<f32> {
         let n = angles.len();
         let c = &self.cfg;
         let d = mla::dims(c);
-        let x = indexer_dims(c);
-        let (heads, rope) = (c.num_heads, d.qk_rope_head_dim);
-        let kw = d.kv_lora_rank + rope;
-        let ix = &layer.indexer;
+        let heads = c.num_heads;
+        let kw = d.kv_lora_rank + d.qk_rope_head_dim;
         let mut acts = Acts::from_vec(hn, n, c.hidden_size);
         let mut pass = self.mla_project(&layer.mla, &mut acts, angles);
+        let p0 = kv.len;
+        if let Some(ix) = &layer.indexer {
+            let q_resid = pass.q_resid.take().expect("DSA has a low-rank query");
+            *selection = Some(self.index(li, ix, acts, q_resid, angles, &pass.latent, kv));
+        } else {
+            kv.write(li, p0, &pass.latent, &[]);
+        }
+        let sel = selection
+            .as_ref()
+            .expect("layer 0 has an indexer (checked with the config)");
+        let kv = &*kv;
+        let absorbed = &pass.absorbed;
+        let mut lats = self.attend_causal(
+            sel.dense,
+            heads,
+            p0,
+            kw,
+            d.softmax_scale,
+            |i, head| absorbed[i * heads + head].as_slice(),
+            |_, len| {
+                let (rows, _) = kv.head(li, 0, len);
+                (rows, rows)
+            },
+        );
+        // The others attend over their chosen latent rows.
+        let sparse = self.pool.map(sel.chosen.len(), |j| {
+            let i = sel.dense + j;
+            let chosen = &sel.chosen[j];
+            let (latents, _) = kv.head(li, 0, p0 + i + 1);
+            let mut buf = vec![0.0f32; kw];
+            let mut rows = Vec::with_capacity(chosen.len() * kw);
+            for &t in chosen {
+                rows.extend_from_slice(row_f32(&latents, t, kw, &mut buf));
+            }
+            let args = AttendArgs {
+                keys: HeadRows::F32(&rows),
+                values: HeadRows::F32(&rows),
+                n0: chosen.len(),
+                scale: d.softmax_scale,
+            };
+            let mut out = vec![0.0f32; heads * kw];
+            for (head, o) in out.chunks_exact_mut(kw).enumerate() {
+                crate::attention::attend(&[absorbed[i * heads + head].as_slice()], &args, o);
+            }
+            out
+        });
+        for o in &sparse {
+            lats.extend_from_slice(o);
+        }
+        self.mla_output(&layer.mla, &lats)
+    }
+
+    /// Layer `li`'s indexer over the pass: writes each position's MLA row `latent` and indexer
+    /// key to `kv`, and returns the positions each query attends over. `acts` are the normed
+    /// inputs, `q_resid` the normed low-rank queries.
+    #[allow(clippy::too_many_arguments)]
+    fn index(
+        &self,
+        li: usize,
+        ix: &Indexer,
+        mut acts: Acts,
+        mut q_resid: Acts,
+        angles: &[RopeAngles],
+        latent: &[f32],
+        kv: &mut KvCache,
+    ) -> Selection {
+        let n = angles.len();
+        let x = indexer_dims(&self.cfg);
+        let rope = mla::dims(&self.cfg).qk_rope_head_dim;
         let mut out = self.project(&[ix.wk, ix.weights], &mut acts);
         let mut w = out.pop().unwrap();
         let mut keys = out.pop().unwrap();
-        let mut q_resid = pass.q_resid.take().expect("DSA has a low-rank query");
         let mut iq = self.project(&[ix.wq_b], &mut q_resid).remove(0);
         let rotate = |row: &mut [f32], i: usize, tmp: &mut Vec<f32>| {
             let r = &mut row[..rope];
@@ -176,32 +267,19 @@ impl Model {
             *v *= head_scale;
         }
         let p0 = kv.len;
-        kv.write(li, p0, &pass.latent, &keys);
+        kv.write(li, p0, latent, &keys);
         let kv = &*kv;
-        let absorbed = &pass.absorbed;
-        // Positions whose whole causal history fits the top-k attend over all of it.
+        // Positions whose whole causal history fits the top-k attend over all of it; the
+        // others score the history and keep the top-k.
         let dense = n.min(x.topk.saturating_sub(p0));
-        let mut lats = self.attend_causal(
-            dense,
-            heads,
-            p0,
-            kw,
-            d.softmax_scale,
-            |i, head| absorbed[i * heads + head].as_slice(),
-            |_, len| {
-                let (rows, _) = kv.head(li, 0, len);
-                (rows, rows)
-            },
-        );
-        // The others: score the history, keep the top-k, attend over those rows.
         let score_scale = (x.head_dim as f32).powf(-0.5);
-        let sparse = self.pool.map(n - dense, |j| {
+        let chosen = self.pool.map(n - dense, |j| {
             let i = dense + j;
             let len = p0 + i + 1;
-            let (latents, index_keys) = kv.head(li, 0, len);
+            let (_, index_keys) = kv.head(li, 0, len);
             let q = &iq[i * x.heads * x.head_dim..(i + 1) * x.heads * x.head_dim];
             let wi = &w[i * x.heads..(i + 1) * x.heads];
-            let mut buf = vec![0.0f32; x.head_dim.max(kw)];
+            let mut buf = vec![0.0f32; x.head_dim];
             let scores: Vec<f32> = (0..len)
                 .map(|t| {
                     let k = row_f32(&index_keys, t, x.head_dim, &mut buf);
@@ -211,26 +289,8 @@ impl Model {
                         .sum()
                 })
                 .collect();
-            let chosen = topk::select(&scores, x.topk);
-            let mut rows = Vec::with_capacity(chosen.len() * kw);
-            for &t in &chosen {
-                rows.extend_from_slice(row_f32(&latents, t, kw, &mut buf));
-            }
-            let args = AttendArgs {
-                keys: HeadRows::F32(&rows),
-                values: HeadRows::F32(&rows),
-                n0: chosen.len(),
-                scale: d.softmax_scale,
-            };
-            let mut out = vec![0.0f32; heads * kw];
-            for (head, o) in out.chunks_exact_mut(kw).enumerate() {
-                crate::attention::attend(&[absorbed[i * heads + head].as_slice()], &args, o);
-            }
-            out
+            topk::select(&scores, x.topk)
         });
-        for o in &sparse {
-            lats.extend_from_slice(o);
-        }
-        self.mla_output(&layer.mla, &lats)
+        Selection { dense, chosen }
     }
 }

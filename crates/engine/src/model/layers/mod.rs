@@ -119,6 +119,7 @@ impl Model {
     }
 
     /// Layer `li`'s attention over the normed inputs `hn` at positions `kv.len ..`.
+    /// `selection` carries a DSA indexer's choice from layer to layer within one pass.
     pub(in crate::model) fn attention(
         &self,
         li: usize,
@@ -126,11 +127,12 @@ impl Model {
         hn: Vec<f32>,
         angles: &[RopeAngles],
         kv: &mut KvCache,
+        selection: &mut Option<dsa::Selection>,
     ) -> Vec<f32> {
         match a {
             Attention::Gqa(w) => self.gqa_attention(li, w, hn, angles, kv),
             Attention::Mla(w) => self.mla_attention(li, w, hn, angles, kv),
-            Attention::Dsa(w) => self.dsa_attention(li, w, hn, angles, kv),
+            Attention::Dsa(w) => self.dsa_attention(li, w, hn, angles, kv, selection),
         }
     }
 }
