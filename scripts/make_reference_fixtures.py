@@ -432,6 +432,53 @@ SPECS = {
             eos_token_id=EOS,
         ),
     ),
+    # GLM-5 with a shared indexer (index_topk_freq 2, index_skip_topk_offset 1: layers 0 and 2
+    # run their indexer, layers 1 and 3 reuse the previous one's top-k, as GLM's IndexShare
+    # configs do with freq 4): 4 layers, otherwise glm_moe_dsa's shapes, indexer 8 heads x 12,
+    # top-6, 8 experts in one group. bf16; router, correction bias and weights_proj f32.
+    "glm_moe_dsa_shared": dict(
+        cls=GlmMoeDsaForCausalLM,
+        cfg_cls=GlmMoeDsaConfig,
+        tok_vocab=433,
+        storage=torch.bfloat16,
+        shards=1,
+        seed=8000,
+        cfg=dict(
+            vocab_size=433,
+            hidden_size=56,
+            intermediate_size=72,
+            moe_intermediate_size=20,
+            num_hidden_layers=4,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            q_lora_rank=24,
+            kv_lora_rank=20,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            index_n_heads=8,
+            index_head_dim=12,
+            index_topk=6,
+            index_topk_freq=2,
+            index_skip_topk_offset=1,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=False,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
 }
 
 # Parameters that stay float32 in the stored checkpoint regardless of `storage`.
@@ -444,6 +491,7 @@ KEEP_F32 = {
     "deepseek_v3_noqlora": _ROUTER_F32,
     "glm_moe_dsa": _DSA_F32,
     "glm_moe_dsa_yarn": _DSA_F32,
+    "glm_moe_dsa_shared": _DSA_F32,
 }
 # Architectures with sigmoid, group-limited routing and a correction bias.
 SIGMOID_ROUTED = (
@@ -452,9 +500,10 @@ SIGMOID_ROUTED = (
     "deepseek_v3_noqlora",
     "glm_moe_dsa",
     "glm_moe_dsa_yarn",
+    "glm_moe_dsa_shared",
 )
 # Architectures with the DSA indexer.
-DSA = ("glm_moe_dsa", "glm_moe_dsa_yarn")
+DSA = ("glm_moe_dsa", "glm_moe_dsa_yarn", "glm_moe_dsa_shared")
 
 
 # --------------------------------------------------------------------------------------
@@ -561,6 +610,7 @@ SCALES = {
         "deepseek_v3_noqlora": 1.5,
         "glm_moe_dsa": 1.5,
         "glm_moe_dsa_yarn": 1.5,
+        "glm_moe_dsa_shared": 1.5,
     },
     "bias": 0.3,
     "e_score_correction_bias": 0.08,
@@ -861,12 +911,14 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
 
     x = W["model.embed_tokens.weight"][ids]
     mask = np.triu(np.full((T, T), -np.inf), 1)
+    index_mask = None  # the last DSA indexer's selection (shared layers reuse it)
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         h = rms(x, W[p + "input_layernorm.weight"])
         a = p + "self_attn."
         if arch in ("deepseek_v3", "glm_moe_dsa"):
-            x = x + numpy_mla(cfg, W, a, h, mask)
+            o, index_mask = numpy_mla(cfg, W, a, h, mask, index_mask)
+            x = x + o
         else:
             q, k, v = (h @ W[a + n + "_proj.weight"].T for n in "qkv")
             if a + "q_proj.bias" in W:
@@ -993,9 +1045,11 @@ def numpy_indexer_mask(cfg, W, a, h, qa, cos, sin, rot, causal) -> np.ndarray:
     return out
 
 
-def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray, index_mask=None):
     """DeepSeek-V3 multi-head latent attention of one layer (prefix `a`), expanded as
-    transformers computes it: the latent through kv_b_proj into per-head keys and values."""
+    transformers computes it: the latent through kv_b_proj into per-head keys and values.
+    With GLM-5's DSA, only over the top-k of this layer's indexer (or, for a layer without
+    one, of `index_mask`, the previous indexer's). Returns the output and the index mask."""
     T = h.shape[0]
     nh = cfg["num_attention_heads"]
     nope, rd, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -1033,7 +1087,9 @@ def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray) -> np
 
     qr, kr = rot(qr), rot(kr)
     if a + "indexer.wq_b.weight" in W:  # GLM-5's DSA: attend over the indexer's top-k only
-        mask = mask + numpy_indexer_mask(cfg, W, a, h, qa, cos, sin, rot, mask)
+        index_mask = numpy_indexer_mask(cfg, W, a, h, qa, cos, sin, rot, mask)
+    if index_mask is not None:  # this layer's selection, or a shared layer's predecessor's
+        mask = mask + index_mask
     scale = (nope + rd) ** -0.5
     if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):
         m = 1.0 if p["factor"] <= 1 else 0.1 * p["mscale_all_dim"] * math.log(p["factor"]) + 1.0
@@ -1043,7 +1099,7 @@ def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray) -> np
         sc = (qn[:, i] @ kn[:, i].T + qr[:, i] @ kr[:, 0].T) * scale + mask
         sc = np.exp(sc - sc.max(-1, keepdims=True))
         o[:, i] = (sc / sc.sum(-1, keepdims=True)) @ v[:, i]
-    return o.reshape(T, nh * vd) @ W[a + "o_proj.weight"].T
+    return o.reshape(T, nh * vd) @ W[a + "o_proj.weight"].T, index_mask
 
 
 # --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ ARCHS = [
     "deepseek_v3_noqlora",
     "glm_moe_dsa",
     "glm_moe_dsa_yarn",
+    "glm_moe_dsa_shared",
 ]
 
 

@@ -17,7 +17,7 @@ from colibri.runtime.engine import Engine
 
 from .conftest import FIXTURES, Reference
 
-DSA_ARCHS = ["glm_moe_dsa", "glm_moe_dsa_yarn"]
+DSA_ARCHS = ["glm_moe_dsa", "glm_moe_dsa_yarn", "glm_moe_dsa_shared"]
 
 
 @pytest.fixture(params=DSA_ARCHS)
@@ -45,10 +45,18 @@ def with_config(tmp_path: Path, arch: str, **changes) -> Path:
 
 def test_the_cache_keeps_the_latent_the_rope_key_and_the_indexer_key(dsa, converted):
     cfg = hf_config(dsa.arch)
-    per_layer = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg["index_head_dim"]
+    mla = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    # A shared layer (no indexer of its own) keeps no indexer key.
+    full = cfg["indexer_types"].count("full")
+    floats = cfg["num_hidden_layers"] * mla + full * cfg["index_head_dim"]
     for quant, width in [("f32", 4), ("int4", 2)]:
         info = Engine(converted(dsa.arch, quant), threads=1).info
-        assert info["kv_bytes_per_token"] == cfg["num_hidden_layers"] * per_layer * width
+        assert info["kv_bytes_per_token"] == floats * width
+
+
+def test_the_shared_fixture_reuses_the_indexer(dsa):
+    types = hf_config(dsa.arch)["indexer_types"]
+    assert ("shared" in types) == (dsa.arch == "glm_moe_dsa_shared"), types
 
 
 def test_the_fixtures_prompts_are_longer_than_the_top_k(dsa):

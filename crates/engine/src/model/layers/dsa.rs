@@ -13,8 +13,9 @@
 //! Ties: scores tied exactly at the cut are common (relu zeroes a position whose every head
 //! product is negative). torch's CPU `topk` leaves the choice among them to its selection
 //! algorithm over the whole row it is given, masked future positions included, so transformers'
-//! pick depends on how many positions the call holds (a one-shot forward and a cached decode
-//! can differ). Here ties go to the earlier position in every pass alike; the fixtures are
+//! pick depends on how many positions the call holds (`scripts/dsa_tie_check.py`: with one
+//! indexer head, 13 of 33 queries pick differently in a one-shot forward and in a cached
+//! decode of the same tokens). Here ties go to the earlier position in every pass alike; the fixtures are
 //! seeded so that no query has a tie, or a gap under 1e-4, at its cut.
 //!
 //! A `"shared"` layer (`ModelConfig::indexer_layers`) has no indexer: its queries attend over
