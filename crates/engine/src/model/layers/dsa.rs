@@ -15,8 +15,8 @@
 //! algorithm over the whole row it is given, masked future positions included, so transformers'
 //! pick depends on how many positions the call holds (`scripts/dsa_tie_check.py`: with one
 //! indexer head, 13 of 33 queries pick differently in a one-shot forward and in a cached
-//! decode of the same tokens). Here ties go to the earlier position in every pass alike; the fixtures are
-//! seeded so that no query has a tie, or a gap under 1e-4, at its cut.
+//! decode of the same tokens). Here ties go to the earlier position in every pass alike; the
+//! fixtures are seeded so that no query has a tie, or a gap under 1e-4, at its cut.
 //!
 //! A `"shared"` layer (`ModelConfig::indexer_layers`) has no indexer: its queries attend over
 //! the positions the last layer with one picked for them ([`Selection`], carried through the
