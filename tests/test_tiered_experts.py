@@ -31,7 +31,9 @@ def experts_bytes(model_dir) -> int:
     return os.path.getsize(model_dir / "experts.bin")
 
 
-@pytest.fixture(scope="module", params=["builtin", "glm4_moe", "olmoe", "deepseek_v3"])
+@pytest.fixture(
+    scope="module", params=["builtin", "glm4_moe", "olmoe", "deepseek_v3", "glm_moe_dsa"]
+)
 def model_dir(request, converted):
     if request.param == "builtin":
         return builtin_model_dir()

@@ -19,6 +19,19 @@ pub enum AttentionKind {
     /// Multi-head latent attention (DeepSeek-V3): a low-rank latent per position shared by
     /// every head plus one decoupled RoPE key; `head_dim` is the RoPE part's width.
     Mla(MlaDims),
+    /// MLA whose queries attend only over the positions a lightning indexer picks (GLM-5's
+    /// DeepSeek sparse attention, `model/layers/dsa.rs`).
+    Dsa(MlaDims, IndexerDims),
+}
+
+/// The DSA lightning indexer (`model/layers/dsa.rs`): `heads` query heads of `head_dim`
+/// (the leading `qk_rope_head_dim` rotated) scoring one key per position, and the `topk`
+/// positions each query attends over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerDims {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub topk: usize,
 }
 
 /// The shape of multi-head latent attention (`model/layers/mla.rs`).
@@ -100,6 +113,9 @@ pub struct ModelConfig {
     pub shared_intermediate_size: usize,
     pub routing: Routing,
     pub layers: Vec<FfnKind>,
+    /// DSA only (else empty): per layer, whether it runs its own indexer (`"full"`) or reuses
+    /// the top-k of the last layer that did (`"shared"`).
+    pub indexer_layers: Vec<bool>,
     pub tie_word_embeddings: bool,
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
@@ -406,6 +422,7 @@ impl ModelConfig {
                 norm_topk_prob: false,
             },
             layers: vec![FfnKind::Dense; num_layers],
+            indexer_layers: Vec::new(),
             tie_word_embeddings: false,
             eos_token_ids: Vec::new(),
             bos_token_id: None,
@@ -706,5 +723,110 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("rope_theta"));
+    }
+
+    fn glm5() -> Value {
+        json!({
+            "architectures": ["GlmMoeDsaForCausalLM"], "hidden_size": 56, "num_hidden_layers": 3,
+            "num_attention_heads": 3, "num_key_value_heads": 3, "vocab_size": 100,
+            "intermediate_size": 72, "moe_intermediate_size": 20, "n_routed_experts": 9,
+            "num_experts_per_tok": 3, "q_lora_rank": 24, "kv_lora_rank": 20,
+            "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10,
+            "index_n_heads": 6, "index_head_dim": 12, "index_topk": 7,
+            "max_position_embeddings": 256
+        })
+    }
+
+    #[test]
+    fn glm_moe_dsa_reads_the_indexer_and_transformers_defaults() {
+        let c = ModelConfig::from_hf(&glm5()).unwrap();
+        let AttentionKind::Dsa(d, x) = c.attention else {
+            panic!("{:?}", c.attention)
+        };
+        assert_eq!(d.q_lora_rank, Some(24));
+        assert!(d.rope_interleave, "GLM-5 always interleaves");
+        assert_eq!(
+            x,
+            IndexerDims {
+                heads: 6,
+                head_dim: 12,
+                topk: 7
+            }
+        );
+        // GlmMoeDsaConfig's defaults: 3 dense layers, one group, x2.5.
+        assert_eq!(c.layers, vec![FfnKind::Dense; 3]);
+        assert_eq!(
+            c.routing,
+            Routing::SigmoidGrouped {
+                n_group: 1,
+                topk_group: 1,
+                norm_topk_prob: true,
+                scaling: 2.5
+            }
+        );
+        assert_eq!(c.rms_norm_eps, 1e-5);
+        // mlp_layer_types, when listed, decides.
+        let mut v = glm5();
+        v["mlp_layer_types"] = json!(["dense", "sparse", "sparse"]);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        assert_eq!(c.layers, vec![FfnKind::Dense, FfnKind::Moe, FfnKind::Moe]);
+        let layout = crate::model::layers::kv_layout(&c);
+        for l in &layout.layers {
+            assert_eq!((l.heads, l.key_dim, l.value_dim), (1, 20 + 8, 12));
+        }
+        assert_eq!(
+            c.indexer_layers,
+            vec![true; 3],
+            "every layer full by default"
+        );
+        // A schedule, however it is written; shared layers keep no indexer key.
+        for (key, value, want) in [
+            (
+                "indexer_types",
+                json!(["full", "shared", "full"]),
+                [true, false, true],
+            ),
+            ("index_topk_pattern", json!("FFS"), [true, true, false]),
+            ("index_topk_freq", json!(2), [true, true, false]),
+        ] {
+            let mut v = glm5();
+            v[key] = value;
+            let c = ModelConfig::from_hf(&v).unwrap();
+            assert_eq!(c.indexer_layers, want, "{key}");
+            let layout = crate::model::layers::kv_layout(&c);
+            let widths: Vec<usize> = layout.layers.iter().map(|l| l.value_dim).collect();
+            let keys: Vec<usize> = want.iter().map(|&f| if f { 12 } else { 0 }).collect();
+            assert_eq!(widths, keys, "{key}");
+        }
+        // transformers' schedule: full when max(i + 1 - offset, 0) % freq == 0.
+        let mut v = glm5();
+        v["num_hidden_layers"] = json!(8);
+        v["index_topk_freq"] = json!(4);
+        v["index_skip_topk_offset"] = json!(3);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        let want = [true, true, true, false, false, false, true, false];
+        assert_eq!(c.indexer_layers, want);
+    }
+
+    #[test]
+    fn malformed_glm_moe_dsa_configs_are_refused_by_name() {
+        for (key, value) in [
+            ("q_lora_rank", Value::Null),
+            ("index_topk", json!(0)),
+            ("index_n_heads", json!(0)),
+            ("index_head_dim", json!(6)),
+            ("indexer_types", json!(["shared", "full", "full"])),
+            ("indexer_types", json!(["full"])),
+            ("indexer_types", json!(["full", "half", "full"])),
+            ("index_topk_pattern", json!("SFF")),
+            ("index_topk_pattern", json!("FF")),
+            ("mlp_layer_types", json!(["dense", "dense"])),
+            ("attention_bias", json!(true)),
+        ] {
+            let mut v = glm5();
+            v[key] = value;
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! Laid out from the model's [`KvLayout`]: what each layer keeps per position (`heads` runs of
 //! keys `key_dim` wide and of values `value_dim` wide; GQA: the kv heads, both `head_dim`; MLA:
-//! one run of the compressed keys and none of values; a layer without per-position KV: none).
+//! one run of the compressed keys and none of values; DSA: MLA's run and the indexer's keys as
+//! the second run; a layer without per-position KV: none).
 //! Stored head-major: per layer and head, one contiguous run of `cap` rows, so a query head's
 //! attention streams one block of memory front to back (position-major rows put a head's 512
 //! bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow poorly). Every

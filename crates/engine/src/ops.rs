@@ -17,6 +17,27 @@ pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// LayerNorm over each `weight.len()`-wide row of `x` (torch's `nn.LayerNorm`: the mean and
+/// biased variance of the row, `(x - mean) / sqrt(var + eps) * weight + bias`).
+pub fn layer_norm(x: &mut [f32], weight: &[f32], bias: &[f32], eps: f32) {
+    let d = weight.len();
+    for row in x.chunks_exact_mut(d) {
+        let mean = (row.iter().map(|&v| v as f64).sum::<f64>() / d as f64) as f32;
+        let var: f64 = row
+            .iter()
+            .map(|&v| {
+                let c = (v - mean) as f64;
+                c * c
+            })
+            .sum::<f64>()
+            / d as f64;
+        let inv = 1.0 / (var as f32 + eps).sqrt();
+        for ((v, w), b) in row.iter_mut().zip(weight).zip(bias) {
+            *v = (*v - mean) * inv * *w + *b;
+        }
+    }
+}
+
 /// Rotary frequencies (`rotary_dim / 2`), scaled as the config says, and the factor cos and
 /// sin are multiplied by (YaRN's attention factor; 1 otherwise).
 pub struct Rope {
@@ -348,6 +369,17 @@ unsafe fn narrow_f16c(src: &[f32], dst: &mut [half::f16]) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn layer_norm_is_torchs() {
+        // torch.nn.functional.layer_norm([1, 2, 3, 6], (4,), [1, 2, 0.5, 1], [0, 1, 0, -1], 1e-6)
+        let mut x = [1.0f32, 2.0, 3.0, 6.0];
+        layer_norm(&mut x, &[1.0, 2.0, 0.5, 1.0], &[0.0, 1.0, 0.0, -1.0], 1e-6);
+        let want = [-1.069_044_8, -0.069_044_83, 0.0, 0.603_567_24];
+        for (a, b) in x.iter().zip(want) {
+            assert!((a - b).abs() < 1e-5, "{x:?}");
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -59,6 +59,20 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
         None => None,
         Some(_) => Some(r.size_req("q_lora_rank", 1, MAX_DIM)?),
     };
+    let interleave = r.bool_or("rope_interleave", true)?;
+    c.attention = AttentionKind::Mla(read_mla(r, c, q_lora_rank, interleave)?);
+    Ok(())
+}
+
+/// The MLA fields every MLA family reads (`kv_lora_rank`, `qk_nope_head_dim`,
+/// `qk_rope_head_dim`, `v_head_dim`, the YaRN softmax scale), with the query's rank and the rope
+/// layout as the family decides them; sets `head_dim` to the rope width.
+pub(super) fn read_mla(
+    r: &Reader,
+    c: &mut ModelConfig,
+    q_lora_rank: Option<usize>,
+    rope_interleave: bool,
+) -> Result<MlaDims> {
     let kv_lora_rank = r.size_req("kv_lora_rank", 1, MAX_DIM)?;
     let nope = r.size_req("qk_nope_head_dim", 0, MAX_DIM)?;
     let rope = r.size_req("qk_rope_head_dim", 2, MAX_DIM)?;
@@ -118,14 +132,13 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
     }
     // RoPE rotates the shared rope key and each head's rope query: `head_dim` is their width.
     c.head_dim = rope;
-    c.attention = AttentionKind::Mla(MlaDims {
+    Ok(MlaDims {
         q_lora_rank,
         kv_lora_rank,
         qk_nope_head_dim: nope,
         qk_rope_head_dim: rope,
         v_head_dim: v,
-        rope_interleave: r.bool_or("rope_interleave", true)?,
+        rope_interleave,
         softmax_scale: scale as f32,
-    });
-    Ok(())
+    })
 }

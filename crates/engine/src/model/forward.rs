@@ -111,13 +111,15 @@ impl Model {
         }
         // The same rotation serves every layer's queries and keys.
         let angles: Vec<RopeAngles> = (0..n).map(|i| self.rope.angles(kv.len + i)).collect();
+        // A DSA indexer's choice, for the shared layers after it.
+        let mut selection = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let t = Instant::now();
             let mut hn = x.clone();
             self.per_position(&mut hn, h, |_, row| {
                 ops::rms_norm(row, &layer.attn_norm, c.rms_norm_eps)
             });
-            let att = self.attention(li, &layer.attention, hn, &angles, kv);
+            let att = self.attention(li, &layer.attention, hn, &angles, kv, &mut selection);
             pass.times.attention += t.elapsed();
             for (a, b) in x.iter_mut().zip(&att) {
                 *a += *b;

@@ -8,6 +8,7 @@
 pub mod deepseek_v3;
 mod forward;
 pub mod glm4_moe;
+pub mod glm_moe_dsa;
 pub mod layers;
 mod load;
 pub mod olmoe;

@@ -46,6 +46,7 @@ pub static FAMILIES: &[&Family] = &[
     &super::qwen3_moe::FAMILY,
     &super::glm4_moe::FAMILY,
     &super::deepseek_v3::FAMILY,
+    &super::glm_moe_dsa::FAMILY,
 ];
 
 pub fn by_hf_name(name: &str) -> Option<&'static Family> {

@@ -21,7 +21,7 @@
 //! before its rotate-half rotation; the same reordering here, for q and k alike (a dot product
 //! does not see a permutation applied to both sides).
 
-use crate::config::{MlaDims, ModelConfig};
+use crate::config::{AttentionKind, MlaDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
 use crate::kv::{KvCache, KvLayout, LayerKv};
@@ -56,10 +56,10 @@ pub(in crate::model) struct Mla {
     o: Linear,
 }
 
-fn dims(c: &ModelConfig) -> MlaDims {
+pub(super) fn dims(c: &ModelConfig) -> MlaDims {
     match c.attention {
-        crate::config::AttentionKind::Mla(d) => d,
-        _ => unreachable!("an MLA block of a non-MLA config"),
+        AttentionKind::Mla(d) | AttentionKind::Dsa(d, _) => d,
+        AttentionKind::Gqa => unreachable!("an MLA block of a non-MLA config"),
     }
 }
 
@@ -143,7 +143,7 @@ impl Mla {
 
 /// Reorders interleaved rope dims `(x0, x1, x2, x3, ..)` to `(x0, x2, .., x1, x3, ..)`, as
 /// transformers' `apply_rotary_pos_emb_interleave` does before rotating.
-fn deinterleave(x: &mut [f32], tmp: &mut Vec<f32>) {
+pub(super) fn deinterleave(x: &mut [f32], tmp: &mut Vec<f32>) {
     let half = x.len() / 2;
     tmp.clear();
     tmp.extend_from_slice(x);
@@ -151,6 +151,18 @@ fn deinterleave(x: &mut [f32], tmp: &mut Vec<f32>) {
         x[i] = tmp[2 * i];
         x[half + i] = tmp[2 * i + 1];
     }
+}
+
+/// What the MLA projections of a pass give for its `n` positions.
+pub(in crate::model) struct MlaPass {
+    /// Per (position, head), position-major: the absorbed query `[W_uk^T q_nope | q_rope]`,
+    /// `kv_lora_rank + qk_rope_head_dim` wide.
+    pub(in crate::model) absorbed: Vec<Vec<f32>>,
+    /// The rows the cache keeps (normed latent, roped key), one per position.
+    pub(in crate::model) latent: Vec<f32>,
+    /// The normed low-rank query `q_a_layernorm(q_a_proj(x))`, when the query is low-rank
+    /// (the DSA indexer's query input).
+    pub(in crate::model) q_resid: Option<Acts>,
 }
 
 impl Model {
@@ -165,33 +177,62 @@ impl Model {
         kv: &mut KvCache,
     ) -> Vec<f32> {
         let n = angles.len();
+        let d = dims(&self.cfg);
+        let heads = self.cfg.num_heads;
+        let kw = d.kv_lora_rank + d.qk_rope_head_dim;
+        let mut acts = Acts::from_vec(hn, n, self.cfg.hidden_size);
+        let pass = self.mla_project(layer, &mut acts, angles);
+        let p0 = kv.len;
+        kv.write(li, p0, &pass.latent, &[]);
+        let kv = &*kv;
+        let absorbed = &pass.absorbed;
+        // The one key run is every head's history, and its own values (the latent part).
+        let lats = self.attend_causal(
+            n,
+            heads,
+            p0,
+            kw,
+            d.softmax_scale,
+            |i, head| absorbed[i * heads + head].as_slice(),
+            |_, len| {
+                let (rows, _) = kv.head(li, 0, len);
+                (rows, rows)
+            },
+        );
+        self.mla_output(layer, &lats)
+    }
+
+    /// The queries and cache rows of the positions whose normed inputs are `acts` (one row per
+    /// position, at the RoPE angles `angles`).
+    pub(in crate::model) fn mla_project(
+        &self,
+        layer: &Mla,
+        acts: &mut Acts,
+        angles: &[RopeAngles],
+    ) -> MlaPass {
+        let n = angles.len();
         let c = &self.cfg;
         let d = dims(c);
-        let (h, heads) = (c.hidden_size, c.num_heads);
-        let (nope, rope, vd, r) = (
-            d.qk_nope_head_dim,
-            d.qk_rope_head_dim,
-            d.v_head_dim,
-            d.kv_lora_rank,
-        );
+        let heads = c.num_heads;
+        let (nope, rope, r) = (d.qk_nope_head_dim, d.qk_rope_head_dim, d.kv_lora_rank);
         let qk = nope + rope;
         let kw = r + rope;
-        let mut acts = Acts::from_vec(hn, n, h);
-        let (mut q, mut latent) = match &layer.q {
+        let (mut q, mut latent, q_resid) = match &layer.q {
             QueryProj::Full(w) => {
-                let mut out = self.project(&[*w, layer.kv_a], &mut acts);
+                let mut out = self.project(&[*w, layer.kv_a], acts);
                 let kva = out.pop().unwrap();
-                (out.pop().unwrap(), kva)
+                (out.pop().unwrap(), kva, None)
             }
             QueryProj::LowRank { a, norm, b } => {
-                let mut out = self.project(&[*a, layer.kv_a], &mut acts);
+                let mut out = self.project(&[*a, layer.kv_a], acts);
                 let kva = out.pop().unwrap();
                 let mut qa = out.pop().unwrap();
                 self.per_position(&mut qa, a.rows, |_, row| {
                     ops::rms_norm(row, norm, LORA_NORM_EPS)
                 });
                 let mut qa = Acts::from_vec(qa, n, a.rows);
-                (self.project(&[*b], &mut qa).remove(0), kva)
+                let q = self.project(&[*b], &mut qa).remove(0);
+                (q, kva, Some(qa))
             }
         };
         // The latent is normed, the rope key rotated; both go to the cache as one row.
@@ -203,8 +244,6 @@ impl Model {
             }
             self.rope.apply_angles(kr, rope, &angles[i]);
         });
-        let p0 = kv.len;
-        kv.write(li, p0, &latent, &[]);
         // Each head's rope query rotated in place.
         self.per_position(&mut q, heads * qk, |i, row| {
             let mut tmp = Vec::with_capacity(rope);
@@ -219,7 +258,7 @@ impl Model {
         let WeightRef::F32(kv_b) = self.w(&layer.kv_b) else {
             unreachable!("kv_b is f32 (checked at load)")
         };
-        let per_head = (nope + vd) * r;
+        let per_head = (nope + d.v_head_dim) * r;
         // Absorbed queries, per (position, head): [W_uk^T q_nope | q_rope], `kw` wide.
         let absorbed = self.pool.map(n * heads, |t| {
             let (i, head) = (t / heads, t % heads);
@@ -235,20 +274,26 @@ impl Model {
             qr.copy_from_slice(&qh[nope..]);
             out
         });
-        let kv = &*kv;
-        // The one key run is every head's history, and its own values (the latent part).
-        let lats = self.attend_causal(
-            n,
-            heads,
-            p0,
-            kw,
-            d.softmax_scale,
-            |i, head| absorbed[i * heads + head].as_slice(),
-            |_, len| {
-                let (rows, _) = kv.head(li, 0, len);
-                (rows, rows)
-            },
-        );
+        MlaPass {
+            absorbed,
+            latent,
+            q_resid,
+        }
+    }
+
+    /// The attention output from each (position, head)'s weighted latents `lats` (position-major,
+    /// `kv_lora_rank + qk_rope_head_dim` apart; the rope columns are ignored): `W_uv`, then
+    /// `o_proj`.
+    pub(in crate::model) fn mla_output(&self, layer: &Mla, lats: &[f32]) -> Vec<f32> {
+        let d = dims(&self.cfg);
+        let heads = self.cfg.num_heads;
+        let (nope, vd, r) = (d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank);
+        let kw = r + d.qk_rope_head_dim;
+        let n = lats.len() / (kw * heads);
+        let WeightRef::F32(kv_b) = self.w(&layer.kv_b) else {
+            unreachable!("kv_b is f32 (checked at load)")
+        };
+        let per_head = (nope + vd) * r;
         // Each head's weighted latent through W_uv, per (position, head).
         let outs = self.pool.map(n * heads, |t| {
             let head = t % heads;

@@ -2,11 +2,13 @@
 //! tensor plan, its forward pass and what it keeps per position, [`KvLayout`]) plus a variant of
 //! [`Attention`]; the feed-forward blocks are the dense [`mlp`] and the routed [`moe`].
 
+pub mod dsa;
 pub mod gqa;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod routing;
+pub mod topk;
 
 use crate::attention::{AttendArgs, HeadRows};
 use crate::config::{AttentionKind, ModelConfig};
@@ -21,6 +23,7 @@ use crate::ops::RopeAngles;
 pub(in crate::model) enum Attention {
     Gqa(gqa::Gqa),
     Mla(mla::Mla),
+    Dsa(dsa::Dsa),
 }
 
 /// One layer's feed-forward block.
@@ -42,6 +45,7 @@ pub fn plan_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
     match c.attention {
         AttentionKind::Gqa => gqa::plan(p, c, i),
         AttentionKind::Mla(_) => mla::plan(p, c, i),
+        AttentionKind::Dsa(..) => dsa::plan(p, c, i),
     }
 }
 
@@ -50,6 +54,7 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
     match c.attention {
         AttentionKind::Gqa => gqa::kv_layout(c),
         AttentionKind::Mla(_) => mla::kv_layout(c),
+        AttentionKind::Dsa(..) => dsa::kv_layout(c),
     }
 }
 
@@ -58,6 +63,7 @@ impl Attention {
         Ok(match c.attention {
             AttentionKind::Gqa => Attention::Gqa(gqa::Gqa::load(t, c, i)?),
             AttentionKind::Mla(_) => Attention::Mla(mla::Mla::load(t, c, i)?),
+            AttentionKind::Dsa(..) => Attention::Dsa(dsa::Dsa::load(t, c, i)?),
         })
     }
 }
@@ -115,6 +121,7 @@ impl Model {
     }
 
     /// Layer `li`'s attention over the normed inputs `hn` at positions `kv.len ..`.
+    /// `selection` carries a DSA indexer's choice from layer to layer within one pass.
     pub(in crate::model) fn attention(
         &self,
         li: usize,
@@ -122,10 +129,12 @@ impl Model {
         hn: Vec<f32>,
         angles: &[RopeAngles],
         kv: &mut KvCache,
+        selection: &mut Option<dsa::Selection>,
     ) -> Vec<f32> {
         match a {
             Attention::Gqa(w) => self.gqa_attention(li, w, hn, angles, kv),
             Attention::Mla(w) => self.mla_attention(li, w, hn, angles, kv),
+            Attention::Dsa(w) => self.dsa_attention(li, w, hn, angles, kv, selection),
         }
     }
 }

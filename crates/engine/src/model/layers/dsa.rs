@@ -1,0 +1,297 @@
+//! DeepSeek sparse attention (GLM-5, as transformers' `GlmMoeDsaAttention` and
+//! `GlmMoeDsaIndexer` compute it): multi-head latent attention (`mla.rs`) whose queries attend
+//! only over the positions a lightning indexer selects.
+//!
+//! The indexer, per position: a key `k = rope(LayerNorm(wk x))` (`index_head_dim` wide, one per
+//! position, the leading `qk_rope_head_dim` dims rotated with the model's interleaved rope),
+//! queries `q_h = rope(wq_b q_resid)` for its `index_n_heads` heads (`q_resid` is the MLA's
+//! normed low-rank query), and head weights `w = weights_proj(x) / sqrt(index_n_heads)`
+//! (`weights_proj` kept in f32). A query at position `p` scores every position `t <= p` with
+//! `sum_h w_h relu(q_h . k_t / sqrt(index_head_dim))` and attends over the `index_topk` best
+//! ([`super::topk`]); with `p + 1 <= index_topk` that is every position, the plain causal MLA.
+//!
+//! Ties: scores tied exactly at the cut are common (relu zeroes a position whose every head
+//! product is negative). torch's CPU `topk` leaves the choice among them to its selection
+//! algorithm over the whole row it is given, masked future positions included, so transformers'
+//! pick depends on how many positions the call holds (`scripts/dsa_tie_check.py`: with one
+//! indexer head, 13 of 33 queries pick differently in a one-shot forward and in a cached
+//! decode of the same tokens). Here ties go to the earlier position in every pass alike; the
+//! fixtures are seeded so that no query has a tie, or a gap under 1e-4, at its cut.
+//!
+//! A `"shared"` layer (`ModelConfig::indexer_layers`) has no indexer: its queries attend over
+//! the positions the last layer with one picked for them ([`Selection`], carried through the
+//! pass).
+//!
+//! The cache keeps, per position and layer, the MLA row (normed latent and rope key) as the
+//! layer's key run and, in a layer with an indexer, the indexer's key as its second run
+//! ([`kv_layout`]), so decoding and slot files see the indexer keys of the whole history.
+
+use super::mla::{self, Mla};
+use super::topk;
+use crate::attention::{AttendArgs, HeadRows};
+use crate::config::{AttentionKind, IndexerDims, ModelConfig};
+use crate::error::Result;
+use crate::format::DType;
+use crate::kv::{KvCache, KvLayout, LayerKv};
+use crate::linear::{Acts, Linear};
+use crate::model::load::Tensors;
+use crate::model::plan::Plan;
+use crate::model::{fmt_err, Model};
+use crate::ops::{self, RopeAngles};
+
+/// The epsilon of the indexer's key LayerNorm (transformers fixes it, not `rms_norm_eps`).
+const K_NORM_EPS: f32 = 1e-6;
+
+/// One layer's indexer weights.
+pub(in crate::model) struct Indexer {
+    wq_b: Linear,
+    wk: Linear,
+    k_norm: Vec<f32>,
+    k_norm_bias: Vec<f32>,
+    /// `[index_n_heads, hidden]`, f32.
+    weights: Linear,
+}
+
+/// One layer's DSA block: the MLA weights and the indexer's (none in a shared layer).
+pub(in crate::model) struct Dsa {
+    mla: Mla,
+    indexer: Option<Indexer>,
+}
+
+/// The positions the queries of one pass attend over, as the last layer with an indexer chose
+/// them: the first `dense` queries over their whole history, each later one over `chosen`.
+pub(in crate::model) struct Selection {
+    dense: usize,
+    chosen: Vec<Vec<usize>>,
+}
+
+/// Whether layer `i` runs its own indexer.
+fn has_indexer(c: &ModelConfig, i: usize) -> bool {
+    c.indexer_layers.get(i).copied().unwrap_or(true)
+}
+
+fn indexer_dims(c: &ModelConfig) -> IndexerDims {
+    match c.attention {
+        AttentionKind::Dsa(_, x) => x,
+        _ => unreachable!("a DSA block of a non-DSA config"),
+    }
+}
+
+/// What every layer keeps per position: the MLA row (normed latent and rope key) as its key run
+/// and, with an indexer, the indexer key as its second run (`value_dim`; MLA has no values of
+/// its own).
+pub fn kv_layout(c: &ModelConfig) -> KvLayout {
+    let d = mla::dims(c);
+    let x = indexer_dims(c);
+    KvLayout {
+        layers: (0..c.num_layers)
+            .map(|i| LayerKv {
+                heads: 1,
+                key_dim: d.kv_lora_rank + d.qk_rope_head_dim,
+                value_dim: if has_indexer(c, i) { x.head_dim } else { 0 },
+            })
+            .collect(),
+    }
+}
+
+/// The tensors of layer `i`'s DSA block: the MLA's and the indexer's.
+pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
+    mla::plan(p, c, i);
+    if !has_indexer(c, i) {
+        return;
+    }
+    let x = indexer_dims(c);
+    let rank = mla::dims(c).q_lora_rank.expect("DSA has a low-rank query");
+    let hf = |s: &str| format!("model.layers.{i}.self_attn.indexer.{s}");
+    let n = |s: &str| format!("layers.{i}.indexer.{s}");
+    p.matrix(n("wq_b"), hf("wq_b.weight"), x.heads * x.head_dim, rank);
+    p.matrix(n("wk"), hf("wk.weight"), x.head_dim, c.hidden_size);
+    p.vector(n("k_norm"), hf("k_norm.weight"), x.head_dim);
+    p.vector(n("k_norm_bias"), hf("k_norm.bias"), x.head_dim);
+    p.f32_matrix(
+        n("weights"),
+        hf("weights_proj.weight"),
+        x.heads,
+        c.hidden_size,
+    );
+}
+
+impl Dsa {
+    pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Dsa> {
+        let mla = Mla::load(t, c, i)?;
+        if !has_indexer(c, i) {
+            return Ok(Dsa { mla, indexer: None });
+        }
+        let x = indexer_dims(c);
+        let rank = mla::dims(c).q_lora_rank.expect("DSA has a low-rank query");
+        let n = |s: &str| format!("layers.{i}.indexer.{s}");
+        let weights = t.linear(&n("weights"), x.heads, c.hidden_size)?;
+        if weights.dtype != DType::F32 {
+            return Err(fmt_err(format!("tensor `{}` should be f32", n("weights"))));
+        }
+        Ok(Dsa {
+            mla,
+            indexer: Some(Indexer {
+                wq_b: t.linear(&n("wq_b"), x.heads * x.head_dim, rank)?,
+                wk: t.linear(&n("wk"), x.head_dim, c.hidden_size)?,
+                k_norm: t.vector(&n("k_norm"), x.head_dim)?,
+                k_norm_bias: t.vector(&n("k_norm_bias"), x.head_dim)?,
+                weights,
+            }),
+        })
+    }
+}
+
+/// Row `t` of `rows` (`dim` wide) as f32, in `buf`.
+fn row_f32<'a>(rows: &'a HeadRows<'a>, t: usize, dim: usize, buf: &'a mut [f32]) -> &'a [f32] {
+    match rows {
+        HeadRows::F32(x) => &x[t * dim..(t + 1) * dim],
+        HeadRows::F16(x) => {
+            for (o, v) in buf.iter_mut().zip(&x[t * dim..(t + 1) * dim]) {
+                *o = v.to_f32();
+            }
+            buf
+        }
+    }
+}
+
+impl Model {
+    /// The DSA output of layer `li` for the normed inputs `hn` (one row per position at
+    /// `kv.len ..`); writes the positions' MLA rows and indexer keys to `kv`. A layer with an
+    /// indexer leaves its choice in `selection`; a shared layer attends over the one there.
+    pub(in crate::model) fn dsa_attention(
+        &self,
+        li: usize,
+        layer: &Dsa,
+        hn: Vec<f32>,
+        angles: &[RopeAngles],
+        kv: &mut KvCache,
+        selection: &mut Option<Selection>,
+    ) -> Vec<f32> {
+        let n = angles.len();
+        let c = &self.cfg;
+        let d = mla::dims(c);
+        let heads = c.num_heads;
+        let kw = d.kv_lora_rank + d.qk_rope_head_dim;
+        let mut acts = Acts::from_vec(hn, n, c.hidden_size);
+        let mut pass = self.mla_project(&layer.mla, &mut acts, angles);
+        let p0 = kv.len;
+        if let Some(ix) = &layer.indexer {
+            let q_resid = pass.q_resid.take().expect("DSA has a low-rank query");
+            *selection = Some(self.index(li, ix, acts, q_resid, angles, &pass.latent, kv));
+        } else {
+            kv.write(li, p0, &pass.latent, &[]);
+        }
+        let sel = selection
+            .as_ref()
+            .expect("layer 0 has an indexer (checked with the config)");
+        let kv = &*kv;
+        let absorbed = &pass.absorbed;
+        let mut lats = self.attend_causal(
+            sel.dense,
+            heads,
+            p0,
+            kw,
+            d.softmax_scale,
+            |i, head| absorbed[i * heads + head].as_slice(),
+            |_, len| {
+                let (rows, _) = kv.head(li, 0, len);
+                (rows, rows)
+            },
+        );
+        // The others attend over their chosen latent rows.
+        let sparse = self.pool.map(sel.chosen.len(), |j| {
+            let i = sel.dense + j;
+            let chosen = &sel.chosen[j];
+            let (latents, _) = kv.head(li, 0, p0 + i + 1);
+            let mut buf = vec![0.0f32; kw];
+            let mut rows = Vec::with_capacity(chosen.len() * kw);
+            for &t in chosen {
+                rows.extend_from_slice(row_f32(&latents, t, kw, &mut buf));
+            }
+            let args = AttendArgs {
+                keys: HeadRows::F32(&rows),
+                values: HeadRows::F32(&rows),
+                n0: chosen.len(),
+                scale: d.softmax_scale,
+            };
+            let mut out = vec![0.0f32; heads * kw];
+            for (head, o) in out.chunks_exact_mut(kw).enumerate() {
+                crate::attention::attend(&[absorbed[i * heads + head].as_slice()], &args, o);
+            }
+            out
+        });
+        for o in &sparse {
+            lats.extend_from_slice(o);
+        }
+        self.mla_output(&layer.mla, &lats)
+    }
+
+    /// Layer `li`'s indexer over the pass: writes each position's MLA row `latent` and indexer
+    /// key to `kv`, and returns the positions each query attends over. `acts` are the normed
+    /// inputs, `q_resid` the normed low-rank queries.
+    #[allow(clippy::too_many_arguments)]
+    fn index(
+        &self,
+        li: usize,
+        ix: &Indexer,
+        mut acts: Acts,
+        mut q_resid: Acts,
+        angles: &[RopeAngles],
+        latent: &[f32],
+        kv: &mut KvCache,
+    ) -> Selection {
+        let n = angles.len();
+        let x = indexer_dims(&self.cfg);
+        let rope = mla::dims(&self.cfg).qk_rope_head_dim;
+        let mut out = self.project(&[ix.wk, ix.weights], &mut acts);
+        let mut w = out.pop().unwrap();
+        let mut keys = out.pop().unwrap();
+        let mut iq = self.project(&[ix.wq_b], &mut q_resid).remove(0);
+        let rotate = |row: &mut [f32], i: usize, tmp: &mut Vec<f32>| {
+            let r = &mut row[..rope];
+            mla::deinterleave(r, tmp);
+            self.rope.apply_angles(r, rope, &angles[i]);
+        };
+        self.per_position(&mut keys, x.head_dim, |i, row| {
+            ops::layer_norm(row, &ix.k_norm, &ix.k_norm_bias, K_NORM_EPS);
+            rotate(row, i, &mut Vec::with_capacity(rope));
+        });
+        self.per_position(&mut iq, x.heads * x.head_dim, |i, row| {
+            let mut tmp = Vec::with_capacity(rope);
+            for head in row.chunks_exact_mut(x.head_dim) {
+                rotate(head, i, &mut tmp);
+            }
+        });
+        let head_scale = (x.heads as f32).powf(-0.5);
+        for v in &mut w {
+            *v *= head_scale;
+        }
+        let p0 = kv.len;
+        kv.write(li, p0, latent, &keys);
+        let kv = &*kv;
+        // Positions whose whole causal history fits the top-k attend over all of it; the
+        // others score the history and keep the top-k.
+        let dense = n.min(x.topk.saturating_sub(p0));
+        let score_scale = (x.head_dim as f32).powf(-0.5);
+        let chosen = self.pool.map(n - dense, |j| {
+            let i = dense + j;
+            let len = p0 + i + 1;
+            let (_, index_keys) = kv.head(li, 0, len);
+            let q = &iq[i * x.heads * x.head_dim..(i + 1) * x.heads * x.head_dim];
+            let wi = &w[i * x.heads..(i + 1) * x.heads];
+            let mut buf = vec![0.0f32; x.head_dim];
+            let scores: Vec<f32> = (0..len)
+                .map(|t| {
+                    let k = row_f32(&index_keys, t, x.head_dim, &mut buf);
+                    q.chunks_exact(x.head_dim)
+                        .zip(wi)
+                        .map(|(qh, wh)| wh * (ops::dot(qh, k) * score_scale).max(0.0))
+                        .sum()
+                })
+                .collect();
+            topk::select(&scores, x.topk)
+        });
+        Selection { dense, chosen }
+    }
+}
