@@ -21,6 +21,8 @@ HELLO = [{"role": "user", "content": "Hello"}]
 # on the one engine thread the small-queue server gets (the holders must outlast the arrivals
 # the tests line up behind them, and the engine keeps getting faster).
 LONG = 1900
+# The running generation of the shutdown test (see there).
+GRACEFUL = 600
 
 
 def metrics(srv: RunningServer, **headers: str) -> dict[str, float]:
@@ -331,7 +333,9 @@ def test_shutdown_refuses_waiters_clearly():
 
     def worker(i: int) -> None:
         try:
-            r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=LONG)
+            # Long enough for the other two to be seen queued, short enough to end within
+            # the 10 s grace period on a loaded machine (1900 tokens did not, at load ~10).
+            r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=GRACEFUL)
             results[i] = r.choices[0].finish_reason
         except openai.APIStatusError as e:
             results[i] = (e.status_code, e.body.get("code") if isinstance(e.body, dict) else None)
