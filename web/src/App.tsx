@@ -1,5 +1,5 @@
 import { useEffect, useMemo, useState } from "react";
-import { ServerError, fetchHealth, fetchModels, type Connection, type ModelCard } from "./lib/api";
+import { ServerError, errorText, fetchHealth, fetchModels, type Connection, type ModelCard } from "./lib/api";
 import { ROUTES, parseRoute, type Route } from "./lib/route";
 import { applyTheme, loadTheme, nextTheme, type ThemeChoice } from "./lib/theme";
 import { Chat, type ServerFacts } from "./pages/Chat";
@@ -69,7 +69,7 @@ export function App() {
       } catch (e) {
         if (controller.signal.aborted) return;
         setModels([]);
-        setModelsError(e instanceof ServerError ? `${e.status ?? ""} ${e.message}`.trim() : String(e));
+        setModelsError(errorText(e));
       }
     };
     void connect();

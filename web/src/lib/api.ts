@@ -77,6 +77,11 @@ function isRecord(v: unknown): v is Record<string, unknown> {
 }
 
 /** The message of an OpenAI or Anthropic error envelope, else null. */
+/** A failed request in words: the server's status and message, else the error itself. */
+export function errorText(e: unknown): string {
+  return e instanceof ServerError ? `${e.status ?? ""} ${e.message}`.trim() : String(e);
+}
+
 export function envelopeMessage(body: unknown): { message: string; code: string | null } | null {
   if (!isRecord(body) || !isRecord(body.error)) return null;
   const err = body.error;

@@ -1,5 +1,6 @@
-import { useEffect, useRef, useState, type CSSProperties } from "react";
-import { ServerError, expertCells, fetchExperts, type Connection, type ExpertCell, type ExpertMap } from "../lib/api";
+import { useRef, useState, type CSSProperties } from "react";
+import { errorText, expertCells, fetchExperts, type Connection, type ExpertCell, type ExpertMap } from "../lib/api";
+import { usePoll } from "../lib/poll";
 
 const PLACEMENT: Record<ExpertMap["placement"], string> = {
   resident: "every expert resident in RAM",
@@ -16,32 +17,19 @@ export function Brain({ conn }: { conn: Connection }) {
   const [flash, setFlash] = useState(0);
   const lastTurns = useRef<number | null>(null);
 
-  useEffect(() => {
-    let live = true;
-    const controller = new AbortController();
-    const poll = async () => {
-      if (document.visibilityState === "hidden") return;
-      try {
-        const m = await fetchExperts(conn, controller.signal);
-        if (!live) return;
-        // A new turn since the last poll: its experts flash (a new key restarts the animation).
-        if (lastTurns.current !== null && m.turns !== lastTurns.current) setFlash((f) => f + 1);
-        lastTurns.current = m.turns;
-        setMap(m);
-        setError(null);
-      } catch (e) {
-        if (!live) return;
-        setError(e instanceof ServerError ? `${e.status ?? ""} ${e.message}`.trim() : String(e));
-      }
-    };
-    void poll();
-    const timer = window.setInterval(() => void poll(), 1500);
-    return () => {
-      live = false;
-      controller.abort();
-      window.clearInterval(timer);
-    };
-  }, [conn]);
+  usePoll(
+    1500,
+    (signal) => fetchExperts(conn, signal),
+    (m) => {
+      // A new turn since the last poll: its experts flash (a new key restarts the animation).
+      if (lastTurns.current !== null && m.turns !== lastTurns.current) setFlash((f) => f + 1);
+      lastTurns.current = m.turns;
+      setMap(m);
+      setError(null);
+    },
+    (e) => setError(errorText(e)),
+    [conn],
+  );
 
   const cells = map ? expertCells(map) : [];
   return (

@@ -1,5 +1,6 @@
-import { useEffect, useState } from "react";
-import { PHASES, ServerError, fetchProfile, phaseShares, profileTotals, type Connection, type Profile, type TurnProfile } from "../lib/api";
+import { useState } from "react";
+import { PHASES, errorText, fetchProfile, phaseShares, profileTotals, type Connection, type Profile, type TurnProfile } from "../lib/api";
+import { usePoll } from "../lib/poll";
 
 function bytes(n: number): string {
   if (n >= 1e9) return `${(n / 1e9).toFixed(2)} GB`;
@@ -50,29 +51,16 @@ export function Profiling({ conn }: { conn: Connection }) {
   const [profile, setProfile] = useState<Profile | null>(null);
   const [error, setError] = useState<string | null>(null);
 
-  useEffect(() => {
-    let live = true;
-    const controller = new AbortController();
-    const poll = async () => {
-      if (document.visibilityState === "hidden") return;
-      try {
-        const p = await fetchProfile(conn, controller.signal);
-        if (!live) return;
-        setProfile(p);
-        setError(null);
-      } catch (e) {
-        if (!live) return;
-        setError(e instanceof ServerError ? `${e.status ?? ""} ${e.message}`.trim() : String(e));
-      }
-    };
-    void poll();
-    const timer = window.setInterval(() => void poll(), 2000);
-    return () => {
-      live = false;
-      controller.abort();
-      window.clearInterval(timer);
-    };
-  }, [conn]);
+  usePoll(
+    2000,
+    (signal) => fetchProfile(conn, signal),
+    (p) => {
+      setProfile(p);
+      setError(null);
+    },
+    (e) => setError(errorText(e)),
+    [conn],
+  );
 
   const turns = profile?.turns ?? [];
   const totals = profileTotals(turns);

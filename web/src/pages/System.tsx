@@ -1,5 +1,6 @@
 import { useEffect, useState } from "react";
-import { ServerError, fetchHealth, fetchInfo, type Connection, type EngineInfo, type Health, type ModelCard } from "../lib/api";
+import { ServerError, errorText, fetchHealth, fetchInfo, type Connection, type EngineInfo, type Health, type ModelCard } from "../lib/api";
+import { usePoll } from "../lib/poll";
 
 const COUNTERS: [keyof Health, string][] = [
   ["active", "requests holding a KV slot now"],
@@ -35,35 +36,22 @@ export function System({ conn, models, modelsError }: { conn: Connection; models
       .catch((e: unknown) => {
         if (controller.signal.aborted) return;
         setInfo(null);
-        setInfoError(e instanceof ServerError ? `${e.status ?? ""} ${e.message}`.trim() : String(e));
+        setInfoError(errorText(e));
       });
     return () => controller.abort();
   }, [conn]);
 
-  useEffect(() => {
-    let live = true;
-    const controller = new AbortController();
-    const poll = async () => {
-      if (document.visibilityState === "hidden") return;
-      try {
-        const h = await fetchHealth(conn, controller.signal);
-        if (!live) return;
-        setHealth(h);
-        setError(null);
-        setAt(new Date());
-      } catch (e) {
-        if (!live) return;
-        setError(e instanceof ServerError ? e.message : String(e));
-      }
-    };
-    void poll();
-    const timer = window.setInterval(() => void poll(), 5000);
-    return () => {
-      live = false;
-      controller.abort();
-      window.clearInterval(timer);
-    };
-  }, [conn]);
+  usePoll(
+    5000,
+    (signal) => fetchHealth(conn, signal),
+    (h) => {
+      setHealth(h);
+      setError(null);
+      setAt(new Date());
+    },
+    (e) => setError(e instanceof ServerError ? e.message : String(e)),
+    [conn],
+  );
 
   const restricted = health !== null && health.model === undefined;
   return (
