@@ -109,12 +109,20 @@ def read_tokens(
     return base[:n], [f[n:] for f in fulls]
 
 
+def fitted_tokens(
+    model: ServedModel, read: Read, options: Sequence[str], fmt: str
+) -> tuple[list[int], list[list[int]]]:
+    """:func:`read_tokens`, refused when the prompt with its longest option does not fit the
+    context."""
+    context, option_ids = read_tokens(model, read, options, fmt)
+    check_fits(model, len(context) + max((len(o) for o in option_ids), default=0))
+    return context, option_ids
+
+
 def check_prompt(model: ServedModel, read: Read, options: Sequence[str], fmt: str) -> list[int]:
     """Refuses (before admission) a prompt whose longest option would not fit the context;
     returns the prompt's context tokens."""
-    context, option_ids = read_tokens(model, read, options, fmt)
-    check_fits(model, len(context) + max((len(o) for o in option_ids), default=0))
-    return context
+    return fitted_tokens(model, read, options, fmt)[0]
 
 
 class Scorer:
@@ -128,8 +136,7 @@ class Scorer:
 
     async def read(self, read: Read, options: Sequence[str], fmt: str) -> list[OptionRead]:
         """Each option's log-probability after ``read``'s prompt in form ``fmt``."""
-        context, option_ids = read_tokens(self.model, read, options, fmt)
-        check_fits(self.model, len(context) + max((len(o) for o in option_ids), default=0))
+        context, option_ids = fitted_tokens(self.model, read, options, fmt)
         scored = await self.model.generator.score(
             context, option_ids, self.observer, self.lease.slot
         )
