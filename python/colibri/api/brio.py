@@ -18,16 +18,11 @@ from colibri.api.access_log import record_of
 from colibri.api.brio_request import BrioQuestion, BrioRequest, parse_brio
 from colibri.api.http import read_json, request_id, served
 from colibri.errors import ApiError
-from colibri.runtime.scoring import (
-    Scorer,
-    Usage,
-    check_prompt,
-    prompt_format,
-    run_scoring,
-)
+from colibri.runtime.scoring import Scorer, Usage, run_scoring
 from colibri.runtime.served import ServedModel
 from colibri.scoring.maths import OptionRead, entropy, ranked, softmax
 from colibri.scoring.prompts import question_read, schema_read, value_continuation
+from colibri.scoring.tokens import check_prompt, fitted_tokens, prompt_format
 
 log = logging.getLogger("colibri.scoring")
 
@@ -76,7 +71,8 @@ def _choices(reads: list[OptionRead], normalize: str) -> tuple[list[dict[str, An
 
 
 async def _answer(scorer: Scorer, state: str, q: BrioQuestion, fmt: str) -> dict[str, Any]:
-    reads = await scorer.read(question_read(state, q.question), q.options, fmt)
+    read = question_read(state, q.question)
+    reads = await scorer.read(q.options, fitted_tokens(scorer.model, read, q.options, fmt))
     choices, h = _choices(reads, q.normalize)
     return {
         "answer": choices[0]["option"],
@@ -91,7 +87,9 @@ async def _schema(scorer: Scorer, req: BrioRequest, fmt: str) -> dict[str, Any]:
     fields = []
     for name, values in req.fields:
         read = schema_read(req.state, req.task, chosen, name)
-        reads = await scorer.read(read, [value_continuation(v) for v in values], fmt)
+        continuations = [value_continuation(v) for v in values]
+        tokens = fitted_tokens(scorer.model, read, continuations, fmt)
+        reads = await scorer.read(continuations, tokens)
         choices, h = _choices(
             [OptionRead(v, r.logprob, r.tokens) for v, r in zip(values, reads, strict=True)],
             req.normalize,

@@ -16,9 +16,10 @@ from colibri.api.access_log import record_of
 from colibri.api.http import request_id, served
 from colibri.api.systemone_request import as_text, invalid, parse_json
 from colibri.errors import ApiError
-from colibri.runtime.scoring import Scorer, check_prompt, prompt_format, read_tokens, run_scoring
+from colibri.runtime.scoring import Scorer, run_scoring
 from colibri.scoring.maths import ranked, softmax
 from colibri.scoring.prompts import FORMATS, question_read
+from colibri.scoring.tokens import check_prompt, fitted_tokens, prompt_format, read_tokens
 
 MAX_CANDIDATES = 256
 # Tokens one request may make the engine read: the prompt once and every answer (seed 003).
@@ -98,7 +99,7 @@ async def rank(request: Request) -> Response:
     observer = model.observe("rank", request_id(request), request.headers, record_of(request.scope))
 
     async def work(scorer: Scorer) -> list[float]:
-        reads = await scorer.read(read, answers, fmt)
+        reads = await scorer.read(answers, fitted_tokens(model, read, answers, fmt))
         scores = [r.logprob for r in reads]
         if not all(math.isfinite(s) for s in scores):
             raise ApiError(502, "the engine gave no log-probabilities", code="engine_error")

@@ -15,9 +15,10 @@ from colibri.api.access_log import record_of
 from colibri.api.http import request_id, served
 from colibri.api.systemone_request import Question, SystemoneRequest, parse_json, parse_systemone
 from colibri.errors import ApiError
-from colibri.runtime.scoring import Scorer, check_prompt, prompt_format, run_scoring
+from colibri.runtime.scoring import Scorer, run_scoring
 from colibri.scoring.maths import confidence, softmax
 from colibri.scoring.prompts import Read, question_read
+from colibri.scoring.tokens import check_prompt, fitted_tokens, prompt_format
 
 
 def _read(req: SystemoneRequest, q: Question) -> Read:
@@ -54,7 +55,7 @@ def _answer(q: Question, probs: list[float]) -> dict[str, Any]:
 
 
 async def _scored(scorer: Scorer, req: SystemoneRequest, q: Question, fmt: str) -> list[float]:
-    reads = await scorer.read(_read(req, q), q.options, fmt)
+    reads = await scorer.read(q.options, fitted_tokens(scorer.model, _read(req, q), q.options, fmt))
     scores = [r.score(req.normalize) for r in reads]
     if any(s != s for s in scores):  # NaN
         raise ApiError(502, "the engine gave no log-probabilities", code="engine_error")
