@@ -7,6 +7,7 @@
 //! tokens the grammar allows before sampling; the mask is computed on another thread while the
 //! step's forward pass runs.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -90,15 +91,10 @@ impl Prefill {
         self.reused
     }
 
-    /// The next part of the prompt (the first step matches it against the slot's history and
-    /// keeps what they share, but at least one token to compute). `last` runs the prompt's last
-    /// part and returns its logits (a generation computes its grammar's mask meanwhile).
-    pub(crate) fn step(
-        &mut self,
-        model: &Model,
-        slot: &mut Slot,
-        last: impl FnOnce(&Model, &mut Slot, &[u32]) -> Result<Vec<f32>>,
-    ) -> Result<PrefillStep> {
+    /// The prompt's positions the next step runs, and whether they are its last part (the
+    /// first step matches the prompt against the slot's history and keeps what they share,
+    /// but at least one token to compute).
+    pub(crate) fn next(&mut self, model: &Model, slot: &mut Slot) -> Result<(Range<usize>, bool)> {
         let total = self.prompt.len();
         if self.reused.is_none() {
             if total > model.cfg.max_positions {
@@ -114,15 +110,46 @@ impl Prefill {
         let from = self.done;
         let len = self.step_len.min(max_step(model));
         if total - from > len {
-            let t0 = Instant::now();
-            let to = from + len;
-            slot.forward(model, &self.prompt[from..to])?;
-            self.done = to;
-            self.step_len = next_step_len(len, t0.elapsed(), model);
-            return Ok(PrefillStep::Part { done: to, total });
+            Ok((from..from + len, false))
+        } else {
+            Ok((from..total, true))
         }
-        let logits = last(model, slot, &self.prompt[from..])?;
-        self.done = total;
+    }
+
+    /// The positions `next` gave are in the slot now; that step took `took`.
+    pub(crate) fn advance(&mut self, to: usize, took: Duration, model: &Model) {
+        let len = to - self.done;
+        self.done = to;
+        if to < self.prompt.len() {
+            self.step_len = next_step_len(len, took, model);
+        }
+    }
+
+    pub(crate) fn total(&self) -> usize {
+        self.prompt.len()
+    }
+
+    /// The next part of the prompt ([`Prefill::next`]) run in the slot; `last` runs the
+    /// prompt's last part and returns its logits.
+    pub(crate) fn step(
+        &mut self,
+        model: &Model,
+        slot: &mut Slot,
+        last: impl FnOnce(&Model, &mut Slot, &[u32]) -> Result<Vec<f32>>,
+    ) -> Result<PrefillStep> {
+        let (range, is_last) = self.next(model, slot)?;
+        let t0 = Instant::now();
+        let total = self.total();
+        if !is_last {
+            slot.forward(model, &self.prompt[range.clone()])?;
+            self.advance(range.end, t0.elapsed(), model);
+            return Ok(PrefillStep::Part {
+                done: range.end,
+                total,
+            });
+        }
+        let logits = last(model, slot, &self.prompt[range])?;
+        self.advance(total, t0.elapsed(), model);
         Ok(PrefillStep::Last(logits))
     }
 }
@@ -191,31 +218,54 @@ impl Generation {
     /// positions join the slot's history as they are computed, so a generation dropped during
     /// its prefill leaves the part done for the next request that shares it.
     pub fn step(&mut self, model: &Model, slot: &mut Slot) -> Result<Step> {
+        step_batch(model, &mut [(self, slot)]).remove(0)
+    }
+
+    /// What the next step runs: a part of the prompt, or the last token fed back; None when
+    /// the generation has ended (it is ended then).
+    fn feed(&mut self, model: &Model, slot: &mut Slot) -> Result<Option<Feed>> {
         if self.finished || self.produced >= self.opts.max_tokens {
             self.end(model, slot);
-            return Ok(Step::End);
+            return Ok(None);
         }
-        let logits = match self.last {
+        match self.last {
             None => {
-                let grammar = &mut self.grammar;
-                let last =
-                    |m: &Model, s: &mut Slot, ids: &[u32]| forward_masked(grammar, m, s, ids);
-                match self.prefill.step(model, slot, last)? {
-                    PrefillStep::Part { done, total } => {
-                        return Ok(Step::Prefilled { done, total })
-                    }
-                    PrefillStep::Last(logits) => logits,
-                }
+                let (range, last) = self.prefill.next(model, slot)?;
+                Ok(Some(Feed {
+                    tokens: self.prefill.prompt[range.clone()].to_vec(),
+                    prefill_to: Some(range.end),
+                    samples: last,
+                }))
             }
-            Some(tok) => {
-                if slot.tokens.len() >= model.cfg.max_positions {
-                    self.end(model, slot);
-                    return Ok(Step::End);
-                }
-                forward_masked(&mut self.grammar, model, slot, &[tok])?
+            Some(tok) if slot.tokens.len() < model.cfg.max_positions => Ok(Some(Feed {
+                tokens: vec![tok],
+                prefill_to: None,
+                samples: true,
+            })),
+            Some(_) => {
+                self.end(model, slot);
+                Ok(None)
             }
-        };
-        let mut logits = logits;
+        }
+    }
+
+    /// The step after its forward pass (which took `took`): a prefill part's progress, or the
+    /// next token sampled from `logits` (masked by the grammar first).
+    fn absorb(
+        &mut self,
+        model: &Model,
+        slot: &mut Slot,
+        feed: &Feed,
+        mut logits: Vec<f32>,
+        took: Duration,
+    ) -> Result<Step> {
+        if let Some(to) = feed.prefill_to {
+            self.prefill.advance(to, took, model);
+            if !feed.samples {
+                let total = self.prefill.total();
+                return Ok(Step::Prefilled { done: to, total });
+            }
+        }
         if let Some(g) = &mut self.grammar {
             if !g.apply(&mut logits)? {
                 // Nothing the grammar allows: ends here, incomplete.
@@ -249,33 +299,110 @@ impl Generation {
             self.turn_ended = true;
             slot.end_turn();
             // A failed heat save changes nothing else; the next turn tries again.
-            let _ = model.end_turn();
+            let _ = model.close_turn(&mut slot.turn);
         }
     }
 }
 
-/// The forward pass over `ids`, with the grammar's next mask computed on another thread
-/// meanwhile (when it needs one and overlapping is on); the mask depends only on the tokens
-/// before `ids`' logits, which the grammar has already consumed.
-fn forward_masked(
-    grammar: &mut Option<Constraint>,
-    model: &Model,
-    slot: &mut Slot,
-    ids: &[u32],
-) -> Result<Vec<f32>> {
-    let Some(g) = grammar.as_mut().filter(|g| g.overlap() && g.needs_mask()) else {
-        return slot.forward(model, ids);
-    };
-    let (logits, mask, waited) = std::thread::scope(|s| {
-        let mask = s.spawn(|| g.compute_mask());
-        let logits = slot.forward(model, ids);
+/// What one generation's step runs.
+struct Feed {
+    tokens: Vec<u32>,
+    /// A prefill step: the prompt position it ends at.
+    prefill_to: Option<usize>,
+    /// Whether a token is sampled from its logits (a decode step or the prompt's last part).
+    samples: bool,
+}
+
+/// One step of every generation of `work` (each in its own slot) together: one forward pass
+/// runs each one's next tokens (a part of its prompt, or its last token) over its own history
+/// ([`Slot::forward_many`]), reading every weight once for all of them; each grammar's next
+/// mask is computed on another thread meanwhile (when it needs one and overlapping is on; the
+/// mask depends only on the tokens the grammar has already consumed). Each generation's tokens
+/// are exactly those it gets stepped alone. Returns each one's result, in order: a generation's
+/// bad input fails it alone; a failed pass (an expert read) fails every generation in it.
+pub fn step_batch(model: &Model, work: &mut [(&mut Generation, &mut Slot)]) -> Vec<Result<Step>> {
+    let mut results: Vec<Option<Result<Step>>> = (0..work.len()).map(|_| None).collect();
+    let mut feeds: Vec<(usize, Feed)> = Vec::new();
+    for (i, (gen, slot)) in work.iter_mut().enumerate() {
+        match gen.feed(model, slot) {
+            Ok(None) => results[i] = Some(Ok(Step::End)),
+            Ok(Some(feed)) => match model.check_tokens(slot.kv.len, &feed.tokens) {
+                Ok(()) => feeds.push((i, feed)),
+                Err(e) => results[i] = Some(Err(e)),
+            },
+            Err(e) => results[i] = Some(Err(e)),
+        }
+    }
+    if !feeds.is_empty() {
         let t0 = Instant::now();
-        let mask = mask.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        (logits, mask, t0.elapsed())
-    });
-    g.stats.wait += waited;
-    mask?;
-    logits
+        let mut feed_of: Vec<Option<&Feed>> = vec![None; work.len()];
+        for (i, feed) in &feeds {
+            feed_of[*i] = Some(feed);
+        }
+        let mut masks: Vec<(usize, &mut Constraint)> = Vec::new();
+        let mut passes: Vec<(&mut Slot, &[u32])> = Vec::new();
+        for (i, ((gen, slot), feed)) in work.iter_mut().zip(&feed_of).enumerate() {
+            let Some(feed) = feed else { continue };
+            if let Some(g) = gen.grammar.as_mut() {
+                if feed.samples && g.overlap() && g.needs_mask() {
+                    masks.push((i, g));
+                }
+            }
+            passes.push((&mut **slot, &feed.tokens));
+        }
+        let (logits, masked) = std::thread::scope(|s| {
+            let jobs: Vec<_> = masks
+                .into_iter()
+                .map(|(i, g)| {
+                    (
+                        i,
+                        s.spawn(move || {
+                            let r = g.compute_mask();
+                            (r, Instant::now())
+                        }),
+                    )
+                })
+                .collect();
+            let logits = Slot::forward_many(model, &mut passes);
+            let now = Instant::now();
+            let masked: Vec<(usize, Result<()>, Duration)> = jobs
+                .into_iter()
+                .map(|(i, h)| {
+                    let (r, done) = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                    (i, r, done.saturating_duration_since(now))
+                })
+                .collect();
+            (logits, masked)
+        });
+        let took = t0.elapsed();
+        for (i, r, waited) in masked {
+            if let Some(g) = work[i].0.grammar.as_mut() {
+                g.stats.wait += waited;
+            }
+            if let Err(e) = r {
+                results[i] = Some(Err(e));
+            }
+        }
+        match logits {
+            Ok(all) => {
+                for ((i, feed), logits) in feeds.iter().zip(all) {
+                    if results[*i].is_none() {
+                        let (gen, slot) = &mut work[*i];
+                        results[*i] = Some(gen.absorb(model, slot, feed, logits, took));
+                    }
+                }
+            }
+            Err(e) => {
+                for (i, _) in &feeds {
+                    results[*i].get_or_insert_with(|| Err(e.shared()));
+                }
+            }
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| r.expect("every generation has a result"))
+        .collect()
 }
 
 /// The next prefill step's length after one of `len` positions took `took`: about

@@ -20,6 +20,22 @@ pub enum Error {
     Input(String),
 }
 
+impl Error {
+    /// The same error again, for each of several callers one failure stopped (a batched pass).
+    pub fn shared(&self) -> Error {
+        match self {
+            Error::Config(m) => Error::Config(m.clone()),
+            Error::Checkpoint(m) => Error::Checkpoint(m.clone()),
+            Error::Format(m) => Error::Format(m.clone()),
+            Error::Input(m) => Error::Input(m.clone()),
+            Error::Io { path, source } => Error::Io {
+                path: path.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+        }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Attaches a path to an I/O error.

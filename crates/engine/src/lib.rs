@@ -33,6 +33,8 @@ pub mod store;
 pub mod upgrade;
 
 #[cfg(test)]
+mod batch_tests;
+#[cfg(test)]
 mod testutil;
 
 #[cfg(feature = "python")]

@@ -294,6 +294,60 @@ impl Model {
         })
     }
 
+    /// One step of every stream in `streams` together (`engine::step_batch`): one forward pass
+    /// runs each one's next tokens over its own slot, reading each weight once for all. Returns
+    /// each stream's result as its `step()` would (a token id, `(done, total)` or None), or the
+    /// exception its step raised (one stream's bad input fails it alone). Streams must be of this
+    /// model and in different slots.
+    fn step_many<'py>(
+        &self,
+        py: Python<'py>,
+        streams: Vec<Py<TokenStream>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let pairs: Vec<(Arc<Mutex<Generation>>, Arc<Mutex<Slot>>)> = streams
+            .iter()
+            .map(|s| {
+                let s = s.get();
+                (s.gen.clone(), s.slot.clone())
+            })
+            .collect();
+        for (i, s) in streams.iter().enumerate() {
+            if !Arc::ptr_eq(&s.get().model, &self.inner) {
+                return Err(PyValueError::new_err("a stream of another model"));
+            }
+            if pairs[..i]
+                .iter()
+                .any(|(_, slot)| Arc::ptr_eq(slot, &pairs[i].1))
+            {
+                return Err(PyValueError::new_err(
+                    "two streams of one step share a KV slot",
+                ));
+            }
+        }
+        let model = self.inner.clone();
+        let results = py.detach(move || -> PyResult<Vec<crate::error::Result<Step>>> {
+            let mut gens = Vec::with_capacity(pairs.len());
+            let mut slots = Vec::with_capacity(pairs.len());
+            for (g, s) in &pairs {
+                gens.push(g.lock().map_err(poisoned)?);
+                slots.push(s.lock().map_err(poisoned)?);
+            }
+            let mut work: Vec<(&mut Generation, &mut Slot)> = gens
+                .iter_mut()
+                .zip(slots.iter_mut())
+                .map(|(g, s)| (&mut **g, &mut **s))
+                .collect();
+            Ok(crate::engine::step_batch(&model, &mut work))
+        })?;
+        results
+            .into_iter()
+            .map(|r| match r {
+                Ok(step) => step_to_py(py, step),
+                Err(e) => Ok(to_py(e).into_value(py).into_bound(py).into_any()),
+            })
+            .collect()
+    }
+
     /// Number of KV slots.
     fn slot_count(&self) -> usize {
         self.slots.len()
@@ -406,6 +460,15 @@ struct TokenStream {
     slot: Arc<Mutex<Slot>>,
 }
 
+/// A step as Python sees it: a token id, `(done, total)` after a prefill part, or None.
+fn step_to_py(py: Python<'_>, step: Step) -> PyResult<Bound<'_, PyAny>> {
+    Ok(match step {
+        Step::Token(t) => t.into_pyobject(py)?.into_any(),
+        Step::Prefilled { done, total } => (done, total).into_pyobject(py)?.into_any(),
+        Step::End => py.None().into_bound(py),
+    })
+}
+
 fn poisoned<T>(_: T) -> PyErr {
     PyRuntimeError::new_err("generation state poisoned")
 }
@@ -438,11 +501,7 @@ impl TokenStream {
             let mut slot = slot.lock().map_err(poisoned)?;
             gen.step(&model, &mut slot).map_err(to_py)
         })?;
-        Ok(match step {
-            Step::Token(t) => Some(t.into_pyobject(py)?.into_any()),
-            Step::Prefilled { done, total } => Some((done, total).into_pyobject(py)?.into_any()),
-            Step::End => None,
-        })
+        Ok(Some(step_to_py(py, step)?).filter(|o| !o.is_none()))
     }
 
     /// Prompt tokens whose KV came from the slot's history (None before the first token).

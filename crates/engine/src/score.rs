@@ -105,7 +105,7 @@ impl Scoring {
             self.turn_ended = true;
             slot.end_turn();
             // A failed heat save changes nothing else; the next turn tries again.
-            let _ = model.end_turn();
+            let _ = model.close_turn(&mut slot.turn);
         }
     }
 }
@@ -133,10 +133,7 @@ fn score_option(
     let mut logprob = log_softmax_at(last, first as usize);
     if !rest.is_empty() {
         // The logits after each of the option's tokens but its last score the next one.
-        let base = slot.kv.len;
-        let run = model.forward(&option[..option.len() - 1], &mut slot.kv, true);
-        slot.kv.truncate(base);
-        let logits = run?;
+        let logits = slot.try_after(model, &option[..option.len() - 1])?;
         for (row, &t) in logits.chunks_exact(vocab).zip(rest) {
             logprob += log_softmax_at(row, t as usize);
         }

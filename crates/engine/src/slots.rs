@@ -10,7 +10,8 @@ use std::ops::Range;
 
 use crate::error::Result;
 use crate::kv::{KvCache, KvLayout};
-use crate::model::Model;
+use crate::model::{Model, Seq};
+use crate::store::profile::Turn;
 
 /// Where a slot's committed positions are made durable (the slot file, `slotfile/`).
 pub trait SlotStore: Send {
@@ -27,6 +28,8 @@ pub struct Slot {
     store: Option<Box<dyn SlotStore>>,
     /// Why persistence stopped for this slot (a failed write); generation goes on in memory.
     pub store_error: Option<String>,
+    /// The profile of the turn running in this slot (closed by the generation's end).
+    pub turn: Turn,
 }
 
 impl Slot {
@@ -36,6 +39,7 @@ impl Slot {
             kv: model.new_cache(),
             store: None,
             store_error: None,
+            turn: Turn::default(),
         }
     }
 
@@ -54,6 +58,7 @@ impl Slot {
             kv,
             store: None,
             store_error: None,
+            turn: Turn::default(),
         }
     }
 
@@ -83,15 +88,47 @@ impl Slot {
     /// Runs `tokens` after the history, appends them to it, and commits them to the store.
     /// Returns the logits of the last token.
     pub fn forward(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>> {
-        let start = self.tokens.len();
-        let logits = model.forward(tokens, &mut self.kv, false)?;
-        self.tokens.extend_from_slice(tokens);
-        if let Some(store) = self.store.as_mut() {
-            if let Err(e) = store.commit(start, tokens, &self.kv) {
-                self.disable_store(e.to_string());
+        Ok(Slot::forward_many(model, &mut [(self, tokens)])?.remove(0))
+    }
+
+    /// [`Slot::forward`] for several slots in one batched pass ([`Model::forward_batch`]):
+    /// each one's tokens after its own history. Returns each one's last logits.
+    pub fn forward_many(model: &Model, work: &mut [(&mut Slot, &[u32])]) -> Result<Vec<Vec<f32>>> {
+        let mut seqs: Vec<Seq> = work
+            .iter_mut()
+            .map(|(slot, tokens)| Seq {
+                tokens,
+                kv: &mut slot.kv,
+                all_logits: false,
+                turn: &mut slot.turn,
+            })
+            .collect();
+        let logits = model.forward_batch(&mut seqs)?;
+        for (slot, tokens) in work.iter_mut() {
+            let start = slot.tokens.len();
+            slot.tokens.extend_from_slice(tokens);
+            if let Some(store) = slot.store.as_mut() {
+                if let Err(e) = store.commit(start, tokens, &slot.kv) {
+                    slot.disable_store(e.to_string());
+                }
             }
         }
         Ok(logits)
+    }
+
+    /// Logits of every one of `tokens` run after the history, whose positions are then
+    /// dropped again (the history is left as it was; nothing is committed).
+    pub fn try_after(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>> {
+        let len = self.kv.len;
+        let mut seqs = [Seq {
+            tokens,
+            kv: &mut self.kv,
+            all_logits: true,
+            turn: &mut self.turn,
+        }];
+        let r = model.forward_batch(&mut seqs).map(|mut l| l.remove(0));
+        self.kv.truncate(len);
+        r
     }
 
     /// End of a turn: the store makes the history durable.

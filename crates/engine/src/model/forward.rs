@@ -3,13 +3,17 @@
 
 use std::time::Instant;
 
-use super::layers::Ffn;
+use std::ops::Range;
+
+use super::layers::dsa::Selection;
+use super::layers::{Ffn, SeqRows};
 use super::{Model, Pass};
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::kv::KvCache;
 use crate::linear::{for_each_chunk_mut, matmul_many, Acts, Job, Linear};
 use crate::ops::{self, RopeAngles};
+use crate::store::profile::Turn;
 
 /// The most prompt positions one forward pass runs at once; longer prompts run in chunks of
 /// this many, one after another over the same cache. A pass's transient memory grows with its
@@ -47,19 +51,44 @@ pub(super) fn prefill_chunk_from_env() -> usize {
     n
 }
 
+/// One sequence of a batched forward pass ([`Model::forward_batch`]): its tokens, run at
+/// positions `kv.len ..` of its own history and appended to it, and the turn whose profile
+/// records the pass.
+pub struct Seq<'a> {
+    pub tokens: &'a [u32],
+    pub kv: &'a mut KvCache,
+    /// Logits for every token, or only the last.
+    pub all_logits: bool,
+    pub turn: &'a mut Turn,
+}
+
 impl Model {
     /// Runs `tokens` at positions `kv.len ..` and appends them to `kv`, in passes of at most
     /// [`PREFILL_CHUNK`] positions. Returns logits for every token (`all_logits`) or only the
-    /// last, `vocab_size` values per token.
+    /// last, `vocab_size` values per token. The pass joins the model's own turn
+    /// ([`Model::end_turn`]).
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, all_logits: bool) -> Result<Vec<f32>> {
+        let mut turn = self.own_turn.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seqs = [Seq {
+            tokens,
+            kv,
+            all_logits,
+            turn: &mut turn,
+        }];
+        Ok(self.forward_batch(&mut seqs)?.remove(0))
+    }
+
+    /// Whether `tokens` can run after `len` positions of history: at least one, inside the
+    /// vocabulary, within the context length.
+    pub fn check_tokens(&self, len: usize, tokens: &[u32]) -> Result<()> {
         let n = tokens.len();
         if n == 0 {
             return Err(Error::Input("no tokens to run".into()));
         }
-        if kv.len + n > self.cfg.max_positions {
+        if len + n > self.cfg.max_positions {
             return Err(Error::Input(format!(
                 "{} tokens exceed the context length {}",
-                kv.len + n,
+                len + n,
                 self.cfg.max_positions
             )));
         }
@@ -69,57 +98,121 @@ impl Model {
                 self.cfg.vocab_size
             )));
         }
-        let t0 = Instant::now();
-        let mut pass = Pass::default();
-        let len0 = kv.len;
-        kv.reserve(n);
-        let r = tokens
-            .chunks(self.prefill_chunk)
-            .try_fold(Vec::new(), |mut logits, chunk| {
-                let l = self.forward_inner(chunk, kv, all_logits, &mut pass)?;
-                if !all_logits {
-                    return Ok(l);
-                }
-                logits.extend(l);
-                Ok(logits)
-            });
-        if r.is_err() {
-            // A failed read leaves this pass's positions half written: drop them.
-            kv.truncate(len0);
-        }
-        pass.times.total = t0.elapsed();
-        self.turns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .add_pass(n, &pass.times, &pass.routed);
-        r
+        Ok(())
     }
 
-    fn forward_inner(
-        &self,
-        tokens: &[u32],
-        kv: &mut KvCache,
-        all_logits: bool,
-        pass: &mut Pass,
-    ) -> Result<Vec<f32>> {
+    /// Runs several sequences together, each over its own history: one pass reads every weight
+    /// once for all their rows (a routed expert once for every row routed to it), and attention
+    /// runs over each sequence's own cache. A sequence's results are exactly those it gets
+    /// alone (every row's arithmetic is the same). Sequences longer than [`PREFILL_CHUNK`] run
+    /// in rounds of a chunk each. Returns each sequence's logits (as [`Model::forward`]). An
+    /// error leaves every cache as it was; `check_tokens` first to keep one sequence's bad
+    /// input from failing the others.
+    pub fn forward_batch(&self, seqs: &mut [Seq]) -> Result<Vec<Vec<f32>>> {
+        for s in seqs.iter() {
+            self.check_tokens(s.kv.len, s.tokens)?;
+        }
+        let t0 = Instant::now();
+        let mut pass = Pass {
+            routed: vec![Vec::new(); seqs.len()],
+            ..Pass::default()
+        };
+        let len0: Vec<usize> = seqs.iter().map(|s| s.kv.len).collect();
+        for s in seqs.iter_mut() {
+            s.kv.reserve(s.tokens.len());
+        }
+        let chunk = self.prefill_chunk;
+        let rounds = seqs
+            .iter()
+            .map(|s| s.tokens.len().div_ceil(chunk))
+            .max()
+            .unwrap_or(0);
+        let mut logits: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+        let mut r = Ok(());
+        for round in 0..rounds {
+            let mut parts: Vec<Part> = seqs
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(seq, s)| {
+                    let tokens = s.tokens.chunks(chunk).nth(round)?;
+                    Some(Part {
+                        seq,
+                        tokens,
+                        kv: &mut *s.kv,
+                        all_logits: s.all_logits,
+                    })
+                })
+                .collect();
+            match self.forward_inner(&mut parts, &mut pass) {
+                Ok(out) => {
+                    for (p, l) in parts.iter().zip(out) {
+                        if p.all_logits {
+                            logits[p.seq].extend(l);
+                        } else {
+                            logits[p.seq] = l;
+                        }
+                    }
+                }
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        if r.is_err() {
+            // A failed read leaves this pass's positions half written: drop them.
+            for (s, &len) in seqs.iter_mut().zip(&len0) {
+                s.kv.truncate(len);
+            }
+        }
+        pass.times.total = t0.elapsed();
+        let store = self.store_stats().unwrap_or_default();
+        for (s, routed) in seqs.iter_mut().zip(&pass.routed) {
+            s.turn
+                .add_pass(s.tokens.len(), &pass.times, routed, store.clone());
+        }
+        r.map(|()| logits)
+    }
+
+    fn forward_inner(&self, parts: &mut [Part], pass: &mut Pass) -> Result<Vec<Vec<f32>>> {
         let c = &self.cfg;
-        let (n, h) = (tokens.len(), c.hidden_size);
+        let h = c.hidden_size;
+        let n: usize = parts.iter().map(|p| p.tokens.len()).sum();
         let mut x = vec![0.0f32; n * h];
         let embed = self.w(&self.embed);
-        for (i, &tok) in tokens.iter().enumerate() {
+        let tokens = parts.iter().flat_map(|p| p.tokens);
+        for (i, &tok) in tokens.enumerate() {
             embed.row(tok as usize, h, &mut x[i * h..(i + 1) * h]);
         }
-        // The same rotation serves every layer's queries and keys.
-        let angles: Vec<RopeAngles> = (0..n).map(|i| self.rope.angles(kv.len + i)).collect();
-        // A DSA indexer's choice, for the shared layers after it.
-        let mut selection = None;
+        // Each row's rotation, at its own position; it serves every layer's queries and keys.
+        let angles: Vec<RopeAngles> = parts
+            .iter()
+            .flat_map(|p| (0..p.tokens.len()).map(|i| self.rope.angles(p.kv.len + i)))
+            .collect();
+        pass.row_seq = parts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.seq, p.tokens.len()))
+            .collect();
+        let all_logits: Vec<bool> = parts.iter().map(|p| p.all_logits).collect();
+        let mut seqs: Vec<SeqRows> = Vec::with_capacity(parts.len());
+        let mut row = 0;
+        for p in parts.iter_mut() {
+            let m = p.tokens.len();
+            seqs.push(SeqRows {
+                rows: row..row + m,
+                kv: &mut *p.kv,
+            });
+            row += m;
+        }
+        // Each sequence's DSA indexer choice, for the shared layers after it.
+        let mut selection: Vec<Option<Selection>> = (0..seqs.len()).map(|_| None).collect();
         for (li, layer) in self.layers.iter().enumerate() {
             let t = Instant::now();
             let mut hn = x.clone();
             self.per_position(&mut hn, h, |_, row| {
                 ops::rms_norm(row, &layer.attn_norm, c.rms_norm_eps)
             });
-            let att = self.attention(li, &layer.attention, hn, &angles, kv, &mut selection);
+            let att = self.attention(li, &layer.attention, hn, &angles, &mut seqs, &mut selection);
             pass.times.attention += t.elapsed();
             for (a, b) in x.iter_mut().zip(&att) {
                 *a += *b;
@@ -142,19 +235,44 @@ impl Model {
                 *a += *b;
             }
         }
-        kv.len += n;
+        for s in &mut seqs {
+            s.kv.len += s.rows.len();
+        }
 
         let t = Instant::now();
-        let rows: Vec<f32> = if all_logits {
-            x
-        } else {
-            x[(n - 1) * h..].to_vec()
-        };
-        let m = rows.len() / h;
-        let mut hn = rows;
-        ops::rms_norm(&mut hn, &self.norm, c.rms_norm_eps);
+        // The rows whose logits are wanted: all of a sequence's, or its last.
+        let wanted: Vec<Range<usize>> = seqs
+            .iter()
+            .zip(all_logits)
+            .map(|(s, all)| {
+                if all {
+                    s.rows.clone()
+                } else {
+                    s.rows.end - 1..s.rows.end
+                }
+            })
+            .collect();
+        let mut hn: Vec<f32> =
+            Vec::with_capacity(wanted.iter().map(|r| r.len()).sum::<usize>() * h);
+        for r in &wanted {
+            hn.extend_from_slice(&x[r.start * h..r.end * h]);
+        }
+        let m = hn.len() / h;
+        self.per_position(&mut hn, h, |_, row| {
+            ops::rms_norm(row, &self.norm, c.rms_norm_eps)
+        });
         let mut acts = Acts::from_vec(hn, m, h);
-        let logits = self.project(&[self.lm_head], &mut acts).remove(0);
+        let all = self.project(&[self.lm_head], &mut acts).remove(0);
+        let v = c.vocab_size;
+        let mut at = 0;
+        let logits = wanted
+            .iter()
+            .map(|r| {
+                let l = all[at * v..(at + r.len()) * v].to_vec();
+                at += r.len();
+                l
+            })
+            .collect();
         pass.times.lm_head += t.elapsed();
         Ok(logits)
     }
@@ -192,4 +310,13 @@ impl Model {
             for_each_chunk_mut(&self.pool, x, width, f);
         }
     }
+}
+
+/// One sequence's share of one round of [`Model::forward_batch`].
+struct Part<'a> {
+    /// Its index among the batch's sequences.
+    seq: usize,
+    tokens: &'a [u32],
+    kv: &'a mut KvCache,
+    all_logits: bool,
 }

@@ -22,8 +22,8 @@ use crate::ops::Rope;
 use crate::pool::Pool;
 use crate::quant;
 use crate::store::heat::{Heat, HEAT_FILE};
-use crate::store::profile::Turns;
-use crate::store::{ExpertOptions, ExpertStore, StoreLayout, StoreStats};
+use crate::store::profile::{Finished, Turn};
+use crate::store::{ExpertOptions, ExpertStore, StoreLayout};
 
 /// The KV cache dtype: `COLI_KV_DTYPE` (`f32` or `f16`), else by the weights: f16 for int4
 /// models (llama.cpp's default cache: half the memory, and with F16C widening a little faster at
@@ -338,14 +338,6 @@ impl Model {
         let pool = Pool::new(threads.max(1))
             .map_err(|e| Error::Input(format!("cannot start worker threads: {e}")))?;
         let prefetch = opts.prefetch && matches!(experts, Some(Experts::Store(_)));
-        let turns = Turns::new(
-            cfg.num_layers,
-            cfg.num_experts,
-            match &experts {
-                Some(Experts::Store(s)) => s.stats(),
-                _ => StoreStats::default(),
-            },
-        );
         let kv_layout = layers::kv_layout(&cfg);
         Ok(Model {
             rope: Rope::scaled(cfg.rotary_dim, cfg.rope_theta, &cfg.rope_scaling),
@@ -358,7 +350,8 @@ impl Model {
             heat,
             heat_path,
             heat_saved: Mutex::new(None),
-            turns: Mutex::new(turns),
+            own_turn: Mutex::new(Turn::default()),
+            finished: Mutex::new(Finished::default()),
             embed,
             lm_head,
             norm,

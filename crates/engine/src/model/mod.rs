@@ -34,9 +34,11 @@ use crate::ops::Rope;
 use crate::pool::Pool;
 use crate::quant::Kernel;
 use crate::store::heat::{Heat, RoutingHeat};
-use crate::store::profile::{PassTimes, Profile, Turns};
+use crate::store::profile::{Finished, PassTimes, Profile, Turn};
 use crate::store::{ExpertStore, StoreStats};
 use layers::Layer;
+
+pub use forward::Seq;
 
 pub(crate) fn fmt_err(msg: impl Into<String>) -> Error {
     Error::Format(msg.into())
@@ -63,12 +65,14 @@ pub(super) enum Experts {
     Store(ExpertStore),
 }
 
-/// What one forward pass records for the turn's profile.
+/// What one forward pass records for the turns' profiles.
 #[derive(Default)]
 pub(super) struct Pass {
     pub(super) times: PassTimes,
-    /// (model layer, routed experts) of each MoE layer.
-    pub(super) routed: Vec<(usize, Vec<usize>)>,
+    /// The sequence each row of the pass belongs to (see `forward.rs`).
+    pub(super) row_seq: Vec<usize>,
+    /// Per sequence: (model layer, experts its rows routed to) of each MoE layer.
+    pub(super) routed: Vec<Vec<(usize, Vec<usize>)>>,
     /// The look-ahead's prediction for the next MoE layer: (model layer, experts).
     pub(super) predicted: Option<(usize, Vec<usize>)>,
 }
@@ -83,7 +87,9 @@ pub struct Model {
     heat: Heat,
     heat_path: PathBuf,
     heat_saved: Mutex<Option<Instant>>,
-    turns: Mutex<Turns>,
+    /// The turn of passes run without one of their own ([`Model::forward`]).
+    own_turn: Mutex<Turn>,
+    finished: Mutex<Finished>,
     embed: Linear,
     lm_head: Linear,
     norm: Vec<f32>,
@@ -177,17 +183,26 @@ impl Model {
         })
     }
 
-    /// Ends the current turn: its profile joins [`Model::profiles`] (the last 30 kept), its
-    /// routed experts become [`Model::last_routed_experts`], and the routing heat is saved to
-    /// `routing-heat.json` in the model directory (at most every 10 s; a failed write is
-    /// returned but changes nothing else). Call it when a generation ends (the engine's
-    /// `Generation::end`); forward passes after it belong to the next turn.
+    /// Ends the turn of the passes run by [`Model::forward`] (see [`Model::close_turn`]).
     pub fn end_turn(&self) -> Result<()> {
+        let mut turn =
+            std::mem::take(&mut *self.own_turn.lock().unwrap_or_else(|e| e.into_inner()));
+        self.close_turn(&mut turn)
+    }
+
+    /// Ends a turn: its profile joins [`Model::profiles`] (the last 30 kept), its routed
+    /// experts become [`Model::last_routed_experts`], and the routing heat is saved to
+    /// `routing-heat.json` in the model directory (at most every 10 s; a failed write is
+    /// returned but changes nothing else). A generation's end calls it with its slot's turn;
+    /// the turn starts empty again.
+    pub fn close_turn(&self, turn: &mut Turn) -> Result<()> {
         let now = self.store_stats().unwrap_or_default();
-        self.turns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .end(now);
+        if let Some((profile, routed)) = turn.close(now, self.cfg.num_layers) {
+            self.finished
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(profile, routed);
+        }
         let due = {
             let mut saved = self.heat_saved.lock().unwrap_or_else(|e| e.into_inner());
             let due = saved.is_none_or(|t| t.elapsed() >= Duration::from_secs(10));
@@ -204,20 +219,20 @@ impl Model {
 
     /// The profile of the last finished turn (all zero before the first [`Model::end_turn`]).
     pub fn last_profile(&self) -> Profile {
-        let t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.finished.lock().unwrap_or_else(|e| e.into_inner());
         t.history.back().cloned().unwrap_or_default()
     }
 
     /// Profiles of the last 30 finished turns, oldest first.
     pub fn profiles(&self) -> Vec<Profile> {
-        let t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.finished.lock().unwrap_or_else(|e| e.into_inner());
         t.history.iter().cloned().collect()
     }
 
     /// The experts routed to during the last finished turn: for each model layer (index), the
     /// expert ids, ascending (empty for dense layers).
     pub fn last_routed_experts(&self) -> Vec<Vec<u32>> {
-        let t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.finished.lock().unwrap_or_else(|e| e.into_inner());
         t.last_routed.clone()
     }
 

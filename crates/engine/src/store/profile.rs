@@ -1,8 +1,10 @@
 //! Per-turn profile: where a turn's time went, what it read, how the expert cache did.
 //!
-//! A turn is everything the model computed between two [`crate::model::Model::end_turn`] calls.
-//! Its first forward pass, and any pass over more than one token, count as prefill; the other
-//! single-token passes are decode.
+//! A turn is everything one generation or scoring computed, from its first forward pass to its
+//! end ([`crate::model::Model::close_turn`]); several turns run at once when streams are
+//! stepped together, each in its own [`Turn`]. Its first forward pass, and any pass over more
+//! than one of its tokens, count as prefill; its other single-token passes are decode. A pass
+//! shared by several streams counts whole in each one's times (the time each waited for it).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -61,31 +63,41 @@ pub(crate) struct PassTimes {
     pub predicted_of: u64,
 }
 
-/// The turn in progress plus the finished ones.
+/// One turn in progress: the passes run for one generation or scoring (its slot keeps it, so
+/// turns of streams stepped together stay apart).
 #[derive(Default)]
-pub(crate) struct Turns {
+pub struct Turn {
     cur: Profile,
     passes: u64,
     predicted_hit: u64,
     predicted_of: u64,
-    start: StoreStats,
-    /// model layer -> expert -> routed this turn.
+    /// The store's counters when the turn's first pass ran (None before it).
+    start: Option<StoreStats>,
+    /// model layer -> expert -> routed this turn (grown as layers report).
     routed: Vec<Vec<bool>>,
+}
+
+/// The finished turns the model keeps.
+#[derive(Default)]
+pub(crate) struct Finished {
     pub history: VecDeque<Profile>,
     pub last_routed: Vec<Vec<u32>>,
 }
 
-impl Turns {
-    pub fn new(layers: usize, experts: usize, start: StoreStats) -> Turns {
-        Turns {
-            routed: vec![vec![false; experts]; layers],
-            start,
-            ..Default::default()
-        }
-    }
-
-    pub fn add_pass(&mut self, n: usize, t: &PassTimes, routed: &[(usize, Vec<usize>)]) {
+impl Turn {
+    /// Adds one forward pass of `n` of this turn's tokens that took `t` (the whole pass's times,
+    /// shared with any sequences stepped with it) and routed `routed` ((model layer, experts) of
+    /// this turn's tokens). `store` is the store's counters now, the turn's start if it is the
+    /// first pass.
+    pub(crate) fn add_pass(
+        &mut self,
+        n: usize,
+        t: &PassTimes,
+        routed: &[(usize, Vec<usize>)],
+        store: StoreStats,
+    ) {
         let prefill = n > 1 || self.passes == 0;
+        self.start.get_or_insert(store);
         self.passes += 1;
         let c = &mut self.cur;
         if prefill {
@@ -106,23 +118,32 @@ impl Turns {
         self.predicted_hit += t.predicted_hit;
         self.predicted_of += t.predicted_of;
         for (layer, experts) in routed {
-            if let Some(row) = self.routed.get_mut(*layer) {
-                for &e in experts {
-                    if let Some(b) = row.get_mut(e) {
-                        *b = true;
-                    }
+            if self.routed.len() <= *layer {
+                self.routed.resize(layer + 1, Vec::new());
+            }
+            let row = &mut self.routed[*layer];
+            for &e in experts {
+                if row.len() <= e {
+                    row.resize(e + 1, false);
                 }
+                row[e] = true;
             }
         }
     }
 
-    /// Closes the turn (if anything ran) given the store's counters now.
-    pub fn end(&mut self, now: StoreStats) {
+    /// Closes the turn (if anything ran) given the store's counters now: its profile and the
+    /// experts it routed to per layer (`layers` of them). The turn starts empty again.
+    pub(crate) fn close(
+        &mut self,
+        now: StoreStats,
+        layers: usize,
+    ) -> Option<(Profile, Vec<Vec<u32>>)> {
         if self.passes == 0 {
-            return;
+            return None;
         }
-        let mut p = std::mem::take(&mut self.cur);
-        let s = &self.start;
+        let done = std::mem::take(self);
+        let mut p = done.cur;
+        let s = done.start.unwrap_or_default();
         p.bytes_read = now.bytes_read - s.bytes_read;
         p.cache_hits = now.hits - s.hits;
         p.cache_misses = now.misses - s.misses;
@@ -134,35 +155,36 @@ impl Turns {
         } else {
             p.cache_hits as f64 / asked as f64
         };
-        p.prefetch_recall = if self.predicted_of == 0 {
+        p.prefetch_recall = if done.predicted_of == 0 {
             0.0
         } else {
-            self.predicted_hit as f64 / self.predicted_of as f64
+            done.predicted_hit as f64 / done.predicted_of as f64
         };
         let rate = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         p.prefill_tok_s = rate(p.prefill_tokens, p.prefill_s);
         p.decode_tok_s = rate(p.decode_tokens, p.decode_s);
-        self.history.push_back(p);
-        while self.history.len() > PROFILE_HISTORY {
-            self.history.pop_front();
-        }
-        self.last_routed = self
+        let mut routed: Vec<Vec<u32>> = done
             .routed
-            .iter_mut()
+            .iter()
             .map(|row| {
-                let ids = row
-                    .iter()
+                row.iter()
                     .enumerate()
                     .filter(|(_, &b)| b)
                     .map(|(e, _)| e as u32)
-                    .collect();
-                row.fill(false);
-                ids
+                    .collect()
             })
             .collect();
-        self.passes = 0;
-        self.predicted_hit = 0;
-        self.predicted_of = 0;
-        self.start = now;
+        routed.resize(layers.max(routed.len()), Vec::new());
+        Some((p, routed))
+    }
+}
+
+impl Finished {
+    pub(crate) fn push(&mut self, profile: Profile, routed: Vec<Vec<u32>>) {
+        self.history.push_back(profile);
+        while self.history.len() > PROFILE_HISTORY {
+            self.history.pop_front();
+        }
+        self.last_routed = routed;
     }
 }

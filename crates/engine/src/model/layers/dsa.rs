@@ -28,6 +28,7 @@
 
 use super::mla::{self, Mla};
 use super::topk;
+use super::{write_rows, SeqRows, Span};
 use crate::attention::{AttendArgs, HeadRows};
 use crate::config::{AttentionKind, IndexerDims, ModelConfig};
 use crate::error::Result;
@@ -156,17 +157,18 @@ fn row_f32<'a>(rows: &'a HeadRows<'a>, t: usize, dim: usize, buf: &'a mut [f32])
 }
 
 impl Model {
-    /// The DSA output of layer `li` for the normed inputs `hn` (one row per position at
-    /// `kv.len ..`); writes the positions' MLA rows and indexer keys to `kv`. A layer with an
-    /// indexer leaves its choice in `selection`; a shared layer attends over the one there.
+    /// The DSA output of layer `li` for the normed inputs `hn` (one row per position of the
+    /// pass's sequences); writes each sequence's MLA rows and indexer keys to its cache. A layer
+    /// with an indexer leaves each sequence's choice in `selection`; a shared layer attends over
+    /// the ones there.
     pub(in crate::model) fn dsa_attention(
         &self,
         li: usize,
         layer: &Dsa,
         hn: Vec<f32>,
         angles: &[RopeAngles],
-        kv: &mut KvCache,
-        selection: &mut Option<Selection>,
+        seqs: &mut [SeqRows],
+        selection: &mut [Option<Selection>],
     ) -> Vec<f32> {
         let n = angles.len();
         let c = &self.cfg;
@@ -175,35 +177,59 @@ impl Model {
         let kw = d.kv_lora_rank + d.qk_rope_head_dim;
         let mut acts = Acts::from_vec(hn, n, c.hidden_size);
         let mut pass = self.mla_project(&layer.mla, &mut acts, angles);
-        let p0 = kv.len;
-        if let Some(ix) = &layer.indexer {
+        let spans = if let Some(ix) = &layer.indexer {
             let q_resid = pass.q_resid.take().expect("DSA has a low-rank query");
-            *selection = Some(self.index(li, ix, acts, q_resid, angles, &pass.latent, kv));
+            let (spans, chosen) = self.index(li, ix, acts, q_resid, angles, &pass.latent, seqs);
+            for (slot, sel) in selection.iter_mut().zip(chosen) {
+                *slot = Some(sel);
+            }
+            spans
         } else {
-            kv.write(li, p0, &pass.latent, &[]);
-        }
-        let sel = selection
-            .as_ref()
-            .expect("layer 0 has an indexer (checked with the config)");
-        let kv = &*kv;
+            write_rows(seqs, li, &pass.latent, kw, &[], 0)
+        };
+        let sels: Vec<&Selection> = selection
+            .iter()
+            .map(|s| {
+                s.as_ref()
+                    .expect("layer 0 has an indexer (checked with the config)")
+            })
+            .collect();
+        let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
         let absorbed = &pass.absorbed;
+        // Each sequence's first positions attend over their whole history.
+        let dense: Vec<Span> = spans
+            .iter()
+            .zip(&sels)
+            .map(|(sp, sel)| Span {
+                n: sel.dense,
+                ..*sp
+            })
+            .collect();
         let mut lats = self.attend_causal(
-            sel.dense,
+            &dense,
+            n,
             heads,
-            p0,
             kw,
             d.softmax_scale,
             |i, head| absorbed[i * heads + head].as_slice(),
-            |_, len| {
-                let (rows, _) = kv.head(li, 0, len);
+            |s, _, len| {
+                let (rows, _) = kvs[s].head(li, 0, len);
                 (rows, rows)
             },
         );
         // The others attend over their chosen latent rows.
-        let sparse = self.pool.map(sel.chosen.len(), |j| {
+        let tasks: Vec<(usize, usize)> = sels
+            .iter()
+            .enumerate()
+            .flat_map(|(s, sel)| (0..sel.chosen.len()).map(move |j| (s, j)))
+            .collect();
+        let sparse = self.pool.map(tasks.len(), |t| {
+            let (s, j) = tasks[t];
+            let (sp, sel) = (spans[s], sels[s]);
             let i = sel.dense + j;
+            let row = sp.row0 + i;
             let chosen = &sel.chosen[j];
-            let (latents, _) = kv.head(li, 0, p0 + i + 1);
+            let (latents, _) = kvs[s].head(li, 0, sp.p0 + i + 1);
             let mut buf = vec![0.0f32; kw];
             let mut rows = Vec::with_capacity(chosen.len() * kw);
             for &t in chosen {
@@ -217,19 +243,21 @@ impl Model {
             };
             let mut out = vec![0.0f32; heads * kw];
             for (head, o) in out.chunks_exact_mut(kw).enumerate() {
-                crate::attention::attend(&[absorbed[i * heads + head].as_slice()], &args, o);
+                crate::attention::attend(&[absorbed[row * heads + head].as_slice()], &args, o);
             }
             out
         });
-        for o in &sparse {
-            lats.extend_from_slice(o);
+        for (&(s, j), o) in tasks.iter().zip(&sparse) {
+            let row = spans[s].row0 + sels[s].dense + j;
+            lats[row * heads * kw..(row + 1) * heads * kw].copy_from_slice(o);
         }
         self.mla_output(&layer.mla, &lats)
     }
 
-    /// Layer `li`'s indexer over the pass: writes each position's MLA row `latent` and indexer
-    /// key to `kv`, and returns the positions each query attends over. `acts` are the normed
-    /// inputs, `q_resid` the normed low-rank queries.
+    /// Layer `li`'s indexer over the pass: writes each sequence's MLA rows `latent` and indexer
+    /// keys to its cache, and returns each sequence's [`Span`] and the positions each of its
+    /// queries attends over. `acts` are the normed inputs, `q_resid` the normed low-rank
+    /// queries.
     #[allow(clippy::too_many_arguments)]
     fn index(
         &self,
@@ -239,11 +267,11 @@ impl Model {
         mut q_resid: Acts,
         angles: &[RopeAngles],
         latent: &[f32],
-        kv: &mut KvCache,
-    ) -> Selection {
-        let n = angles.len();
+        seqs: &mut [SeqRows],
+    ) -> (Vec<Span>, Vec<Selection>) {
         let x = indexer_dims(&self.cfg);
-        let rope = mla::dims(&self.cfg).qk_rope_head_dim;
+        let d = mla::dims(&self.cfg);
+        let rope = d.qk_rope_head_dim;
         let mut out = self.project(&[ix.wk, ix.weights], &mut acts);
         let mut w = out.pop().unwrap();
         let mut keys = out.pop().unwrap();
@@ -267,31 +295,53 @@ impl Model {
         for v in &mut w {
             *v *= head_scale;
         }
-        let p0 = kv.len;
-        kv.write(li, p0, latent, &keys);
-        let kv = &*kv;
+        let kw = d.kv_lora_rank + rope;
+        let spans = write_rows(seqs, li, latent, kw, &keys, x.head_dim);
+        let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
         // Positions whose whole causal history fits the top-k attend over all of it; the
         // others score the history and keep the top-k.
-        let dense = n.min(x.topk.saturating_sub(p0));
+        let dense: Vec<usize> = spans
+            .iter()
+            .map(|sp| sp.n.min(x.topk.saturating_sub(sp.p0)))
+            .collect();
+        let tasks: Vec<(usize, usize)> = spans
+            .iter()
+            .enumerate()
+            .flat_map(|(s, sp)| (dense[s]..sp.n).map(move |i| (s, i)))
+            .collect();
         let score_scale = (x.head_dim as f32).powf(-0.5);
-        let chosen = self.pool.map(n - dense, |j| {
-            let i = dense + j;
-            let len = p0 + i + 1;
-            let (_, index_keys) = kv.head(li, 0, len);
-            let q = &iq[i * x.heads * x.head_dim..(i + 1) * x.heads * x.head_dim];
-            let wi = &w[i * x.heads..(i + 1) * x.heads];
-            let mut buf = vec![0.0f32; x.head_dim];
-            let scores: Vec<f32> = (0..len)
-                .map(|t| {
-                    let k = row_f32(&index_keys, t, x.head_dim, &mut buf);
-                    q.chunks_exact(x.head_dim)
-                        .zip(wi)
-                        .map(|(qh, wh)| wh * (ops::dot(qh, k) * score_scale).max(0.0))
-                        .sum()
-                })
-                .collect();
-            topk::select(&scores, x.topk)
-        });
-        Selection { dense, chosen }
+        let mut chosen = self
+            .pool
+            .map(tasks.len(), |t| {
+                let (s, i) = tasks[t];
+                let sp = spans[s];
+                let len = sp.p0 + i + 1;
+                let row = sp.row0 + i;
+                let (_, index_keys) = kvs[s].head(li, 0, len);
+                let q = &iq[row * x.heads * x.head_dim..(row + 1) * x.heads * x.head_dim];
+                let wi = &w[row * x.heads..(row + 1) * x.heads];
+                let mut buf = vec![0.0f32; x.head_dim];
+                let scores: Vec<f32> = (0..len)
+                    .map(|t| {
+                        let k = row_f32(&index_keys, t, x.head_dim, &mut buf);
+                        q.chunks_exact(x.head_dim)
+                            .zip(wi)
+                            .map(|(qh, wh)| wh * (ops::dot(qh, k) * score_scale).max(0.0))
+                            .sum()
+                    })
+                    .collect();
+                topk::select(&scores, x.topk)
+            })
+            .into_iter();
+        // The tasks run sequence by sequence: each takes its own in order.
+        let sels = spans
+            .iter()
+            .zip(dense)
+            .map(|(sp, dense)| Selection {
+                dense,
+                chosen: chosen.by_ref().take(sp.n - dense).collect(),
+            })
+            .collect();
+        (spans, sels)
     }
 }

@@ -4,6 +4,7 @@
 //! history, in blocks of query positions that share every chunk of keys they read.
 //! Keeps `num_kv_heads` key and value rows of `head_dim` per position.
 
+use super::{write_rows, SeqRows};
 use crate::config::{ModelConfig, QkNorm};
 use crate::error::Result;
 use crate::kv::{KvCache, KvLayout};
@@ -94,15 +95,15 @@ impl Gqa {
 }
 
 impl Model {
-    /// The attention output of layer `li` for the normed inputs `hn` (one row per position at
-    /// `kv.len ..`); writes the positions' keys and values to `kv`.
+    /// The attention output of layer `li` for the normed inputs `hn` (one row per position of
+    /// the pass's sequences); writes each sequence's keys and values to its cache.
     pub(in crate::model) fn gqa_attention(
         &self,
         li: usize,
         layer: &Gqa,
         hn: Vec<f32>,
         angles: &[RopeAngles],
-        kv: &mut KvCache,
+        seqs: &mut [SeqRows],
     ) -> Vec<f32> {
         let n = angles.len();
         let c = &self.cfg;
@@ -145,18 +146,17 @@ impl Model {
             });
         }
         self.per_position(&mut v, kvd, |_, row| clip(row));
-        let p0 = kv.len;
-        kv.write(li, p0, &k, &v);
-        let kv = &*kv;
+        let spans = write_rows(seqs, li, &k, kvd, &v, kvd);
+        let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
         let group = c.num_heads / c.num_kv_heads;
         let att = self.attend_causal(
+            &spans,
             n,
             c.num_heads,
-            p0,
             hd,
             1.0 / (hd as f32).sqrt(),
             |i, head| &q[i * qd + head * hd..i * qd + (head + 1) * hd],
-            |head, len| kv.head(li, head / group, len),
+            |s, head, len| kvs[s].head(li, head / group, len),
         );
         let mut acts = Acts::from_vec(att, n, qd);
         let mut o = self.project(&[layer.o], &mut acts).remove(0);

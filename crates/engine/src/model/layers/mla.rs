@@ -21,6 +21,7 @@
 //! before its rotate-half rotation; the same reordering here, for q and k alike (a dot product
 //! does not see a permutation applied to both sides).
 
+use super::{write_rows, SeqRows};
 use crate::config::{AttentionKind, MlaDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
@@ -166,15 +167,15 @@ pub(in crate::model) struct MlaPass {
 }
 
 impl Model {
-    /// The MLA output of layer `li` for the normed inputs `hn` (one row per position at
-    /// `kv.len ..`); writes the positions' latents and rope keys to `kv`.
+    /// The MLA output of layer `li` for the normed inputs `hn` (one row per position of the
+    /// pass's sequences); writes each sequence's latents and rope keys to its cache.
     pub(in crate::model) fn mla_attention(
         &self,
         li: usize,
         layer: &Mla,
         hn: Vec<f32>,
         angles: &[RopeAngles],
-        kv: &mut KvCache,
+        seqs: &mut [SeqRows],
     ) -> Vec<f32> {
         let n = angles.len();
         let d = dims(&self.cfg);
@@ -182,20 +183,19 @@ impl Model {
         let kw = d.kv_lora_rank + d.qk_rope_head_dim;
         let mut acts = Acts::from_vec(hn, n, self.cfg.hidden_size);
         let pass = self.mla_project(layer, &mut acts, angles);
-        let p0 = kv.len;
-        kv.write(li, p0, &pass.latent, &[]);
-        let kv = &*kv;
+        let spans = write_rows(seqs, li, &pass.latent, kw, &[], 0);
+        let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
         let absorbed = &pass.absorbed;
         // The one key run is every head's history, and its own values (the latent part).
         let lats = self.attend_causal(
+            &spans,
             n,
             heads,
-            p0,
             kw,
             d.softmax_scale,
             |i, head| absorbed[i * heads + head].as_slice(),
-            |_, len| {
-                let (rows, _) = kv.head(li, 0, len);
+            |s, _, len| {
+                let (rows, _) = kvs[s].head(li, 0, len);
                 (rows, rows)
             },
         );

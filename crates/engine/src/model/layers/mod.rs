@@ -10,6 +10,8 @@ pub mod moe;
 pub mod routing;
 pub mod topk;
 
+use std::ops::Range;
+
 use crate::attention::{AttendArgs, HeadRows};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::error::Result;
@@ -75,66 +77,121 @@ impl Attention {
 /// depth (~50-100 positions) now being one block instead of two.
 const ATTN_BLOCK: usize = 64;
 
+/// One sequence's part of a forward pass: its rows of the pass (consecutive, one per
+/// position) at positions `kv.len ..` of its own history. A pass runs several sequences at once
+/// when streams are stepped together; every row's arithmetic is the same as alone.
+pub(in crate::model) struct SeqRows<'a> {
+    pub(in crate::model) rows: Range<usize>,
+    pub(in crate::model) kv: &'a mut KvCache,
+}
+
+/// Rows `row0 .. row0 + n` of a pass, at positions `p0 ..` of their sequence's history.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::model) struct Span {
+    pub(in crate::model) row0: usize,
+    pub(in crate::model) n: usize,
+    pub(in crate::model) p0: usize,
+}
+
+/// Writes each sequence's rows of `keys` (`kw` per row) and `values` (`vw` per row) to layer
+/// `li` of its cache, after its history; returns each sequence's [`Span`].
+pub(in crate::model) fn write_rows(
+    seqs: &mut [SeqRows],
+    li: usize,
+    keys: &[f32],
+    kw: usize,
+    values: &[f32],
+    vw: usize,
+) -> Vec<Span> {
+    seqs.iter_mut()
+        .map(|s| {
+            let (r, p0) = (s.rows.clone(), s.kv.len);
+            s.kv.write(
+                li,
+                p0,
+                &keys[r.start * kw..r.end * kw],
+                &values[r.start * vw..r.end * vw],
+            );
+            Span {
+                row0: r.start,
+                n: r.len(),
+                p0,
+            }
+        })
+        .collect()
+}
+
 impl Model {
-    /// Causal attention of the `n` positions after `p0` for `heads` heads, every attention kind's
-    /// core: tasks of (block of [`ATTN_BLOCK`] positions, head) over the pool, the costliest
-    /// (latest) blocks first. `query(i, head)` is position `i`'s query for `head`, and
-    /// `history(head, len)` the first `len` keys and values that head attends over. Returns
-    /// `width` values (the value width) per (position, head), position-major.
+    /// Causal attention of the rows of `spans` (out of the pass's `rows`) for `heads` heads,
+    /// every attention kind's core: tasks of (block of [`ATTN_BLOCK`] positions of one span,
+    /// head) over the pool, the costliest (deepest) blocks first. `query(row, head)` is a row's
+    /// query for `head`, and `history(span, head, len)` the first `len` keys and values of the
+    /// span's sequence that head attends over. Returns `width` values (the value width) per
+    /// (row, head), row-major; rows outside the spans are zero.
     #[allow(clippy::too_many_arguments)]
     pub(in crate::model) fn attend_causal<'q, 'h>(
         &self,
-        n: usize,
+        spans: &[Span],
+        rows: usize,
         heads: usize,
-        p0: usize,
         width: usize,
         scale: f32,
         query: impl Fn(usize, usize) -> &'q [f32] + Sync,
-        history: impl Fn(usize, usize) -> (HeadRows<'h>, HeadRows<'h>) + Sync,
+        history: impl Fn(usize, usize, usize) -> (HeadRows<'h>, HeadRows<'h>) + Sync,
     ) -> Vec<f32> {
-        let blocks = n.div_ceil(ATTN_BLOCK);
-        let task = |t: usize| (blocks - 1 - t / heads, t % heads);
-        let outs = self.pool.map(blocks * heads, |t| {
-            let (b, head) = task(t);
-            let (i0, i1) = (b * ATTN_BLOCK, ((b + 1) * ATTN_BLOCK).min(n));
-            let qs: Vec<&[f32]> = (i0..i1).map(|i| query(i, head)).collect();
-            let (keys, values) = history(head, p0 + i1);
+        // (span, first, end) of every block, deepest history first.
+        let mut blocks: Vec<(usize, usize, usize)> = spans
+            .iter()
+            .enumerate()
+            .flat_map(|(s, sp)| {
+                (0..sp.n.div_ceil(ATTN_BLOCK))
+                    .map(move |b| (s, b * ATTN_BLOCK, ((b + 1) * ATTN_BLOCK).min(sp.n)))
+            })
+            .collect();
+        blocks.sort_by_key(|&(s, _, i1)| std::cmp::Reverse(spans[s].p0 + i1));
+        let task = |t: usize| (blocks[t / heads], t % heads);
+        let outs = self.pool.map(blocks.len() * heads, |t| {
+            let ((s, i0, i1), head) = task(t);
+            let sp = spans[s];
+            let qs: Vec<&[f32]> = (i0..i1).map(|i| query(sp.row0 + i, head)).collect();
+            let (keys, values) = history(s, head, sp.p0 + i1);
             let args = AttendArgs {
                 keys,
                 values,
-                n0: p0 + i0 + 1,
+                n0: sp.p0 + i0 + 1,
                 scale,
             };
             let mut out = vec![0.0f32; qs.len() * width];
             crate::attention::attend(&qs, &args, &mut out);
             out
         });
-        let mut att = vec![0.0f32; n * heads * width];
+        let mut att = vec![0.0f32; rows * heads * width];
         for (t, out) in outs.iter().enumerate() {
-            let (b, head) = task(t);
+            let ((s, i0, _), head) = task(t);
             for (j, o) in out.chunks_exact(width).enumerate() {
-                let at = ((b * ATTN_BLOCK + j) * heads + head) * width;
+                let at = ((spans[s].row0 + i0 + j) * heads + head) * width;
                 att[at..at + width].copy_from_slice(o);
             }
         }
         att
     }
 
-    /// Layer `li`'s attention over the normed inputs `hn` at positions `kv.len ..`.
-    /// `selection` carries a DSA indexer's choice from layer to layer within one pass.
+    /// Layer `li`'s attention over the normed inputs `hn` of every sequence of the pass (rows
+    /// at `angles`). `selection` carries each sequence's DSA indexer choice from layer to layer
+    /// within one pass.
     pub(in crate::model) fn attention(
         &self,
         li: usize,
         a: &Attention,
         hn: Vec<f32>,
         angles: &[RopeAngles],
-        kv: &mut KvCache,
-        selection: &mut Option<dsa::Selection>,
+        seqs: &mut [SeqRows],
+        selection: &mut [Option<dsa::Selection>],
     ) -> Vec<f32> {
         match a {
-            Attention::Gqa(w) => self.gqa_attention(li, w, hn, angles, kv),
-            Attention::Mla(w) => self.mla_attention(li, w, hn, angles, kv),
-            Attention::Dsa(w) => self.dsa_attention(li, w, hn, angles, kv, selection),
+            Attention::Gqa(w) => self.gqa_attention(li, w, hn, angles, seqs),
+            Attention::Mla(w) => self.mla_attention(li, w, hn, angles, seqs),
+            Attention::Dsa(w) => self.dsa_attention(li, w, hn, angles, seqs, selection),
         }
     }
 }

@@ -182,7 +182,21 @@ impl Model {
                     ids.iter().filter(|e| predicted.contains(e)).count() as u64;
             }
         }
-        pass.routed.push((at.li, ids));
+        // Each sequence's experts, ascending (the experts come in order).
+        let mut per_seq: Vec<Vec<usize>> = vec![Vec::new(); pass.routed.len()];
+        for (ex, toks) in &experts {
+            for &(t, _) in toks {
+                let ids = &mut per_seq[pass.row_seq[t]];
+                if ids.last() != Some(ex) {
+                    ids.push(*ex);
+                }
+            }
+        }
+        for (routed, ids) in pass.routed.iter_mut().zip(per_seq) {
+            if !ids.is_empty() {
+                routed.push((at.li, ids));
+            }
+        }
         let q4 = self
             .expert_layout
             .as_ref()
