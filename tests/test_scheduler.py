@@ -35,14 +35,17 @@ class FakeTimeLoop(asyncio.SelectorEventLoop):
 class Model:
     """The rules of docs/API.md "Admission", written the plain way."""
 
-    def __init__(self, slots: int, max_queue: int, timeout: float) -> None:
+    def __init__(self, slots: int, max_queue: int, timeout: float, max_active: int) -> None:
         self.busy = [False] * slots
+        self.max_active = max_active
         self.max_queue, self.timeout = max_queue, timeout
         self.waiters: list[dict] = []  # FIFO: {"id", "slot", "deadline", "flag"}
         self.outcome: dict[int, object] = {}  # id -> slot | "rejected" | "timeout" | "cancelled"
         self.counts = dict(admitted=0, completed=0, failed=0, rejected=0, timed_out=0, cancelled=0)
 
     def free_for(self, slot):
+        if sum(self.busy) >= self.max_active:
+            return None
         if slot is not None:
             return None if self.busy[slot] else slot
         return next((i for i, b in enumerate(self.busy) if not b), None)
@@ -70,7 +73,7 @@ class Model:
 
     def dispatch(self, now):
         for w in list(self.waiters):
-            if all(self.busy):
+            if sum(self.busy) >= self.max_active:
                 return
             if now >= w["deadline"]:
                 self.expire(w)
@@ -105,14 +108,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.started = False
 
     @initialize(
-        slots=st.integers(1, 3),
+        slots=st.integers(1, 4),
         max_queue=st.sampled_from([0, 1, 2, 3, 3, 4]),
         timeout=st.sampled_from([1.0, 5.0]),
+        fewer_active=st.integers(0, 3),
     )
-    def start(self, slots, max_queue, timeout):
+    def start(self, slots, max_queue, timeout, fewer_active):
+        """Several requests active at once (every slot, or ``--max-active`` fewer)."""
         self.started = True
-        self.sched = Scheduler(slots, max_queue, timeout)
-        self.model = Model(slots, max_queue, timeout)
+        max_active = max(1, slots - fewer_active)
+        self.sched = Scheduler(slots, max_queue, timeout, max_active=max_active)
+        self.model = Model(slots, max_queue, timeout, max_active)
         self.tasks: dict[int, asyncio.Task] = {}
         self.flags: dict[int, bool] = {}
         self.leases: dict[int, object] = {}
@@ -157,7 +163,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.started)
     @rule(
         requests=st.lists(
-            st.tuples(st.one_of(st.none(), st.integers(0, 2)), st.booleans()),
+            st.tuples(st.one_of(st.none(), st.integers(0, 3)), st.booleans()),
             min_size=1,
             max_size=4,
         )
@@ -220,7 +226,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert self.sched.counters.__dict__ == self.model.counts
         assert self.sched.queued == len(self.model.waiters)
-        assert self.sched.active == sum(self.model.busy)
+        assert self.sched.active == sum(self.model.busy) <= self.sched.max_active
         for rid in self.tasks:
             got = self.outcome(rid)
             assert got == self.model.outcome.get(rid, "waiting"), rid
@@ -273,5 +279,29 @@ def test_out_of_range_slot_is_refused():
         s = Scheduler(2, 1, 10)
         with pytest.raises(ValueError, match="0..1"):
             await s.acquire(2)
+
+    run(go())
+
+
+def test_max_active_holds_requests_back_while_slots_are_free():
+    async def go():
+        s = Scheduler(3, 2, 10, max_active=2)
+        a, b = await s.acquire(), await s.acquire()
+        third = asyncio.ensure_future(s.acquire())
+        await asyncio.sleep(0)
+        assert (s.active, s.queued, third.done()) == (2, 1, False)
+        with pytest.raises(ValueError, match="max active must be 1..3"):
+            Scheduler(3, 2, 10, max_active=4)
+        s.release(a, "completed")
+        lease = await third
+        assert lease.slot == 0 and s.active == 2 and s.snapshot()["max_active"] == 2
+        s.release(b, "completed")
+        s.release(lease, "completed")
+        # The queue is full and two are active: refused, saying why.
+        s2 = Scheduler(3, 0, 10, max_active=2)
+        await s2.acquire()
+        await s2.acquire()
+        with pytest.raises(QueueFull, match="2 requests are active"):
+            await s2.acquire()
 
     run(go())

@@ -105,6 +105,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "colibri serve: --api-key is empty; give a key or leave the flag out", file=sys.stderr
         )
         return 2
+    if args.max_active is not None and args.max_active > args.kv_slots:
+        print(
+            f"colibri serve: --max-active {args.max_active} is more than the {args.kv_slots} KV "
+            "slots; give at most --kv-slots (or more slots)",
+            file=sys.stderr,
+        )
+        return 2
     api_key = args.api_key or os.environ.get("COLI_API_KEY") or None
     try:
         server.check_bind(args.host, api_key, args.allow_unauthenticated)
@@ -149,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         continue_assistant=os.environ.get("COLI_CONTINUE_ASSISTANT", "1") != "0",
         chat_family=args.chat_family,
         kv_slots=args.kv_slots,
+        max_active=args.max_active,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         access_log=not args.quiet,
@@ -343,6 +351,13 @@ def serve_args(sp: argparse.ArgumentParser, model_args) -> None:
         type=_slots,
         default=_env_number("COLI_KV_SLOTS", int, 1),
         help="KV slots: generations that run side by side, 1..16 ($COLI_KV_SLOTS, default 1)",
+    )
+    sp.add_argument(
+        "--max-active",
+        type=_slots,
+        default=_env_number("COLI_MAX_ACTIVE", int, None),
+        help="requests that may hold a KV slot at once, stepping together, 1..slots "
+        "($COLI_MAX_ACTIVE, default: every slot)",
     )
     sp.add_argument(
         "--max-queue",

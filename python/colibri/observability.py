@@ -38,6 +38,7 @@ _GAUGES = {
     "active": "Requests admitted to a KV slot and not finished",
     "queued": "Requests waiting for a KV slot",
     "capacity": "KV slots",
+    "max_active": "Requests that may hold a KV slot at once (they step together)",
     "max_queue": "Limit of waiting requests",
 }
 _COUNTERS = {
@@ -96,6 +97,12 @@ class Metrics:
         self.decode_rate = Gauge(
             "colibri_engine_last_decode_tokens_per_second",
             "Decode speed of the last engine call",
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "colibri_engine_batch_size",
+            "Generations run together in each batched engine step",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
             registry=r,
         )
         self.kv_tokens = Gauge(

@@ -175,6 +175,22 @@ class Engine:
         """
         return _Scoring(self._model.score(list(context), [list(o) for o in options], slot))
 
+    def step_many(self, streams: list[_Tokens]) -> list[int | tuple[int, int] | None | Exception]:
+        """One step of every generation in ``streams`` together, with the GIL released: one
+        forward pass runs each one's next tokens over its own KV slot, reading every weight once
+        for all of them (each gets exactly the tokens it gets stepped alone). Returns each
+        stream's ``step()`` result, or the exception its step raised (one stream's bad input
+        fails it alone). A closed stream's result is None. Streams must be in different slots.
+        """
+        open_ = [t for t in streams if not t._closed]
+        raw = self._model.step_many([t._stream for t in open_]) if open_ else []
+        by_stream: dict[int, Any] = {}
+        for t, r in zip(open_, raw, strict=True):
+            if t.reused_tokens is None:
+                t.reused_tokens = t._stream.reused_tokens
+            by_stream[id(t)] = r
+        return [by_stream.get(id(t)) for t in streams]
+
     def check_grammar(self, kind: str, source: str) -> None:
         """Compiles a grammar (``json_schema``, ``lark`` or ``regex``) against the model's
         tokenizer; ``ValueError`` with llguidance's message when it is refused."""

@@ -1,24 +1,24 @@
 """Runs generations on the engine as async streams of output pieces.
 
-The engine computes each token with the GIL released, on one dedicated thread; the event loop
-stays free to serve other requests (health, listing, queued clients). Admission (which requests
-run, in which KV slot) is the scheduler's job; generations admitted to different slots take
-turns step by step on the engine thread (a step is one token, or a part of a long prompt's
-prefill of about half a second). Closing a stream (a client that went away) stops the
-computation after the step in flight; the prefill steps done stay in the slot's history.
+The engine computes with the GIL released, on one dedicated thread; the event loop stays free
+to serve other requests (health, listing, queued clients). Admission (which requests run, in
+which KV slot) is the scheduler's job; generations admitted to different slots step together,
+one batched engine step for all of them (runtime/batcher.py; a step is one token, or a part of a
+long prompt's prefill of about half a second). Closing a stream (a client that went away) stops
+its computation after the step in flight, without disturbing the others; the prefill steps done
+stay in the slot's history.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from colibri.chat.output import OutputPipeline, Piece, ReasoningState
 from colibri.chat.toolcalls import ToolCallParser
 from colibri.observability import RequestObserver
+from colibri.runtime.batcher import Batcher
 from colibri.runtime.engine import Engine, Grammar
 
 
@@ -73,16 +73,14 @@ class Scored:
     cached_tokens: int
 
 
-def _step(stream: Any) -> int | tuple[int, int] | None:
-    return stream.step()
-
-
 class Generator:
     """The one engine of the server and the thread it computes on."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_batch: Callable[[int], None] | None = None) -> None:
+        """``on_batch(n)``: called before each batched engine step of ``n`` generations."""
         self.engine = engine
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-engine")
+        self._batcher = Batcher(engine, self._thread, on_batch)
         # Set when the engine failed in a way no request explains (health reports it).
         self.dead: str | None = None
         # Prefills in progress, by stream: (slot or None for a private history, done, total).
@@ -96,7 +94,6 @@ class Generator:
     ) -> AsyncIterator[list[Piece] | Progress | Finished]:
         """Yields :class:`Progress` while a long prompt prefills, lists of pieces as they
         become final, then one :class:`Finished`."""
-        loop = asyncio.get_running_loop()
         out = OutputPipeline(
             self.engine.detokenize,
             spec.stops,
@@ -117,13 +114,14 @@ class Generator:
         )
         if observer is not None:
             observer.engine_started(len(spec.prompt_ids))
+        self._batcher.join(tokens)
         count = 0
         reason = "length"
         error: str | None = None
         try:
             while True:
                 try:
-                    step = await loop.run_in_executor(self._thread, _step, tokens)
+                    step = await self._batcher.step(tokens)
                 except Exception as e:
                     error = f"{type(e).__name__}: {e}"
                     self.dead = error
@@ -172,6 +170,7 @@ class Generator:
             reason = "cancelled" if error is None else "error"
             raise
         finally:
+            self._batcher.leave(tokens)
             self.prefilling.pop(id(tokens), None)
             tokens.close()
             if observer is not None:
@@ -196,7 +195,6 @@ class Generator:
         computed step by step on the engine thread like a generation: a long context prefills
         in parts (other slots' generations take turns in between), then one option a step.
         Cancelling the caller stops it after the step in flight."""
-        loop = asyncio.get_running_loop()
         scoring = self.engine.score(context, options, slot)
         if observer is not None:
             observer.engine_started(len(context))
@@ -205,7 +203,7 @@ class Generator:
         try:
             while True:
                 try:
-                    step = await loop.run_in_executor(self._thread, _step, scoring)
+                    step = await self._batcher.step_alone(scoring)
                 except Exception as e:
                     error = f"{type(e).__name__}: {e}"
                     self.dead = error

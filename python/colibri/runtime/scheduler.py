@@ -1,7 +1,8 @@
 """Admission to KV slots: a bounded FIFO queue with slot priority, deadlines and cancellation.
 
 The engine runs one generation per KV slot, so requests wait for a slot instead of running
-unsafely side by side. Rules (docs/API.md, "Admission"):
+unsafely side by side; at most ``max_active`` (default: every slot) hold one at once, and the
+active ones step together in one batched engine step. Rules (docs/API.md, "Admission"):
 
 - A request for any slot takes a free slot; a pinned request (``cache_slot``) takes its slot.
   When a slot frees, the earliest waiter that can use it gets it: an earlier pinned request keeps
@@ -88,9 +89,14 @@ class Scheduler:
         on_admit: Callable[[Lease], None] | None = None,
         on_release: Callable[[Lease, str, float], None] | None = None,
         clock: Callable[[], float] | None = None,
+        max_active: int | None = None,
     ) -> None:
         if not 1 <= slots <= 16:
             raise ValueError(f"kv slots must be 1..16, got {slots}")
+        if max_active is not None and not 1 <= max_active <= slots:
+            raise ValueError(f"max active must be 1..{slots} (the KV slots), got {max_active}")
+        # Requests holding a slot at once (the others wait even when a slot is free).
+        self.max_active = slots if max_active is None else max_active
         if max_queue < 0 or queue_timeout <= 0:
             raise ValueError("max_queue must be >= 0 and queue_timeout > 0")
         self.capacity = slots
@@ -127,6 +133,7 @@ class Scheduler:
             "active": self.active,
             "queued": self.queued,
             "capacity": self.capacity,
+            "max_active": self.max_active,
             "max_queue": self.max_queue,
             "admitted": c.admitted,
             "completed": c.completed,
@@ -142,6 +149,8 @@ class Scheduler:
     # --- admission ----------------------------------------------------------------------------
 
     def _free_slot(self, slot: int | None, choose: Chooser | None = None) -> int | None:
+        if self.active >= self.max_active:
+            return None
         if slot is not None:
             return None if self._busy[slot] else slot
         free = [i for i, b in enumerate(self._busy) if not b]
@@ -178,7 +187,12 @@ class Scheduler:
             return self._admit(free, start)
         if len(self._waiters) >= self.max_queue:
             self.counters.rejected += 1
-            target = f"slot {slot} is busy" if slot is not None else "every slot is busy"
+            if self.active >= self.max_active and self.max_active < self.capacity:
+                target = f"{self.max_active} requests are active (the most that run at once)"
+            elif slot is not None:
+                target = f"slot {slot} is busy"
+            else:
+                target = "every slot is busy"
             raise QueueFull(
                 f"the admission queue is full ({self.max_queue} waiting) and {target}; retry later"
             )
@@ -235,7 +249,7 @@ class Scheduler:
         """Hands free slots to waiters in FIFO order (deadline, then cancellation, first)."""
         now = self._clock()
         for waiter in list(self._waiters):
-            if not any(not b for b in self._busy):
+            if self.active >= self.max_active:
                 return
             if waiter.future.done():
                 self._waiters.remove(waiter)

@@ -28,6 +28,8 @@ class ServerConfig:
     continue_assistant: bool = True
     chat_family: str | None = None
     kv_slots: int = 1
+    # Requests that may hold a slot at once (None: every slot); the active ones step together.
+    max_active: int | None = None
     max_queue: int = 8
     queue_timeout: float = 300.0
     # The access log (api/access_log.py): on unless --quiet; "text" or "json" lines.
@@ -54,14 +56,15 @@ class ServedModel:
         self.template = (
             ChatTemplate(source, special_tokens_of(engine.tokenizer_config)) if source else None
         )
-        self.generator = Generator(engine)
         self.scheduler = Scheduler(
             config.kv_slots,
             config.max_queue,
             config.queue_timeout,
             on_release=self._released,
+            max_active=config.max_active,
         )
         self.metrics = Metrics(self.scheduler)
+        self.generator = Generator(engine, on_batch=self.metrics.batch_size.observe)
         self.metrics.kv_bytes_per_token.set(float(engine.info.get("kv_bytes_per_token", 0)))
         self.tracer = make_tracer(span_exporter)
 
