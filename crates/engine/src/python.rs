@@ -304,7 +304,7 @@ impl Model {
         py: Python<'py>,
         streams: Vec<Py<TokenStream>>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let pairs: Vec<(Arc<Mutex<Generation>>, Arc<Mutex<Slot>>)> = streams
+        let pairs: Vec<Shared> = streams
             .iter()
             .map(|s| {
                 let s = s.get();
@@ -459,6 +459,9 @@ struct TokenStream {
     gen: Arc<Mutex<Generation>>,
     slot: Arc<Mutex<Slot>>,
 }
+
+/// A generation and its slot, as a stream holds them.
+type Shared = (Arc<Mutex<Generation>>, Arc<Mutex<Slot>>);
 
 /// A step as Python sees it: a token id, `(done, total)` after a prefill part, or None.
 fn step_to_py(py: Python<'_>, step: Step) -> PyResult<Bound<'_, PyAny>> {
