@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -104,6 +105,14 @@ def test_four_concurrent_streams_get_their_answers_alone(srv):
     assert steps < 3 * TOKENS, (steps, shared)
     h = wait_idle(srv)
     assert h["max_active"] == h["capacity"] == 4
+    # Each stream's profile is its own, and adds up.
+    turns = httpx.get(srv.url + "/v1/colibri/profile").json()["turns"][-len(PROMPTS) :]
+    for t in turns:
+        assert t["decode_tokens"] == TOKENS - 1, t
+        parts = sum(t[k] for k in ("io_wait_s", "expert_matmul_s", "attention_s", "lm_head_s"))
+        total = t["prefill_s"] + t["decode_s"]
+        assert parts + t["other_s"] == pytest.approx(total, rel=1e-6, abs=1e-6), t
+        assert parts <= total * (1 + 1e-9), t
 
 
 def test_one_disconnect_leaves_the_other_streams_intact(srv):
@@ -155,3 +164,19 @@ def test_more_active_than_slots_is_refused_at_start():
     )
     assert p.returncode == 2
     assert "--max-active 3 is more than the 2 KV slots" in p.stderr
+
+
+def test_a_small_expert_cache_steps_streams_in_turn():
+    """With an expert cache too small for a batch's experts (batch_limit 1), concurrent
+    streams take turns, one per step, and still get their answers alone."""
+    s = RunningServer("--kv-slots", "4", "--ram-gb", "0", "--no-kv-persist")
+    try:
+        alone = [streamed(s, p) for p in PROMPTS]
+        got = together(s, {})
+        assert [got[i] for i in range(len(PROMPTS))] == alone
+        m = metrics(s)
+        assert m["colibri_engine_batch_size_count"] > 4 * TOKENS
+        assert m["colibri_engine_batch_size_count"] == m["colibri_engine_batch_size_bucket{le=1.0}"]
+        wait_idle(s)
+    finally:
+        s.stop()

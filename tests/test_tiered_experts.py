@@ -102,3 +102,23 @@ def test_profile_endpoint_and_serve_flags():
         assert len(data["last_routed_experts"]) == cold.info["num_layers"]
     finally:
         srv.stop()
+
+
+def test_batch_limit_follows_the_expert_cache(model_dir):
+    """Any number of streams step together with every expert in RAM; an expert cache too small
+    for a batch's experts limits it, and streams stepped in the limit's groups are exact."""
+    assert Engine(model_dir, threads=2).info["batch_limit"] is None
+    small = Engine(model_dir, threads=2, ram_gb=0.0, slots=3)
+    assert small.info["batch_limit"] == 1
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    alone = [greedy(small, p, 10) for p in prompts]
+    gens = [small.generate(p, 10, slot=i) for i, p in enumerate(prompts)]
+    out: list[list[int]] = [[] for _ in prompts]
+    while True:
+        results = small.step_many(gens)
+        if all(r is None for r in results):
+            break
+        for o, r in zip(out, results, strict=True):
+            if isinstance(r, int):
+                o.append(r)
+    assert out == alone

@@ -190,6 +190,22 @@ fn main() {
                 (n64 * rows * cols) as f64 / pre / 1e9,
                 (8 * rows * cols) as f64 / pre8 / 1e9
             );
+            // Streams decoded together: n tokens over matrices from DRAM, against n = 1.
+            let small: Vec<String> = [2usize, 3, 4, 8]
+                .iter()
+                .map(|&n| {
+                    let mut a = Q8Acts::new();
+                    a.quantize(&x64[..n * cols], n, cols);
+                    let t = time(min.max(Duration::from_millis(600)), || {
+                        for w in &ws {
+                            q4_matmul(k, w, &a, &mut out, rows, 0..rows);
+                        }
+                        black_box(&out);
+                    }) / set as f64;
+                    format!("n={n} {:.2}x", t / dram)
+                })
+                .collect();
+            println!("         DRAM time vs n=1: {}", small.join(", "));
         }
     }
 
