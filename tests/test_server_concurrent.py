@@ -165,18 +165,3 @@ def test_more_active_than_slots_is_refused_at_start():
     assert p.returncode == 2
     assert "--max-active 3 is more than the 2 KV slots" in p.stderr
 
-
-def test_a_small_expert_cache_steps_streams_in_turn():
-    """With an expert cache too small for a batch's experts (batch_limit 1), concurrent
-    streams take turns, one per step, and still get their answers alone."""
-    s = RunningServer("--kv-slots", "4", "--ram-gb", "0", "--no-kv-persist")
-    try:
-        alone = [streamed(s, p) for p in PROMPTS]
-        got = together(s, {})
-        assert [got[i] for i in range(len(PROMPTS))] == alone
-        m = metrics(s)
-        assert m["colibri_engine_batch_size_count"] > 4 * TOKENS
-        assert m["colibri_engine_batch_size_count"] == m["colibri_engine_batch_size_bucket{le=1.0}"]
-        wait_idle(s)
-    finally:
-        s.stop()

@@ -184,9 +184,6 @@ impl Model {
         d.set_item("tokenizer", m.manifest.tokenizer.clone())?;
         d.set_item("tokenizer_config", m.manifest.tokenizer_config.clone())?;
         d.set_item("kv_bytes_per_token", m.new_cache().bytes_per_token())?;
-        // None: any number of generations step together (see Model::batch_limit).
-        let limit = m.batch_limit();
-        d.set_item("batch_limit", (limit != usize::MAX).then_some(limit))?;
         d.set_item("kv_dtype", m.kv_dtype.name())?;
         Ok(d)
     }

@@ -7,8 +7,7 @@ live generation a moment (at most ``GATHER_S``) to ask too, since each one does 
 work (detokenizing, writing its SSE chunk) between two steps; then step all that asked at once.
 A stream that asks while a step runs joins the next. Scorings step alone, between batches. A
 generation prefilling a long prompt steps a part of about half a second at a time, so the others
-never wait for more than one such part. With an expert cache too small for a batch's experts
-(``Engine.info["batch_limit"]``), the waiting streams step in groups of that many, in turn.
+never wait for more than one such part.
 
 Everything but the engine call runs on the event loop, so no locks are needed.
 """
@@ -39,9 +38,6 @@ class Batcher:
     ) -> None:
         self._engine = engine
         self._thread = thread
-        # The most generations one step runs (an expert cache that cannot hold a bigger batch's
-        # experts would re-read them every step; Engine.info["batch_limit"]).
-        self._limit: int = engine.info.get("batch_limit") or 1 << 30
         self._on_batch = on_batch
         # Generations between their first and last step, and those waiting for a step.
         self._live: set[_Tokens] = set()
@@ -110,10 +106,8 @@ class Batcher:
                     )
                 continue
             await self._gather()
-            # Those that asked first (left over from the last step, then the rest in order).
-            batch = list(self._waiting.items())[: self._limit]
-            for t, _ in batch:
-                del self._waiting[t]
+            batch = list(self._waiting.items())
+            self._waiting.clear()
             if not batch:
                 continue
             if self._on_batch is not None:

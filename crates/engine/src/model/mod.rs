@@ -246,27 +246,6 @@ impl Model {
         self.heat.save(&self.heat_path)
     }
 
-    /// The most generations worth stepping together ([`crate::engine::step_batch`]): any
-    /// number when every expert is in RAM; with an expert cache too small to hold every expert,
-    /// as many as let it hold twice the experts of one of their steps (MoE layers x top_k per
-    /// generation), at least one. A batch whose experts overflow the cache re-reads most of
-    /// them at every step: on the OLMoE-shaped model (4 layers) at a 25% budget, 4 streams
-    /// stepped together decoded 44 tok/s in all against 122 for one stepped alone.
-    pub fn batch_limit(&self) -> usize {
-        match self.expert_store() {
-            Some(s) if !s.holds_all() => {
-                let moe_layers = self
-                    .layers
-                    .iter()
-                    .filter(|l| matches!(l.ffn, layers::Ffn::Moe(_)))
-                    .count();
-                let step = (moe_layers * self.cfg.top_k).max(1);
-                (s.stats().slots / (2 * step)).max(1)
-            }
-            _ => usize::MAX,
-        }
-    }
-
     /// The expert cache (`None` when every expert is resident).
     pub fn expert_store(&self) -> Option<&ExpertStore> {
         match &self.experts {
