@@ -45,6 +45,8 @@ bench: setup
     {{py}} benchmarks/bench_server_overhead.py
     {{py}} benchmarks/bench_kv_restart.py
     {{py}} benchmarks/bench_scoring.py
+    # Concurrent streams (1, 2, 4, 8) through the server against llama-server --parallel N -cb.
+    {{py}} benchmarks/bench_concurrent.py
     # Decode with a JSON-schema grammar vs unconstrained (demo model; the mask's cost per token).
     {{py}} benchmarks/bench_grammar.py
     # Long prompts (prefill 512..32k, decode after 16k, TTFT through the server): hours.
