@@ -66,6 +66,30 @@ def test_a_question_after_a_scored_state_reuses_the_state(converted):
         assert abs(lp - expected(eng, state + [7, 8, 9], o)) <= 1e-5 * max(1.0, abs(lp))
 
 
+def test_several_questions_in_one_scoring_equal_each_alone(reference, converted):
+    """One state, three questions of their own tokens and options of 1..3 tokens: one
+    score_many gives exactly each question's scores alone, on every family, int4 and f32; the
+    slot keeps the first question's context, and the state is reused the next time."""
+    for quant in ("int4", "f32"):
+        eng = Engine(converted(reference.arch, quant), slots=1)
+        vocab = eng.info["vocab_size"]
+        state = [(i * 37 + 11) % vocab for i in range(30)]
+        questions = [
+            (state + [(k * 7 + j) % vocab for j in range(k + 2)], [[k + 1], [k + 2, 3], [5, 6, 7]])
+            for k in range(3)
+        ]
+        alone = [eng.score(c, o).run() for c, o in questions]
+        s = eng.score_many(questions, slot=0)
+        got = s.run()
+        assert s.reused_tokens == 0
+        assert got == [x for a in alone for x in a], (reference.arch, quant)
+        assert eng.slot_info(0)["tokens"] == questions[0][0]
+        again = eng.score_many(questions, slot=0)
+        assert again.run() == got
+        # The shared start (the state) comes from the slot, its last token computed again.
+        assert again.reused_tokens == len(state) - 1
+
+
 def test_bad_scoring_input_is_refused(converted):
     eng = Engine(converted("olmoe", "f32"), slots=1)
     with pytest.raises(ValueError, match="no tokens"):

@@ -110,23 +110,18 @@ def test_the_text_form_reads_the_plain_prompt(http):
     assert d["answer"] == CAPITALS[3] and d["prompt_format"] == "text"
 
 
+def d_questions() -> list[dict]:
+    return [
+        {"question": "What is the capital of Italy?", "options": CAPITALS},
+        {"question": "What is the capital of Spain?", "options": CAPITALS},
+        {"question": "What is the capital of France?", "options": CAPITALS, "normalize": "mean"},
+    ]
+
+
 def test_questions_share_the_state_prefilled_once(http):
     state = "A long document about European geography. " * 20
     before = prompt_tokens_total(http)
-    r = brio(
-        http,
-        state=state,
-        questions=[
-            {"question": "What is the capital of Italy?", "options": CAPITALS},
-            {"question": "What is the capital of Spain?", "options": CAPITALS},
-            {
-                "question": "What is the capital of France?",
-                "options": CAPITALS,
-                "normalize": "mean",
-            },
-        ],
-        cache_slot=1,
-    )
+    r = brio(http, state=state, questions=d_questions(), cache_slot=1)
     assert r.status_code == 200, r.text
     d = r.json()
     assert d["object"] == "brio.answers"
@@ -136,9 +131,14 @@ def test_questions_share_the_state_prefilled_once(http):
     prefilled = prompt_tokens_total(http) - before
     longest = d["usage"]["prompt_tokens"]  # the state prefix and one question (~15 tokens)
     assert longest > 200
-    # The state once, then only the later questions' own tokens (never the state again).
+    # The state once, then only the questions' own tokens (never the state again).
     assert prefilled <= longest + 2 * 20, (prefilled, d["usage"])
-    assert d["usage"]["prompt_tokens_details"]["cached_tokens"] >= longest - 20
+    # Asked again, the slot's history (the state and the first question) is reused.
+    before = prompt_tokens_total(http)
+    again = brio(http, state=state, questions=d_questions(), cache_slot=1).json()
+    assert [a["answer"] for a in again["answers"]] == [a["answer"] for a in d["answers"]]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= longest - 20
+    assert prompt_tokens_total(http) - before <= 3 * 20
 
 
 def test_schema_fields_in_order_from_their_values(http):

@@ -71,8 +71,8 @@ pub(crate) struct Prefill {
 
 /// What one [`Prefill::step`] did.
 pub(crate) enum PrefillStep {
-    /// `done` of the prompt's `total` tokens have KV now; more steps follow.
-    Part { done: usize, total: usize },
+    /// `done` of the prompt's tokens have KV now; more steps follow.
+    Part { done: usize },
     /// The prompt is in the slot: the logits of its last token.
     Last(Vec<f32>),
 }
@@ -82,6 +82,16 @@ impl Prefill {
         Prefill {
             prompt,
             reused: None,
+            done: 0,
+            step_len: FIRST_STEP,
+        }
+    }
+
+    /// A prefill of nothing with nothing reused (a scoring whose questions share no start).
+    pub(crate) fn reused_none() -> Prefill {
+        Prefill {
+            prompt: Vec::new(),
+            reused: Some(0),
             done: 0,
             step_len: FIRST_STEP,
         }
@@ -143,10 +153,7 @@ impl Prefill {
         if !is_last {
             slot.forward(model, &self.prompt[range.clone()])?;
             self.advance(range.end, t0.elapsed(), model);
-            return Ok(PrefillStep::Part {
-                done: range.end,
-                total,
-            });
+            return Ok(PrefillStep::Part { done: range.end });
         }
         let logits = last(model, slot, &self.prompt[range])?;
         self.advance(total, t0.elapsed(), model);

@@ -31,17 +31,30 @@ impl<T: Pod> HugeBuf<T> {
     /// # Panics
     /// If the memory cannot be mapped (as a `Vec` aborts when it cannot allocate).
     pub fn zeroed(len: usize) -> HugeBuf<T> {
+        HugeBuf::zeroed_with(len, true)
+    }
+
+    /// As [`HugeBuf::zeroed`], on ordinary pages: for a short-lived buffer, whose first touch
+    /// of fresh huge pages can cost more than they save (a scoring's forked KV history: 100 ms
+    /// for 36 MB when the kernel had to compact memory for them, 15 ms on 4 KiB pages).
+    pub fn zeroed_small_pages(len: usize) -> HugeBuf<T> {
+        HugeBuf::zeroed_with(len, false)
+    }
+
+    fn zeroed_with(len: usize, huge: bool) -> HugeBuf<T> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .expect("buffer size overflows");
-        let align = bytes >= HUGE_PAGE;
+        let align = huge && bytes >= HUGE_PAGE;
         let map = (bytes > 0).then(|| {
             let size = if align { bytes + HUGE_PAGE } else { bytes };
             let map = memmap2::MmapMut::map_anon(size)
                 .unwrap_or_else(|e| panic!("cannot map {size} bytes of memory: {e}"));
             // Advised before the first touch, so the pages are huge from the start.
             #[cfg(target_os = "linux")]
-            let _ = map.advise(memmap2::Advice::HugePage);
+            if huge {
+                let _ = map.advise(memmap2::Advice::HugePage);
+            }
             map
         });
         let start = match &map {

@@ -64,6 +64,14 @@ impl Block {
         }
     }
 
+    /// On ordinary pages (a short-lived copy, see [`HugeBuf::zeroed_small_pages`]).
+    fn new_small_pages(dtype: KvDtype, len: usize) -> Block {
+        match dtype {
+            KvDtype::F32 => Block::F32(HugeBuf::zeroed_small_pages(len)),
+            KvDtype::F16 => Block::F16(HugeBuf::zeroed_small_pages(len)),
+        }
+    }
+
     /// Copies `len` floats from `src[from..]` into `self[to..]` (same dtype).
     fn copy_from(&mut self, to: usize, src: &Block, from: usize, len: usize) {
         match (self, src) {
@@ -316,6 +324,40 @@ impl KvCache {
         }
         self.data = grown;
         self.cap = cap;
+    }
+
+    /// A copy of the history with room for `extra` more positions (only the stored positions
+    /// are copied), on ordinary pages: another, short-lived continuation of the same prefix.
+    pub fn fork(&self, extra: usize) -> KvCache {
+        let cap = (self.len + extra)
+            .max(MIN_CAP)
+            .min(self.limit.max(self.len + extra));
+        let size = cap
+            .checked_mul(self.stride)
+            .expect("KV cache size overflows");
+        let mut data = Block::new_small_pages(self.dtype, size);
+        for s in &self.spans {
+            for values in [false, true] {
+                let (base, dim) = s.run(values);
+                for h in 0..s.heads {
+                    let (to, from) = (
+                        cap * base + h * cap * dim,
+                        self.cap * base + h * self.cap * dim,
+                    );
+                    data.copy_from(to, &self.data, from, self.len * dim);
+                }
+            }
+        }
+        KvCache {
+            data,
+            layout: self.layout.clone(),
+            spans: self.spans.clone(),
+            stride: self.stride,
+            dtype: self.dtype,
+            cap,
+            limit: self.limit,
+            len: self.len,
+        }
     }
 
     /// Stores position-major f32 rows `k`/`v` (`n * key_width(li)` and `n * value_width(li)`

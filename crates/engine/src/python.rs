@@ -282,7 +282,20 @@ impl Model {
         options: Vec<Vec<u32>>,
         slot: Option<usize>,
     ) -> PyResult<ScoreStream> {
-        let scoring = Scoring::new(context, options).map_err(to_py)?;
+        self.score_many(vec![(context, options)], slot)
+    }
+
+    /// One scoring of several questions, each `(context, options)`: the start their contexts
+    /// share is prefilled once, the rest of every context runs in one batched pass, and the
+    /// options of several tokens in rounds (`score::Scoring`). `scores` lists every question's
+    /// options in order. With `slot`, the slot keeps the first question's context.
+    #[pyo3(signature = (questions, slot=None))]
+    fn score_many(
+        &self,
+        questions: Vec<(Vec<u32>, Vec<Vec<u32>>)>,
+        slot: Option<usize>,
+    ) -> PyResult<ScoreStream> {
+        let scoring = Scoring::many(questions).map_err(to_py)?;
         let slot = match slot {
             None => Arc::new(Mutex::new(Slot::new(&self.inner))),
             Some(i) => self.slot(i)?.clone(),

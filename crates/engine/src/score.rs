@@ -32,30 +32,93 @@ pub enum ScoreStep {
     End,
 }
 
-/// An in-progress scoring: call [`Scoring::step`] until it returns [`ScoreStep::End`].
-pub struct Scoring {
-    prefill: Prefill,
+/// One question of a scoring: a context and the options read after it.
+struct Question {
+    context: Vec<u32>,
     options: Vec<Vec<u32>>,
-    /// The logits after the context's last token, once it is in the slot.
+    /// The logits after the context's last token, once it has run.
     last: Option<Vec<f32>>,
-    scores: Vec<OptionScore>,
+    scores: Vec<Option<OptionScore>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Prefilling the start every context shares, in steps.
+    Shared,
+    /// Each question's rest of its context, all in one batched pass.
+    Contexts,
+    /// Round `r`: the `r`-th option of several tokens of every question, in one batched pass.
+    Options(usize),
+    Done,
+}
+
+/// An in-progress scoring of one or several questions (contexts that may share a start, such
+/// as one state asked several questions), each with its options: call [`Scoring::step`] until
+/// it returns [`ScoreStep::End`].
+///
+/// The shared start is prefilled in the slot in steps; then the rest of every context runs in
+/// one batched pass (question 0 in the slot, the others in private copies of it,
+/// [`Slot::fork`]), so several questions cost one sweep over the experts instead of one each;
+/// then the options of several tokens run in rounds, one option of every question per batched
+/// pass. The slot keeps the first question's context.
+pub struct Scoring {
+    questions: Vec<Question>,
+    /// Tokens every context starts with (a lone question: its whole context).
+    shared: usize,
+    prefill: Prefill,
+    phase: Phase,
+    /// Questions 1.. run in these copies of the slot after the shared start.
+    forks: Vec<Slot>,
     turn_ended: bool,
 }
 
 impl Scoring {
-    /// `options` may be of any lengths (an empty option scores 0 over 0 tokens).
+    /// One context and its options (any lengths; an empty option scores 0 over 0 tokens).
     pub fn new(context: Vec<u32>, options: Vec<Vec<u32>>) -> Result<Scoring> {
-        if context.is_empty() {
-            return Err(Error::Input("the scoring context has no tokens".into()));
+        Scoring::many(vec![(context, options)])
+    }
+
+    /// Several questions, each a context and its options, read in one scoring.
+    pub fn many(questions: Vec<(Vec<u32>, Vec<Vec<u32>>)>) -> Result<Scoring> {
+        if questions.is_empty() {
+            return Err(Error::Input("nothing to score: no questions".into()));
         }
-        if options.is_empty() {
-            return Err(Error::Input("nothing to score: no options".into()));
+        for (context, options) in &questions {
+            if context.is_empty() {
+                return Err(Error::Input("the scoring context has no tokens".into()));
+            }
+            if options.is_empty() {
+                return Err(Error::Input("nothing to score: no options".into()));
+            }
         }
+        let first = &questions[0].0;
+        let shared = if questions.len() == 1 {
+            first.len()
+        } else {
+            // Every question keeps at least one token of its own (its context's last logits).
+            let common = questions[1..]
+                .iter()
+                .map(|(c, _)| c.iter().zip(first).take_while(|(a, b)| a == b).count())
+                .min()
+                .unwrap_or(0);
+            let shortest = questions.iter().map(|(c, _)| c.len()).min().unwrap_or(1);
+            common.min(shortest - 1)
+        };
+        let prefill = Prefill::new(first[..shared].to_vec());
         Ok(Scoring {
-            prefill: Prefill::new(context),
-            options,
-            last: None,
-            scores: Vec::new(),
+            questions: questions
+                .into_iter()
+                .map(|(context, options)| Question {
+                    scores: vec![None; options.len()],
+                    context,
+                    options,
+                    last: None,
+                })
+                .collect(),
+            shared,
+            prefill,
+            phase: Phase::Shared,
+            forks: Vec::new(),
             turn_ended: false,
         })
     }
@@ -65,42 +128,194 @@ impl Scoring {
         self.prefill.reused()
     }
 
-    /// The options scored so far, in order.
-    pub fn scores(&self) -> &[OptionScore] {
-        &self.scores
+    /// The options scored so far, question after question, in order (those not scored yet
+    /// left out).
+    pub fn scores(&self) -> Vec<OptionScore> {
+        self.questions
+            .iter()
+            .flat_map(|q| q.scores.iter().flatten().copied())
+            .collect()
     }
 
-    /// One step: a part of the context's prefill, or one option.
+    /// Tokens the scoring prefills in all: the shared start and every question's rest.
+    fn total(&self) -> usize {
+        self.shared
+            + self
+                .questions
+                .iter()
+                .map(|q| q.context.len() - self.shared)
+                .sum::<usize>()
+    }
+
+    /// One step: a part of the shared start's prefill, the rest of every context, or one round
+    /// of options.
     pub fn step(&mut self, model: &Model, slot: &mut Slot) -> Result<ScoreStep> {
-        let last = match self.last.take() {
-            Some(l) => l,
-            None => match self
-                .prefill
-                .step(model, slot, |m, s, ids| s.forward(m, ids))?
-            {
-                PrefillStep::Part { done, total } => {
-                    return Ok(ScoreStep::Prefilled { done, total })
+        match self.phase {
+            Phase::Shared => {
+                if self.shared == 0 {
+                    // Nothing shared: the history is dropped; every context runs whole.
+                    slot.reuse_prefix(&[]);
+                    self.prefill = Prefill::reused_none();
+                    self.phase = Phase::Contexts;
+                    return self.step(model, slot);
                 }
-                PrefillStep::Last(l) => l,
-            },
-        };
-        let index = self.scores.len();
-        let result = match self.options.get(index) {
-            None => {
-                self.last = Some(last);
-                self.end(model, slot);
-                return Ok(ScoreStep::End);
+                let total = self.total();
+                match self
+                    .prefill
+                    .step(model, slot, |m, s, ids| s.forward(m, ids))?
+                {
+                    PrefillStep::Part { done } => Ok(ScoreStep::Prefilled { done, total }),
+                    PrefillStep::Last(logits) => {
+                        if self.questions.len() == 1 {
+                            self.questions[0].last = Some(logits);
+                            self.phase = Phase::Options(0);
+                            return self.step(model, slot);
+                        }
+                        self.phase = Phase::Contexts;
+                        Ok(ScoreStep::Prefilled {
+                            done: self.shared,
+                            total,
+                        })
+                    }
+                }
             }
-            Some(option) => score_option(model, slot, &last, option),
-        };
-        self.last = Some(last);
-        self.scores.push(result?);
-        Ok(ScoreStep::Scored { index })
+            Phase::Contexts => {
+                let room = self
+                    .questions
+                    .iter()
+                    .map(|q| {
+                        q.context.len() - self.shared
+                            + q.options.iter().map(Vec::len).max().unwrap_or(0)
+                    })
+                    .max()
+                    .unwrap_or(0);
+                self.forks = (1..self.questions.len()).map(|_| slot.fork(room)).collect();
+                let shared = self.shared;
+                let mut work: Vec<(&mut Slot, &[u32])> = std::iter::once(slot)
+                    .chain(self.forks.iter_mut())
+                    .zip(&self.questions)
+                    .map(|(s, q)| (s, &q.context[shared..]))
+                    .collect();
+                let logits = Slot::forward_many(model, &mut work)?;
+                for (q, l) in self.questions.iter_mut().zip(logits) {
+                    q.last = Some(l);
+                }
+                self.phase = Phase::Options(0);
+                let total = self.total();
+                Ok(ScoreStep::Prefilled { done: total, total })
+            }
+            Phase::Options(round) => {
+                if round == 0 {
+                    self.check_options(model)?;
+                    self.score_short();
+                }
+                let ran = self.option_round(model, slot, round)?;
+                self.phase = if ran {
+                    Phase::Options(round + 1)
+                } else {
+                    Phase::Done
+                };
+                if !ran && round > 0 {
+                    return self.step(model, slot);
+                }
+                let index = self.scores().len().saturating_sub(1);
+                Ok(ScoreStep::Scored { index })
+            }
+            Phase::Done => {
+                self.end(model, slot);
+                Ok(ScoreStep::End)
+            }
+        }
     }
 
-    /// Ends the turn (once): the slot's history (the context) is made durable and the model
-    /// closes the turn's profile. Called at the end, and by whoever drops a scoring early.
+    fn check_options(&self, model: &Model) -> Result<()> {
+        let vocab = model.cfg.vocab_size;
+        for q in &self.questions {
+            if let Some(&bad) = q.options.iter().flatten().find(|&&t| t as usize >= vocab) {
+                return Err(Error::Input(format!(
+                    "token id {bad} is outside the vocabulary ({vocab})"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Options of at most one token: read from the context's own logits.
+    fn score_short(&mut self) {
+        for q in &mut self.questions {
+            let last = q.last.as_ref().expect("the context has run");
+            for (o, score) in q.options.iter().zip(q.scores.iter_mut()) {
+                *score = match o.as_slice() {
+                    [] => Some(OptionScore {
+                        logprob: 0.0,
+                        tokens: 0,
+                    }),
+                    [t] => Some(OptionScore {
+                        logprob: log_softmax_at(last, *t as usize),
+                        tokens: 1,
+                    }),
+                    _ => None,
+                };
+            }
+        }
+    }
+
+    /// The `round`-th option of several tokens of every question that has one, in one pass
+    /// (each after its question's context, then dropped again). False when none is left.
+    fn option_round(&mut self, model: &Model, slot: &mut Slot, round: usize) -> Result<bool> {
+        // (question, option) of this round.
+        let picks: Vec<(usize, usize)> = self
+            .questions
+            .iter()
+            .enumerate()
+            .filter_map(|(qi, q)| {
+                let long: Vec<usize> = (0..q.options.len())
+                    .filter(|&i| q.options[i].len() > 1)
+                    .collect();
+                long.get(round).map(|&oi| (qi, oi))
+            })
+            .collect();
+        if picks.is_empty() {
+            return Ok(false);
+        }
+        let questions = &self.questions;
+        let mut slots: Vec<Option<&mut Slot>> = std::iter::once(slot)
+            .chain(self.forks.iter_mut())
+            .map(Some)
+            .collect();
+        let mut work: Vec<(&mut Slot, &[u32])> = picks
+            .iter()
+            .map(|&(qi, oi)| {
+                let o = &questions[qi].options[oi];
+                (
+                    slots[qi].take().expect("one option per question a round"),
+                    &o[..o.len() - 1],
+                )
+            })
+            .collect();
+        let logits = Slot::try_after_many(model, &mut work)?;
+        let vocab = model.cfg.vocab_size;
+        for (&(qi, oi), rows) in picks.iter().zip(logits) {
+            let q = &mut self.questions[qi];
+            let o = &q.options[oi];
+            let last = q.last.as_ref().expect("the context has run");
+            let mut logprob = log_softmax_at(last, o[0] as usize);
+            for (row, &t) in rows.chunks_exact(vocab).zip(&o[1..]) {
+                logprob += log_softmax_at(row, t as usize);
+            }
+            q.scores[oi] = Some(OptionScore {
+                logprob,
+                tokens: o.len(),
+            });
+        }
+        Ok(true)
+    }
+
+    /// Ends the turn (once): the slot's history (the first context) is made durable and the
+    /// model closes the turn's profile. Called at the end, and by whoever drops a scoring early.
     pub fn end(&mut self, model: &Model, slot: &mut Slot) {
+        self.phase = Phase::Done;
+        self.forks.clear();
         if !self.turn_ended {
             self.turn_ended = true;
             slot.end_turn();
@@ -108,40 +323,6 @@ impl Scoring {
             let _ = model.close_turn(&mut slot.turn);
         }
     }
-}
-
-/// `option`'s score after the slot's history, whose last logits are `last`. The option's
-/// positions are run after the history and dropped again: the slot is left as it was.
-fn score_option(
-    model: &Model,
-    slot: &mut Slot,
-    last: &[f32],
-    option: &[u32],
-) -> Result<OptionScore> {
-    let vocab = model.cfg.vocab_size;
-    if let Some(&bad) = option.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::Input(format!(
-            "token id {bad} is outside the vocabulary ({vocab})"
-        )));
-    }
-    let Some((&first, rest)) = option.split_first() else {
-        return Ok(OptionScore {
-            logprob: 0.0,
-            tokens: 0,
-        });
-    };
-    let mut logprob = log_softmax_at(last, first as usize);
-    if !rest.is_empty() {
-        // The logits after each of the option's tokens but its last score the next one.
-        let logits = slot.try_after(model, &option[..option.len() - 1])?;
-        for (row, &t) in logits.chunks_exact(vocab).zip(rest) {
-            logprob += log_softmax_at(row, t as usize);
-        }
-    }
-    Ok(OptionScore {
-        logprob,
-        tokens: option.len(),
-    })
 }
 
 /// `log softmax(logits)[t]`: the largest logit taken out before the exponentials, their sum
@@ -159,7 +340,10 @@ mod tests {
 
     fn model(fixture: &str) -> Model {
         let hf = crate::testutil::fixture(fixture);
-        let root = crate::testutil::scratch_dir("score", fixture);
+        // Tests run at once: each conversion its own directory.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let root = crate::testutil::scratch_dir("score", &format!("{fixture}-{n}"));
         let d = root.join("model");
         crate::convert::convert(&hf, &d, Quant::F32, &mut |_, _, _| {}).unwrap();
         let model = Model::load(&d, Some(2)).unwrap();
@@ -222,6 +406,60 @@ mod tests {
             for (got, o) in s2.scores().iter().zip(&options) {
                 let want = reference(&model, &longer, o);
                 assert!((got.logprob - want).abs() <= 1e-5 * want.abs().max(1.0));
+            }
+        }
+    }
+
+    /// A question as [`Scoring::many`] takes it: a context and its options.
+    type Asked = (Vec<u32>, Vec<Vec<u32>>);
+
+    /// Several questions after one state in one scoring give exactly the scores each one gets
+    /// alone (the state prefilled once, the questions' rests in one batched pass, options of
+    /// several tokens in rounds); the slot keeps the first question's context. Questions that
+    /// share no start, or one that is the start of another, are scored alike.
+    #[test]
+    fn several_questions_score_as_each_alone() {
+        for fixture in ["olmoe", "glm_moe_dsa"] {
+            let model = model(fixture);
+            let vocab = model.cfg.vocab_size as u32;
+            let state: Vec<u32> = (0..40u32).map(|i| (i * 17 + 3) % vocab).collect();
+            let ctx = |tail: &[u32]| state.iter().chain(tail).copied().collect::<Vec<u32>>();
+            let cases: Vec<Vec<Asked>> = vec![
+                vec![
+                    (ctx(&[4, 8, 15]), vec![vec![5], vec![9, 2, 11], vec![]]),
+                    (ctx(&[16, 23]), vec![vec![1, 1, 1, 7], vec![3], vec![2, 6]]),
+                    (ctx(&[42, 4, 8, 15, 16, 23, 42]), vec![vec![7], vec![8]]),
+                ],
+                // No shared start at all.
+                vec![
+                    (vec![1, 2, 3], vec![vec![4, 5], vec![6]]),
+                    (vec![9, 8], vec![vec![7]]),
+                ],
+                // One context is the start of the other.
+                vec![
+                    (ctx(&[]), vec![vec![5, 6]]),
+                    (ctx(&[5, 6, 7]), vec![vec![8], vec![9, 10]]),
+                ],
+            ];
+            for questions in cases {
+                let alone: Vec<Vec<OptionScore>> = questions
+                    .iter()
+                    .map(|(c, o)| run(&model, &mut Slot::new(&model), c, o).scores())
+                    .collect();
+                let mut slot = Slot::new(&model);
+                let mut s = Scoring::many(questions.clone()).unwrap();
+                let mut progress = Vec::new();
+                loop {
+                    match s.step(&model, &mut slot).unwrap() {
+                        ScoreStep::Prefilled { done, total } => progress.push((done, total)),
+                        ScoreStep::Scored { .. } => {}
+                        ScoreStep::End => break,
+                    }
+                }
+                assert_eq!(s.scores(), alone.concat(), "{fixture}");
+                assert_eq!(slot.tokens, questions[0].0, "{fixture}");
+                let (done, total) = *progress.last().unwrap();
+                assert_eq!(done, total, "{fixture}: {progress:?}");
             }
         }
     }

@@ -62,6 +62,18 @@ impl Slot {
         }
     }
 
+    /// A private copy of the history (no store, its own turn), with room for `extra` more
+    /// positions: to run another continuation of the same prefix beside this one.
+    pub fn fork(&self, extra: usize) -> Slot {
+        Slot {
+            tokens: self.tokens.clone(),
+            kv: self.kv.fork(extra),
+            store: None,
+            store_error: None,
+            turn: Turn::default(),
+        }
+    }
+
     pub fn set_store(&mut self, store: Box<dyn SlotStore>) {
         self.store = Some(store);
     }
@@ -119,15 +131,28 @@ impl Slot {
     /// Logits of every one of `tokens` run after the history, whose positions are then
     /// dropped again (the history is left as it was; nothing is committed).
     pub fn try_after(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>> {
-        let len = self.kv.len;
-        let mut seqs = [Seq {
-            tokens,
-            kv: &mut self.kv,
-            all_logits: true,
-            turn: &mut self.turn,
-        }];
-        let r = model.forward_batch(&mut seqs).map(|mut l| l.remove(0));
-        self.kv.truncate(len);
+        Ok(Slot::try_after_many(model, &mut [(self, tokens)])?.remove(0))
+    }
+
+    /// [`Slot::try_after`] for several slots in one batched pass.
+    pub fn try_after_many(
+        model: &Model,
+        work: &mut [(&mut Slot, &[u32])],
+    ) -> Result<Vec<Vec<f32>>> {
+        let lens: Vec<usize> = work.iter().map(|(s, _)| s.kv.len).collect();
+        let mut seqs: Vec<Seq> = work
+            .iter_mut()
+            .map(|(slot, tokens)| Seq {
+                tokens,
+                kv: &mut slot.kv,
+                all_logits: true,
+                turn: &mut slot.turn,
+            })
+            .collect();
+        let r = model.forward_batch(&mut seqs);
+        for ((slot, _), len) in work.iter_mut().zip(lens) {
+            slot.kv.truncate(len);
+        }
         r
     }
 

@@ -70,16 +70,27 @@ def _choices(reads: list[OptionRead], normalize: str) -> tuple[list[dict[str, An
     return choices, entropy(probs)
 
 
-async def _answer(scorer: Scorer, state: str, q: BrioQuestion, fmt: str) -> dict[str, Any]:
-    read = question_read(state, q.question)
-    reads = await scorer.read(q.options, fitted_tokens(scorer.model, read, q.options, fmt))
-    choices, h = _choices(reads, q.normalize)
-    return {
-        "answer": choices[0]["option"],
-        "entropy": h,
-        "normalize": q.normalize,
-        "choices": choices,
-    }
+async def _answers(
+    scorer: Scorer, state: str, questions: list[BrioQuestion], fmt: str
+) -> list[dict[str, Any]]:
+    """Each question's answer, all read in one engine scoring (the state's KV once, the
+    questions' own tokens together)."""
+    asked = [
+        (q.options, fitted_tokens(scorer.model, question_read(state, q.question), q.options, fmt))
+        for q in questions
+    ]
+    out = []
+    for q, reads in zip(questions, await scorer.read_many(asked), strict=True):
+        choices, h = _choices(reads, q.normalize)
+        out.append(
+            {
+                "answer": choices[0]["option"],
+                "entropy": h,
+                "normalize": q.normalize,
+                "choices": choices,
+            }
+        )
+    return out
 
 
 async def _schema(scorer: Scorer, req: BrioRequest, fmt: str) -> dict[str, Any]:
@@ -111,15 +122,15 @@ async def _schema(scorer: Scorer, req: BrioRequest, fmt: str) -> dict[str, Any]:
 async def _run(scorer: Scorer, req: BrioRequest, fmt: str) -> dict[str, Any]:
     if req.form == "schema":
         return {"object": "brio.schema", **await _schema(scorer, req, fmt)}
+    answers = await _answers(scorer, req.state, list(req.questions), fmt)
     if req.form == "options":
-        return {
-            "object": "brio.choice",
-            **await _answer(scorer, req.state, req.questions[0], fmt),
-        }
-    answers = []
-    for q in req.questions:
-        answers.append({"question": q.question, **await _answer(scorer, req.state, q, fmt)})
-    return {"object": "brio.answers", "answers": answers}
+        return {"object": "brio.choice", **answers[0]}
+    return {
+        "object": "brio.answers",
+        "answers": [
+            {"question": q.question, **a} for q, a in zip(req.questions, answers, strict=True)
+        ],
+    }
 
 
 def _usage(u: Usage) -> dict[str, int]:

@@ -54,12 +54,21 @@ def _answer(q: Question, probs: list[float]) -> dict[str, Any]:
     }
 
 
-async def _scored(scorer: Scorer, req: SystemoneRequest, q: Question, fmt: str) -> list[float]:
-    reads = await scorer.read(q.options, fitted_tokens(scorer.model, _read(req, q), q.options, fmt))
-    scores = [r.score(req.normalize) for r in reads]
-    if any(s != s for s in scores):  # NaN
-        raise ApiError(502, "the engine gave no log-probabilities", code="engine_error")
-    return softmax(scores)
+async def _scored(
+    scorer: Scorer, req: SystemoneRequest, questions: list[Question], fmt: str
+) -> dict[str, list[float]]:
+    """Every question's option probabilities, read in one engine scoring (the state's KV once,
+    the questions' own tokens together)."""
+    asked = [
+        (q.options, fitted_tokens(scorer.model, _read(req, q), q.options, fmt)) for q in questions
+    ]
+    out = {}
+    for q, reads in zip(questions, await scorer.read_many(asked), strict=True):
+        scores = [r.score(req.normalize) for r in reads]
+        if any(s != s for s in scores):  # NaN
+            raise ApiError(502, "the engine gave no log-probabilities", code="engine_error")
+        out[q.id] = softmax(scores)
+    return out
 
 
 async def systemone(request: Request) -> Response:
@@ -74,7 +83,7 @@ async def systemone(request: Request) -> Response:
     )
 
     async def work(scorer: Scorer) -> dict[str, list[float]]:
-        return {q.id: await _scored(scorer, req, q, fmt) for q in engine_questions}
+        return await _scored(scorer, req, engine_questions, fmt)
 
     if engine_questions:
         done = await run_scoring(request, model, observer, req.cache_slot, contexts[0], work)

@@ -191,6 +191,20 @@ class Engine:
             by_stream[id(t)] = r
         return [by_stream.get(id(t)) for t in streams]
 
+    def score_many(
+        self, questions: list[tuple[list[int], list[list[int]]]], slot: int | None = None
+    ) -> _Scoring:
+        """Several questions, each ``(context, options)``, in one scoring: the start their
+        contexts share (a state asked several questions) is prefilled once, the rest of every
+        context runs in one batched pass, the options of several tokens in rounds. ``scores``
+        lists every question's options in order, each exactly as :meth:`score` gives it. With
+        ``slot``, the slot keeps the first question's context."""
+        return _Scoring(
+            self._model.score_many(
+                [(list(c), [list(o) for o in opts]) for c, opts in questions], slot
+            )
+        )
+
     def check_grammar(self, kind: str, source: str) -> None:
         """Compiles a grammar (``json_schema``, ``lark`` or ``regex``) against the model's
         tokenizer; ``ValueError`` with llguidance's message when it is refused."""

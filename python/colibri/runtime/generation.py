@@ -191,13 +191,23 @@ class Generator:
         observer: RequestObserver | None = None,
         slot: int | None = None,
     ) -> Scored:
-        """The options' ``(logprob, tokens)`` after ``context`` (see :meth:`Engine.score`),
-        computed step by step on the engine thread like a generation: a long context prefills
-        in parts (other slots' generations take turns in between), then one option a step.
-        Cancelling the caller stops it after the step in flight."""
-        scoring = self.engine.score(context, options, slot)
+        """The options' ``(logprob, tokens)`` after ``context`` (see :meth:`Engine.score`)."""
+        return await self.score_many([(context, options)], observer, slot)
+
+    async def score_many(
+        self,
+        questions: list[tuple[list[int], list[list[int]]]],
+        observer: RequestObserver | None = None,
+        slot: int | None = None,
+    ) -> Scored:
+        """Every question's options' ``(logprob, tokens)``, in order (see
+        :meth:`Engine.score_many`), computed step by step on the engine thread like a
+        generation: a long shared start prefills in parts (other slots' generations step in
+        between), then the questions' rests, then the options in rounds. Cancelling the caller
+        stops it after the step in flight."""
+        scoring = self.engine.score_many(questions, slot)
         if observer is not None:
-            observer.engine_started(len(context))
+            observer.engine_started(_prefilled(questions))
         error: str | None = None
         reason = "cancelled"
         try:
@@ -227,3 +237,21 @@ class Generator:
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _prefilled(questions: list[tuple[list[int], list[list[int]]]]) -> int:
+    """Context tokens a scoring of ``questions`` runs: their shared start once, then each
+    one's rest (each keeps at least its last token; the engine's ``Scoring::many``)."""
+    contexts = [c for c, _ in questions]
+    if len(contexts) == 1:
+        return len(contexts[0])
+    first = contexts[0]
+    common = min(
+        next(
+            (i for i, (a, b) in enumerate(zip(c, first, strict=False)) if a != b),
+            min(len(c), len(first)),
+        )
+        for c in contexts[1:]
+    )
+    shared = min(common, min(len(c) for c in contexts) - 1)
+    return shared + sum(len(c) - shared for c in contexts)

@@ -47,18 +47,24 @@ class Scorer:
     ) -> list[OptionRead]:
         """Each option's log-probability after the prompt: ``tokens`` are the prompt's and each
         option's (``scoring.tokens.fitted_tokens``)."""
-        context, option_ids = tokens
-        scored = await self.model.generator.score(
-            context, option_ids, self.observer, self.lease.slot
+        return (await self.read_many([(options, tokens)]))[0]
+
+    async def read_many(
+        self, questions: Sequence[tuple[Sequence[str], tuple[list[int], list[list[int]]]]]
+    ) -> list[list[OptionRead]]:
+        """:meth:`read` for several questions in one engine scoring: the start their prompts
+        share (the state) is prefilled once and their own parts run together."""
+        scored = await self.model.generator.score_many(
+            [tokens for _, tokens in questions], self.observer, self.lease.slot
         )
         u = self.usage
-        u.prompt_tokens = max(u.prompt_tokens, len(context))
+        u.prompt_tokens = max(u.prompt_tokens, *(len(t[0]) for _, t in questions))
         u.read_tokens += sum(n for _, n in scored.scores)
         u.cached_tokens = max(u.cached_tokens, scored.cached_tokens)
         u.engine_calls += 1
+        reads = iter(scored.scores)
         return [
-            OptionRead(option, logprob, n)
-            for option, (logprob, n) in zip(options, scored.scores, strict=True)
+            [OptionRead(option, *next(reads)) for option in options] for options, _ in questions
         ]
 
 
