@@ -67,7 +67,8 @@ fn alone(model: &Model, c: &Case) -> Vec<u32> {
 }
 
 /// Every case stepped in one batch from its start step on; returns each one's tokens and the
-/// most generations any step ran.
+/// most generations any step ran. While another prompt prefills, a decoding generation gets a
+/// token at every step (it never waits for that prefill to finish).
 fn together(model: &Model, cases: &[Case]) -> (Vec<Vec<u32>>, usize) {
     let mut gens: Vec<Generation> = cases.iter().map(generation).collect();
     let mut slots: Vec<Slot> = cases.iter().map(|_| Slot::new(model)).collect();
@@ -89,9 +90,20 @@ fn together(model: &Model, cases: &[Case]) -> (Vec<Vec<u32>>, usize) {
             .filter(|(i, _)| live.contains(i))
             .map(|(_, (g, s))| (g, s))
             .collect();
-        let results = step_batch(model, &mut work);
-        for (&i, r) in live.iter().zip(results) {
-            match r.unwrap() {
+        let decoding: Vec<bool> = live.iter().map(|&i| !out[i].is_empty()).collect();
+        let steps: Vec<Step> = step_batch(model, &mut work)
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        let prefilling = steps.iter().any(|s| matches!(s, Step::Prefilled { .. }));
+        for ((&i, step), was_decoding) in live.iter().zip(&steps).zip(decoding) {
+            if prefilling && was_decoding {
+                assert!(
+                    matches!(step, Step::Token(_) | Step::End),
+                    "generation {i} stalled while another prefilled: {step:?}"
+                );
+            }
+            match *step {
                 Step::Token(t) => out[i].push(t),
                 Step::Prefilled { .. } => {}
                 Step::End => ended[i] = true,
