@@ -342,6 +342,76 @@ def test_the_brain_page_maps_the_experts_and_flashes_after_a_turn(demo, open_pag
     no_console_errors(p)
 
 
+def test_the_brio_page_scores_a_question_and_says_how_sure(demo, open_page):
+    p = open_page(360, 640)
+    page = p.page
+    page.goto(demo.url + "/#/brio")
+    page.get_by_text("colibri-demo").first.wait_for()
+    page.get_by_label("Document").fill("Maths homework for Monday.")
+    question = page.get_by_test_id("brio-question").first
+    question.get_by_label("Question", exact=True).fill("What is 37 + 48?")
+    question.get_by_label("Allowed answers, one per line").fill("85\n45\n42")
+    # Keyboard: Score takes the focus and Enter presses it.
+    score = page.get_by_role("button", name="Score", exact=True)
+    score.focus()
+    page.keyboard.press("Enter")
+    card = page.get_by_test_id("brio-answer")
+    card.wait_for(timeout=30_000)
+    assert page.get_by_role("button", name="Score", exact=True).is_enabled()
+    # What the server says for the same request, shown as it sent it.
+    want = httpx.post(
+        demo.url + "/v1/brio",
+        json={
+            "model": "colibri-demo",
+            "state": "Maths homework for Monday.",
+            "question": "What is 37 + 48?",
+            "options": ["85", "45", "42"],
+        },
+        timeout=60,
+    ).json()
+    assert card.get_by_test_id("brio-choice").inner_text() == want["answer"] == "85"
+    bars = card.get_by_test_id("brio-bar")
+    assert bars.count() == 3
+    labels = bars.evaluate_all("els => els.map(e => e.getAttribute('aria-label'))")
+    assert [x.split(":")[0] for x in labels] == [c["option"] for c in want["choices"]]
+    widths = bars.evaluate_all(
+        "els => els.map(e => e.firstElementChild.getBoundingClientRect().width"
+        " / e.getBoundingClientRect().width)"
+    )
+    assert widths[0] > 0.9 and widths[0] == max(widths)
+    entropy = card.get_by_test_id("brio-entropy").inner_text()
+    assert re.fullmatch(r"entropy \d\.\d\d: (confident|unsure|coin flip)", entropy), entropy
+    assert entropy.endswith("confident")  # the demo model knows this sum (entropy ~0)
+    assert "elapsed" in page.get_by_test_id("brio-timing").inner_text()
+    no_horizontal_overflow(page)
+    page.screenshot(path=str(SHOTS / "brio-360x640-light.png"))
+
+    # Two questions: the questions form, an answer card each, in order.
+    page.get_by_role("button", name="Add question").click()
+    second = page.get_by_test_id("brio-question").nth(1)
+    second.get_by_label("Question", exact=True).fill("What is the capital of Portugal?")
+    second.get_by_label("Allowed answers, one per line").fill(
+        "The capital of Portugal is Lisbon.\nThe capital of Spain is Madrid."
+    )
+    page.get_by_label("Document").press("Control+Enter")
+    page.get_by_test_id("brio-answer").nth(1).wait_for(timeout=30_000)
+    answers = page.get_by_test_id("brio-choice").all_inner_texts()
+    assert answers == ["85", "The capital of Portugal is Lisbon."]
+    no_horizontal_overflow(page)
+    page.get_by_role("button", name="Remove question 2").click()
+    assert page.get_by_test_id("brio-question").count() == 1
+
+    # The server's refusal in its own words: a document longer than the context.
+    page.get_by_label("Document").fill("word " * 3000)
+    page.get_by_role("button", name="Score", exact=True).click()
+    error = page.get_by_test_id("brio-error")
+    error.wait_for(timeout=30_000)
+    assert error.inner_text().startswith("400 This model's maximum context length is 2048 tokens")
+    assert page.get_by_test_id("brio-answer").count() == 0
+    no_horizontal_overflow(page)
+    no_console_errors(p, re.compile(r"Failed to load resource.*400"))
+
+
 @pytest.mark.parametrize("scheme", ["light", "dark"])
 def test_no_horizontal_overflow_at_any_width_in_either_theme(demo, open_page, scheme):
     long_word = "w" * 300
@@ -367,6 +437,11 @@ def test_no_horizontal_overflow_at_any_width_in_either_theme(demo, open_page, sc
         page.get_by_test_id("brain-grid").wait_for()
         no_horizontal_overflow(page)
         page.screenshot(path=str(SHOTS / f"widths-brain-{width}x{height}-{scheme}.png"))
+        page.goto(demo.url + "/#/brio")
+        page.get_by_role("button", name="Score", exact=True).click()
+        page.get_by_test_id("brio-answer").wait_for()
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / f"widths-brio-{width}x{height}-{scheme}.png"))
         no_console_errors(p)
 
 

@@ -5,6 +5,7 @@ import { applyTheme, loadTheme, nextTheme, type ThemeChoice } from "./lib/theme"
 import { Chat, type ServerFacts } from "./pages/Chat";
 import { Brain } from "./pages/Brain";
 import { Profiling } from "./pages/Profiling";
+import { Brio } from "./pages/Brio";
 import { System } from "./pages/System";
 
 // Served by colibri itself the API is on the page's own origin; the Vite dev server (port 5173)
@@ -21,7 +22,7 @@ function useRoute(): Route {
   return route;
 }
 
-const PAGE_NAMES: Record<Route, string> = { chat: "Chat", brain: "Brain", profiling: "Profiling", system: "System" };
+const PAGE_NAMES: Record<Route, string> = { chat: "Chat", brain: "Brain", profiling: "Profiling", brio: "Brio", system: "System" };
 const THEME_LABEL: Record<ThemeChoice, string> = { system: "Theme: system", light: "Theme: light", dark: "Theme: dark" };
 const THEME_SHORT: Record<ThemeChoice, string> = { system: "Auto", light: "Light", dark: "Dark" };
 
@@ -130,6 +131,7 @@ export function App() {
         {route === "chat" && <Chat conn={conn} facts={facts} />}
         {route === "brain" && <Brain conn={conn} />}
         {route === "profiling" && <Profiling conn={conn} />}
+        {route === "brio" && <Brio conn={conn} model={facts.model} />}
         {route === "system" && <System conn={conn} models={models} modelsError={modelsError} />}
       </main>
     </div>

@@ -1,6 +1,6 @@
 // Hash routes: the server serves one index.html and needs no fallback for client paths.
 
-export const ROUTES = ["chat", "brain", "profiling", "system"] as const;
+export const ROUTES = ["chat", "brain", "profiling", "brio", "system"] as const;
 export type Route = (typeof ROUTES)[number];
 
 export function parseRoute(hash: string): Route {
