@@ -3,7 +3,8 @@ runs in one batched engine step (``Engine.step_many``: one forward pass reads ea
 for all of them), on the engine's one thread.
 
 The loop, on the event loop's thread: wait until some stream asks for a step; give every other
-live generation a moment (at most ``GATHER_S``) to ask too, since each one does a little Python
+live generation a moment (at most ``GATHER_S``, and at most a quarter of the last step's time)
+to ask too, since each one does a little Python
 work (detokenizing, writing its SSE chunk) between two steps; then step all that asked at once.
 A stream that asks while a step runs joins the next. Scorings step alone, between batches. A
 generation prefilling a long prompt steps a part of about half a second at a time, so the others
@@ -22,9 +23,12 @@ from typing import Any
 
 from colibri.runtime.engine import Engine, _Stepped, _Tokens
 
-# How long a step waits for the live generations that have not asked yet (each asks again
-# within well under a millisecond of getting its token unless its client is slow to read).
+# How long a step waits at most for the live generations that have not asked yet (each asks
+# again within well under a millisecond of getting its token unless its client is slow to
+# read), and at most this share of the last batched step's time (a fast model's step is a few
+# milliseconds: a slow reader must not halve the others' speed).
 GATHER_S = 0.005
+GATHER_SHARE = 0.25
 
 StepResult = int | tuple[int, int] | None
 
@@ -45,6 +49,7 @@ class Batcher:
         self._solo: deque[tuple[_Stepped, asyncio.Future[StepResult]]] = deque()
         self._asked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._last_step_s = GATHER_S / GATHER_SHARE
 
     def join(self, tokens: _Tokens) -> None:
         """A generation that will ask for steps until it ``leave``s."""
@@ -81,7 +86,7 @@ class Batcher:
 
     async def _gather(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + GATHER_S
+        deadline = loop.time() + min(GATHER_S, GATHER_SHARE * self._last_step_s)
         while self._live - self._waiting.keys():
             left = deadline - loop.time()
             if left <= 0:
@@ -113,11 +118,13 @@ class Batcher:
             if self._on_batch is not None:
                 self._on_batch(len(batch))
             streams = [t for t, _ in batch]
+            started = loop.time()
             await self._settle(
                 [f for _, f in batch],
                 loop.run_in_executor(self._thread, self._engine.step_many, streams),
                 single=False,
             )
+            self._last_step_s = loop.time() - started
 
     @staticmethod
     async def _settle(
