@@ -180,6 +180,39 @@ fn pinned_records_stay_and_prefetch_is_counted() {
     fs::remove_dir_all(&d).unwrap();
 }
 
+/// Requests of several sequences whose union overflows the cache are inserted by frequency:
+/// a cyclic pattern of 6 records per layer over 2 layers (12, cache 8: plain LRU evicts each
+/// before its next use) then hits on the records kept hot; the same requests of one sequence
+/// keep LRU, and miss every time.
+#[test]
+fn overflowing_steps_of_several_sequences_keep_the_frequent_records() {
+    let hits_over_rounds = |several: bool| {
+        let (d, layout) = synthetic(&format!("overflow-{several}"), 16, 2);
+        let store = ExpertStore::open(
+            layout,
+            &opts(8, IoBackend::Pread, false, Policy::GlobalLru),
+            &[],
+        )
+        .unwrap();
+        let steps: [[u32; 6]; 2] = [[0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]];
+        // Long enough for the frequency ranking (every 1024 requests) to know the records.
+        for _ in 0..200 {
+            for recs in &steps {
+                let mut b = store.request_for(recs, several);
+                while !b.next_ready().unwrap().is_empty() {}
+            }
+        }
+        fs::remove_dir_all(&d).unwrap();
+        store.stats().hits
+    };
+    assert_eq!(hits_over_rounds(false), 0);
+    let h = hits_over_rounds(true);
+    assert!(
+        h >= 200,
+        "by frequency, the hot records stay: {h} hits of 2400"
+    );
+}
+
 #[test]
 fn a_truncated_file_is_refused_at_open() {
     let (d, layout) = synthetic("short", 8, 2);

@@ -241,7 +241,12 @@ impl Model {
                     .iter()
                     .map(|(ex, _)| (at.first_record + ex) as u32)
                     .collect();
-                let mut batch = store.request(&recs);
+                // Rows of several sequences (streams stepped together)?
+                let several = pass
+                    .row_seq
+                    .first()
+                    .is_some_and(|&s0| pass.row_seq.iter().any(|&s| s != s0));
+                let mut batch = store.request_for(&recs, several);
                 // With a slot for every record the look-ahead would only cost a router product
                 // per layer: misses (warm-up) are read in the layer's own batch anyway.
                 if self.prefetch && !store.holds_all() {
