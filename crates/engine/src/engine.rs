@@ -139,25 +139,19 @@ impl Prefill {
         self.prompt.len()
     }
 
-    /// The next part of the prompt ([`Prefill::next`]) run in the slot; `last` runs the
-    /// prompt's last part and returns its logits.
-    pub(crate) fn step(
-        &mut self,
-        model: &Model,
-        slot: &mut Slot,
-        last: impl FnOnce(&Model, &mut Slot, &[u32]) -> Result<Vec<f32>>,
-    ) -> Result<PrefillStep> {
+    /// The next part of the prompt ([`Prefill::next`]) run in the slot; the last part returns
+    /// its logits (a scoring's; a generation steps through `next` and `advance` itself, in a
+    /// batched pass).
+    pub(crate) fn step(&mut self, model: &Model, slot: &mut Slot) -> Result<PrefillStep> {
         let (range, is_last) = self.next(model, slot)?;
         let t0 = Instant::now();
-        let total = self.total();
-        if !is_last {
-            slot.forward(model, &self.prompt[range.clone()])?;
-            self.advance(range.end, t0.elapsed(), model);
-            return Ok(PrefillStep::Part { done: range.end });
-        }
-        let logits = last(model, slot, &self.prompt[range])?;
-        self.advance(total, t0.elapsed(), model);
-        Ok(PrefillStep::Last(logits))
+        let logits = slot.forward(model, &self.prompt[range.clone()])?;
+        self.advance(range.end, t0.elapsed(), model);
+        Ok(if is_last {
+            PrefillStep::Last(logits)
+        } else {
+            PrefillStep::Part { done: range.end }
+        })
     }
 }
 

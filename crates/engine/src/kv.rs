@@ -301,29 +301,37 @@ impl KvCache {
         // the first decoded token after a 1k-token prompt would copy the whole history.
         let wanted = (self.cap * 2).max(need + need / 2).max(MIN_CAP);
         let cap = need.max(wanted.min(self.limit));
-        let (len, old_cap) = (self.len, self.cap);
+        let old_cap = self.cap;
         let size = cap
             .checked_mul(self.stride)
             .expect("KV cache size overflows");
         let mut grown = Block::new(self.dtype, size);
-        for (li, s) in self.spans.iter().enumerate() {
-            for values in [false, true] {
-                let (base, dim) = s.run(values);
-                for h in 0..s.heads {
-                    let (to, from) = (
-                        cap * base + h * cap * dim,
-                        old_cap * base + h * old_cap * dim,
-                    );
-                    grown.copy_from(to, &self.data, from, len * dim);
-                }
-            }
+        for li in 0..self.spans.len() {
+            self.copy_layer(li, &mut grown, cap);
             // The old copy of this layer is done with: the peak stays one layer above the
             // grown cache rather than the old and the new caches whole.
             let end = self.spans.get(li + 1).map_or(self.stride, |n| n.keys);
-            self.data.release(old_cap * s.keys..old_cap * end);
+            self.data
+                .release(old_cap * self.spans[li].keys..old_cap * end);
         }
         self.data = grown;
         self.cap = cap;
+    }
+
+    /// Copies layer `li`'s stored positions (every head's key and value runs) into `to`, laid
+    /// out for a capacity of `cap` positions.
+    fn copy_layer(&self, li: usize, to: &mut Block, cap: usize) {
+        let s = &self.spans[li];
+        for values in [false, true] {
+            let (base, dim) = s.run(values);
+            for h in 0..s.heads {
+                let (at, from) = (
+                    cap * base + h * cap * dim,
+                    self.cap * base + h * self.cap * dim,
+                );
+                to.copy_from(at, &self.data, from, self.len * dim);
+            }
+        }
     }
 
     /// A copy of the history with room for `extra` more positions (only the stored positions
@@ -336,17 +344,8 @@ impl KvCache {
             .checked_mul(self.stride)
             .expect("KV cache size overflows");
         let mut data = Block::new_small_pages(self.dtype, size);
-        for s in &self.spans {
-            for values in [false, true] {
-                let (base, dim) = s.run(values);
-                for h in 0..s.heads {
-                    let (to, from) = (
-                        cap * base + h * cap * dim,
-                        self.cap * base + h * self.cap * dim,
-                    );
-                    data.copy_from(to, &self.data, from, self.len * dim);
-                }
-            }
+        for li in 0..self.spans.len() {
+            self.copy_layer(li, &mut data, cap);
         }
         KvCache {
             data,

@@ -623,6 +623,13 @@ impl ScoreStream {
         Ok(self.scoring.lock().map_err(poisoned)?.reused())
     }
 
+    /// Context tokens the scoring runs in all: the start its questions share once, then each
+    /// question's rest.
+    #[getter]
+    fn context_tokens(&self) -> PyResult<usize> {
+        Ok(self.scoring.lock().map_err(poisoned)?.context_tokens())
+    }
+
     /// Ends the scoring: the slot's history (the context) is made durable.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let model = self.model.clone();

@@ -26,7 +26,8 @@ pub struct OptionScore {
 pub enum ScoreStep {
     /// Part of the context was prefilled: `done` of its `total` tokens have KV now.
     Prefilled { done: usize, total: usize },
-    /// Option `index` was scored (its score is in [`Scoring::scores`]).
+    /// Options up to `index` (of every question's, in order) are scored (one step may score
+    /// several; see [`Scoring::scores`]).
     Scored { index: usize },
     /// Every option is scored.
     End,
@@ -137,8 +138,9 @@ impl Scoring {
             .collect()
     }
 
-    /// Tokens the scoring prefills in all: the shared start and every question's rest.
-    fn total(&self) -> usize {
+    /// Context tokens the scoring runs in all: the shared start once and every question's rest
+    /// (reused ones included).
+    pub fn context_tokens(&self) -> usize {
         self.shared
             + self
                 .questions
@@ -159,11 +161,8 @@ impl Scoring {
                     self.phase = Phase::Contexts;
                     return self.step(model, slot);
                 }
-                let total = self.total();
-                match self
-                    .prefill
-                    .step(model, slot, |m, s, ids| s.forward(m, ids))?
-                {
+                let total = self.context_tokens();
+                match self.prefill.step(model, slot)? {
                     PrefillStep::Part { done } => Ok(ScoreStep::Prefilled { done, total }),
                     PrefillStep::Last(logits) => {
                         if self.questions.len() == 1 {
@@ -201,7 +200,7 @@ impl Scoring {
                     q.last = Some(l);
                 }
                 self.phase = Phase::Options(0);
-                let total = self.total();
+                let total = self.context_tokens();
                 Ok(ScoreStep::Prefilled { done: total, total })
             }
             Phase::Options(round) => {

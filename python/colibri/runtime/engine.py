@@ -310,7 +310,13 @@ class _Tokens(_Stepped, Iterator[int]):
 
 class _Scoring(_Stepped):
     """A scoring in progress on the engine (see :meth:`Engine.score`); ``step()`` results are
-    the index of the option just scored."""
+    the index of the last option scored so far (a step may score several)."""
+
+    @property
+    def context_tokens(self) -> int:
+        """Context tokens the scoring runs: the start its questions share once, then each
+        question's rest."""
+        return int(self._stream.context_tokens)
 
     @property
     def scores(self) -> list[tuple[float, int]]:

@@ -207,7 +207,7 @@ class Generator:
         stops it after the step in flight."""
         scoring = self.engine.score_many(questions, slot)
         if observer is not None:
-            observer.engine_started(_prefilled(questions))
+            observer.engine_started(scoring.context_tokens)
         error: str | None = None
         reason = "cancelled"
         try:
@@ -238,20 +238,3 @@ class Generator:
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-
-def _prefilled(questions: list[tuple[list[int], list[list[int]]]]) -> int:
-    """Context tokens a scoring of ``questions`` runs: their shared start once, then each
-    one's rest (each keeps at least its last token; the engine's ``Scoring::many``)."""
-    contexts = [c for c, _ in questions]
-    if len(contexts) == 1:
-        return len(contexts[0])
-    first = contexts[0]
-    common = min(
-        next(
-            (i for i, (a, b) in enumerate(zip(c, first, strict=False)) if a != b),
-            min(len(c), len(first)),
-        )
-        for c in contexts[1:]
-    )
-    shared = min(common, min(len(c) for c in contexts) - 1)
-    return shared + sum(len(c) - shared for c in contexts)

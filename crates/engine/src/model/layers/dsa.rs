@@ -205,18 +205,7 @@ impl Model {
                 ..*sp
             })
             .collect();
-        let mut lats = self.attend_causal(
-            &dense,
-            n,
-            heads,
-            kw,
-            d.softmax_scale,
-            |i, head| absorbed[i * heads + head].as_slice(),
-            |s, _, len| {
-                let (rows, _) = kvs[s].head(li, 0, len);
-                (rows, rows)
-            },
-        );
+        let mut lats = self.attend_latents(li, &dense, n, absorbed, &kvs);
         // The others attend over their chosen latent rows.
         let tasks: Vec<(usize, usize)> = sels
             .iter()

@@ -21,7 +21,7 @@
 //! before its rotate-half rotation; the same reordering here, for q and k alike (a dot product
 //! does not see a permutation applied to both sides).
 
-use super::{write_rows, SeqRows};
+use super::{write_rows, SeqRows, Span};
 use crate::config::{AttentionKind, MlaDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
@@ -179,27 +179,41 @@ impl Model {
     ) -> Vec<f32> {
         let n = angles.len();
         let d = dims(&self.cfg);
-        let heads = self.cfg.num_heads;
         let kw = d.kv_lora_rank + d.qk_rope_head_dim;
         let mut acts = Acts::from_vec(hn, n, self.cfg.hidden_size);
         let pass = self.mla_project(layer, &mut acts, angles);
         let spans = write_rows(seqs, li, &pass.latent, kw, &[], 0);
         let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
-        let absorbed = &pass.absorbed;
-        // The one key run is every head's history, and its own values (the latent part).
-        let lats = self.attend_causal(
-            &spans,
-            n,
+        let lats = self.attend_latents(li, &spans, n, &pass.absorbed, &kvs);
+        self.mla_output(layer, &lats)
+    }
+
+    /// Causal attention of the rows of `spans` (out of the pass's `rows`) over layer `li`'s
+    /// latent history in `kvs` (one cache per span): the absorbed queries (per (row, head))
+    /// against the one key run, which is every head's history and its own values (the latent
+    /// part). Returns the weighted latents per (row, head), as [`Model::attend_causal`].
+    pub(in crate::model) fn attend_latents(
+        &self,
+        li: usize,
+        spans: &[Span],
+        rows: usize,
+        absorbed: &[Vec<f32>],
+        kvs: &[&KvCache],
+    ) -> Vec<f32> {
+        let d = dims(&self.cfg);
+        let heads = self.cfg.num_heads;
+        self.attend_causal(
+            spans,
+            rows,
             heads,
-            kw,
+            d.kv_lora_rank + d.qk_rope_head_dim,
             d.softmax_scale,
             |i, head| absorbed[i * heads + head].as_slice(),
             |s, _, len| {
                 let (rows, _) = kvs[s].head(li, 0, len);
                 (rows, rows)
             },
-        );
-        self.mla_output(layer, &lats)
+        )
     }
 
     /// The queries and cache rows of the positions whose normed inputs are `acts` (one row per
