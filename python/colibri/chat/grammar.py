@@ -98,11 +98,13 @@ class GrammarRefused(ValueError):
 # Tool calls per family format
 
 
-def _glm_value(schema: Any, where: str) -> str:
-    """An argument value as GLM writes it: a ``string`` property as its raw text, anything else
-    as JSON (how chat/tools.py reads it back)."""
+def _argument_value(schema: Any, where: str) -> tuple[bool, str]:
+    """(raw, the Lark expression) of one argument value where a family writes a ``string``
+    property as its raw text (GLM, DeepSeek's DSML) and anything else as JSON (how
+    chat/toolformats reads them back). Raw text cannot contain ``<``: the closing marker starts
+    with it."""
     if not isinstance(schema, dict):
-        return json_body({})
+        return False, json_body({})
     kind = schema.get("type")
     if isinstance(kind, list) and "string" in kind:
         raise GrammarRefused(
@@ -110,12 +112,12 @@ def _glm_value(schema: Any, where: str) -> str:
             "family's raw argument values; use one type"
         )
     if kind != "string":
-        return json_body(schema)
+        return False, json_body(schema)
     if "enum" in schema or "const" in schema:
         values = schema.get("enum", [schema.get("const")])
         if not all(isinstance(v, str) and "<" not in v for v in values):
             raise GrammarRefused(f"{where}: enum values must be strings without '<'")
-        return "(" + " | ".join(_lit(v) for v in values) + ")"
+        return True, "(" + " | ".join(_lit(v) for v in values) + ")"
     unsupported = sorted(set(schema) & {"pattern", "format"})
     if unsupported:
         raise GrammarRefused(
@@ -125,13 +127,34 @@ def _glm_value(schema: Any, where: str) -> str:
     low = int(schema.get("minLength", 0))
     high = schema.get("maxLength")
     if low == 0 and high is None:
-        return "/[^<]*/"
-    return "/[^<]{" + f"{low}," + ("" if high is None else str(int(high))) + "}/"
+        return True, "/[^<]*/"
+    return True, "/[^<]{" + f"{low}," + ("" if high is None else str(int(high))) + "}/"
 
 
-def _glm_call(
-    rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers
-) -> list[str]:
+def _strict_arguments(
+    name: str, schema: dict[str, Any], pair: Callable[[str, Any, str], str], bad: str
+) -> tuple[list[str], bool]:
+    """A strict call's arguments as (one expression per argument, whether any is required):
+    required arguments in the order given, then optional ones, each at most once (optional
+    ones marked ``?``). ``pair(key, schema, where)`` writes one; a key containing a character of
+    ``bad`` (or empty) cannot be written."""
+    props = schema.get("properties") or {}
+    if not isinstance(props, dict):
+        raise GrammarRefused(f"tool '{name}': 'properties' must be an object")
+    required = [k for k in schema.get("required") or [] if k in props]
+    missing = [k for k in schema.get("required") or [] if k not in props]
+    if missing:
+        raise GrammarRefused(f"tool '{name}': required argument '{missing[0]}' has no schema")
+    parts = []
+    for key in required + [k for k in props if k not in required]:
+        if not key or any(c in key for c in bad):
+            raise GrammarRefused(f"tool '{name}': argument name {key!r} cannot be written")
+        item = pair(key, props[key], f"tool '{name}' argument '{key}'")
+        parts.append(f"({item})" + ("" if key in required else "?"))
+    return parts, bool(required)
+
+
+def _glm_call(rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers) -> list[str]:
     """``<tool_call>NAME`` then ``\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>`` per
     argument, ``\\n</tool_call>`` (no newline when there are no arguments)."""
     head = f"{m('<tool_call>')} {_lit(name)}"
@@ -146,30 +169,17 @@ def _glm_call(
     if not strict:
         free = pair("/[^<\\n]+/", "/[^<]*/")
         return [f'{rule}: {head} ({free})* "\\n"? {end}']
-    props = schema.get("properties") or {}
-    if not isinstance(props, dict):
-        raise GrammarRefused(f"tool '{name}': 'properties' must be an object")
-    required = [k for k in schema.get("required") or [] if k in props]
-    missing = [k for k in schema.get("required") or [] if k not in props]
-    if missing:
-        raise GrammarRefused(f"tool '{name}': required argument '{missing[0]}' has no schema")
-    parts = []
-    # Required arguments in the order given, then optional ones, each at most once.
-    for key in required + [k for k in props if k not in required]:
-        if "<" in key or "\n" in key or not key:
-            raise GrammarRefused(f"tool '{name}': argument name {key!r} cannot be written")
-        item = pair(_lit(key), _glm_value(props[key], f"tool '{name}' argument '{key}'"))
-        parts.append(f"({item})" + ("" if key in required else "?"))
+    parts, required = _strict_arguments(
+        name, schema, lambda k, v, where: pair(_lit(k), _argument_value(v, where)[1]), "<\n"
+    )
     if not parts:
         return [f"{rule}: {head} {end}"]
     if not required:
-        return [f"{rule}: {head} ({' '.join(parts)} \"\\n\")? {end}"]
+        return [f'{rule}: {head} ({" ".join(parts)} "\\n")? {end}']
     return [f'{rule}: {head} {" ".join(parts)} "\\n" {end}']
 
 
-def _json_call(
-    rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers
-) -> list[str]:
+def _json_call(rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers) -> list[str]:
     """Qwen3 (hermes): ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>``."""
     args = schema if strict else {"type": "object"}
     call = {
@@ -181,20 +191,91 @@ def _json_call(
     return [f'{rule}: {m("<tool_call>")} "\\n" {json_body(call)} "\\n" {m("</tool_call>")}']
 
 
-_CALL_BUILDERS: dict[str, Callable[[str, str, dict[str, Any], bool, Markers], list[str]]] = {
-    "glm": _glm_call,
-    "qwen3": _json_call,
+def _deepseek_v31_call(
+    rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers
+) -> list[str]:
+    """DeepSeek V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{JSON}<｜tool▁call▁end｜>``."""
+    args = json_body(schema if strict else {"type": "object"})
+    return [
+        f"{rule}: {m('<｜tool▁call▁begin｜>')} {_lit(name)} {m('<｜tool▁sep｜>')} {args} "
+        f"{m('<｜tool▁call▁end｜>')}"
+    ]
+
+
+def _kimi_k2_call(
+    rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers
+) -> list[str]:
+    """Kimi K2: ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}
+    <|tool_call_end|>``. The index is the model's own (conversation-wide in Kimi's template):
+    digits, not checked."""
+    args = json_body(schema if strict else {"type": "object"})
+    return [
+        f"{rule}: {m('<|tool_call_begin|>')} {_lit(f'functions.{name}:')} /[0-9]{{1,4}}/ "
+        f"{m('<|tool_call_argument_begin|>')} {args} {m('<|tool_call_end|>')}"
+    ]
+
+
+_DSML = "｜DSML｜"  # DeepSeek V3.2's tag prefix (fullwidth bars)
+_NL = _lit("\n")
+
+
+def _dsml_call(rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers) -> list[str]:
+    """DeepSeek V3.2's DSML: ``<｜DSML｜invoke name="NAME">`` and a newline, then per argument
+    ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>`` and a newline (a
+    string property's raw text, anything else JSON), ``</｜DSML｜invoke>``."""
+    if '"' in name:
+        raise GrammarRefused(f"tool name {name!r} cannot be written in DSML")
+    open_param = _lit(f'<{_DSML}parameter name="')
+    close_param = _lit(f"</{_DSML}parameter>")
+
+    def param(key: str, raw: bool, value: str) -> str:
+        flag = _lit(f'" string="{"true" if raw else "false"}">')
+        return f"{open_param} {key} {flag} {value} {close_param} {_NL}"
+
+    head = f"{_lit(f'<{_DSML}invoke name=' + json.dumps(name, ensure_ascii=False) + '>')} {_NL}"
+    end = _lit(f"</{_DSML}invoke>")
+    if not strict:
+        key = '/[^"\\n]+/'
+        free = f"({param(key, True, '/[^<]*/')}) | ({param(key, False, json_body({}))})"
+        return [f"{rule}: {head} ({free})* {end}"]
+
+    def pair(key: str, value: Any, where: str) -> str:
+        raw, expr = _argument_value(value, where)
+        return param(_lit(key), raw, expr)
+
+    parts, _ = _strict_arguments(name, schema, pair, '"<\n')
+    return [f"{rule}: {head} {' '.join(parts)} {end}"]
+
+
+@dataclass(frozen=True)
+class _CallSyntax:
+    """How a family writes its calls: one call's rules (rule name, tool name, parameters
+    schema, strict, markers), the markers around all of a reply's calls, and what stands
+    between two calls."""
+
+    call: Callable[[str, str, dict[str, Any], bool, Markers], list[str]]
+    section: tuple[str, str] | None = None
+    between: str = "NL?"
+
+
+_SYNTAX: dict[str, _CallSyntax] = {
+    "glm": _CallSyntax(_glm_call),
+    "qwen3": _CallSyntax(_json_call),
+    "deepseek_v31": _CallSyntax(
+        _deepseek_v31_call, ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"), ""
+    ),
+    # The section's lines are separated by newlines (the reply's text before it by a blank line).
+    "dsml": _CallSyntax(_dsml_call, (f"<{_DSML}function_calls>", f"</{_DSML}function_calls>"), _NL),
+    "kimi_k2": _CallSyntax(
+        _kimi_k2_call, ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), ""
+    ),
 }
-
-
-def supports_tool_grammar(format_name: str) -> bool:
-    return format_name in _CALL_BUILDERS
 
 
 def tool_calls_body(format_name: str, tools: GrammarTools, m: Markers) -> tuple[str, list[str]]:
     """(the Lark expression of the calls, the rules it uses)."""
-    build = _CALL_BUILDERS.get(format_name)
-    if build is None:
+    syntax = _SYNTAX.get(format_name)
+    if syntax is None:
         raise GrammarRefused(
             f"forced and strict tool calls are not available for the '{format_name}' "
             "tool-call format"
@@ -202,10 +283,14 @@ def tool_calls_body(format_name: str, tools: GrammarTools, m: Markers) -> tuple[
     rules: list[str] = []
     names = []
     for i, (name, schema) in enumerate(tools.schemas.items()):
-        rules += build(f"call_{i}", name, schema, name in tools.strict, m)
+        rules += syntax.call(f"call_{i}", name, schema, name in tools.strict, m)
         names.append(f"call_{i}")
     rules.append("call: " + " | ".join(names))
-    calls = "call (NL? call)*" if tools.parallel else "call"
+    calls = f"call ({syntax.between} call)*" if tools.parallel else "call"
+    if syntax.section is not None:
+        begin, end = syntax.section
+        sep = "" if syntax.between == "" else f" {syntax.between}"
+        calls = f"{m(begin)}{sep} {calls}{sep} {m(end)}"
     return calls, rules
 
 
@@ -229,9 +314,7 @@ def tool_grammar(
     return wrap(body) + "\n".join(rules) + "\n"
 
 
-def compile_checked(
-    check: Callable[[str, str], None], grammar: str, param: str, what: str
-) -> None:
+def compile_checked(check: Callable[[str, str], None], grammar: str, param: str, what: str) -> None:
     """Compiles ``grammar`` against the model's tokenizer; a refusal is a 400 naming llguidance's
     reason (an unsupported JSON-schema keyword among them)."""
     try:

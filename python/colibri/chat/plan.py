@@ -142,16 +142,6 @@ def plan_grammar(
     if tools_active and (want_tools or answer is not None):
         fmt = family.tool_format
         assert fmt is not None
-        if not g.supports_tool_grammar(fmt.name):
-            if strict or answer is not None:
-                raise ApiError(
-                    400,
-                    f"strict tools and structured output with tools are not available for the "
-                    f"'{fmt.name}' tool-call format (family '{family.name}')",
-                    code="unsupported_parameter",
-                    param="tools",
-                )
-            return None  # a forced choice stays an instruction for this format
         tools = g.GrammarTools(
             {t["function"]["name"]: t["function"]["parameters"] for t in declared},
             frozenset(strict),
