@@ -47,8 +47,10 @@ bench: setup
     {{py}} benchmarks/bench_scoring.py
     # Concurrent streams (1, 2, 4, 8) through the server against llama-server --parallel N -cb.
     {{py}} benchmarks/bench_concurrent.py
-    # Decode with a JSON-schema grammar vs unconstrained (demo model; the mask's cost per token).
+    # Decode with a JSON-schema grammar vs unconstrained (the demo model, then the OLMoE shape with a
+    # 50k vocabulary): the mask's cost per token.
     {{py}} benchmarks/bench_grammar.py
+    {{py}} benchmarks/bench_grammar.py --olmoe
     # Long prompts (prefill 512..32k, decode after 16k, TTFT through the server): hours.
     {{py}} benchmarks/bench_vs_llamacpp.py --long
 

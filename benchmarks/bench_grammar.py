@@ -2,6 +2,11 @@
 demo model (or --model DIR): tok/s, and the mask's cost per token (time computing it, time a step
 waited for it after its forward pass). Run by `just bench`, never by `just test`.
 
+`--olmoe`: the speed benchmark's random OLMoE-1B-7B-shaped int4 model (made if missing) with a
+real 50k-token vocabulary, GPT-NeoX-20B's (OLMoE's tokenizer is derived from it), read from the
+vocab-only GGUF in the llama.cpp source package the benchmark fetches (`vocab_from_gguf.py`): the
+mask's cost grows with the vocabulary, and the demo model's is 8k.
+
 The mask is computed on another thread during the forward pass; COLI_GRAMMAR_OVERLAP=0 (read once
 per process) computes it after the pass, so each setting runs in its own process.
 """
@@ -40,7 +45,10 @@ def _run(model: str, tokens: int, repeats: int) -> dict[str, float]:
     from colibri.runtime.engine import Engine, Grammar
 
     engine = Engine(model, threads=int(os.environ.get("BENCH_THREADS", "2")))
-    prompt = engine.tokenize("[gMASK]<sop><|user|>\nHello<|assistant|>\n<think></think>")
+    glm = "[gMASK]" in engine.special_tokens  # the demo model's chat form; else plain text
+    prompt = engine.tokenize(
+        "[gMASK]<sop><|user|>\nHello<|assistant|>\n<think></think>" if glm else "Hello"
+    )
     text = g.with_reasoning(
         g.json_body(SCHEMA), g.special_markers(engine.special_tokens), None, None, False, True
     )
@@ -70,14 +78,49 @@ def _run(model: str, tokens: int, repeats: int) -> dict[str, float]:
     return best
 
 
+def olmoe_with_neox_vocab() -> Path:
+    """The benchmark's 16-layer OLMoE-shaped int4 model beside GPT-NeoX's tokenizer: a directory of
+    hard links to its weights (no copy) with the 50k-token tokenizer.json written in."""
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    import bench_vs_llamacpp as base
+    from vs_llamacpp import prepare
+
+    cache = Path(os.environ.get("COLIBRI_BENCH_CACHE", Path.home() / ".cache" / "colibri-bench"))
+    p = base.Paths(cache, 16)
+    src = base.ensure_colibri_model(p, None)
+    prepare.setup_llama_src(p)
+    out = src.with_name(src.name + "-neox-vocab")
+    manifest = src / "manifest.json"
+    if out.exists() and (out / "manifest.json").stat().st_ino == manifest.stat().st_ino:
+        return out
+    out.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("tokenizer.json", "routing-heat.json") and f.is_file():
+            (out / f.name).unlink(missing_ok=True)
+            os.link(f, out / f.name)
+    prepare.setup_venv(p)  # numpy and tokenizers for the GGUF reader
+    subprocess.run(
+        [str(p.py), str(here / "vocab_from_gguf.py"),
+         str(p.llama_src / "models" / "ggml-vocab-mpt.gguf"), str(out)],
+        env={**os.environ, "PYTHONPATH": str(p.llama_src / "gguf-py")}, check=True,
+    )  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", help="model directory (default: the demo model)")
+    ap.add_argument(
+        "--olmoe", action="store_true", help="the OLMoE-shaped model with a 50k vocabulary"
+    )
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     model = args.model
+    if args.olmoe and not args.child:
+        model = str(olmoe_with_neox_vocab())
     if model is None:
         from colibri.demo.builtin import demo_model_dir
 
