@@ -9,7 +9,7 @@ dependencies):
     /root/refvenv/bin/python scripts/make_reference_fixtures.py
 
 It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe, deepseek_v3,
-deepseek_v3_noqlora, glm_moe_dsa, glm_moe_dsa_yarn}:
+deepseek_v3_noqlora, glm_moe_dsa, glm_moe_dsa_yarn, glm_moe_dsa_shared, deepseek_v32}:
 
     tests/fixtures/<arch>/hf/            HF checkpoint (config.json, *.safetensors,
                                          tokenizer.json, tokenizer_config.json, ...)
@@ -42,6 +42,8 @@ from transformers import (
     AutoTokenizer,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
     GlmMoeDsaConfig,
@@ -479,6 +481,52 @@ SPECS = {
             eos_token_id=EOS,
         ),
     ),
+    # DeepSeek-V3.2: GLM-5's DSA with an indexer in every layer and the indexer's rope on the
+    # two halves (the MLA's own rope interleaved); 3 layers, 4 heads, q_lora_rank 16,
+    # kv_lora_rank 24, qk_nope 8 / qk_rope 8 / v 12; indexer 8 heads of 16 (8 rotated + 8
+    # plain), top-6 (below the prompts); layer 0 dense, 8 experts in 4 groups (top-2 groups,
+    # top-2), 1 shared, x2.5. bf16; router, correction bias and weights_proj f32.
+    "deepseek_v32": dict(
+        cls=DeepseekV32ForCausalLM,
+        cfg_cls=DeepseekV32Config,
+        tok_vocab=421,
+        storage=torch.bfloat16,
+        shards=1,
+        seed=9000,
+        cfg=dict(
+            vocab_size=421,
+            hidden_size=64,
+            intermediate_size=80,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            index_n_heads=8,
+            index_head_dim=16,
+            index_topk=6,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=False,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
 }
 
 # Parameters that stay float32 in the stored checkpoint regardless of `storage`.
@@ -492,6 +540,7 @@ KEEP_F32 = {
     "glm_moe_dsa": _DSA_F32,
     "glm_moe_dsa_yarn": _DSA_F32,
     "glm_moe_dsa_shared": _DSA_F32,
+    "deepseek_v32": _DSA_F32,
 }
 # Architectures with sigmoid, group-limited routing and a correction bias.
 SIGMOID_ROUTED = (
@@ -501,9 +550,10 @@ SIGMOID_ROUTED = (
     "glm_moe_dsa",
     "glm_moe_dsa_yarn",
     "glm_moe_dsa_shared",
+    "deepseek_v32",
 )
 # Architectures with the DSA indexer.
-DSA = ("glm_moe_dsa", "glm_moe_dsa_yarn", "glm_moe_dsa_shared")
+DSA = ("glm_moe_dsa", "glm_moe_dsa_yarn", "glm_moe_dsa_shared", "deepseek_v32")
 
 
 # --------------------------------------------------------------------------------------
@@ -611,6 +661,7 @@ SCALES = {
         "glm_moe_dsa": 1.5,
         "glm_moe_dsa_yarn": 1.5,
         "glm_moe_dsa_shared": 1.5,
+        "deepseek_v32": 1.5,
     },
     "bias": 0.3,
     "e_score_correction_bias": 0.08,
@@ -916,7 +967,7 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
         p = f"model.layers.{layer}."
         h = rms(x, W[p + "input_layernorm.weight"])
         a = p + "self_attn."
-        if arch in ("deepseek_v3", "glm_moe_dsa"):
+        if arch in ("deepseek_v3", "glm_moe_dsa", "deepseek_v32"):
             o, index_mask = numpy_mla(cfg, W, a, h, mask, index_mask)
             x = x + o
         else:
@@ -951,7 +1002,7 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
         E = W[m + "gate.weight"].shape[0]
         K = cfg["num_experts_per_tok"]
         r = h @ W[m + "gate.weight"].T  # [T, E]
-        if arch in ("glm4_moe", "deepseek_v3", "glm_moe_dsa"):
+        if arch in ("glm4_moe", "deepseek_v3", "glm_moe_dsa", "deepseek_v32"):
             s = 1.0 / (1.0 + np.exp(-r))
             sc = s + W[m + "gate.e_score_correction_bias"]
             ng, tg = cfg["n_group"], cfg["topk_group"]
@@ -1085,9 +1136,14 @@ def numpy_mla(cfg: dict, W: dict, a: str, h: np.ndarray, mask: np.ndarray, index
         half = rd // 2
         return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
 
+    def rot_halves(x):  # DeepSeek-V3.2's indexer: rotate_half on the rope dims as they are
+        half = rd // 2
+        return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
     qr, kr = rot(qr), rot(kr)
-    if a + "indexer.wq_b.weight" in W:  # GLM-5's DSA: attend over the indexer's top-k only
-        index_mask = numpy_indexer_mask(cfg, W, a, h, qa, cos, sin, rot, mask)
+    if a + "indexer.wq_b.weight" in W:  # DSA: attend over the indexer's top-k only
+        index_rot = rot_halves if cfg["model_type"] == "deepseek_v32" else rot
+        index_mask = numpy_indexer_mask(cfg, W, a, h, qa, cos, sin, index_rot, mask)
     if index_mask is not None:  # this layer's selection, or a shared layer's predecessor's
         mask = mask + index_mask
     scale = (nope + rd) ** -0.5

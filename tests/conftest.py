@@ -22,6 +22,7 @@ ARCHS = [
     "glm_moe_dsa",
     "glm_moe_dsa_yarn",
     "glm_moe_dsa_shared",
+    "deepseek_v32",
 ]
 
 

@@ -17,7 +17,7 @@ from colibri.runtime.engine import Engine
 
 from .conftest import FIXTURES, Reference
 
-DSA_ARCHS = ["glm_moe_dsa", "glm_moe_dsa_yarn", "glm_moe_dsa_shared"]
+DSA_ARCHS = ["glm_moe_dsa", "glm_moe_dsa_yarn", "glm_moe_dsa_shared", "deepseek_v32"]
 
 
 @pytest.fixture(params=DSA_ARCHS)
@@ -27,6 +27,11 @@ def dsa(request) -> Reference:
 
 def hf_config(arch: str) -> dict:
     return json.loads((FIXTURES / arch / "hf" / "config.json").read_text())
+
+
+def indexer_types(cfg: dict) -> list[str]:
+    """Per layer, "full" or "shared" (DeepSeek-V3.2's config has no such list: all full)."""
+    return cfg.get("indexer_types", ["full"] * cfg["num_hidden_layers"])
 
 
 def with_config(tmp_path: Path, arch: str, **changes) -> Path:
@@ -47,7 +52,7 @@ def test_the_cache_keeps_the_latent_the_rope_key_and_the_indexer_key(dsa, conver
     cfg = hf_config(dsa.arch)
     mla = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     # A shared layer (no indexer of its own) keeps no indexer key.
-    full = cfg["indexer_types"].count("full")
+    full = indexer_types(cfg).count("full")
     floats = cfg["num_hidden_layers"] * mla + full * cfg["index_head_dim"]
     for quant, width in [("f32", 4), ("int4", 2)]:
         info = Engine(converted(dsa.arch, quant), threads=1).info
@@ -55,7 +60,7 @@ def test_the_cache_keeps_the_latent_the_rope_key_and_the_indexer_key(dsa, conver
 
 
 def test_the_shared_fixture_reuses_the_indexer(dsa):
-    types = hf_config(dsa.arch)["indexer_types"]
+    types = indexer_types(hf_config(dsa.arch))
     assert ("shared" in types) == (dsa.arch == "glm_moe_dsa_shared"), types
 
 
@@ -176,3 +181,11 @@ def test_the_architecture_is_known_and_chats_as_glm():
 
     assert dict(architectures())["GlmMoeDsaForCausalLM"] == "glm"
     assert detect_family("GlmMoeDsaForCausalLM", None).name == "glm"
+
+
+def test_deepseek_v32_is_known_and_chats_as_deepseek_v32():
+    from colibri._engine import architectures
+    from colibri.chat.families import detect_family
+
+    assert dict(architectures())["DeepseekV32ForCausalLM"] == "deepseek_v32"
+    assert detect_family("DeepseekV32ForCausalLM", None).name == "deepseek_v32"

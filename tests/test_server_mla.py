@@ -1,10 +1,10 @@
 """The MLA and sparse-attention families served end to end: DeepSeek-V3's fixture (MLA) under
-DeepSeek V3.1's chat template, and GLM-5's (glm_moe_dsa: MLA + the DSA indexer) under GLM's, each
-through `colibri serve` and the official SDKs. A streamed reply and a plain one agree token for
-token; a forced call comes back valid in the family's own syntax (the grammar writes it: the
-weights are random) and its result goes back in for a second turn; Anthropic's route serves the
-same model. (Parity with transformers: test_reference.py; slots and slot files: test_mla.py,
-test_dsa.py.)"""
+DeepSeek V3.1's chat template, GLM-5's (glm_moe_dsa: MLA + the DSA indexer) under GLM's and
+DeepSeek-V3.2's (DSA) under V3.2's (DSML tool calls), each through `colibri serve` and the
+official SDKs. A streamed reply and a plain one agree token for token; a forced call comes back
+valid in the family's own syntax (the grammar writes it: the weights are random) and its result
+goes back in for a second turn; Anthropic's route serves the same model. (Parity with
+transformers: test_reference.py; slots and slot files: test_mla.py, test_dsa.py.)"""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .server import RunningServer, model_with_template
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 
 # fixture -> the chat template it is served with
-SERVED = {"deepseek_v3": "deepseek_v31", "glm_moe_dsa": "glm"}
+SERVED = {"deepseek_v3": "deepseek_v31", "glm_moe_dsa": "glm", "deepseek_v32": "deepseek_v32"}
 
 WEATHER_SCHEMA = {
     "type": "object",

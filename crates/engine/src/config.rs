@@ -32,6 +32,8 @@ pub struct IndexerDims {
     pub heads: usize,
     pub head_dim: usize,
     pub topk: usize,
+    /// The indexer's rope on interleaved pairs (GLM-5) or on the two halves (DeepSeek-V3.2).
+    pub rope_interleave: bool,
 }
 
 /// The shape of multi-head latent attention (`model/layers/mla.rs`).
@@ -738,6 +740,36 @@ mod tests {
     }
 
     #[test]
+    fn deepseek_v32_is_dsa_with_an_indexer_per_layer_and_half_split_indexer_rope() {
+        let mut v = glm5();
+        v["architectures"] = json!(["DeepseekV32ForCausalLM"]);
+        v["n_routed_experts"] = json!(16);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        let AttentionKind::Dsa(d, x) = c.attention else {
+            panic!("{:?}", c.attention)
+        };
+        assert!(d.rope_interleave, "the MLA's own rope interleaves");
+        assert!(!x.rope_interleave, "the indexer's is half-split");
+        assert_eq!(c.indexer_layers, vec![true; 3]);
+        // DeepseekV32Config's defaults: 8 groups, top-4 groups, eps 1e-6, 64 indexer heads.
+        assert_eq!(
+            c.routing,
+            Routing::SigmoidGrouped {
+                n_group: 8,
+                topk_group: 4,
+                norm_topk_prob: true,
+                scaling: 2.5
+            }
+        );
+        assert_eq!(c.rms_norm_eps, 1e-6);
+        v.as_object_mut().unwrap().remove("index_n_heads");
+        let AttentionKind::Dsa(_, x) = ModelConfig::from_hf(&v).unwrap().attention else {
+            unreachable!()
+        };
+        assert_eq!(x.heads, 64);
+    }
+
+    #[test]
     fn glm_moe_dsa_reads_the_indexer_and_transformers_defaults() {
         let c = ModelConfig::from_hf(&glm5()).unwrap();
         let AttentionKind::Dsa(d, x) = c.attention else {
@@ -750,7 +782,8 @@ mod tests {
             IndexerDims {
                 heads: 6,
                 head_dim: 12,
-                topk: 7
+                topk: 7,
+                rope_interleave: true
             }
         );
         // GlmMoeDsaConfig's defaults: 3 dense layers, one group, x2.5.

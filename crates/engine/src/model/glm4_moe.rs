@@ -42,6 +42,7 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
 }
 
 /// A family's defaults for the sigmoid-routed MoE fields a config may leave out.
+#[derive(Clone, Copy)]
 pub(super) struct MoeDefaults {
     pub(super) first_k_dense_replace: usize,
     pub(super) n_group: usize,

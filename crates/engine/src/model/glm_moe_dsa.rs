@@ -9,6 +9,11 @@
 //! / `index_topk_freq` and `index_skip_topk_offset`) have no indexer and reuse the top-k of the
 //! last layer that has one, as transformers does; layers past `num_hidden_layers` (the MTP head)
 //! are skipped at conversion.
+//!
+//! DeepSeek-V3.2 (`DeepseekV32ForCausalLM`, transformers' `deepseek_v32`) is the same model
+//! without shared layers (every layer has its indexer) and with the indexer's rope half-split
+//! instead of interleaved (the MLA's own rope stays interleaved); its defaults are
+//! `DeepseekV32Config`'s.
 
 use super::registry::Family;
 use super::{deepseek_v3, glm4_moe};
@@ -16,36 +21,74 @@ use crate::config::{bad, AttentionKind, FfnKind, IndexerDims, ModelConfig, Reade
 use crate::error::Result;
 
 pub static FAMILY: Family = Family {
-    hf_name: "GlmMoeDsaForCausalLM",
+    hf_name: GLM5.name,
     chat_family: "glm",
     reads_head_dim: false,
     default_rotary_fraction: 1.0,
     default_rms_norm_eps: 1e-5,
-    configure,
+    configure: |r, c| configure(r, c, &GLM5),
     plan: glm4_moe::tensor_plan,
 };
 
-const NAME: &str = "GlmMoeDsaForCausalLM";
+pub static DEEPSEEK_V32: Family = Family {
+    hf_name: V32.name,
+    chat_family: "deepseek_v32",
+    reads_head_dim: false,
+    default_rotary_fraction: 1.0,
+    default_rms_norm_eps: 1e-6,
+    configure: |r, c| configure(r, c, &V32),
+    plan: glm4_moe::tensor_plan,
+};
 
-fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
-    // transformers' GlmMoeDsaConfig defaults for the fields a config leaves out.
-    let defaults = glm4_moe::MoeDefaults {
+/// What tells the two architectures apart: transformers' config defaults for the fields a
+/// config leaves out, whether layers may share an indexer, and the indexer's rope layout.
+struct Variant {
+    name: &'static str,
+    moe: glm4_moe::MoeDefaults,
+    index_n_heads: usize,
+    shared_layers: bool,
+    indexer_rope_interleave: bool,
+}
+
+const GLM5: Variant = Variant {
+    name: "GlmMoeDsaForCausalLM",
+    moe: glm4_moe::MoeDefaults {
         first_k_dense_replace: 3,
         n_group: 1,
         topk_group: 1,
         routed_scaling_factor: 2.5,
-    };
-    glm4_moe::configure_sigmoid_moe(r, c, defaults)?;
+    },
+    index_n_heads: 32,
+    shared_layers: true,
+    indexer_rope_interleave: true,
+};
+
+const V32: Variant = Variant {
+    name: "DeepseekV32ForCausalLM",
+    moe: glm4_moe::MoeDefaults {
+        first_k_dense_replace: 3,
+        n_group: 8,
+        topk_group: 4,
+        routed_scaling_factor: 2.5,
+    },
+    index_n_heads: 64,
+    shared_layers: false,
+    indexer_rope_interleave: false,
+};
+
+fn configure(r: &Reader, c: &mut ModelConfig, v: &Variant) -> Result<()> {
+    glm4_moe::configure_sigmoid_moe(r, c, v.moe)?;
     read_mlp_layer_types(r, c)?;
     if r.bool_or("attention_bias", false)? {
         return Err(bad(format!(
-            "config.json: `attention_bias` true is not supported for {NAME}"
+            "config.json: `attention_bias` true is not supported for {}",
+            v.name
         )));
     }
     // The indexer projects the normed low-rank query: there is no full-q_proj form.
     let q_lora_rank = r.size_req("q_lora_rank", 1, MAX_DIM)?;
     let mla = deepseek_v3::read_mla(r, c, Some(q_lora_rank), true)?;
-    let heads = r.size_or("index_n_heads", 32, 1, MAX_DIM)?;
+    let heads = r.size_or("index_n_heads", v.index_n_heads, 1, MAX_DIM)?;
     let head_dim = r.size_or("index_head_dim", 128, 1, MAX_DIM)?;
     let topk = r.size_or("index_topk", 2048, 1, usize::MAX >> 1)?;
     if head_dim < mla.qk_rope_head_dim {
@@ -60,13 +103,18 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
             heads * head_dim
         )));
     }
-    c.indexer_layers = indexer_types(r, c.num_layers)?;
+    c.indexer_layers = if v.shared_layers {
+        indexer_types(r, c.num_layers)?
+    } else {
+        vec![true; c.num_layers]
+    };
     c.attention = AttentionKind::Dsa(
         mla,
         IndexerDims {
             heads,
             head_dim,
             topk,
+            rope_interleave: v.indexer_rope_interleave,
         },
     );
     Ok(())

@@ -47,6 +47,7 @@ pub static FAMILIES: &[&Family] = &[
     &super::glm4_moe::FAMILY,
     &super::deepseek_v3::FAMILY,
     &super::glm_moe_dsa::FAMILY,
+    &super::glm_moe_dsa::DEEPSEEK_V32,
 ];
 
 pub fn by_hf_name(name: &str) -> Option<&'static Family> {

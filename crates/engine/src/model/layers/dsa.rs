@@ -3,7 +3,8 @@
 //! only over the positions a lightning indexer selects.
 //!
 //! The indexer, per position: a key `k = rope(LayerNorm(wk x))` (`index_head_dim` wide, one per
-//! position, the leading `qk_rope_head_dim` dims rotated with the model's interleaved rope),
+//! position, the leading `qk_rope_head_dim` dims rotated with the model's rope: on interleaved
+//! pairs for GLM-5, on the two halves for DeepSeek-V3.2),
 //! queries `q_h = rope(wq_b q_resid)` for its `index_n_heads` heads (`q_resid` is the MLA's
 //! normed low-rank query), and head weights `w = weights_proj(x) / sqrt(index_n_heads)`
 //! (`weights_proj` kept in f32). A query at position `p` scores every position `t <= p` with
@@ -267,7 +268,9 @@ impl Model {
         let mut iq = self.project(&[ix.wq_b], &mut q_resid).remove(0);
         let rotate = |row: &mut [f32], i: usize, tmp: &mut Vec<f32>| {
             let r = &mut row[..rope];
-            mla::deinterleave(r, tmp);
+            if x.rope_interleave {
+                mla::deinterleave(r, tmp);
+            }
             self.rope.apply_angles(r, rope, &angles[i]);
         };
         self.per_position(&mut keys, x.head_dim, |i, row| {
