@@ -90,6 +90,17 @@ export function envelopeMessage(body: unknown): { message: string; code: string 
   return { message: err.message, code };
 }
 
+/** `fetchImpl(url, init)`; a network failure becomes ServerError "unreachable" (an abort through
+ * `init.signal` stays the abort). */
+export async function fetchOrUnreachable(fetchImpl: typeof fetch, url: string, init: RequestInit): Promise<Response> {
+  try {
+    return await fetchImpl(url, init);
+  } catch (e) {
+    if (init.signal?.aborted) throw e;
+    throw new ServerError(`cannot reach the server: ${e instanceof Error ? e.message : String(e)}`, null, "unreachable");
+  }
+}
+
 export function errorFromResponse(status: number, text: string, retryAfter: string | null): ServerError {
   let parsed: unknown = null;
   try {
@@ -162,13 +173,7 @@ export async function streamChat(
   onPart: (p: StreamPart) => void,
   fetchImpl: typeof fetch = fetch,
 ): Promise<void> {
-  let res: Response;
-  try {
-    res = await fetchImpl(req.url, { ...req.init, signal });
-  } catch (e) {
-    if (signal.aborted) throw e;
-    throw new ServerError(`cannot reach the server: ${e instanceof Error ? e.message : String(e)}`, null, "unreachable");
-  }
+  const res = await fetchOrUnreachable(fetchImpl, req.url, { ...req.init, signal });
   if (!res.ok) {
     throw errorFromResponse(res.status, await res.text(), res.headers.get("retry-after"));
   }
@@ -215,12 +220,7 @@ export interface ModelCard {
 }
 
 async function getJson(conn: Connection, path: string, signal?: AbortSignal): Promise<{ status: number; body: unknown }> {
-  let res: Response;
-  try {
-    res = await fetch(endpoint(conn, path), { headers: authHeaders(conn), ...(signal ? { signal } : {}) });
-  } catch (e) {
-    throw new ServerError(`cannot reach the server: ${e instanceof Error ? e.message : String(e)}`, null, "unreachable");
-  }
+  const res = await fetchOrUnreachable(fetch, endpoint(conn, path), { headers: authHeaders(conn), ...(signal ? { signal } : {}) });
   const text = await res.text();
   // /health answers 503 with a body when the engine failed: still a snapshot to show.
   if (!res.ok && !(path === "/health" && res.status === 503)) {

@@ -2,7 +2,7 @@
 // request built from the form, the reply read into one shape for both forms, and the entropy
 // in words. Pure helpers are exported for the unit tests.
 
-import { ServerError, authHeaders, endpoint, errorFromResponse, type BuiltRequest, type Connection } from "./api";
+import { ServerError, authHeaders, endpoint, errorFromResponse, fetchOrUnreachable, type BuiltRequest, type Connection } from "./api";
 
 export type Normalize = "sum" | "mean";
 
@@ -174,13 +174,7 @@ export async function scoreBrio(
   fetchImpl: typeof fetch = fetch,
 ): Promise<BrioResult> {
   const req = buildBrioRequest(conn, form);
-  let res: Response;
-  try {
-    res = await fetchImpl(req.url, { ...req.init, signal });
-  } catch (e) {
-    if (signal.aborted) throw e;
-    throw new ServerError(`cannot reach the server: ${e instanceof Error ? e.message : String(e)}`, null, "unreachable");
-  }
+  const res = await fetchOrUnreachable(fetchImpl, req.url, { ...req.init, signal });
   const text = await res.text();
   if (!res.ok) throw errorFromResponse(res.status, text, res.headers.get("retry-after"));
   let body: unknown;
