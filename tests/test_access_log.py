@@ -19,7 +19,8 @@ import pytest
 
 from colibri.api.access_log import AccessLogMiddleware, format_text
 from colibri.demo.builtin import builtin_model_dir
-from colibri.observability import AccessRecord
+from colibri.observability import AccessRecord, Metrics, RequestObserver, make_tracer
+from colibri.runtime.scheduler import Scheduler
 
 from .server import RunningServer
 
@@ -146,6 +147,31 @@ def test_a_client_gone_mid_stream_logs_499(server, http):
     line = line_for(server, "gone-1")
     assert line["status"] == "499" and line["code"] == "client_gone"
     assert line["finish_reason"] == "cancelled"
+
+
+def _observer(record: AccessRecord) -> RequestObserver:
+    metrics = Metrics(Scheduler(1, 0, 10))
+    return RequestObserver(make_tracer(), metrics, "chat", MODEL, record=record)
+
+
+def test_a_request_cancelled_before_its_first_engine_step_logs_cancelled():
+    # A client can go away between the stream's headers and the engine's first step (the
+    # race the streamed 499 test above can hit): the line still says why the request ended.
+    record = AccessRecord()
+    observer = _observer(record)
+    observer.admitted(0, 0.0)
+    observer.end("cancelled")
+    assert record.finish_reason == "cancelled"
+    # The engine's own reason wins when it reported one, and a plain end adds none.
+    finished = AccessRecord()
+    observer = _observer(finished)
+    observer.engine_started(5)
+    observer.engine_finished("length", 3, None)
+    observer.end("cancelled")
+    assert (finished.finish_reason, finished.completion_tokens) == ("length", 3)
+    refused = AccessRecord()
+    _observer(refused).end()
+    assert refused.finish_reason is None
 
 
 def test_requests_without_a_body_route_are_logged(server, http):

@@ -209,6 +209,7 @@ class RequestObserver:
         self._prompt_tokens = 0
         self._prefilled = 0
         self._slot = 0
+        self._engine_finished = False
 
     @contextmanager
     def span(self, name: str, **attributes: Any) -> Iterator[Span]:
@@ -266,6 +267,7 @@ class RequestObserver:
             self._metrics.first_output.observe(time.perf_counter() - self._engine_start)
 
     def engine_finished(self, reason: str, completion_tokens: int, error: str | None) -> None:
+        self._engine_finished = True
         end = time.perf_counter()
         self._prefill_ended()
         self._metrics.engine_call.observe(end - self._engine_start)
@@ -306,5 +308,12 @@ class RequestObserver:
         if self._prefill is not None:
             self._prefill.set_attribute("colibri.prefilled_tokens", self._prefilled)
 
-    def end(self) -> None:
+    def end(self, outcome: str | None = None) -> None:
+        """Ends the request's trace. ``outcome`` "cancelled" (the client went away) is the
+        finish reason when the engine never reported one: a stream dropped before its first
+        engine step still logs why it ended."""
+        if outcome == "cancelled" and not self._engine_finished:
+            self.root.set_attribute("colibri.finish_reason", outcome)
+            if self._record is not None:
+                self._record.finish_reason = outcome
         self.root.end()

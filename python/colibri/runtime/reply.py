@@ -79,7 +79,7 @@ class Reply:
         """Gives the slot back and ends the trace; once (later calls do nothing)."""
         if not self.lease.released:
             self.model.scheduler.release(self.lease, outcome)
-            self.observer.end()
+            self.observer.end(outcome)
 
 
 class _HeldStreamingResponse(StreamingResponse):
