@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""colibri vs llama.cpp speed benchmark on a random OLMoE-1B-7B-shaped model.
+"""colibri vs llama.cpp speed benchmark on a random OLMoE-1B-7B-shaped model (or, with
+``--arch deepseek_v3``, a DeepSeek-V3-shaped one: MLA, llama.cpp's DeepSeek2 path).
 
 One run does everything, idempotently (each step is skipped when its output is
 already in the cache, ~/.cache/colibri-bench by default):
@@ -8,7 +9,7 @@ already in the cache, ~/.cache/colibri-bench by default):
           2. llama.cpp, from the tree vendored in the llama-cpp-python sdist on
              PyPI, built with GGML_NATIVE (llama-bench, llama-quantize)
           3. benchmarks/bandwidth.c compiled with -O3 -march=native
-          4. the random bf16 HF checkpoint (make_random_olmoe.py, seeded)
+          4. the random bf16 HF checkpoint (make_random_moe.py, seeded)
           5. GGUF: convert_hf_to_gguf.py --outtype bf16, then
              llama-quantize --pure ... Q4_0
           6. colibri convert HF_DIR OUT_DIR --quant int4   (if colibri is found)
@@ -62,6 +63,7 @@ from vs_llamacpp.measure import (  # noqa: E402
     measure_llama_depth,
 )
 from vs_llamacpp.prepare import (  # noqa: E402
+    ARCH_PREFIX,
     LONG_CONTEXT,
     MODEL_CONTEXT,
     Paths,
@@ -70,7 +72,11 @@ from vs_llamacpp.prepare import (  # noqa: E402
     setup_all,
     setup_colibri_model,
 )
-from vs_llamacpp.report import build_report, bytes_per_decoded_token  # noqa: E402
+from vs_llamacpp.report import (  # noqa: E402
+    build_report,
+    bytes_per_decoded_token,
+    kv_bytes_per_token,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         default=16,
         help="model layers (16 = OLMoE-1B-7B; fewer for a smoke test)",
     )
+    ap.add_argument(
+        "--arch",
+        choices=sorted(ARCH_PREFIX),
+        default="olmoe",
+        help="the random model's shape (make_random_moe.py --arch; default olmoe)",
+    )
     a = ap.parse_args(argv)
     a.bw_size_mib = probe_size_mib(a.bw_size_mib, cpu_cache_bytes())
 
@@ -207,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.reps is None:
         a.reps = 1 if a.long else 3
     if a.out is None:
-        a.out = HERE / "results" / ("long-latest.md" if a.long else "latest.md")
-    p = Paths(a.cache.expanduser().resolve(), a.layers, a.context)
+        name = "long-latest.md" if a.long else "latest.md"
+        a.out = HERE / "results" / (name if a.arch == "olmoe" else f"{a.arch}-{name}")
+    p = Paths(a.cache.expanduser().resolve(), a.layers, a.context, a.arch)
     exe, colibri_note, colibri_ver = setup_all(p, a)
     if a.setup_only:
         return 0
@@ -300,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         colibri_note = (
             colibri_note + " " if colibri_note else ""
         ) + f"`colibri bench` failed: {failed}"
-    report = build_report(a, rounds, bpt, colibri_note, colibri_ver)
+    report = build_report(a, rounds, bpt, colibri_note, colibri_ver, kv_bytes_per_token(cfg))
     write_results(a, report, {"rounds": rounds, "bytes_per_token": bpt})
     return 0
 

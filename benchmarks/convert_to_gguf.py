@@ -4,7 +4,7 @@
 The converter identifies a BPE tokenizer's pre-tokenizer by hashing how it
 tokenizes a probe string, and refuses tokenizers it does not know. The
 benchmark model's tokenizer is a small byte-level BPE trained locally (see
-make_random_olmoe.py), so its hash is unknown; it uses the GPT-2 pre-tokenizer
+make_random_moe.py), so its hash is unknown; it uses the GPT-2 pre-tokenizer
 regex, so we tell the converter "gpt-2" for it. Nothing else is changed: the
 vendored converter runs unmodified otherwise.
 

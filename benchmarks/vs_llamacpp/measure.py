@@ -195,6 +195,7 @@ def measure_colibri(
         "prefill_tok_s": float(obj["prefill_tok_s"]),
         "decode_tok_s": float(obj["decode_tok_s"]),
         "peak_rss_mb": float(obj.get("peak_rss_mb") or r["rss_mb"]),
+        "kv_bytes_per_token": obj.get("kv_bytes_per_token"),
         "others_cpu": r["others_cpu"],
         "raw": obj,
     }

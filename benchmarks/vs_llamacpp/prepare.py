@@ -1,7 +1,7 @@
 """The benchmark's setup steps, each skipped when its output is already in the cache: the venv,
 llama.cpp's source (vendored in the llama-cpp-python sdist) and build, the bandwidth probe, the
-random OLMoE checkpoint, its Q4_0 GGUF, and colibri's int4 conversion (with the colibri
-executable found and checked)."""
+random checkpoint (OLMoE- or DeepSeek-V3-shaped), its Q4_0 GGUF, and colibri's int4 conversion
+(with the colibri executable found and checked)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 from .common import HERE, REPO, log, run
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist whose vendor/llama.cpp we build
-LLAMA_TARGETS = ["llama-bench", "llama-quantize"]
-MODEL_CONTEXT = 4096  # the OLMoE config's max_position_embeddings (make_random_olmoe.py)
+LLAMA_TARGETS = ["llama-bench", "llama-quantize", "llama-perplexity"]
+MODEL_CONTEXT = 4096  # the random configs' max_position_embeddings (make_random_moe.py)
 LONG_CONTEXT = 32768  # the long-prompt mode's (bench_vs_llamacpp.py --long)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CMAKE_FLAGS = [
@@ -51,12 +51,16 @@ def read_json(path: Path):
         return None
 
 
-class Paths:
-    """The cache's files. The model's are named after its shape: a layer count other than 16
-    and a context other than MODEL_CONTEXT (which changes config.json and so every
-    conversion) each get their own files."""
+# The random model's file names per --arch of make_random_moe.py.
+ARCH_PREFIX = {"olmoe": "olmoe-random", "deepseek_v3": "deepseek-v3-random"}
 
-    def __init__(self, cache: Path, layers: int, context: int = MODEL_CONTEXT):
+
+class Paths:
+    """The cache's files. The model's are named after its shape: the architecture, a layer
+    count other than 16 and a context other than MODEL_CONTEXT (which changes config.json and
+    so every conversion) each get their own files."""
+
+    def __init__(self, cache: Path, layers: int, context: int = MODEL_CONTEXT, arch: str = "olmoe"):
         self.cache = cache
         self.venv = cache / "venv"
         self.py = self.venv / "bin" / "python"
@@ -73,11 +77,13 @@ class Paths:
             "" if context == MODEL_CONTEXT else f"-ctx{context}"
         )
         self.context = context
+        self.arch = arch
         self.models = models = cache / "models"
-        self.hf = models / f"olmoe-random{suffix}-hf"
-        self.gguf_bf16 = models / f"olmoe-random{suffix}-bf16.gguf"
-        self.gguf_q4 = models / f"olmoe-random{suffix}-q4_0-pure.gguf"
-        self.colibri_model = models / f"olmoe-random{suffix}-colibri-int4"
+        name = ARCH_PREFIX[arch] + suffix
+        self.hf = models / f"{name}-hf"
+        self.gguf_bf16 = models / f"{name}-bf16.gguf"
+        self.gguf_q4 = models / f"{name}-q4_0-pure.gguf"
+        self.colibri_model = models / f"{name}-colibri-int4"
 
 
 def setup_venv(p: Paths) -> None:
@@ -133,7 +139,7 @@ def setup_llama_src(p: Paths) -> None:
 
 
 def setup_llama_build(p: Paths) -> None:
-    if p.llama_bench.exists() and p.llama_quantize.exists():
+    if all((p.llama_build / "bin" / t).exists() for t in LLAMA_TARGETS):
         log(f"[setup] llama.cpp build: {p.llama_build} (cached)")
         return
     log("[setup] llama.cpp build (GGML_NATIVE; ~15 min on 2 cores)")
@@ -173,15 +179,17 @@ def setup_bandwidth(p: Paths) -> None:
 
 
 def setup_model(p: Paths, seed: int, layers: int) -> None:
-    # make_random_olmoe.py itself skips when the checkpoint is complete, and hard-links the
+    # make_random_moe.py itself skips when the checkpoint is complete, and hard-links the
     # shards of a sibling with the same weights (another context length) instead of writing them
-    log(f"[setup] random OLMoE checkpoint: {p.hf}")
-    siblings = [d for d in sorted(p.models.glob("olmoe-random*-hf")) if d != p.hf]
+    log(f"[setup] random {p.arch} checkpoint: {p.hf}")
+    siblings = [d for d in sorted(p.models.glob(f"{ARCH_PREFIX[p.arch]}*-hf")) if d != p.hf]
     run(
         [
             p.py,
-            HERE / "make_random_olmoe.py",
+            HERE / "make_random_moe.py",
             p.hf,
+            "--arch",
+            p.arch,
             "--seed",
             seed,
             "--layers",

@@ -17,6 +17,8 @@ BITS_PER_WEIGHT = 4.5  # Q4_0: 32 4-bit weights + one f16 scale per block
 
 def bytes_per_decoded_token(cfg: dict, bits: float = BITS_PER_WEIGHT) -> dict:
     """Weight bytes one decode step reads: everything active for one token."""
+    if cfg["model_type"] == "deepseek_v3":
+        return deepseek_v3_bytes_per_decoded_token(cfg, bits)
     h = cfg["hidden_size"]
     inter = cfg["intermediate_size"]
     n_head = cfg["num_attention_heads"]
@@ -40,6 +42,51 @@ def bytes_per_decoded_token(cfg: dict, bits: float = BITS_PER_WEIGHT) -> dict:
         "lm_head": lm_head,
         "bytes": active * bits / 8,
     }
+
+
+def deepseek_v3_bytes_per_decoded_token(cfg: dict, bits: float) -> dict:
+    """The same for DeepSeek-V3's shape: MLA projections in every layer, dense MLPs in the
+    first ``first_k_dense_replace`` layers, the router, top-k routed and the shared experts in
+    the others."""
+    h, heads, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    q_lora, kv_lora = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+    q = q_lora * h + heads * (nope + rope) * q_lora if q_lora else heads * (nope + rope) * h
+    attn = L * (q + (kv_lora + rope) * h + heads * (nope + v) * kv_lora + h * heads * v)
+    dense_layers = min(L, cfg["first_k_dense_replace"])
+    moe_layers = L - dense_layers
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    n_experts = cfg["n_routed_experts"]
+    dense = dense_layers * 3 * h * cfg["intermediate_size"]
+    router = moe_layers * n_experts * h
+    shared = moe_layers * cfg["n_shared_experts"] * expert
+    experts = moe_layers * cfg["num_experts_per_tok"] * expert
+    lm_head = cfg["vocab_size"] * h
+    active = attn + dense + router + shared + experts + lm_head + h
+    total = 2 * cfg["vocab_size"] * h + attn + dense + router + shared
+    total += moe_layers * n_experts * expert
+    return {
+        "active_params": active,
+        "total_params": total,
+        "attn": attn,
+        "router": router,
+        "experts": experts + shared + dense,
+        "lm_head": lm_head,
+        "bytes": active * bits / 8,
+    }
+
+
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> dict | None:
+    """For an MLA model: the latent's size per token (what its cache should hold: c_kv and the
+    rope key, every layer) and what GQA of the same width would cache (every head's key and
+    value); None for other models."""
+    if "kv_lora_rank" not in cfg:
+        return None
+    L, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    rope = cfg["qk_rope_head_dim"]
+    latent = L * (cfg["kv_lora_rank"] + rope) * dtype_bytes
+    gqa = L * heads * (cfg["qk_nope_head_dim"] + rope + cfg["v_head_dim"]) * dtype_bytes
+    return {"latent": latent, "gqa": gqa}
 
 
 # ---------------------------------------------------------------- report
@@ -72,8 +119,19 @@ def git_rev() -> str:
         return "unknown"
 
 
+MODEL_NAMES = {
+    "olmoe": "OLMoE-1B-7B",
+    "deepseek_v3": "DeepSeek-V3-shaped (MLA, kv_lora_rank 512, 64 experts top-6 + 1 shared)",
+}
+
+
 def build_report(
-    a, rounds: list[dict], bpt: dict, colibri_note: str | None, colibri_ver: str | None
+    a,
+    rounds: list[dict],
+    bpt: dict,
+    colibri_note: str | None,
+    colibri_ver: str | None,
+    kv: dict | None = None,
 ) -> str:
     L = {
         k: stats([r["llama"][k] for r in rounds if r.get("llama")])
@@ -141,12 +199,36 @@ def build_report(
             f"{ratio_d} |"
         ]
 
+    def kv_rows() -> list[str]:
+        if kv is None:
+            return []
+        measured = next(
+            (
+                r["colibri"]["kv_bytes_per_token"]
+                for r in rounds
+                if r.get("colibri", {}).get("kv_bytes_per_token")
+            ),
+            None,
+        )
+        rows = [
+            f"| KV cache per token of context, the latent (c_kv + rope key, f16, every layer) | "
+            f"{kv['latent']:,} bytes |",
+            f"| same, GQA of the same width (every head's key and value, f16) | "
+            f"{kv['gqa']:,} bytes ({kv['gqa'] / kv['latent']:.1f}x the latent) |",
+        ]
+        if measured:
+            rows.append(
+                f"| colibri's KV per token (`kv_bytes_per_token`) | {measured:,} bytes "
+                f"({measured / kv['latent']:.2f}x the latent) |"
+            )
+        return rows
+
     worst = max((b for b in map(round_busy, rounds) if b is not None), default=None)
     ceiling = stats([r["bw"]["gb_s"] / gb_per_tok for r in rounds if r.get("bw")])
     when = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     shape = "" if a.layers == 16 else f" ({a.layers} layers)"
     lines = [
-        f"## colibri vs llama.cpp: random OLMoE-1B-7B{shape}, {a.threads} threads",
+        f"## colibri vs llama.cpp: random {MODEL_NAMES[a.arch]}{shape}, {a.threads} threads",
         "",
         f"Median (min–max) over {len(rounds)} alternating rounds. colibri int4 vs llama.cpp "
         f"Q4_0 `--pure` from the same bf16 weights; prefill = {a.prompt_tokens}-token prompt, "
@@ -174,6 +256,7 @@ def build_report(
         f"{gb_per_tok:.3f} GB "
         f"({bpt['active_params'] / 1e9:.3f}B active of {bpt['total_params'] / 1e9:.2f}B params) |",
         f"| decode ceiling = bandwidth / bytes per token | {fmt(ceiling, 1, ' tok/s')} |",
+        *kv_rows(),
         "",
         f"{when}; {cpu_name()}, {os.cpu_count()} cores, {mem_total_gb():.0f} GB; "
         f"llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (llama-bench "
@@ -268,7 +351,7 @@ def build_long_report(a, rounds: list[dict], note: str | None, ver: str | None) 
     when = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     shape = "" if a.layers == 16 else f", {a.layers} layers"
     lines = [
-        f"## colibri vs llama.cpp, long prompts: random OLMoE-1B-7B (context {a.context}"
+        f"## colibri vs llama.cpp, long prompts: random {MODEL_NAMES[a.arch]} (context {a.context}"
         f"{shape}), {a.threads} threads",
         "",
         f"Median (min–max) over {len(rounds)} alternating rounds. colibri int4 vs llama.cpp "

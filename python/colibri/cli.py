@@ -276,6 +276,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "prefill_runs": prefill,
         "decode_runs": decode,
         "peak_rss_mb": _peak_rss_mb(),
+        "kv_bytes_per_token": engine.info["kv_bytes_per_token"],
     }
     if args.json:
         print(json.dumps(result))

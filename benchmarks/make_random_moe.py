@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Write a random, OLMoE-1B-7B-shaped Hugging Face checkpoint (bf16 safetensors).
+"""Write a random MoE Hugging Face checkpoint (bf16 safetensors) of one of two shapes:
+OLMoE-1B-7B (``--arch olmoe``, the default) or a DeepSeek-V3-shaped model scaled to this
+machine (``--arch deepseek_v3``: MLA with kv_lora_rank 512, a dense first layer, 64 routed
+experts top-6 and one shared expert, sigmoid routing with a correction bias; ~6.6B params).
 
-The weights are seeded random normals (std 0.02, norms 1.0), written tensor by
-tensor straight into sharded safetensors files with the per-expert names that
-the OLMoE checkpoints on the hub use, e.g.
-``model.layers.3.mlp.experts.17.gate_proj.weight``. At most one tensor (a few
-hundred MB) is held in memory at a time, so the ~14 GB checkpoint is written on
-a small machine without a second copy in RAM.
+The weights are seeded random normals (std 0.02, norms 1.0, correction biases 0), written
+tensor by tensor straight into sharded safetensors files with the per-expert names that the
+family's checkpoints on the hub use, e.g. ``model.layers.3.mlp.experts.17.gate_proj.weight``.
+At most one tensor (a few hundred MB) is held in memory at a time, so the ~14 GB checkpoint is
+written on a small machine without a second copy in RAM.
 
 Each tensor has its own RNG stream, seeded from (seed, tensor index), so the
 output is bit-identical on every machine and independent of write order.
@@ -23,8 +25,8 @@ shards as hard links (no second 14 GB copy on disk, no regeneration).
 
 Needs numpy and tokenizers. Usage:
 
-    python benchmarks/make_random_olmoe.py OUT_DIR [--seed 0] [--layers 16]
-        [--max-position-embeddings 4096] [--weights-from DIR ...]
+    python benchmarks/make_random_moe.py OUT_DIR [--arch olmoe|deepseek_v3] [--seed 0]
+        [--layers 16] [--max-position-embeddings 4096] [--weights-from DIR ...]
 """
 
 from __future__ import annotations
@@ -76,13 +78,63 @@ BASE_CONFIG = {
     "vocab_size": 50304,
 }
 
+# A DeepSeek-V3-shaped model at OLMoE-1B-7B's width and depth (transformers' DeepseekV3Config
+# keys): V3's attention shape (16 heads, q_lora_rank 768, kv_lora_rank 512, qk_nope 128 /
+# qk_rope 64 / v_head_dim 128), its dense first layer, 64 routed experts top-6 plus one shared
+# expert, sigmoid scores + correction bias, x2.5. One expert group (n_group 1): llama.cpp and
+# colibri then route alike whatever llama.cpp does with groups.
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 4096,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 1024,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 16,
+    "num_nextn_predict_layers": 0,
+    "pad_token_id": 1,
+    "q_lora_rank": 768,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 50304,
+}
+
 SHARD_BYTES = 5 * 1000**3  # like the hub's ~5 GB shards
 WEIGHT_STD = 0.02
 TOKENIZER_VOCAB = 8192
 
 
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) for every tensor, kind in {'normal', 'ones'}."""
+    """(name, shape, kind) for every tensor, kind in {'normal', 'ones', 'zeros'}."""
+    if cfg["model_type"] == "deepseek_v3":
+        return deepseek_v3_specs(cfg)
     h = cfg["hidden_size"]
     inter = cfg["intermediate_size"]
     n_head = cfg["num_attention_heads"]
@@ -107,12 +159,51 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
             (f"{p}.mlp.gate.weight", (cfg["num_experts"], h), "normal"),
         ]
         for j in range(cfg["num_experts"]):
-            e = f"{p}.mlp.experts.{j}"
-            specs += [
-                (f"{e}.gate_proj.weight", (inter, h), "normal"),
-                (f"{e}.up_proj.weight", (inter, h), "normal"),
-                (f"{e}.down_proj.weight", (h, inter), "normal"),
-            ]
+            specs += expert_specs(f"{p}.mlp.experts.{j}", h, inter)
+    specs += [("model.norm.weight", (h,), "ones"), ("lm_head.weight", (vocab, h), "normal")]
+    return specs
+
+
+def expert_specs(prefix: str, h: int, inter: int) -> list[tuple[str, tuple[int, ...], str]]:
+    return [
+        (f"{prefix}.gate_proj.weight", (inter, h), "normal"),
+        (f"{prefix}.up_proj.weight", (inter, h), "normal"),
+        (f"{prefix}.down_proj.weight", (h, inter), "normal"),
+    ]
+
+
+def deepseek_v3_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    h, heads, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    n_experts, moe_inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (vocab, h), "normal")
+    ]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        specs += [
+            (f"{p}.input_layernorm.weight", (h,), "ones"),
+            (f"{a}.q_a_proj.weight", (q_lora, h), "normal"),
+            (f"{a}.q_a_layernorm.weight", (q_lora,), "ones"),
+            (f"{a}.q_b_proj.weight", (heads * (nope + rope), q_lora), "normal"),
+            (f"{a}.kv_a_proj_with_mqa.weight", (kv_lora + rope, h), "normal"),
+            (f"{a}.kv_a_layernorm.weight", (kv_lora,), "ones"),
+            (f"{a}.kv_b_proj.weight", (heads * (nope + v), kv_lora), "normal"),
+            (f"{a}.o_proj.weight", (h, heads * v), "normal"),
+            (f"{p}.post_attention_layernorm.weight", (h,), "ones"),
+        ]
+        if i < cfg["first_k_dense_replace"]:
+            specs += expert_specs(f"{p}.mlp", h, cfg["intermediate_size"])
+            continue
+        specs += [
+            (f"{p}.mlp.gate.weight", (n_experts, h), "normal"),
+            (f"{p}.mlp.gate.e_score_correction_bias", (n_experts,), "zeros"),
+        ]
+        for j in range(n_experts):
+            specs += expert_specs(f"{p}.mlp.experts.{j}", h, moe_inter)
+        specs += expert_specs(f"{p}.mlp.shared_experts", h, moe_inter * cfg["n_shared_experts"])
     specs += [("model.norm.weight", (h,), "ones"), ("lm_head.weight", (vocab, h), "normal")]
     return specs
 
@@ -129,6 +220,8 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 def make_tensor(seed: int, index: int, shape: tuple[int, ...], kind: str) -> np.ndarray:
     if kind == "ones":
         return np.full(shape, 0x3F80, dtype=np.uint16)  # bf16 1.0
+    if kind == "zeros":
+        return np.zeros(shape, dtype=np.uint16)
     rng = np.random.Generator(np.random.PCG64([seed, index]))
     x = rng.standard_normal(size=shape, dtype=np.float32)
     x *= np.float32(WEIGHT_STD)
@@ -315,9 +408,13 @@ def link_shards(src: Path, dst: Path, stamp: dict) -> int | None:
     return int(done["n_params"])
 
 
+ARCH_CONFIGS = {"olmoe": BASE_CONFIG, "deepseek_v3": DEEPSEEK_V3_CONFIG}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--arch", choices=sorted(ARCH_CONFIGS), default="olmoe")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--layers",
@@ -342,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     cfg = dict(
-        BASE_CONFIG,
+        ARCH_CONFIGS[args.arch],
         num_hidden_layers=args.layers,
         max_position_embeddings=args.max_position_embeddings,
     )
@@ -360,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    print(f"writing random OLMoE-shaped checkpoint to {args.out} (seed {args.seed})", flush=True)
+    print(f"writing a random {args.arch} checkpoint to {args.out} (seed {args.seed})", flush=True)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(
         json.dumps(
