@@ -30,6 +30,19 @@ pub enum WeightRef<'a> {
 }
 
 impl Linear {
+    /// Rows `first..first + rows` as a matrix of their own (rows are stored whole and in
+    /// order at every dtype).
+    pub fn row_block(&self, first: usize, rows: usize) -> Linear {
+        assert!(first + rows <= self.rows, "row block past the matrix");
+        let row_bytes = self.nbytes / self.rows;
+        Linear {
+            rows,
+            offset: self.offset + first * row_bytes,
+            nbytes: rows * row_bytes,
+            ..*self
+        }
+    }
+
     pub fn view<'a>(&self, buf: &'a [u8]) -> WeightRef<'a> {
         let bytes = &buf[self.offset..self.offset + self.nbytes];
         match self.dtype {

@@ -377,7 +377,7 @@ fn check_plan(ckpt: &Checkpoint, plan: &Plan, cfg: &ModelConfig) -> Result<()> {
         if spec.optional && !ckpt.has(&spec.hf) {
             continue;
         }
-        ckpt.check(&spec.hf, &spec.shape)?;
+        ckpt.check(&spec.hf, &spec.source_shape())?;
     }
     for (_, src) in &plan.expert_layers {
         for e in 0..cfg.num_experts {
@@ -479,7 +479,11 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
         if spec.optional && !ckpt.has(&spec.hf) {
             continue;
         }
-        let data = ckpt.read(&spec.hf, &spec.shape)?;
+        let source_shape = spec.source_shape();
+        let mut data = ckpt.read(&spec.hf, &source_shape)?;
+        if let Some(hr) = spec.head_rows {
+            data = hr.apply(&data, source_shape[1]);
+        }
         let dtype = if spec.matrix {
             quant.matrix_dtype()
         } else {

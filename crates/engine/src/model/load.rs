@@ -92,6 +92,10 @@ impl Tensors<'_> {
         Ok(e)
     }
 
+    pub(in crate::model) fn has(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
     pub(in crate::model) fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
         let e = self.entry(name)?;
         check_linear(name, e, rows, cols)?;
@@ -123,7 +127,7 @@ impl Tensors<'_> {
         name: &str,
         n: usize,
     ) -> Result<Option<Vec<f32>>> {
-        if self.entries.contains_key(name) {
+        if self.has(name) {
             self.vector(name, n).map(Some)
         } else {
             Ok(None)

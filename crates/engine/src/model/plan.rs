@@ -19,6 +19,67 @@ pub struct TensorSpec {
     pub matrix: bool,
     /// Loaded if the checkpoint has it (attention biases).
     pub optional: bool,
+    /// Made from per-head row blocks of the checkpoint tensor rather than taken whole.
+    pub head_rows: Option<HeadRows>,
+}
+
+/// A tensor cut from per-head row blocks of a checkpoint tensor `[heads * per_head, cols]`:
+/// rows `skip..skip + take` of every head's block, each block transposed or not. MLA's
+/// `kv_b_proj` is stored this way as two matrices the kernels multiply directly: `W_uk^T`
+/// (every head's key rows, transposed) and `W_uv` (every head's value rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadRows {
+    pub heads: usize,
+    pub per_head: usize,
+    pub skip: usize,
+    pub take: usize,
+    /// Each head's `take x cols` block becomes `cols x take`.
+    pub transpose: bool,
+}
+
+impl HeadRows {
+    /// The output shape from a checkpoint tensor of `cols` columns.
+    pub fn shape(&self, cols: usize) -> Vec<usize> {
+        if self.transpose {
+            vec![self.heads * cols, self.take]
+        } else {
+            vec![self.heads * self.take, cols]
+        }
+    }
+
+    /// The output's values from the checkpoint tensor's (`[heads * per_head, cols]`, row-major).
+    pub fn apply(&self, src: &[f32], cols: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.heads * self.take * cols);
+        for h in 0..self.heads {
+            let first = h * self.per_head + self.skip;
+            let block = &src[first * cols..(first + self.take) * cols];
+            if self.transpose {
+                for c in 0..cols {
+                    out.extend((0..self.take).map(|r| block[r * cols + c]));
+                }
+            } else {
+                out.extend_from_slice(block);
+            }
+        }
+        out
+    }
+}
+
+impl TensorSpec {
+    /// The checkpoint tensor's shape.
+    pub fn source_shape(&self) -> Vec<usize> {
+        match self.head_rows {
+            None => self.shape.clone(),
+            Some(hr) => {
+                let cols = if hr.transpose {
+                    self.shape[0] / hr.heads
+                } else {
+                    self.shape[1]
+                };
+                vec![hr.heads * hr.per_head, cols]
+            }
+        }
+    }
 }
 
 /// Where one expert's gate/up/down come from in the checkpoint.
@@ -45,6 +106,18 @@ impl Plan {
             shape,
             matrix,
             optional,
+            head_rows: None,
+        });
+    }
+    /// A weight matrix cut from a checkpoint tensor of `cols` columns by `hr`.
+    pub fn head_rows_matrix(&mut self, name: String, hf: String, hr: HeadRows, cols: usize) {
+        self.resident.push(TensorSpec {
+            name,
+            hf,
+            shape: hr.shape(cols),
+            matrix: true,
+            optional: false,
+            head_rows: Some(hr),
         });
     }
     /// A weight matrix, stored at the model's quantization.
@@ -173,5 +246,27 @@ pub fn skip_reason(c: &ModelConfig, hf: &str) -> Option<String> {
             "layer {l} is past num_hidden_layers (multi-token-prediction head, not used)"
         )),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HeadRows;
+
+    /// Two heads of 3 rows over 2 columns: rows 1..3 of each head, transposed and not.
+    #[test]
+    fn head_rows_cut_and_transpose_each_heads_block() {
+        let src: Vec<f32> = (0..12).map(|x| x as f32).collect(); // [6, 2]
+        let hr = |transpose| HeadRows {
+            heads: 2,
+            per_head: 3,
+            skip: 1,
+            take: 2,
+            transpose,
+        };
+        assert_eq!(hr(false).shape(2), vec![4, 2]);
+        assert_eq!(hr(false).apply(&src, 2), [2., 3., 4., 5., 8., 9., 10., 11.]);
+        assert_eq!(hr(true).shape(2), vec![4, 2]);
+        assert_eq!(hr(true).apply(&src, 2), [2., 4., 3., 5., 8., 10., 9., 11.]);
     }
 }

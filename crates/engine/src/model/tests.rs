@@ -149,3 +149,88 @@ fn manifest_file_names_stay_inside_the_directory() {
         assert!(e.contains("../x.bin"), "{e}");
     }
 }
+
+/// An MLA directory converted before `kv_b_proj` was split (one f32 `kv_b` per layer, per head
+/// `W_uk` rows then `W_uv` rows) still loads, and gives the logits of today's split layout.
+#[test]
+fn an_mla_directory_with_the_fused_f32_kv_b_still_loads() {
+    let d = convert_fixture("deepseek_v3", Quant::F32, "mla-fused-kv-b");
+    let split = Model::load(&d, Some(1)).unwrap();
+    let tokens = [5u32, 17, 99, 3, 250, 41, 7];
+    let want = split
+        .forward(&tokens, &mut split.new_cache(), true)
+        .unwrap();
+    drop(split);
+
+    let cfg: Value = serde_json::from_str(
+        &fs::read_to_string(crate::testutil::fixture("deepseek_v3").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let heads = cfg["num_attention_heads"].as_u64().unwrap() as usize;
+    let (nope, v, r) = (
+        cfg["qk_nope_head_dim"].as_u64().unwrap() as usize,
+        cfg["v_head_dim"].as_u64().unwrap() as usize,
+        cfg["kv_lora_rank"].as_u64().unwrap() as usize,
+    );
+    let mut m: Value =
+        serde_json::from_str(&fs::read_to_string(d.join(MANIFEST)).unwrap()).unwrap();
+    let file = d.join(m["resident"]["file"].as_str().unwrap());
+    let mut resident = fs::read(&file).unwrap();
+    let f32s = |e: &Value, buf: &[u8]| -> Vec<f32> {
+        let (o, n) = (
+            e["offset"].as_u64().unwrap() as usize,
+            e["nbytes"].as_u64().unwrap() as usize,
+        );
+        buf[o..o + n]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let tensors = m["resident"]["tensors"].as_object_mut().unwrap();
+    let mut layers = 0;
+    for i in 0.. {
+        let (uk_name, uv_name) = (
+            format!("layers.{i}.kv_b_uk_t"),
+            format!("layers.{i}.kv_b_uv"),
+        );
+        let Some(uk) = tensors.remove(&uk_name) else {
+            break;
+        };
+        let uv = tensors.remove(&uv_name).unwrap();
+        let (uk_t, uv) = (f32s(&uk, &resident), f32s(&uv, &resident));
+        // Back to kv_b_proj's own layout: per head, W_uk (nope x r) then W_uv (v x r).
+        let mut fused = Vec::with_capacity(heads * (nope + v) * r);
+        for h in 0..heads {
+            let block = &uk_t[h * r * nope..(h + 1) * r * nope];
+            for j in 0..nope {
+                fused.extend((0..r).map(|c| block[c * nope + j]));
+            }
+            fused.extend_from_slice(&uv[h * v * r..(h + 1) * v * r]);
+        }
+        let offset = resident.len().next_multiple_of(64);
+        resident.resize(offset, 0);
+        resident.extend(fused.iter().flat_map(|x| x.to_le_bytes()));
+        tensors.insert(
+            format!("layers.{i}.kv_b"),
+            json!({"dtype": "f32", "shape": [heads * (nope + v), r], "offset": offset,
+                   "nbytes": fused.len() * 4}),
+        );
+        layers += 1;
+    }
+    assert_eq!(layers, cfg["num_hidden_layers"].as_u64().unwrap() as usize);
+    fs::write(&file, &resident).unwrap();
+    fs::write(d.join(MANIFEST), m.to_string()).unwrap();
+
+    let fused = Model::load(&d, Some(1)).unwrap();
+    let got = fused
+        .forward(&tokens, &mut fused.new_cache(), true)
+        .unwrap();
+    let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+    let worst = want
+        .iter()
+        .zip(&got)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    assert!(worst <= 1e-5 * scale, "max difference {worst} of {scale}");
+    drop(fused);
+    fs::remove_dir_all(&d).unwrap();
+}

@@ -15,7 +15,11 @@
 //! `[W_uk^T q_nope | q_rope]` and attends over the cached rows `[c | k_rope]` with the shared
 //! kernel; the values are the latents (the kernel is given the same rows as values and the
 //! rope columns of its output are dropped), and `W_uv` maps the weighted latent to the head's
-//! value after the softmax. `kv_b_proj` is kept in f32 (it is multiplied transposed, per head).
+//! value after the softmax. `kv_b_proj` is stored as the two matrices these products read, at
+//! the model's quantization: `W_uk^T` (each head's key rows transposed, `[heads * kv_lora_rank,
+//! qk_nope_head_dim]`) and `W_uv` (`[heads * v_head_dim, kv_lora_rank]`), each head a row block
+//! multiplied by that head's own input. Directories converted before the split keep one f32
+//! `kv_b` and are read as before.
 //!
 //! RoPE: with `rope_interleave` transformers reorders the rope dims `(0, 2, 4, .., 1, 3, ..)`
 //! before its rotate-half rotation; the same reordering here, for q and k alike (a dot product
@@ -26,9 +30,9 @@ use crate::config::{AttentionKind, MlaDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
 use crate::kv::{KvCache, KvLayout, LayerKv};
-use crate::linear::{Acts, Linear, WeightRef};
+use crate::linear::{matmul_many, Acts, Job, Linear, WeightRef};
 use crate::model::load::Tensors;
-use crate::model::plan::Plan;
+use crate::model::plan::{HeadRows, Plan};
 use crate::model::{fmt_err, Model};
 use crate::ops::{self, RopeAngles};
 
@@ -46,14 +50,22 @@ enum QueryProj {
     },
 }
 
+/// How `kv_b_proj` is stored.
+enum KvB {
+    /// `W_uk^T` `[heads * kv_lora_rank, nope]` and `W_uv` `[heads * v, kv_lora_rank]`, at the
+    /// model's quantization: one row block per head.
+    Split { uk_t: Linear, uv: Linear },
+    /// Directories converted before the split: `[heads * (nope + v), kv_lora_rank]` in f32, per
+    /// head `nope` rows of `W_uk` then `v` rows of `W_uv`.
+    Fused(Linear),
+}
+
 /// One layer's MLA weights.
 pub(in crate::model) struct Mla {
     q: QueryProj,
     kv_a: Linear,
     kv_a_norm: Vec<f32>,
-    /// `[heads * (nope + v), kv_lora_rank]`, f32: per head, `nope` rows of `W_uk` then `v`
-    /// rows of `W_uv`.
-    kv_b: Linear,
+    kv_b: KvB,
     o: Linear,
 }
 
@@ -101,12 +113,23 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
         h,
     );
     p.vector(n("kv_a_norm"), hf("kv_a_layernorm.weight"), d.kv_lora_rank);
-    p.f32_matrix(
-        n("kv_b"),
-        hf("kv_b_proj.weight"),
-        heads * (d.qk_nope_head_dim + d.v_head_dim),
-        d.kv_lora_rank,
-    );
+    let per_head = d.qk_nope_head_dim + d.v_head_dim;
+    let uk = HeadRows {
+        heads,
+        per_head,
+        skip: 0,
+        take: d.qk_nope_head_dim,
+        transpose: true,
+    };
+    p.head_rows_matrix(n("kv_b_uk_t"), hf("kv_b_proj.weight"), uk, d.kv_lora_rank);
+    let uv = HeadRows {
+        heads,
+        per_head,
+        skip: d.qk_nope_head_dim,
+        take: d.v_head_dim,
+        transpose: false,
+    };
+    p.head_rows_matrix(n("kv_b_uv"), hf("kv_b_proj.weight"), uv, d.kv_lora_rank);
     p.matrix(n("o"), hf("o_proj.weight"), h, heads * d.v_head_dim);
 }
 
@@ -124,14 +147,19 @@ impl Mla {
                 b: t.linear(&n("q_b"), heads * qk, rank)?,
             },
         };
-        let kv_b = t.linear(
-            &n("kv_b"),
-            heads * (d.qk_nope_head_dim + d.v_head_dim),
-            d.kv_lora_rank,
-        )?;
-        if kv_b.dtype != DType::F32 {
-            return Err(fmt_err(format!("tensor `{}` should be f32", n("kv_b"))));
-        }
+        let r = d.kv_lora_rank;
+        let kv_b = if t.has(&n("kv_b")) {
+            let fused = t.linear(&n("kv_b"), heads * (d.qk_nope_head_dim + d.v_head_dim), r)?;
+            if fused.dtype != DType::F32 {
+                return Err(fmt_err(format!("tensor `{}` should be f32", n("kv_b"))));
+            }
+            KvB::Fused(fused)
+        } else {
+            KvB::Split {
+                uk_t: t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?,
+                uv: t.linear(&n("kv_b_uv"), heads * d.v_head_dim, r)?,
+            }
+        };
         Ok(Mla {
             q,
             kv_a: t.linear(&n("kv_a"), d.kv_lora_rank + d.qk_rope_head_dim, h)?,
@@ -269,25 +297,24 @@ impl Model {
                 self.rope.apply_angles(qr, rope, &angles[i]);
             }
         });
-        let WeightRef::F32(kv_b) = self.w(&layer.kv_b) else {
-            unreachable!("kv_b is f32 (checked at load)")
-        };
-        let per_head = (nope + d.v_head_dim) * r;
         // Absorbed queries, per (position, head): [W_uk^T q_nope | q_rope], `kw` wide.
-        let absorbed = self.pool.map(n * heads, |t| {
-            let (i, head) = (t / heads, t % heads);
-            let qh = &q[i * heads * qk + head * qk..i * heads * qk + (head + 1) * qk];
-            let w_uk = &kv_b[head * per_head..head * per_head + nope * r];
-            let mut out = vec![0.0f32; kw];
-            let (qa, qr) = out.split_at_mut(r);
-            for (x, row) in qh[..nope].iter().zip(w_uk.chunks_exact(r)) {
-                for (o, w) in qa.iter_mut().zip(row) {
-                    *o += x * w;
-                }
+        let absorbed = match &layer.kv_b {
+            KvB::Split { uk_t, .. } => {
+                let q_nope = self.per_head_inputs(&q, n, qk, 0, nope);
+                let uk_q = self.per_head_products(uk_t, r, q_nope);
+                (0..n * heads)
+                    .map(|t| {
+                        let (i, head) = (t / heads, t % heads);
+                        let mut out = Vec::with_capacity(kw);
+                        out.extend_from_slice(&uk_q[head][i * r..(i + 1) * r]);
+                        let qh = &q[(i * heads + head) * qk..(i * heads + head + 1) * qk];
+                        out.extend_from_slice(&qh[nope..]);
+                        out
+                    })
+                    .collect()
             }
-            qr.copy_from_slice(&qh[nope..]);
-            out
-        });
+            KvB::Fused(kv_b) => self.absorb_fused(kv_b, &q, n),
+        };
         MlaPass {
             absorbed,
             latent,
@@ -301,14 +328,107 @@ impl Model {
     pub(in crate::model) fn mla_output(&self, layer: &Mla, lats: &[f32]) -> Vec<f32> {
         let d = dims(&self.cfg);
         let heads = self.cfg.num_heads;
-        let (nope, vd, r) = (d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank);
+        let (vd, r) = (d.v_head_dim, d.kv_lora_rank);
         let kw = r + d.qk_rope_head_dim;
         let n = lats.len() / (kw * heads);
-        let WeightRef::F32(kv_b) = self.w(&layer.kv_b) else {
-            unreachable!("kv_b is f32 (checked at load)")
+        let att = match &layer.kv_b {
+            KvB::Split { uv, .. } => {
+                let lat = self.per_head_inputs(lats, n, kw, 0, r);
+                let values = self.per_head_products(uv, vd, lat);
+                let mut att = Vec::with_capacity(n * heads * vd);
+                for i in 0..n {
+                    for v in &values {
+                        att.extend_from_slice(&v[i * vd..(i + 1) * vd]);
+                    }
+                }
+                att
+            }
+            KvB::Fused(kv_b) => self.values_fused(kv_b, lats, n),
         };
-        let per_head = (nope + vd) * r;
-        // Each head's weighted latent through W_uv, per (position, head).
+        let mut acts = Acts::from_vec(att, n, heads * vd);
+        self.project(&[layer.o], &mut acts).remove(0)
+    }
+    /// Per head, the `width` values at `offset` of each position's record for that head, as one
+    /// product input (`n` rows): `x` holds `stride`-wide records per (position, head),
+    /// position-major.
+    fn per_head_inputs(
+        &self,
+        x: &[f32],
+        n: usize,
+        stride: usize,
+        offset: usize,
+        width: usize,
+    ) -> Vec<Acts> {
+        let heads = self.cfg.num_heads;
+        (0..heads)
+            .map(|head| {
+                let mut rows = Vec::with_capacity(n * width);
+                for i in 0..n {
+                    let at = (i * heads + head) * stride + offset;
+                    rows.extend_from_slice(&x[at..at + width]);
+                }
+                Acts::from_vec(rows, n, width)
+            })
+            .collect()
+    }
+
+    /// Head `h`'s row block of `w` (`rows` rows each) times `inputs[h]`, every head in one
+    /// parallel region; per head `n x rows` values, position-major.
+    fn per_head_products(&self, w: &Linear, rows: usize, mut inputs: Vec<Acts>) -> Vec<Vec<f32>> {
+        for x in &mut inputs {
+            x.prepare(w.dtype == DType::Q4);
+        }
+        let mut outs: Vec<Vec<f32>> = inputs.iter().map(|x| vec![0.0; x.n * rows]).collect();
+        let mut jobs: Vec<Job> = inputs
+            .iter()
+            .zip(outs.iter_mut())
+            .enumerate()
+            .map(|(head, (x, out))| Job {
+                w: self.w(&w.row_block(head * rows, rows)),
+                x,
+                out,
+            })
+            .collect();
+        matmul_many(&self.pool, self.kernel, &mut jobs);
+        outs
+    }
+
+    /// The absorbed queries from a fused f32 `kv_b` (directories converted before the split).
+    fn absorb_fused(&self, kv_b: &Linear, q: &[f32], n: usize) -> Vec<Vec<f32>> {
+        let d = dims(&self.cfg);
+        let heads = self.cfg.num_heads;
+        let (nope, r) = (d.qk_nope_head_dim, d.kv_lora_rank);
+        let (qk, kw) = (nope + d.qk_rope_head_dim, r + d.qk_rope_head_dim);
+        let WeightRef::F32(kv_b) = self.w(kv_b) else {
+            unreachable!("a fused kv_b is f32 (checked at load)")
+        };
+        let per_head = (nope + d.v_head_dim) * r;
+        self.pool.map(n * heads, |t| {
+            let (i, head) = (t / heads, t % heads);
+            let qh = &q[i * heads * qk + head * qk..i * heads * qk + (head + 1) * qk];
+            let w_uk = &kv_b[head * per_head..head * per_head + nope * r];
+            let mut out = vec![0.0f32; kw];
+            let (qa, qr) = out.split_at_mut(r);
+            for (x, row) in qh[..nope].iter().zip(w_uk.chunks_exact(r)) {
+                for (o, w) in qa.iter_mut().zip(row) {
+                    *o += x * w;
+                }
+            }
+            qr.copy_from_slice(&qh[nope..]);
+            out
+        })
+    }
+
+    /// Each head's value from its weighted latent with a fused f32 `kv_b`, position-major.
+    fn values_fused(&self, kv_b: &Linear, lats: &[f32], n: usize) -> Vec<f32> {
+        let d = dims(&self.cfg);
+        let heads = self.cfg.num_heads;
+        let (nope, r) = (d.qk_nope_head_dim, d.kv_lora_rank);
+        let kw = r + d.qk_rope_head_dim;
+        let WeightRef::F32(kv_b) = self.w(kv_b) else {
+            unreachable!("a fused kv_b is f32 (checked at load)")
+        };
+        let per_head = (nope + d.v_head_dim) * r;
         let outs = self.pool.map(n * heads, |t| {
             let head = t % heads;
             let lat = &lats[t * kw..t * kw + r];
@@ -317,8 +437,6 @@ impl Model {
                 .map(|row| ops::dot(row, lat))
                 .collect::<Vec<f32>>()
         });
-        let att = outs.concat();
-        let mut acts = Acts::from_vec(att, n, heads * vd);
-        self.project(&[layer.o], &mut acts).remove(0)
+        outs.concat()
     }
 }
