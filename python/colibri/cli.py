@@ -237,6 +237,59 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from colibri.quality import evaluate
+    from colibri.runtime.engine import Engine
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--text {args.text}: {e}") from None
+    engine = _load(args)
+    if args.ctx > engine.info["context_length"]:
+        raise UsageError(
+            f"--ctx {args.ctx} is above the model's context ({engine.info['context_length']})"
+        )
+    reference = Engine(args.reference, threads=args.threads) if args.reference else None
+    tokens = engine.tokenize(text, add_special_tokens=True)
+    bos = engine.info.get("bos_token_id")
+    # As llama-perplexity: each chunk opens with BOS when the tokenizer adds one.
+    adds_bos = bos is not None and engine.tokenize("a", add_special_tokens=True)[:1] == [bos]
+    try:
+        q = evaluate(
+            engine,
+            tokens,
+            args.ctx,
+            reference=reference,
+            bos=bos if adds_bos else None,
+            max_chunks=args.chunks,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    result = {
+        "model": str(engine.path),
+        "reference": args.reference,
+        "quantization": engine.info["quantization"],
+        "text_tokens": len(tokens),
+        **q.as_dict(),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    line = (
+        f"{engine.info['architecture']} {engine.info['quantization']}: "
+        f"PPL {q.ppl:.4f} +/- {q.ppl_err:.4f} over {q.scored_tokens} tokens "
+        f"({q.chunks} chunks of {q.ctx})"
+    )
+    if q.kl_mean is not None:
+        line += (
+            f"; KL from {args.reference}: mean {q.kl_mean:.6f} +/- {q.kl_err:.6f}, "
+            f"p99 {q.kl_p99:.6f}, max {q.kl_max:.6f}; same top token {100 * q.same_top:.2f}%"
+        )
+    print(line)
+    return 0
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -470,6 +523,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Listed for --help; main() hands its arguments to colibri.demo.eval.
     sub.add_parser("eval-demo", help="accuracy of the demo model on held-out prompts")
+
+    e = sub.add_parser(
+        "eval-ppl",
+        help="perplexity on a text, and KL divergence from a reference model (llama-perplexity's "
+        "method)",
+    )
+    model_args(e)
+    e.add_argument("--text", required=True, help="a UTF-8 text file")
+    e.add_argument(
+        "--reference", help="a model directory to compare with (the same weights at f32, say)"
+    )
+    e.add_argument("--ctx", type=_positive_int, default=512, help="chunk length (default 512)")
+    e.add_argument("--chunks", type=_positive_int, default=None, help="at most N chunks")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=cmd_eval_ppl)
 
     b = sub.add_parser("bench", help="measure prefill and decode speed")
     model_args(b)
