@@ -42,7 +42,11 @@ lint: setup
 # colibri vs llama.cpp on an OLMoE-1B-7B-shaped model (slow: builds llama.cpp once).
 bench: setup
     {{py}} benchmarks/bench_vs_llamacpp.py
+    # The same on a DeepSeek-V3-shaped model (MLA; llama.cpp's DeepSeek2 path), with KV bytes per token.
+    {{py}} benchmarks/bench_vs_llamacpp.py --arch deepseek_v3
     {{py}} benchmarks/bench_server_overhead.py
+    # A long prefill persisted to its KV slot file vs kept in memory.
+    {{py}} benchmarks/bench_slot_append.py
     {{py}} benchmarks/bench_kv_restart.py
     {{py}} benchmarks/bench_scoring.py
     # Concurrent streams (1, 2, 4, 8) through the server against llama-server --parallel N -cb.

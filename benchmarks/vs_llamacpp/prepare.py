@@ -77,6 +77,7 @@ class Paths:
             "" if context == MODEL_CONTEXT else f"-ctx{context}"
         )
         self.context = context
+        self.layers = layers
         self.arch = arch
         self.models = models = cache / "models"
         name = ARCH_PREFIX[arch] + suffix
@@ -339,7 +340,7 @@ def ensure_colibri_model(p: Paths, model: Path | None) -> Path:
         if exe is None:
             raise SystemExit(f"no model at {model} and no colibri executable to convert one")
         setup_venv(p)
-        setup_model(p, 0, 16)
+        setup_model(p, 0, p.layers)
         setup_colibri_model(p, exe, False)
     return model
 

@@ -48,18 +48,22 @@ impl KvRows for Tail {
 
     /// Only the positions it holds are ever asked for (a commit reads its own range); others
     /// come back empty.
-    fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+    fn rows<'a>(
+        &'a self,
+        layer: usize,
+        positions: Range<usize>,
+    ) -> (Cow<'a, [f32]>, Cow<'a, [f32]>) {
         let (kw, vw) = self.widths[layer];
         if positions.start < self.start {
             return (Cow::Borrowed(&[]), Cow::Borrowed(&[]));
         }
         let r = positions.start - self.start..positions.end - self.start;
-        let slice = |v: &'_ [f32], w: usize| -> Vec<f32> {
-            v.get(r.start * w..r.end * w).unwrap_or(&[]).to_vec()
-        };
+        // Borrowed: the writer encodes straight from the rows the commit copied out.
+        let slice =
+            |v: &'a [f32], w: usize| -> &'a [f32] { v.get(r.start * w..r.end * w).unwrap_or(&[]) };
         (
-            Cow::Owned(slice(&self.keys[layer], kw)),
-            Cow::Owned(slice(&self.values[layer], vw)),
+            Cow::Borrowed(slice(&self.keys[layer], kw)),
+            Cow::Borrowed(slice(&self.values[layer], vw)),
         )
     }
 }
