@@ -553,3 +553,45 @@ def test_fused_expert_tensors_convert_like_per_expert_ones(tmp_path, converted):
     assert (out / "experts.bin").read_bytes() == (ref / "experts.bin").read_bytes()
     prompt = [1, 5, 9, 33]
     assert np.array_equal(Engine(out).logits(prompt), Engine(ref).logits(prompt))
+
+
+# --- --keep-f32 ----------------------------------------------------------------------------
+
+
+def test_keep_f32_leaves_the_named_matrices_at_f32_and_moves_toward_the_reference(
+    olmoe_int4, tmp_path
+):
+    """Matched resident matrices are written f32 (the rest int4, experts int4); the model loads
+    and its logits move toward transformers' (the fixture's) with more of it kept."""
+    ref = np.load(FIXTURES / "olmoe" / "reference.npz")
+    prompt = ref["prompt_2"].tolist()
+    want = ref["logits_2"]
+
+    def err(model: Path) -> float:
+        got = Engine(model).logits(prompt)
+        return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+    out = tmp_path / "keep"
+    r = cli(
+        "convert",
+        str(FIXTURES / "olmoe" / "hf"),
+        str(out),
+        "--keep-f32",
+        "lm_head",
+        "--keep-f32",
+        "layers.*.v",
+    )
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    dtypes = {k: v["dtype"] for k, v in m["resident"]["tensors"].items()}
+    assert dtypes["lm_head"] == "f32" and dtypes["layers.0.v"] == "f32"
+    assert dtypes["embed"] == "q4" and dtypes["layers.0.q"] == "q4"
+    assert {p["dtype"] for p in m["experts"]["parts"].values()} == {"q4"}
+    every = tmp_path / "every"
+    convert(FIXTURES / "olmoe" / "hf", every, "int4", keep_f32=["*"])
+    assert err(every) < err(olmoe_int4)
+
+
+def test_keep_f32_refuses_a_pattern_that_names_nothing(tmp_path):
+    r = cli("convert", str(FIXTURES / "olmoe" / "hf"), str(tmp_path / "o"), "--keep-f32", "lm_hed")
+    assert r.returncode != 0 and "`lm_hed` matches no weight matrix" in r.stderr, r.stderr

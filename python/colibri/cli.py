@@ -225,7 +225,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
         return 2
     t0 = time.perf_counter()
-    summary = convert(src, dst, args.quant, progress=sys.stderr.isatty())
+    summary = convert(src, dst, args.quant, progress=sys.stderr.isatty(), keep_f32=args.keep_f32)
     dt = time.perf_counter() - t0
     mb = (summary["resident_bytes"] + summary["expert_bytes"]) / 1e6
     print(
@@ -512,6 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
     c.add_argument("--quant", choices=["int4", "f32"], default="int4")
+    c.add_argument(
+        "--keep-f32",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep the resident weight matrices so named at f32 (`lm_head`, `layers.*.v`; `*` "
+        "matches anything; repeatable): to measure which tensors the quantization hurts",
+    )
     c.set_defaults(func=cmd_convert)
 
     u = sub.add_parser(

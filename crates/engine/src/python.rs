@@ -654,13 +654,14 @@ impl Drop for ScoreStream {
 
 /// Converts a Hugging Face checkpoint directory; returns a summary dict.
 #[pyfunction]
-#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false))]
+#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new()))]
 fn convert_checkpoint<'py>(
     py: Python<'py>,
     hf_dir: PathBuf,
     out_dir: PathBuf,
     quant: &str,
     progress: bool,
+    keep_f32: Vec<String>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let q = Quant::parse(quant).ok_or_else(|| {
         PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)"))
@@ -672,7 +673,13 @@ fn convert_checkpoint<'py>(
                     show_progress("converting", done, total, what);
                 }
             };
-            convert::convert(&hf_dir, &out_dir, q, &mut report)
+            convert::convert_keeping(
+                &hf_dir,
+                &out_dir,
+                q,
+                &convert::KeepF32(keep_f32),
+                &mut report,
+            )
         })
         .map_err(to_py)?;
     let d = PyDict::new(py);

@@ -332,10 +332,18 @@ class _Scoring(_Stepped):
 
 
 def convert(
-    hf_dir: str | Path, out_dir: str | Path, quant: str = "int4", progress: bool = False
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    quant: str = "int4",
+    progress: bool = False,
+    keep_f32: Iterable[str] = (),
 ) -> dict:
-    """Converts a Hugging Face checkpoint directory to a colibri model directory."""
-    return dict(_engine.convert_checkpoint(str(hf_dir), str(out_dir), quant, progress))
+    """Converts a Hugging Face checkpoint directory to a colibri model directory; resident
+    weight matrices whose names match a ``keep_f32`` pattern (``*`` = any run of characters)
+    stay f32 in a quantized conversion."""
+    return dict(
+        _engine.convert_checkpoint(str(hf_dir), str(out_dir), quant, progress, list(keep_f32))
+    )
 
 
 def upgrade(src: str | Path, dst: str | Path, progress: bool = False) -> dict:

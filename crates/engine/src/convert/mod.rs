@@ -409,8 +409,56 @@ fn copy_file(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Resident weight matrices kept at f32 in a quantized conversion (`colibri convert
+/// --keep-f32 PATTERN`): colibri tensor names (`lm_head`, `layers.3.v`, ...) matched by
+/// patterns in which `*` stands for any run of characters. For measuring which tensors a
+/// quantization hurts most; routed experts always take the model's quantization.
+#[derive(Clone, Debug, Default)]
+pub struct KeepF32(pub Vec<String>);
+
+impl KeepF32 {
+    pub fn matches(&self, name: &str) -> bool {
+        self.0.iter().any(|p| glob_match(p, name))
+    }
+}
+
+/// Whether `name` matches `pattern`, `*` matching any run of characters (dots included).
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    // Greedy with backtracking to the last star: linear in practice for these short names.
+    let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
+    while j < n.len() {
+        if i < p.len() && p[i] == b'*' {
+            star = Some(i);
+            mark = j;
+            i += 1;
+        } else if i < p.len() && p[i] == n[j] {
+            i += 1;
+            j += 1;
+        } else if let Some(s) = star {
+            i = s + 1;
+            mark += 1;
+            j = mark;
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == b'*')
+}
+
 /// Converts `hf_dir` into `out_dir` (created if needed).
 pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) -> Result<Summary> {
+    convert_keeping(hf_dir, out_dir, quant, &KeepF32::default(), progress)
+}
+
+/// [`convert`], with the resident matrices `keep` names left at f32.
+pub fn convert_keeping(
+    hf_dir: &Path,
+    out_dir: &Path,
+    quant: Quant,
+    keep: &KeepF32,
+    progress: Progress,
+) -> Result<Summary> {
     let cfg_path = hf_dir.join("config.json");
     let cfg_text = fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
     let cfg_json: serde_json::Value = serde_json::from_str(&cfg_text)
@@ -459,6 +507,19 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
     }
 
     check_plan(&ckpt, &plan, &cfg)?;
+    for pattern in &keep.0 {
+        if !plan
+            .resident
+            .iter()
+            .any(|t| t.matrix && glob_match(pattern, &t.name))
+        {
+            return Err(Error::Input(format!(
+                "--keep-f32 `{pattern}` matches no weight matrix of this model (resident \
+                 matrices are named like `embed`, `lm_head`, `layers.0.q`; routed experts cannot \
+                 be kept)"
+            )));
+        }
+    }
 
     fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
     // A previous manifest would describe files we are about to overwrite.
@@ -484,7 +545,7 @@ pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) 
         if let Some(hr) = spec.head_rows {
             data = hr.apply(&data, source_shape[1]);
         }
-        let dtype = if spec.matrix {
+        let dtype = if spec.matrix && !keep.matches(&spec.name) {
             quant.matrix_dtype()
         } else {
             DType::F32
@@ -648,6 +709,26 @@ mod tests {
     use super::*;
 
     use crate::testutil::{fixture, scratch_dir};
+
+    #[test]
+    fn keep_f32_patterns_match_whole_names_with_stars() {
+        for (pattern, name, want) in [
+            ("lm_head", "lm_head", true),
+            ("lm_head", "lm_head2", false),
+            ("layers.*.v", "layers.12.v", true),
+            ("layers.*.v", "layers.1.v_bias", false),
+            ("layers.*.v", "layers.1.o", false),
+            ("*", "embed", true),
+            ("layers.0.*", "layers.0.q", true),
+            ("layers.0.*", "layers.10.q", false),
+            ("*.q*", "layers.3.q_b", true),
+            ("**a", "a", true),
+            ("", "", true),
+            ("", "a", false),
+        ] {
+            assert_eq!(glob_match(pattern, name), want, "{pattern} vs {name}");
+        }
+    }
 
     /// A fresh copy of a fixture checkpoint in a scratch directory.
     fn scratch_copy(arch: &str, tag: &str) -> PathBuf {
