@@ -28,7 +28,7 @@ from colibri.api.anthropic_request import (
 )
 from colibri.api.context_edits import EditedConversation, apply_edits
 from colibri.api.errors import error_body, stream_failure
-from colibri.api.http import json_response, read_json, request_id, served
+from colibri.api.http import json_response, model_for, read_json, request_id, served
 from colibri.chat.output import Piece
 from colibri.chat.plan import plan_chat
 from colibri.chat.request import Sampling
@@ -122,10 +122,9 @@ def _context_management(edited: EditedConversation | None) -> dict[str, Any]:
 
 
 async def messages(request: Request) -> Response:
-    model = served(request)
-    req = parse_messages(await read_json(request), model.config.max_tokens)
+    req = parse_messages(await read_json(request), served(request).config.max_tokens)
     chat = req.chat
-    model.check_model(chat.model)
+    model = await model_for(request, chat.model)
     observer = model.observe(
         "messages", request_id(request), request.headers, record_of(request.scope)
     )
@@ -334,9 +333,10 @@ async def _events(
 
 
 async def count_tokens(request: Request) -> Response:
-    model = served(request)
-    req = parse_messages(await read_json(request), model.config.max_tokens, count_only=True)
-    model.check_model(req.chat.model)
+    req = parse_messages(
+        await read_json(request), served(request).config.max_tokens, count_only=True
+    )
+    model = await model_for(request, req.chat.model)
     observer = model.observe(
         "count_tokens", request_id(request), request.headers, record_of(request.scope)
     )

@@ -14,31 +14,67 @@ from starlette.responses import Response
 
 from colibri.api.access_log import record_of
 from colibri.api.errors import ApiError, error_body, stream_failure
-from colibri.api.http import json_response, read_json, request_id, served
+from colibri.api.http import json_response, model_for, models, read_json, request_id, served
 from colibri.api.openai_request import parse_chat, parse_completion
 from colibri.chat.plan import plan_chat
 from colibri.chat.request import ChatRequest, Sampling
 from colibri.chat.tools import ToolCall
+from colibri.runtime.catalog import CatalogEntry, read_manifest
 from colibri.runtime.generation import Finished, GenerationSpec, Progress
 from colibri.runtime.reply import Reply, collect, respond
+from colibri.runtime.served import ServedModel
+
+
+def model_card(entry: CatalogEntry, model: ServedModel | None, context: int | None) -> dict:
+    """One ``/v1/models`` entry: OpenAI's fields and seed 003's (``max_model_len`` is the window
+    the engine runs when loaded, the manifest's when not, null when neither is known)."""
+    if model is not None:
+        window, source = model.context_length, "resident"
+        tools = model.family.tool_format is not None
+    else:
+        window = entry.configured_window(context)
+        source = "configured" if window is not None else None
+        tools = entry.tool_calling_configured
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": entry.created,
+        "owned_by": "colibri",
+        "name": entry.name,
+        "task_type": entry.task_type,
+        "max_model_len": window,
+        "max_model_len_source": source,
+        "model_config_id": entry.model_config_id,
+        "tool_calling_configured": True if tools else None,
+        "supports_tool_calls": None,
+    }
 
 
 async def list_models(request: Request) -> Response:
-    model = served(request)
-    card = model.model_card()
+    catalog = models(request)
+    cards = [model_card(e, catalog.loaded(e.id), catalog.context) for e in catalog.entries]
     # Jev's clients (the /v1/systemone contract) read "models" beside OpenAI's "data".
-    jev = {
-        "name": model.id,
-        "description": f"colibri serving {model.engine.info.get('architecture')}",
-        "release_date": time.strftime("%Y-%m-%d", time.gmtime(model.created)),
-    }
-    return json_response({"object": "list", "data": [card], "models": [jev]})
+    jev = [
+        {
+            "name": e.id,
+            "description": f"colibri serving {_architecture(e, catalog.loaded(e.id))}",
+            "release_date": time.strftime("%Y-%m-%d", time.gmtime(e.created)),
+        }
+        for e in catalog.entries
+    ]
+    return json_response({"object": "list", "data": cards, "models": jev})
+
+
+def _architecture(entry: CatalogEntry, model: ServedModel | None) -> str | None:
+    if model is not None:
+        return model.engine.info.get("architecture")
+    return read_manifest(entry.path)[1].get("architecture")
 
 
 async def get_model(request: Request) -> Response:
-    model = served(request)
-    model.check_model(request.path_params["model"])
-    return json_response(model.model_card())
+    catalog = models(request)
+    entry = catalog.resolve(request.path_params["model"])
+    return json_response(model_card(entry, catalog.loaded(entry.id), catalog.context))
 
 
 def _usage(prompt_tokens: int, fin: Finished) -> dict[str, Any]:
@@ -93,9 +129,8 @@ _DONE = b"data: [DONE]\n\n"
 
 
 async def chat_completions(request: Request) -> Response:
-    model = served(request)
-    req = parse_chat(await read_json(request), model.config.max_tokens)
-    model.check_model(req.model)
+    req = parse_chat(await read_json(request), served(request).config.max_tokens)
+    model = await model_for(request, req.model)
     observer = model.observe(
         "chat.completions", request_id(request), request.headers, record_of(request.scope)
     )
@@ -217,9 +252,8 @@ def _tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
 
 
 async def completions(request: Request) -> Response:
-    model = served(request)
     req = parse_completion(await read_json(request), default_max_tokens=16)
-    model.check_model(req.model)
+    model = await model_for(request, req.model)
     observer = model.observe(
         "completions", request_id(request), request.headers, record_of(request.scope)
     )

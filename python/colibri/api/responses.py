@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from colibri.api.access_log import record_of
 from colibri.api.errors import stream_failure
-from colibri.api.http import json_response, read_json, request_id, served
+from colibri.api.http import json_response, model_for, read_json, request_id, served
 from colibri.api.responses_request import (
     REASONING_TAG,
     ResponsesRequest,
@@ -81,7 +81,6 @@ async def get_response(request: Request) -> Response:
 
 
 async def create_response(request: Request) -> Response:
-    model = served(request)
     data = await read_json(request)
     prev_id = previous_id(data)
     previous = None
@@ -90,8 +89,8 @@ async def create_response(request: Request) -> Response:
         if found is None:
             raise _not_found(prev_id, param="previous_response_id")
         previous = found[1]
-    req = parse_responses(data, model.config.max_tokens, previous)
-    model.check_model(req.chat.model)
+    req = parse_responses(data, served(request).config.max_tokens, previous)
+    model = await model_for(request, req.chat.model)
     observer = model.observe(
         "responses", request_id(request), request.headers, record_of(request.scope)
     )
