@@ -199,7 +199,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for entry in entries[1:]:
         if entry.pinned:
             loaded[entry.id] = load(entry)
-    models = ModelSet(entries, load, loaded, context=args.context)
+    models = ModelSet(
+        entries,
+        load,
+        loaded,
+        context=args.context,
+        ready_timeout=args.ready_timeout,
+        state_dir=lambda entry: _entry_kv_dir(args, entry.id),
+    )
     if several:
         print(
             f"colibri: {len(entries)} models in the catalog, {len(loaded)} loaded: "
@@ -524,6 +531,13 @@ def serve_args(sp: argparse.ArgumentParser, model_args) -> None:
         type=_positive_float,
         default=_env_number("COLI_QUEUE_TIMEOUT", float, 300.0),
         help="seconds a request may wait for a slot ($COLI_QUEUE_TIMEOUT, default 300)",
+    )
+    sp.add_argument(
+        "--ready-timeout",
+        type=_positive_float,
+        default=_env_number("COLI_READY_TIMEOUT", float, 300.0),
+        help="seconds a request that is not streamed waits for its model to load, then 503 + "
+        "Retry-After ($COLI_READY_TIMEOUT, default 300)",
     )
     sp.add_argument(
         "--kv-dir",

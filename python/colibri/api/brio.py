@@ -16,7 +16,8 @@ from starlette.responses import Response
 
 from colibri.api.access_log import record_of
 from colibri.api.brio_request import BrioQuestion, BrioRequest, parse_brio
-from colibri.api.http import model_for, read_json, request_id
+from colibri.api.http import read_json, request_id
+from colibri.api.loading import model_for
 from colibri.errors import ApiError
 from colibri.runtime.scoring import Scorer, Usage, run_scoring
 from colibri.runtime.served import ServedModel

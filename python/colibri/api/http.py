@@ -36,20 +36,3 @@ def served(request: Request) -> ServedModel:
 
 def models(request: Request) -> ModelSet:
     return request.app.state.models
-
-
-async def model_for(request: Request, label: str | None, generation: bool = True) -> ServedModel:
-    """The served model ``label`` names (runtime/catalog.py ``resolve``: 404 unknown, 409
-    ambiguous), loaded if it was not; None: the default model. ``generation``: the route
-    generates text, which a scoring-only entry refuses."""
-    catalog = models(request)
-    entry = catalog.default if label is None else catalog.resolve(label)
-    if generation and entry.task_type == "scoring":
-        raise ApiError(
-            400,
-            f"The model '{entry.id}' is a scoring model (task_type scoring): it generates no "
-            "text; call it through /v1/brio, /v1/systemone or /v1/rank",
-            code="model_is_scorer",
-            param="model",
-        )
-    return await catalog.get(entry)

@@ -14,7 +14,8 @@ from starlette.responses import Response
 
 from colibri.api.access_log import record_of
 from colibri.api.errors import ApiError, error_body, stream_failure
-from colibri.api.http import json_response, model_for, models, read_json, request_id, served
+from colibri.api.http import json_response, models, read_json, request_id, served
+from colibri.api.loading import with_model
 from colibri.api.openai_request import parse_chat, parse_completion
 from colibri.chat.plan import plan_chat
 from colibri.chat.request import ChatRequest, Sampling
@@ -130,16 +131,19 @@ _DONE = b"data: [DONE]\n\n"
 
 async def chat_completions(request: Request) -> Response:
     req = parse_chat(await read_json(request), served(request).config.max_tokens)
-    model = await model_for(request, req.model)
-    observer = model.observe(
-        "chat.completions", request_id(request), request.headers, record_of(request.scope)
-    )
-    try:
-        spec = plan_chat(model, req, observer)
-    except BaseException:
-        observer.end()
-        raise
-    return await respond(request, model, observer, spec, _ChatEncoder(req.sampling, req))
+
+    async def answer(model: ServedModel) -> Response:
+        observer = model.observe(
+            "chat.completions", request_id(request), request.headers, record_of(request.scope)
+        )
+        try:
+            spec = plan_chat(model, req, observer)
+        except BaseException:
+            observer.end()
+            raise
+        return await respond(request, model, observer, spec, _ChatEncoder(req.sampling, req))
+
+    return await with_model(request, req.model, answer, req.sampling.stream)
 
 
 @dataclass
@@ -253,29 +257,32 @@ def _tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
 
 async def completions(request: Request) -> Response:
     req = parse_completion(await read_json(request), default_max_tokens=16)
-    model = await model_for(request, req.model)
-    observer = model.observe(
-        "completions", request_id(request), request.headers, record_of(request.scope)
-    )
-    try:
-        ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
-        if not ids:
-            raise ApiError(400, "'prompt' is empty", code="empty_prompt", param="prompt")
-        max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "prompt")
-    except BaseException:
-        observer.end()
-        raise
-    spec = GenerationSpec(
-        prompt_ids=ids,
-        max_tokens=max_tokens,
-        temperature=req.sampling.temperature,
-        top_p=req.sampling.top_p,
-        seed=req.sampling.seed,
-        stop_token_ids=model.engine.eos_token_ids,
-        stops=req.sampling.stops,
-        ignore_leading_stop=req.sampling.ignore_leading_stop,
-    )
-    return await respond(request, model, observer, spec, _CompletionEncoder(req.sampling))
+
+    async def answer(model: ServedModel) -> Response:
+        observer = model.observe(
+            "completions", request_id(request), request.headers, record_of(request.scope)
+        )
+        try:
+            ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
+            if not ids:
+                raise ApiError(400, "'prompt' is empty", code="empty_prompt", param="prompt")
+            max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "prompt")
+        except BaseException:
+            observer.end()
+            raise
+        spec = GenerationSpec(
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            temperature=req.sampling.temperature,
+            top_p=req.sampling.top_p,
+            seed=req.sampling.seed,
+            stop_token_ids=model.engine.eos_token_ids,
+            stops=req.sampling.stops,
+            ignore_leading_stop=req.sampling.ignore_leading_stop,
+        )
+        return await respond(request, model, observer, spec, _CompletionEncoder(req.sampling))
+
+    return await with_model(request, req.model, answer, req.sampling.stream)
 
 
 @dataclass

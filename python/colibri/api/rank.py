@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from colibri.api.access_log import record_of
-from colibri.api.http import model_for, request_id
+from colibri.api.http import request_id
+from colibri.api.loading import model_for
 from colibri.api.systemone_request import as_text, invalid, parse_json
 from colibri.errors import ApiError
 from colibri.runtime.scoring import Scorer, run_scoring

@@ -12,7 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from colibri.api.access_log import record_of
-from colibri.api.http import model_for, models, request_id
+from colibri.api.http import models, request_id
+from colibri.api.loading import model_for
 from colibri.api.systemone_request import Question, SystemoneRequest, parse_json, parse_systemone
 from colibri.errors import ApiError
 from colibri.runtime.scoring import Scorer, run_scoring

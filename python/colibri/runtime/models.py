@@ -3,23 +3,44 @@
 Each entry gets its own engine, KV slots, scheduler and slot files (a ServedModel) the first
 time a request names it; the default entry (and pinned ones) are loaded at startup. A load
 runs in a worker thread, so the server keeps answering meanwhile; requests for a model being
-loaded wait for that one load. A load that fails is a 503 ``model_load_failed`` naming the
-problem, and the next request tries again; the other models are served as before.
+loaded wait for that one load, at most the ready timeout: then 503 ``no_warm_replica`` with
+``Retry-After`` = the rest of the predicted load time (runtime/loadtime.py), and the load goes
+on. A load that fails is a 503 ``model_load_failed`` naming the problem, and the next request
+tries again; the other models are served as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from colibri.errors import ApiError
 from colibri.runtime.catalog import CatalogEntry, make_entry, resolve
+from colibri.runtime.loadtime import LoadTimes
 from colibri.runtime.served import ServedModel
 
 log = logging.getLogger("colibri.server")
 
 Loader = Callable[[CatalogEntry], ServedModel]
+
+# A stream's wait for its model (seed 003): 20 minutes when it named an id, an alias or a
+# readable name; for the model's own name 1.25x the worst measured load, at least 2 minutes.
+STREAM_CEILING_S = 1200.0
+OWN_NAME_FLOOR_S = 120.0
+
+
+def _load_delay() -> float:
+    """``COLI_LOAD_DELAY_S``: seconds every load on first use waits before it starts (a test
+    hook: a slow load on a small model)."""
+    try:
+        return max(0.0, float(os.environ.get("COLI_LOAD_DELAY_S", "0")))
+    except ValueError:
+        return 0.0
 
 
 class ModelSet:
@@ -29,15 +50,23 @@ class ModelSet:
         loader: Loader,
         loaded: dict[str, ServedModel],
         context: int | None = None,
+        ready_timeout: float = 300.0,
+        state_dir: Callable[[CatalogEntry], Path | None] = lambda entry: None,
     ) -> None:
         """``entries``: the catalog, the default entry first; ``loaded``: the models already
-        loaded at startup, by id; ``context``: ``--context`` (what a cold start asks for)."""
+        loaded at startup, by id; ``context``: ``--context`` (what a cold start asks for);
+        ``ready_timeout``: how long a non-streamed request waits for its model;
+        ``state_dir``: where an entry's load times are kept (its KV directory)."""
         self.entries = tuple(entries)
         self.default = self.entries[0]
         self._loader = loader
         self._loaded = dict(loaded)
         self._loading: dict[str, asyncio.Future[ServedModel]] = {}
+        self._started: dict[str, float] = {}
+        self._times = {e.id: LoadTimes(state_dir(e)) for e in self.entries}
         self.context = context
+        self.ready_timeout = ready_timeout
+        self._delay = _load_delay()
 
     def resolve(self, label: str) -> CatalogEntry:
         return resolve(self.entries, label)
@@ -48,23 +77,72 @@ class ModelSet:
     def all_loaded(self) -> list[ServedModel]:
         return list(self._loaded.values())
 
-    async def get(self, entry: CatalogEntry) -> ServedModel:
-        """The served model of ``entry``, loading it first if it is not loaded."""
+    def start(self, entry: CatalogEntry) -> asyncio.Future[ServedModel]:
+        """The load of ``entry``: the one in progress, else a new one."""
+        pending = self._loading.get(entry.id)
+        if pending is None:
+            loop = asyncio.get_running_loop()
+            pending = loop.create_future()
+            self._loading[entry.id] = pending
+            self._started[entry.id] = time.monotonic()
+            loop.create_task(self._load(entry, pending))
+        return pending
+
+    async def get(self, entry: CatalogEntry, timeout: float | None = None) -> ServedModel:
+        """The served model of ``entry``, loading it first if it is not loaded; waiting at most
+        ``timeout`` seconds (None: the ready timeout) for a load, then 503 ``no_warm_replica``
+        with ``Retry-After``. A client gone while its model loads does not stop the load."""
         model = self._loaded.get(entry.id)
         if model is not None:
             return model
-        pending = self._loading.get(entry.id)
-        if pending is None:
-            pending = asyncio.get_running_loop().create_future()
-            self._loading[entry.id] = pending
-            asyncio.get_running_loop().create_task(self._load(entry, pending))
-        # A client gone while its model loads does not cancel the load.
-        return await asyncio.shield(pending)
+        pending = self.start(entry)
+        limit = self.ready_timeout if timeout is None else timeout
+        # asyncio.wait never cancels what it waits for: the load goes on past the timeout.
+        done, _ = await asyncio.wait({pending}, timeout=limit)
+        if done or (pending.done() and pending.exception() is not None):
+            return pending.result()
+        raise self.not_ready(entry, limit)
+
+    def not_ready(self, entry: CatalogEntry, waited: float) -> ApiError:
+        """503 ``no_warm_replica`` for a request that waited ``waited`` s for ``entry``."""
+        retry = self.retry_after(entry)
+        return ApiError(
+            503,
+            f"The model '{entry.id}' was not ready within {waited:g} s: it is loading (about "
+            f"{retry} s more); retry after Retry-After seconds, or send the request with "
+            '"stream": true to wait for it',
+            code="no_warm_replica",
+            headers={"Retry-After": str(retry)},
+        )
+
+    def retry_after(self, entry: CatalogEntry) -> int:
+        """Seconds until ``entry`` should be ready: the rest of its predicted load time counted
+        from when the load started, at least 1; 0 when it is loaded (it came up just now)."""
+        if entry.id in self._loaded:
+            return 0
+        predicted = self._times[entry.id].predict(entry.path) + self._delay
+        started = self._started.get(entry.id, time.monotonic())
+        return max(1, math.ceil(predicted - (time.monotonic() - started)))
+
+    def stream_ceiling(self, entry: CatalogEntry, label: str) -> float:
+        """How long a stream may wait for ``entry`` to load when it named it ``label``."""
+        if label == entry.id or label != entry.model_name:
+            return STREAM_CEILING_S
+        worst = self._times[entry.id].worst()
+        return max(OWN_NAME_FLOOR_S, 1.25 * worst) if worst is not None else OWN_NAME_FLOOR_S
+
+    def _load_now(self, entry: CatalogEntry) -> ServedModel:
+        if self._delay:
+            time.sleep(self._delay)
+        t0 = time.monotonic()
+        model = self._loader(entry)
+        self._times[entry.id].record(time.monotonic() - t0)
+        return model
 
     async def _load(self, entry: CatalogEntry, done: asyncio.Future[ServedModel]) -> None:
         log.info("loading model %s from %s", entry.id, entry.path)
         try:
-            model = await asyncio.to_thread(self._loader, entry)
+            model = await asyncio.to_thread(self._load_now, entry)
         except Exception as e:  # any load failure: the requests get a 503 naming it
             log.warning("model %s failed to load: %s", entry.id, e)
             done.set_exception(
