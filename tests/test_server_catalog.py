@@ -324,3 +324,57 @@ def test_a_bad_catalog_stops_the_server_at_startup_naming_the_problem(tmp_path, 
     dup.write_text(json.dumps([{"path": str(models["qwen"])}, {"path": str(models["qwen"])}]))
     r = _serve("--catalog", str(dup))
     assert r.returncode == 2 and "two catalog entries have the id" in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def budget_server(tmp_path_factory):
+    """The demo model and the built-in model under three ids, with a --models-ram-gb that holds
+    the demo model and two of the others (each: its files and its KV at full context)."""
+    from colibri.demo.builtin import default_model_dir
+    from colibri.runtime.engine import Engine
+
+    def ram(path: Path) -> int:
+        info = Engine(path, threads=1).info
+        files = sum((path / n).stat().st_size for n in ("resident.bin", "experts.bin"))
+        return files + info["context_length"] * info["kv_bytes_per_token"]
+
+    budget = ram(default_model_dir()) + 2 * ram(builtin_model_dir()) + 20_000
+    catalog = tmp_path_factory.mktemp("budget") / "catalog.json"
+    entries = [{"id": i, "path": str(builtin_model_dir())} for i in ("x", "y", "z")]
+    catalog.write_text(json.dumps(entries))
+    srv = RunningServer(
+        "--catalog", str(catalog), "--models-ram-gb", str(budget / 1e9), default_model=True
+    )
+    yield srv
+    srv.stop()
+
+
+def test_the_ram_budget_unloads_the_model_used_longest_ago(budget_server):
+    client = openai.OpenAI(base_url=budget_server.base_url, api_key="any", max_retries=0)
+
+    def use(model: str) -> None:
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=1).model == model
+
+    def sources() -> dict[str, str]:
+        listed = client.models.with_raw_response.list().http_response.json()["data"]
+        return {c["id"]: c["max_model_len_source"] for c in listed}
+
+    use("x")
+    use("y")
+    use("x")  # y is now the one used longest ago
+    use("z")
+    assert sources() == {
+        "colibri-demo": "resident",
+        "x": "resident",
+        "y": "configured",
+        "z": "resident",
+    }
+    health = httpx.get(budget_server.url + "/health").json()
+    assert health["models_unloaded"] == 1
+    assert {m["id"]: m["state"] for m in health["models"]}["y"] == "cold"
+    assert (
+        sum(m["ram_bytes"] for m in health["models"] if m["state"] == "loaded")
+        <= health["models_ram_budget_bytes"]
+    )
+    use("y")  # loads again (its slot files were let go), and x goes
+    assert sources()["x"] == "configured" and health["models_ram_budget_bytes"] > 0

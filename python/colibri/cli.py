@@ -206,6 +206,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         context=args.context,
         ready_timeout=args.ready_timeout,
         state_dir=lambda entry: _entry_kv_dir(args, entry.id),
+        budget_bytes=None if args.models_ram_gb is None else int(args.models_ram_gb * 1e9),
+        footprint=_footprint(args),
     )
     if several:
         print(
@@ -223,6 +225,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         create_app(served, models), sock, config.model_id, on_stop=models.close, dashboard=page
     )
     return 0
+
+
+def _footprint(args: argparse.Namespace):
+    """The RAM a catalog model takes: its resident part, its experts (at most --ram-gb's cache)
+    and its KV slots at full context (known once it has been loaded)."""
+    kv_seen: dict[str, int] = {}
+
+    def footprint(entry: CatalogEntry, model) -> int:
+        def size(name: str) -> int:
+            path = entry.path / name
+            return path.stat().st_size if path.is_file() else 0
+
+        experts = size("experts.bin")
+        if args.ram_gb is not None:
+            experts = min(experts, int(args.ram_gb * 1e9))
+        if model is not None:
+            info = model.engine.info
+            kv_seen[entry.id] = args.kv_slots * info["context_length"] * info["kv_bytes_per_token"]
+        return size("resident.bin") + experts + kv_seen.get(entry.id, 0)
+
+    return footprint
 
 
 def _catalog(args: argparse.Namespace, model_dir: Path) -> list[CatalogEntry]:
@@ -531,6 +554,14 @@ def serve_args(sp: argparse.ArgumentParser, model_args) -> None:
         type=_positive_float,
         default=_env_number("COLI_QUEUE_TIMEOUT", float, 300.0),
         help="seconds a request may wait for a slot ($COLI_QUEUE_TIMEOUT, default 300)",
+    )
+    sp.add_argument(
+        "--models-ram-gb",
+        type=_positive_float,
+        default=_env_number("COLI_MODELS_RAM_GB", float, None),
+        metavar="G",
+        help="RAM in GB every loaded catalog model may take together; the models used longest "
+        "ago are unloaded to make room ($COLI_MODELS_RAM_GB; default: no limit)",
     )
     sp.add_argument(
         "--ready-timeout",

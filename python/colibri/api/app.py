@@ -48,6 +48,14 @@ async def health(request: Request) -> Response:
         ]
         if dead:
             body["error"] = dead
+        catalog: ModelSet = request.app.state.models
+        if len(catalog.entries) > 1:
+            body["models"] = [
+                {"id": e.id, "state": catalog.state(e.id), "ram_bytes": catalog.footprint(e)}
+                for e in catalog.entries
+            ]
+            body["models_ram_budget_bytes"] = catalog.budget_bytes
+            body["models_unloaded"] = catalog.unloads
     return json_response(body, status=503 if dead else 200)
 
 

@@ -59,9 +59,11 @@ async def with_model(request: Request, label: str | None, answer: Answer, stream
     is loaded and is kept alive meanwhile."""
     catalog = models(request)
     entry = entry_for(request, label)
-    model = catalog.loaded(entry.id)
+    model = catalog.ready(entry)
     if model is not None or not stream:
-        return await answer(model or await catalog.get(entry))
+        model = model or await catalog.get(entry)
+        with catalog.hold(entry.id):  # until admitted (then its slot keeps the model loaded)
+            return await answer(model)
     ceiling = catalog.stream_ceiling(entry, label or entry.id)
     return StreamingResponse(
         _while_loading(request, catalog, entry, ceiling, answer),
@@ -101,7 +103,8 @@ async def _while_loading(
         if not pending.done():
             yield _keepalive(path, entry)
     try:
-        response = await answer(pending.result())
+        with catalog.hold(entry.id):
+            response = await answer(pending.result())
     except ApiError as e:
         yield _error_event(path, e)
         return
