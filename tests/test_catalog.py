@@ -16,6 +16,7 @@ from colibri.errors import ApiError
 from colibri.runtime.catalog import (
     CatalogEntry,
     CatalogError,
+    dir_name,
     make_entry,
     merge,
     read_catalog,
@@ -212,3 +213,13 @@ def test_resolution_takes_the_first_step_with_a_match(entries, label):
 def test_an_id_always_names_its_own_entry(entries):
     for entry in entries:
         assert resolve(entries, entry.id) is entry
+
+
+def test_an_id_becomes_one_directory_name_of_its_own():
+    assert dir_name("colibri-demo") == "colibri-demo"
+    assert dir_name("3f2c9a1e-0b1c-4d2e-8f00-123456789abc").count("-") == 4
+    odd = ["org/model", "org_model", "../up", "a b", ".hidden", "x" * 300]
+    names = [dir_name(i) for i in odd]
+    assert len(set(names)) == len(odd) and "org_model" in names
+    for name in names:
+        assert "/" not in name and not name.startswith(".") and len(name) <= 77

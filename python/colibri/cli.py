@@ -279,19 +279,9 @@ def _entry_kv_dir(args: argparse.Namespace, entry_id: str) -> Path | None:
         from colibri.demo.builtin import cache_dir
 
         base = cache_dir() / "kv"
-    return base / safe_dir_name(entry_id)
+    from colibri.runtime.catalog import dir_name
 
-
-def safe_dir_name(entry_id: str) -> str:
-    """``entry_id`` as one directory name: kept when it is plain, else its plain characters
-    and a digest (two ids never share a directory)."""
-    import hashlib
-    import re
-
-    plain = re.sub(r"[^A-Za-z0-9._-]", "_", entry_id).strip(".") or "_"
-    if plain == entry_id:
-        return plain
-    return f"{plain[:64]}-{hashlib.sha256(entry_id.encode()).hexdigest()[:12]}"
+    return base / dir_name(entry_id)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

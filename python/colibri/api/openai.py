@@ -20,7 +20,7 @@ from colibri.api.openai_request import parse_chat, parse_completion
 from colibri.chat.plan import plan_chat
 from colibri.chat.request import ChatRequest, Sampling
 from colibri.chat.tools import ToolCall
-from colibri.runtime.catalog import CatalogEntry, read_manifest
+from colibri.runtime.catalog import CatalogEntry
 from colibri.runtime.generation import Finished, GenerationSpec, Progress
 from colibri.runtime.reply import Reply, collect, respond
 from colibri.runtime.served import ServedModel
@@ -58,18 +58,12 @@ async def list_models(request: Request) -> Response:
     jev = [
         {
             "name": e.id,
-            "description": f"colibri serving {_architecture(e, catalog.loaded(e.id))}",
+            "description": f"colibri serving {e.architecture}",
             "release_date": time.strftime("%Y-%m-%d", time.gmtime(e.created)),
         }
         for e in catalog.entries
     ]
     return json_response({"object": "list", "data": cards, "models": jev})
-
-
-def _architecture(entry: CatalogEntry, model: ServedModel | None) -> str | None:
-    if model is not None:
-        return model.engine.info.get("architecture")
-    return read_manifest(entry.path)[1].get("architecture")
 
 
 async def get_model(request: Request) -> Response:

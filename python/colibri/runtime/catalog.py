@@ -52,6 +52,7 @@ class CatalogEntry:
     # The chat family (from the manifest's template and architecture) has a tool-call parser.
     tool_calling_configured: bool = False
     created: int = 0
+    architecture: str | None = None
 
     def configured_window(self, context: int | None) -> int | None:
         """The window a cold start of this entry asks for: the manifest's, lowered by
@@ -133,6 +134,7 @@ def make_entry(
         configured_context=ctx if isinstance(ctx, int) and ctx > 0 else None,
         tool_calling_configured=family.tool_format is not None,
         created=int((path / "manifest.json").stat().st_mtime),
+        architecture=manifest.get("architecture"),
     )
 
 
@@ -249,6 +251,16 @@ def merge(
         paths.add(entry.path.resolve())
         out.append(entry)
     return out
+
+
+def dir_name(entry_id: str) -> str:
+    """``entry_id`` as one directory name (its KV directory): kept when it is plain and at most
+    64 characters, else its first plain characters and a digest, so two ids never share a
+    directory."""
+    plain = re.sub(r"[^A-Za-z0-9._-]", "_", entry_id).strip(".") or "_"
+    if plain == entry_id and len(plain) <= 64:
+        return plain
+    return f"{plain[:64]}-{_digest(entry_id.encode())[:12]}"
 
 
 def _candidates(entries: Sequence[CatalogEntry]) -> str:
