@@ -147,3 +147,22 @@ def test_load_times_are_kept_per_model_beside_its_kv_files(tmp_path):
     again = ModelSet(entries, load, {"d": load(entries[0])}, state_dir=state_dir)
     assert again.measured("a") == models.measured("a") and len(models.measured("a")) == 1
     assert again.retry_after(entries[0]) == 0  # loaded
+
+
+def test_requests_for_one_cold_model_share_one_load(tmp_path):
+    path = builtin_model_dir()
+    entries = [make_entry(path, id="d"), make_entry(path, id="a")]
+    loads: list[str] = []
+
+    def load(e: CatalogEntry) -> ServedModel:
+        loads.append(e.id)
+        return ServedModel(Engine(path, threads=1), ServerConfig(model_id=e.id), 0)
+
+    models = ModelSet(entries, load, {"d": load(entries[0])})
+
+    async def scenario() -> list[ServedModel]:
+        return list(await asyncio.gather(*(models.get(entries[1]) for _ in range(4))))
+
+    got = asyncio.run(scenario())
+    assert loads == ["d", "a"] and all(m is got[0] for m in got)
+    assert len(models.measured("a")) == 1
