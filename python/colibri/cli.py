@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from colibri.chat.families import FAMILIES
+
+if TYPE_CHECKING:
+    from colibri.runtime.catalog import CatalogEntry
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -28,12 +33,21 @@ class UsageError(Exception):
     status 2, as argparse's own."""
 
 
-def _load(args: argparse.Namespace, slots: int = 1, kv_dir: Path | None = None):
+def _load(
+    args: argparse.Namespace,
+    slots: int = 1,
+    kv_dir: Path | None = None,
+    model_dir: Path | None = None,
+    context: int | None = None,
+):
+    """The engine of ``model_dir`` (default: ``--model``'s) as the flags say; ``context``:
+    instead of ``--context`` (a catalog entry's, never above its model's)."""
     from colibri.runtime.engine import Engine
 
+    context = args.context if context is None else context
     try:
         return Engine(
-            _model_dir(args.model),
+            model_dir or _model_dir(args.model),
             threads=args.threads,
             slots=slots,
             kv_dir=kv_dir,
@@ -42,11 +56,11 @@ def _load(args: argparse.Namespace, slots: int = 1, kv_dir: Path | None = None):
             # Flags only switch on; off means "as COLI_DIRECT_IO / COLI_PREFETCH say".
             direct_io=True if args.direct_io else None,
             prefetch=True if args.prefetch else None,
-            context=args.context,
+            context=context,
         )
     except ValueError as e:
         # The engine's refusal of a context above the model's (crates/engine/src/model/mod.rs).
-        if args.context is not None and str(e).startswith(f"context {args.context} is out of"):
+        if context is not None and str(e).startswith(f"context {context} is out of"):
             raise UsageError(f"--{e}") from None
         raise
 
@@ -121,10 +135,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = server.open_socket(args.host, args.port)
 
     from colibri.api.app import create_app
+    from colibri.runtime.catalog import CatalogError
+    from colibri.runtime.models import ModelSet
     from colibri.runtime.served import ServedModel, ServerConfig
 
     model_dir = _model_dir(args.model)
-    kv_dir = _kv_dir(args, model_dir)
+    try:
+        entries = _catalog(args, model_dir)
+    except CatalogError as e:
+        print(f"colibri serve: {e}", file=sys.stderr)
+        return 2
+    default = entries[0]
+    several = args.models_dir is not None or args.catalog is not None
+    kv_dir = _entry_kv_dir(args, default.id) if several else _kv_dir(args, model_dir)
     try:
         engine = _load(args, slots=args.kv_slots, kv_dir=kv_dir)
     except ValueError as e:
@@ -142,13 +165,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"colibri serve: {e}{hint}", file=sys.stderr)
         return 2
     print(kv_report(args.kv_slots, engine.info), file=sys.stderr, flush=True)
-    from colibri.demo.builtin import model_id_for
-
-    dir_id = model_id_for(model_dir)
-    alias = args.model_id or os.environ.get("COLI_MODEL_ID") or None
     config = ServerConfig(
-        model_id=alias or dir_id,
-        aliases=(dir_id,) if alias else (),
+        model_id=default.id,
+        aliases=default.aliases,
         api_key=api_key,
         allowed_hosts=(*server.env_list("COLI_ALLOWED_HOSTS"), *(args.allowed_host or ())),
         cors_origins=tuple(args.cors_origin or ()),
@@ -162,17 +181,107 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.quiet,
         log_format=args.log_format,
     )
-    created = int((model_dir / "manifest.json").stat().st_mtime)
-    served = ServedModel(engine, config, created)
+    served = ServedModel(engine, config, default.created)
+
+    def load(entry: CatalogEntry) -> ServedModel:
+        """A catalog entry's engine, KV slots (in a directory of its own) and scheduler."""
+        cap = entry.configured_context
+        ctx = min(args.context, cap) if args.context and cap else args.context
+        entry_engine = _load(
+            args, args.kv_slots, _entry_kv_dir(args, entry.id), entry.path, context=ctx
+        )
+        own = dataclasses.replace(
+            config, model_id=entry.id, aliases=entry.aliases, chat_family=entry.chat_family
+        )
+        return ServedModel(entry_engine, own, entry.created)
+
+    loaded = {default.id: served}
+    for entry in entries[1:]:
+        if entry.pinned:
+            loaded[entry.id] = load(entry)
+    models = ModelSet(
+        entries,
+        load,
+        loaded,
+        context=args.context,
+        ready_timeout=args.ready_timeout,
+        state_dir=lambda entry: _entry_kv_dir(args, entry.id),
+        budget_bytes=None if args.models_ram_gb is None else int(args.models_ram_gb * 1e9),
+        footprint=_footprint(args),
+    )
+    if several:
+        print(
+            f"colibri: {len(entries)} models in the catalog, {len(loaded)} loaded: "
+            + ", ".join(f"{e.id} ({e.name})" for e in entries),
+            file=sys.stderr,
+            flush=True,
+        )
     from colibri.api.web import dashboard_dir
 
     page = server.browser_url(sock) + "/" if dashboard_dir() is not None else None
     if args.open_browser and page is not None:
         server.open_browser(page)
     server.run(
-        create_app(served), sock, config.model_id, on_stop=served.scheduler.close, dashboard=page
+        create_app(served, models), sock, config.model_id, on_stop=models.close, dashboard=page
     )
     return 0
+
+
+def _footprint(args: argparse.Namespace):
+    """The RAM a catalog model takes: its resident part, its experts (at most --ram-gb's cache)
+    and its KV slots at full context (known once it has been loaded)."""
+    kv_seen: dict[str, int] = {}
+
+    def footprint(entry: CatalogEntry, model) -> int:
+        def size(name: str) -> int:
+            path = entry.path / name
+            return path.stat().st_size if path.is_file() else 0
+
+        experts = size("experts.bin")
+        if args.ram_gb is not None:
+            experts = min(experts, int(args.ram_gb * 1e9))
+        if model is not None:
+            info = model.engine.info
+            kv_seen[entry.id] = args.kv_slots * info["context_length"] * info["kv_bytes_per_token"]
+        return size("resident.bin") + experts + kv_seen.get(entry.id, 0)
+
+    return footprint
+
+
+def _catalog(args: argparse.Namespace, model_dir: Path) -> list[CatalogEntry]:
+    """The served models: ``--model``'s (or the demo model) first, under its id as today, then
+    the catalog file's entries and the models ``--models-dir`` holds."""
+    from colibri.demo.builtin import model_id_for
+    from colibri.runtime.catalog import make_entry, merge, read_catalog, scan_models_dir
+
+    dir_id = model_id_for(model_dir)
+    alias = args.model_id or os.environ.get("COLI_MODEL_ID") or None
+    default = make_entry(
+        model_dir,
+        id=alias or dir_id,
+        aliases=(dir_id,) if alias else (),
+        chat_family=args.chat_family,
+    )
+    listed = read_catalog(Path(args.catalog)) if args.catalog else []
+    scanned = scan_models_dir(Path(args.models_dir)) if args.models_dir else []
+    return merge([default, *listed], scanned)
+
+
+def _entry_kv_dir(args: argparse.Namespace, entry_id: str) -> Path | None:
+    """A catalog entry's KV directory: a subdirectory named after its id of ``--kv-dir``
+    (else ``COLI_KV_DIR``, else the cache dir's ``kv/``); None with ``--no-kv-persist``."""
+    if args.no_kv_persist:
+        return None
+    chosen = args.kv_dir or os.environ.get("COLI_KV_DIR")
+    if chosen:
+        base = Path(chosen)
+    else:
+        from colibri.demo.builtin import cache_dir
+
+        base = cache_dir() / "kv"
+    from colibri.runtime.catalog import dir_name
+
+    return base / dir_name(entry_id)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -380,6 +489,17 @@ def serve_args(sp: argparse.ArgumentParser, model_args) -> None:
     sp.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     sp.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free)")
     sp.add_argument("--model-id", help="name clients use for the model ($COLI_MODEL_ID)")
+    sp.add_argument(
+        "--models-dir",
+        metavar="DIR",
+        help="also serve every colibri model directory under DIR, each loaded on first use",
+    )
+    sp.add_argument(
+        "--catalog",
+        metavar="FILE",
+        help="also serve the models a catalog file lists (JSON, or TOML when it ends in .toml; "
+        "docs/API.md, 'Model catalog')",
+    )
     sp.add_argument("--api-key", help="require this key from clients ($COLI_API_KEY)")
     sp.add_argument(
         "--allowed-host",
@@ -424,6 +544,21 @@ def serve_args(sp: argparse.ArgumentParser, model_args) -> None:
         type=_positive_float,
         default=_env_number("COLI_QUEUE_TIMEOUT", float, 300.0),
         help="seconds a request may wait for a slot ($COLI_QUEUE_TIMEOUT, default 300)",
+    )
+    sp.add_argument(
+        "--models-ram-gb",
+        type=_positive_float,
+        default=_env_number("COLI_MODELS_RAM_GB", float, None),
+        metavar="G",
+        help="RAM in GB every loaded catalog model may take together; the models used longest "
+        "ago are unloaded to make room ($COLI_MODELS_RAM_GB; default: no limit)",
+    )
+    sp.add_argument(
+        "--ready-timeout",
+        type=_positive_float,
+        default=_env_number("COLI_READY_TIMEOUT", float, 300.0),
+        help="seconds a request that is not streamed waits for its model to load, then 503 + "
+        "Retry-After ($COLI_READY_TIMEOUT, default 300)",
     )
     sp.add_argument(
         "--kv-dir",

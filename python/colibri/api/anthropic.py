@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
-import os
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,6 +27,8 @@ from colibri.api.anthropic_request import (
 from colibri.api.context_edits import EditedConversation, apply_edits
 from colibri.api.errors import error_body, stream_failure
 from colibri.api.http import json_response, read_json, request_id, served
+from colibri.api.keepalive import PING_INTERVAL_S
+from colibri.api.loading import model_for, with_model
 from colibri.chat.output import Piece
 from colibri.chat.plan import plan_chat
 from colibri.chat.request import Sampling
@@ -37,25 +37,6 @@ from colibri.observability import RequestObserver
 from colibri.runtime.generation import Finished, GenerationSpec
 from colibri.runtime.reply import Reply, collect_pieces, respond
 from colibri.runtime.served import ServedModel
-
-
-def _ping_interval() -> float:
-    """``COLI_SSE_PING_S`` (default 5): a ping at least this often while nothing else is sent,
-    so clients with idle timeouts keep the stream. Bad values fall back to the default."""
-    raw = os.environ.get("COLI_SSE_PING_S", "5")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not 0.001 <= value <= 10:
-        logging.getLogger("colibri.server").warning(
-            "COLI_SSE_PING_S=%r is not a number of seconds in [0.001, 10]; using 5", raw
-        )
-        return 5.0
-    return value
-
-
-PING_INTERVAL_S = _ping_interval()
 
 
 def _stop_reason(fin: Finished, client_stops: list[str]) -> tuple[str, str | None]:
@@ -122,22 +103,27 @@ def _context_management(edited: EditedConversation | None) -> dict[str, Any]:
 
 
 async def messages(request: Request) -> Response:
-    model = served(request)
-    req = parse_messages(await read_json(request), model.config.max_tokens)
+    req = parse_messages(await read_json(request), served(request).config.max_tokens)
     chat = req.chat
-    model.check_model(chat.model)
-    observer = model.observe(
-        "messages", request_id(request), request.headers, record_of(request.scope)
-    )
-    try:
-        spec, edited = _plan(model, req, observer, request)
-    except BaseException:
-        observer.end()
-        raise
-    encoder = _MessagesEncoder(
-        chat.sampling, list(chat.sampling.stops), _context_management(edited), req.omit_thinking
-    )
-    return await respond(request, model, observer, spec, encoder)
+
+    async def answer(model: ServedModel) -> Response:
+        observer = model.observe(
+            "messages", request_id(request), request.headers, record_of(request.scope)
+        )
+        try:
+            spec, edited = _plan(model, req, observer, request)
+        except BaseException:
+            observer.end()
+            raise
+        encoder = _MessagesEncoder(
+            chat.sampling,
+            list(chat.sampling.stops),
+            _context_management(edited),
+            req.omit_thinking,
+        )
+        return await respond(request, model, observer, spec, encoder)
+
+    return await with_model(request, chat.model, answer, chat.sampling.stream)
 
 
 @dataclass
@@ -334,9 +320,10 @@ async def _events(
 
 
 async def count_tokens(request: Request) -> Response:
-    model = served(request)
-    req = parse_messages(await read_json(request), model.config.max_tokens, count_only=True)
-    model.check_model(req.chat.model)
+    req = parse_messages(
+        await read_json(request), served(request).config.max_tokens, count_only=True
+    )
+    model = await model_for(request, req.chat.model)
     observer = model.observe(
         "count_tokens", request_id(request), request.headers, record_of(request.scope)
     )

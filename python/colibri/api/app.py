@@ -22,6 +22,7 @@ from colibri.api.request_id import RequestIdMiddleware
 from colibri.api.security import security_middleware
 from colibri.observability import CONTENT_TYPE
 from colibri.runtime.admission import ClientGone, client_gone_response
+from colibri.runtime.models import ModelSet, single_model
 from colibri.runtime.served import ServedModel
 
 log = logging.getLogger("colibri.server")
@@ -47,6 +48,14 @@ async def health(request: Request) -> Response:
         ]
         if dead:
             body["error"] = dead
+        catalog: ModelSet = request.app.state.models
+        if len(catalog.entries) > 1:
+            body["models"] = [
+                {"id": e.id, "state": catalog.state(e.id), "ram_bytes": catalog.footprint(e)}
+                for e in catalog.entries
+            ]
+            body["models_ram_budget_bytes"] = catalog.budget_bytes
+            body["models_unloaded"] = catalog.unloads
     return json_response(body, status=503 if dead else 200)
 
 
@@ -191,17 +200,18 @@ class InternalErrorMiddleware:
             await response(scope, receive, send)
 
 
-def create_app(served: ServedModel) -> ASGIApp:
+def create_app(served: ServedModel, models: ModelSet | None = None) -> ASGIApp:
     """The ASGI app: the Starlette routes inside the access log (unless ``--quiet``), inside the
     request-id layer (outermost, so even a response from Starlette's last-resort error handler
-    carries an id, and every access-log line has one)."""
-    app: ASGIApp = _starlette_app(served)
+    carries an id, and every access-log line has one). ``served``: the default model (health,
+    metrics, the dashboard's pages); ``models``: the catalog (default: ``served`` alone)."""
+    app: ASGIApp = _starlette_app(served, models or single_model(served))
     if served.config.access_log:
         app = AccessLogMiddleware(app, served.config.log_format)
     return RequestIdMiddleware(app)
 
 
-def _starlette_app(served: ServedModel) -> Starlette:
+def _starlette_app(served: ServedModel, models: ModelSet) -> Starlette:
     config = served.config
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -226,7 +236,7 @@ def _starlette_app(served: ServedModel) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
-        served.scheduler.close()  # waiters get a clear 503 instead of hanging at shutdown
+        models.close()  # waiters get a clear 503 instead of hanging at shutdown
 
     app = Starlette(
         lifespan=lifespan,
@@ -247,5 +257,6 @@ def _starlette_app(served: ServedModel) -> Starlette:
         },
     )
     app.state.served = served
+    app.state.models = models
     app.state.responses = responses.ResponseStore()
     return app

@@ -16,7 +16,8 @@ from starlette.responses import Response
 
 from colibri.api.access_log import record_of
 from colibri.api.brio_request import BrioQuestion, BrioRequest, parse_brio
-from colibri.api.http import read_json, request_id, served
+from colibri.api.http import read_json, request_id
+from colibri.api.loading import model_for
 from colibri.errors import ApiError
 from colibri.runtime.scoring import Scorer, Usage, run_scoring
 from colibri.runtime.served import ServedModel
@@ -144,9 +145,8 @@ def _usage(u: Usage) -> dict[str, int]:
 
 
 async def brio(request: Request) -> Response:
-    model = served(request)
     req = parse_brio(await read_json(request))
-    model.check_model(req.model)
+    model = await model_for(request, req.model, generation=False)
     fmt = prompt_format(model, req.prompt_format)
     affinity = _check_before_admission(model, req, fmt)
     observer = model.observe("brio", request_id(request), request.headers, record_of(request.scope))

@@ -1,5 +1,5 @@
-"""Request helpers every route uses: the JSON body, the JSON answer, the request id and the
-served model of the app."""
+"""Request helpers every route uses: the JSON body, the JSON answer, the request id, the
+served models of the app and the one a request names."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from colibri.errors import ApiError
+from colibri.runtime.models import ModelSet
 from colibri.runtime.served import ServedModel
 
 
@@ -31,3 +32,7 @@ def request_id(request: Request) -> str | None:
 
 def served(request: Request) -> ServedModel:
     return request.app.state.served
+
+
+def models(request: Request) -> ModelSet:
+    return request.app.state.models

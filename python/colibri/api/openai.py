@@ -14,31 +14,62 @@ from starlette.responses import Response
 
 from colibri.api.access_log import record_of
 from colibri.api.errors import ApiError, error_body, stream_failure
-from colibri.api.http import json_response, read_json, request_id, served
+from colibri.api.http import json_response, models, read_json, request_id, served
+from colibri.api.loading import with_model
 from colibri.api.openai_request import parse_chat, parse_completion
 from colibri.chat.plan import plan_chat
 from colibri.chat.request import ChatRequest, Sampling
 from colibri.chat.tools import ToolCall
+from colibri.runtime.catalog import CatalogEntry
 from colibri.runtime.generation import Finished, GenerationSpec, Progress
 from colibri.runtime.reply import Reply, collect, respond
+from colibri.runtime.served import ServedModel
+
+
+def model_card(entry: CatalogEntry, model: ServedModel | None, context: int | None) -> dict:
+    """One ``/v1/models`` entry: OpenAI's fields and seed 003's (``max_model_len`` is the window
+    the engine runs when loaded, the manifest's when not, null when neither is known)."""
+    if model is not None:
+        window, source = model.context_length, "resident"
+        tools = model.family.tool_format is not None
+    else:
+        window = entry.configured_window(context)
+        source = "configured" if window is not None else None
+        tools = entry.tool_calling_configured
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": entry.created,
+        "owned_by": "colibri",
+        "name": entry.name,
+        "task_type": entry.task_type,
+        "max_model_len": window,
+        "max_model_len_source": source,
+        "model_config_id": entry.model_config_id,
+        "tool_calling_configured": True if tools else None,
+        "supports_tool_calls": None,
+    }
 
 
 async def list_models(request: Request) -> Response:
-    model = served(request)
-    card = model.model_card()
+    catalog = models(request)
+    cards = [model_card(e, catalog.loaded(e.id), catalog.context) for e in catalog.entries]
     # Jev's clients (the /v1/systemone contract) read "models" beside OpenAI's "data".
-    jev = {
-        "name": model.id,
-        "description": f"colibri serving {model.engine.info.get('architecture')}",
-        "release_date": time.strftime("%Y-%m-%d", time.gmtime(model.created)),
-    }
-    return json_response({"object": "list", "data": [card], "models": [jev]})
+    jev = [
+        {
+            "name": e.id,
+            "description": f"colibri serving {e.architecture}",
+            "release_date": time.strftime("%Y-%m-%d", time.gmtime(e.created)),
+        }
+        for e in catalog.entries
+    ]
+    return json_response({"object": "list", "data": cards, "models": jev})
 
 
 async def get_model(request: Request) -> Response:
-    model = served(request)
-    model.check_model(request.path_params["model"])
-    return json_response(model.model_card())
+    catalog = models(request)
+    entry = catalog.resolve(request.path_params["model"])
+    return json_response(model_card(entry, catalog.loaded(entry.id), catalog.context))
 
 
 def _usage(prompt_tokens: int, fin: Finished) -> dict[str, Any]:
@@ -93,18 +124,20 @@ _DONE = b"data: [DONE]\n\n"
 
 
 async def chat_completions(request: Request) -> Response:
-    model = served(request)
-    req = parse_chat(await read_json(request), model.config.max_tokens)
-    model.check_model(req.model)
-    observer = model.observe(
-        "chat.completions", request_id(request), request.headers, record_of(request.scope)
-    )
-    try:
-        spec = plan_chat(model, req, observer)
-    except BaseException:
-        observer.end()
-        raise
-    return await respond(request, model, observer, spec, _ChatEncoder(req.sampling, req))
+    req = parse_chat(await read_json(request), served(request).config.max_tokens)
+
+    async def answer(model: ServedModel) -> Response:
+        observer = model.observe(
+            "chat.completions", request_id(request), request.headers, record_of(request.scope)
+        )
+        try:
+            spec = plan_chat(model, req, observer)
+        except BaseException:
+            observer.end()
+            raise
+        return await respond(request, model, observer, spec, _ChatEncoder(req.sampling, req))
+
+    return await with_model(request, req.model, answer, req.sampling.stream)
 
 
 @dataclass
@@ -217,31 +250,33 @@ def _tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
 
 
 async def completions(request: Request) -> Response:
-    model = served(request)
     req = parse_completion(await read_json(request), default_max_tokens=16)
-    model.check_model(req.model)
-    observer = model.observe(
-        "completions", request_id(request), request.headers, record_of(request.scope)
-    )
-    try:
-        ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
-        if not ids:
-            raise ApiError(400, "'prompt' is empty", code="empty_prompt", param="prompt")
-        max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "prompt")
-    except BaseException:
-        observer.end()
-        raise
-    spec = GenerationSpec(
-        prompt_ids=ids,
-        max_tokens=max_tokens,
-        temperature=req.sampling.temperature,
-        top_p=req.sampling.top_p,
-        seed=req.sampling.seed,
-        stop_token_ids=model.engine.eos_token_ids,
-        stops=req.sampling.stops,
-        ignore_leading_stop=req.sampling.ignore_leading_stop,
-    )
-    return await respond(request, model, observer, spec, _CompletionEncoder(req.sampling))
+
+    async def answer(model: ServedModel) -> Response:
+        observer = model.observe(
+            "completions", request_id(request), request.headers, record_of(request.scope)
+        )
+        try:
+            ids = model.engine.tokenize(req.prompt, add_special_tokens=True)
+            if not ids:
+                raise ApiError(400, "'prompt' is empty", code="empty_prompt", param="prompt")
+            max_tokens, _ = model.budget(len(ids), req.sampling.max_tokens, "prompt")
+        except BaseException:
+            observer.end()
+            raise
+        spec = GenerationSpec(
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            temperature=req.sampling.temperature,
+            top_p=req.sampling.top_p,
+            seed=req.sampling.seed,
+            stop_token_ids=model.engine.eos_token_ids,
+            stops=req.sampling.stops,
+            ignore_leading_stop=req.sampling.ignore_leading_stop,
+        )
+        return await respond(request, model, observer, spec, _CompletionEncoder(req.sampling))
+
+    return await with_model(request, req.model, answer, req.sampling.stream)
 
 
 @dataclass

@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from colibri.api.access_log import record_of
-from colibri.api.http import request_id, served
+from colibri.api.http import request_id
+from colibri.api.loading import model_for
 from colibri.api.systemone_request import as_text, invalid, parse_json
 from colibri.errors import ApiError
 from colibri.runtime.scoring import Scorer, run_scoring
@@ -73,17 +74,21 @@ def _parse(data: Any) -> tuple[str | None, str, str | None, list[str], float, st
 
 async def rank(request: Request) -> Response:
     started = time.perf_counter()
-    model = served(request)
     name, context, question, answers, temperature, requested = _parse(
         parse_json(await request.body())
     )
+    try:
+        # No model: the default one.
+        model = await model_for(request, name, generation=False)
+    except ApiError as e:
+        if e.status < 500:
+            e.headers.update(NO_RETRY)
+        raise
     fmt = prompt_format(model, requested)
     if not context and not question:
         raise invalid("give a 'context' or a 'question' to rank the answers after", ["question"])
     read = question_read(context, question)
     try:
-        if name is not None:
-            model.check_model(name)
         affinity, option_ids = read_tokens(model, read, answers, fmt)
         read_total = len(affinity) + sum(len(o) for o in option_ids)
         if read_total > MAX_TOKENS:

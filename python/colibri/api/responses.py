@@ -20,6 +20,7 @@ from starlette.responses import Response
 from colibri.api.access_log import record_of
 from colibri.api.errors import stream_failure
 from colibri.api.http import json_response, read_json, request_id, served
+from colibri.api.loading import with_model
 from colibri.api.responses_request import (
     REASONING_TAG,
     ResponsesRequest,
@@ -34,6 +35,7 @@ from colibri.chat.tools import ToolCall
 from colibri.errors import ApiError
 from colibri.runtime.generation import Finished
 from colibri.runtime.reply import Reply, collect_pieces, respond
+from colibri.runtime.served import ServedModel
 
 STORE_CAPACITY = 256
 
@@ -81,7 +83,6 @@ async def get_response(request: Request) -> Response:
 
 
 async def create_response(request: Request) -> Response:
-    model = served(request)
     data = await read_json(request)
     prev_id = previous_id(data)
     previous = None
@@ -90,18 +91,21 @@ async def create_response(request: Request) -> Response:
         if found is None:
             raise _not_found(prev_id, param="previous_response_id")
         previous = found[1]
-    req = parse_responses(data, model.config.max_tokens, previous)
-    model.check_model(req.chat.model)
-    observer = model.observe(
-        "responses", request_id(request), request.headers, record_of(request.scope)
-    )
-    try:
-        spec = plan_chat(model, req.chat, observer, prompt_param="input")
-    except BaseException:
-        observer.end()
-        raise
-    encoder = _ResponsesEncoder(req.chat.sampling, req, _store(request), model.engine.tokenize)
-    return await respond(request, model, observer, spec, encoder)
+    req = parse_responses(data, served(request).config.max_tokens, previous)
+
+    async def answer(model: ServedModel) -> Response:
+        observer = model.observe(
+            "responses", request_id(request), request.headers, record_of(request.scope)
+        )
+        try:
+            spec = plan_chat(model, req.chat, observer, prompt_param="input")
+        except BaseException:
+            observer.end()
+            raise
+        encoder = _ResponsesEncoder(req.chat.sampling, req, _store(request), model.engine.tokenize)
+        return await respond(request, model, observer, spec, encoder)
+
+    return await with_model(request, req.chat.model, answer, req.chat.sampling.stream)
 
 
 def _item_id(prefix: str) -> str:

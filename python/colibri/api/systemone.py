@@ -12,10 +12,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from colibri.api.access_log import record_of
-from colibri.api.http import request_id, served
+from colibri.api.http import models, request_id
+from colibri.api.loading import model_for
 from colibri.api.systemone_request import Question, SystemoneRequest, parse_json, parse_systemone
 from colibri.errors import ApiError
 from colibri.runtime.scoring import Scorer, run_scoring
+from colibri.runtime.served import ServedModel
 from colibri.scoring.maths import confidence, softmax
 from colibri.scoring.prompts import Read, question_read
 from colibri.scoring.tokens import check_prompt, fitted_tokens, prompt_format
@@ -71,10 +73,24 @@ async def _scored(
     return out
 
 
+async def _model(request: Request, label: str | None) -> ServedModel:
+    """The model ``label`` names; a label that names none is the default model (Jev clients
+    send "jev-latest"; the reply names the id that answered). An ambiguous one is still 409."""
+    catalog = models(request)
+    if label is None:
+        return await model_for(request, None, generation=False)
+    try:
+        catalog.resolve(label)
+    except ApiError as e:
+        if e.code != "model_not_found":
+            raise
+        return await model_for(request, None, generation=False)
+    return await model_for(request, label, generation=False)
+
+
 async def systemone(request: Request) -> Response:
-    model = served(request)
     req = parse_systemone(parse_json(await request.body()))
-    # Any model name is accepted (Jev clients send "jev-latest"); the reply names the served id.
+    model = await _model(request, req.model)
     fmt = prompt_format(model, req.prompt_format)
     engine_questions = [q for q in req.questions if len(q.options) > 1]
     contexts = [check_prompt(model, _read(req, q), q.options, fmt) for q in engine_questions]

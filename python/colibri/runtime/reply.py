@@ -93,7 +93,12 @@ class _HeldStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._reply.close("cancelled")
+            self.release()
+
+    def release(self) -> None:
+        """Gives the slot back when the stream was not sent whole (no-op otherwise); for a
+        caller that sends the body itself (api/loading.py)."""
+        self._reply.close("cancelled")
 
 
 def _sse_headers(reply: Reply) -> dict[str, str]:

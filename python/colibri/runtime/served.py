@@ -44,7 +44,6 @@ class ServedModel:
         self.engine = engine
         self.config = config
         self.id = config.model_id
-        self.names = {config.model_id, *config.aliases}
         self.created = created
         self.context_length = int(engine.info["context_length"])
         source = engine.info.get("chat_template")
@@ -84,15 +83,6 @@ class ServedModel:
             self.tracer, self.metrics, name, self.id, request_id, headers, record
         )
 
-    def check_model(self, name: str) -> None:
-        if name not in self.names:
-            raise ApiError(
-                404,
-                f"The model '{name}' does not exist: this server serves '{self.id}'",
-                code="model_not_found",
-                param="model",
-            )
-
     def budget(self, prompt_tokens: int, requested: int | None, param: str) -> tuple[int, bool]:
         """The completion budget: ``requested`` clamped to what the context still holds.
 
@@ -112,13 +102,3 @@ class ServedModel:
         if requested is None or requested > room:
             return room, requested is not None
         return requested, False
-
-    def model_card(self) -> dict:
-        return {
-            "id": self.id,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "colibri",
-            "max_model_len": self.context_length,
-            "max_model_len_source": "resident",
-        }
