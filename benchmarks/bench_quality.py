@@ -128,6 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path)
+    ap.add_argument(
+        "--keep-f32",
+        nargs="*",
+        default=[],
+        metavar="PATTERNS",
+        help="also measure int4 conversions with these resident matrices kept f32, one "
+        "conversion per comma-separated set (e.g. lm_head 'layers.*.v,layers.*.o')",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "quality-latest.md")
     a = ap.parse_args(argv)
     cache = a.cache or Path(
@@ -140,6 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     log("[quality] colibri f32 and int4")
     c_f32 = colibri_eval(m["exe"], m["colibri_f32"], None, text, a)
     c_int4 = colibri_eval(m["exe"], m["colibri_int4"], m["colibri_f32"], text, a)
+    kept = []
+    for spec in a.keep_f32:
+        patterns = [x for x in spec.split(",") if x]
+        slug = "-".join(re.sub(r"[^A-Za-z0-9]+", "_", x).strip("_") or "all" for x in patterns)
+        model = p.colibri_model.with_name(f"{p.colibri_model.name}-keep-{slug}")
+        if not (model / "manifest.json").exists():
+            log(f"[setup] colibri convert --keep-f32 {' '.join(patterns)} -> {model}")
+            keep = [arg for x in patterns for arg in ("--keep-f32", x)]
+            run([m["exe"], "convert", p.hf, model, "--quant", "int4", *keep], nice=True)
+        kept.append((f"colibri int4, f32 {' + '.join(patterns)}", model))
+    kept_rows = [
+        (name, colibri_eval(m["exe"], model, m["colibri_f32"], text, a), c_f32)
+        for name, model in kept
+    ]
     log("[quality] llama.cpp bf16, Q4_0 --pure, Q4_K_M")
     l_bf16 = llama_eval(p, m["gguf_bf16"], text, base, a, True)
     l_q4_0 = llama_eval(p, m["gguf_q4_0"], text, base, a, False)
@@ -147,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [
         ("colibri f32 (reference)", c_f32, None),
         ("colibri int4", c_int4, c_f32),
+        *kept_rows,
         ("llama.cpp bf16 (reference)", l_bf16, None),
         ("llama.cpp Q4_0 --pure", l_q4_0, l_bf16),
         ("llama.cpp Q4_K_M", l_q4_k_m, l_bf16),
@@ -200,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "colibri_f32": c_f32,
                 "colibri_int4": c_int4,
+                "colibri_int4_kept": {name: r for name, r, _ in kept_rows},
                 "llama_bf16": l_bf16,
                 "llama_q4_0": l_q4_0,
                 "llama_q4_k_m": l_q4_k_m,
