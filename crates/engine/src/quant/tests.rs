@@ -353,6 +353,10 @@ fn decode_path_equals_batched_tiles_bit_for_bit() {
         (9, 288),
         (6, 1408),
         (3, 544),
+        // Rows shorter than a block (MLA's per-head W_uk^T: 4 groups) and one block and a half.
+        (40, 128),
+        (7, 32),
+        (11, 768),
     ] {
         let c = case(rows, cols, 1, 77 + cols as u64);
         let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();

@@ -156,16 +156,19 @@ unsafe fn q4_rows_tokens<const R: usize>(
     }
 }
 
-/// Decode (one token) over rows of whole blocks of 16 groups: the rows one after another, each
-/// read as one sequential stream, the prefetch running PREFETCH bytes ahead across row ends,
-/// one cache line per 64 bytes of nibbles read. The exact integer per group is summed in two
-/// chains: low nibbles from the offset lanes, and high nibbles kept in place (`v & 0xf0`, 16
-/// times their value, which saves the shift), shifted back once per block. The integer is
-/// the same as the tile's, and the float operations are those of `q4_tile::<1, 1>` in the same
-/// order, so the results are bit-identical to it.
+/// Decode (one token): the rows one after another, each read as one sequential stream, the
+/// prefetch running PREFETCH bytes ahead across row ends, one cache line per 64 bytes of
+/// nibbles read. The exact integer per group is summed in two chains: low nibbles from the
+/// offset lanes, and high nibbles kept in place (`v & 0xf0`, 16 times their value, which saves
+/// the shift), shifted back once per block. A row's last block of `m < 16` groups is read with
+/// masked loads in place (its dword `k` of every group is `4m` bytes at `k * 4m`; lanes past `m`
+/// read as zero, as the tile's zero-filled copy of it does), so short rows (MLA's per-head
+/// `W_uk^T`, 4 groups) take this path too. The integer is the same as the tile's, and the float
+/// operations are those of `q4_tile::<1, 1>` in the same order, so the results are
+/// bit-identical to it.
 ///
 /// # Safety
-/// As [`q4_rows`], with `x.n() == 1`, `w.groups()` a multiple of 16 and `rows` not empty.
+/// As [`q4_rows`], with `x.n() == 1` and `rows` not empty.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q4_decode_rows(
     w: &Q4Matrix,
@@ -176,6 +179,8 @@ unsafe fn q4_decode_rows(
 ) {
     let groups = w.groups();
     let nb = groups / BLOCK_GROUPS;
+    // The last block's groups when it is partial (0: whole blocks only).
+    let m = groups % BLOCK_GROUPS;
     let row_bytes = groups * 18;
     let a = ActPtr::new(&x.token(0));
     // Consecutive rows are contiguous: one byte range from the first row on.
@@ -184,8 +189,9 @@ unsafe fn q4_decode_rows(
     let mf0 = _mm512_set1_epi8(0xf0u8 as i8);
     let mut cursor = first_prefetch(base, pf);
     let mut target = PREFETCH;
-    // Row bytes per 64 bytes of nibbles (scales included): 72.
-    let step = row_bytes / (nb * 4);
+    // Row bytes per 64 bytes of nibbles (scales included): 72 (a partial block counts as one).
+    let step = row_bytes / ((nb + usize::from(m > 0)) * 4);
+    let lanes: __mmask16 = ((1u32 << m) - 1) as __mmask16;
     for (i, r) in rows.enumerate() {
         let ws = base.wrapping_add(i * row_bytes);
         let wq = ws.wrapping_add(groups * 2);
@@ -216,6 +222,41 @@ unsafe fn q4_decode_rows(
                 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_mul_ps(dw, de), acc);
             }
         }
+        if m > 0 {
+            let c = nb;
+            // SAFETY: the masked loads read only the partial block's bytes inside row r: 2m
+            // scale bytes at c*32 (< groups*2) and, per dword k, 4m nibble bytes at
+            // c*256 + k*4m (< groups*16); the activation arrays are padded to whole blocks
+            // (c*512 + 512 bytes of qs, c*16 + 16 values of corr/dexp), zero past `groups`.
+            unsafe {
+                let sc = _mm256_maskz_loadu_epi16(lanes, ws.add(c * 32).cast());
+                let dw = _mm512_cvtph_ps(sc);
+                let mut lo = _mm512_loadu_si512(a.corr.add(c * 16).cast());
+                let mut hi = _mm512_setzero_si512();
+                for k in 0..4 {
+                    target += step;
+                    while cursor < target {
+                        prefetch_line(base.wrapping_add(cursor), pf);
+                        cursor += 64;
+                    }
+                    let v = _mm512_maskz_loadu_epi32(
+                        lanes,
+                        wq.add(c * BLOCK_NIBBLES + k * 4 * m).cast(),
+                    );
+                    let aoff = c * 512 + k * 128;
+                    let alo = _mm512_loadu_si512(a.qs.add(aoff).cast());
+                    let ahi = _mm512_loadu_si512(a.qs.add(aoff + 64).cast());
+                    lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, m4), alo);
+                    hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, mf0), ahi);
+                }
+                let ints = _mm512_add_epi32(lo, _mm512_srai_epi32::<4>(hi));
+                let de = _mm512_loadu_ps(a.dexp.add(c * 16));
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_mul_ps(dw, de), acc);
+            }
+            // Whole rows between prefetch targets: the integer steps of a partial row need
+            // not add up to its bytes.
+            target = (i + 1) * row_bytes + PREFETCH;
+        }
         // SAFETY: r is in `rows`, token 0: the caller guarantees out + r writable.
         unsafe { *out.add(r) = _mm512_reduce_add_ps(acc) };
     }
@@ -237,8 +278,8 @@ pub(crate) unsafe fn q4_rows(
 ) {
     let pf = prefetch_level();
     let n = x.n();
-    if n == 1 && w.groups().is_multiple_of(BLOCK_GROUPS) && !rows.is_empty() {
-        // SAFETY: forwarded contract; whole blocks of 16 groups, one token.
+    if n == 1 && !rows.is_empty() {
+        // SAFETY: forwarded contract; one token.
         unsafe { q4_decode_rows(w, x, out, rows, pf) };
         return;
     }
