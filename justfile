@@ -15,8 +15,9 @@ test: setup
     # The dashboard's unit tests (vitest); its browser tests are in the pytest suite.
     cd web && npm test --silent
     {{py}} -m pytest -q tests -m "not clients"
-    # The quick part of the real-client suite (two npm installs, cached): Claude Code and pi.
-    {{py}} -m pytest -q -rA tests/clients -m clients -k "claude or pi"
+    # The quick part of the real-client suite (two npm installs, cached): Claude Code and pi
+    # with their small setups (the default setups at 32k tokens: `just test-clients`).
+    {{py}} -m pytest -q -rA tests/clients -m clients -k "(claude or pi) and not default_setup"
 
 # Real coding agents (Claude Code, opencode, pi, aider, codex; pinned, installed once under
 # ~/.cache/colibri/clients) run against `colibri serve` on the demo model.

@@ -266,7 +266,8 @@ def long_section(summary: dict, results: dict) -> str:
         out.append(
             f"Fine-tuned from `{init}` (its weights, dequantized when it is a colibri model "
             f"directory) with `max_position_embeddings` {a.get('context')} and RoPE as it was "
-            "(theta 10000, the default type: the engine implements no scaling)."
+            "(theta 10000, the default type, no scaling: RoPE scaling alone does not carry the "
+            "short-context model past ~3k tokens, see docs/PERFORMANCE.md)."
         )
     if share:
         n_long = summary.get("long_steps", 0)

@@ -271,6 +271,41 @@ def _crush(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
     return Run([str(exe), "run", "--quiet", task], env, files)
 
 
+# --- each client as shipped (its default preamble and tools) ------------------------------------
+# The runs above trim each client to fit the demo model's 2,048 tokens; these keep everything
+# the client sends by default (Claude Code ~28k tokens on the demo tokenizer, codex ~21.7k,
+# opencode ~17.5k) and only point it at the server, for a model with a 32k context.
+
+FULL_CONTEXT = 32768
+
+
+def _claude_full(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
+    return Run([str(exe), "-p", task], _claude(exe, url, model, home, task).env)
+
+
+def _opencode_full(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
+    spec = _opencode(exe, url, model, home, task)
+    config = json.loads(spec.files["opencode.json"])
+    del config["agent"], config["tools"]
+    config["provider"]["colibri"]["models"][model]["limit"]["context"] = FULL_CONTEXT
+    return Run(spec.argv, spec.env, {"opencode.json": json.dumps(config, indent=2)})
+
+
+def _codex_full(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
+    spec = _codex(exe, url, model, home, task)
+    config = spec.files["~/.codex/config.toml"].replace(
+        "model_context_window = 2048", f"model_context_window = {FULL_CONTEXT}"
+    )
+    return Run(spec.argv, spec.env, {"~/.codex/config.toml": config})
+
+
+FULL_RUNS: dict[str, Callable[[Path, str, str, Path, str], Run]] = {
+    "claude": _claude_full,
+    "opencode": _opencode_full,
+    "codex": _codex_full,
+}
+
+
 AGENTS = {
     a.name: a
     for a in (
@@ -290,13 +325,20 @@ AGENTS = {
 
 
 def run_agent(
-    agent: Agent, url: str, model: str, workdir: Path, task: str, timeout: float = 300
+    agent: Agent,
+    url: str,
+    model: str,
+    workdir: Path,
+    task: str,
+    timeout: float = 300,
+    full: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Runs ``agent`` once on ``task`` in ``workdir`` with a fresh HOME of its own."""
+    """Runs ``agent`` once on ``task`` in ``workdir`` with a fresh HOME of its own; ``full``:
+    with the client's default setup (``FULL_RUNS``) instead of the small one."""
     exe = agent.install()
     home = workdir.parent / f"home-{agent.name}"
     home.mkdir(exist_ok=True)
-    spec = agent.run(exe, url, model, home, task)
+    spec = (FULL_RUNS[agent.name] if full else agent.run)(exe, url, model, home, task)
     for rel, text in spec.files.items():
         path = home / rel[2:] if rel.startswith("~/") else workdir / rel
         path.parent.mkdir(parents=True, exist_ok=True)
