@@ -384,8 +384,8 @@ unsafe fn q4_rows_plain(
     rows: Range<usize>,
 ) {
     let pf = prefetch_level();
-    if decode_rows_apply(w, x, &rows) {
-        // SAFETY: forwarded contract; whole blocks of 16 groups, one token.
+    if decode_rows_apply(x, &rows) {
+        // SAFETY: forwarded contract; one token.
         unsafe { q4_decode_rows::<false>(w, x, out, rows, pf) };
         return;
     }
@@ -401,8 +401,8 @@ unsafe fn q4_rows_plain(
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 unsafe fn q4_rows_vnni(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, stride: usize, rows: Range<usize>) {
     let pf = prefetch_level();
-    if decode_rows_apply(w, x, &rows) {
-        // SAFETY: forwarded contract; whole blocks of 16 groups, one token.
+    if decode_rows_apply(x, &rows) {
+        // SAFETY: forwarded contract; one token.
         unsafe { q4_decode_rows::<true>(w, x, out, rows, pf) };
         return;
     }
@@ -412,19 +412,21 @@ unsafe fn q4_rows_vnni(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, stride: usize, r
     });
 }
 
-/// Whether a product goes through [`q4_decode_rows`]: one token, whole blocks of 16 groups.
-fn decode_rows_apply(w: &Q4Matrix, x: &Q8Acts, rows: &Range<usize>) -> bool {
-    x.n() == 1 && w.groups().is_multiple_of(BLOCK_GROUPS) && !rows.is_empty()
+/// Whether a product goes through [`q4_decode_rows`]: one token.
+fn decode_rows_apply(x: &Q8Acts, rows: &Range<usize>) -> bool {
+    x.n() == 1 && !rows.is_empty()
 }
 
-/// Decode (one token) over rows of whole blocks of 16 groups: the rows one after another as
-/// one sequential stream, the prefetch running PREFETCH bytes ahead across row ends, a line
-/// per 32 bytes of nibbles read (the tiles prefetched a tile's block at a time). The same
-/// operations in the same order as `q4_tile::<1, 1, VNNI>`, so the same bits.
+/// Decode (one token): the rows one after another as one sequential stream, the prefetch
+/// running PREFETCH bytes ahead across row ends, a line per 32 bytes of nibbles read (the tiles
+/// prefetched a tile's block at a time). A row's last block of `m < 16` groups is read in place
+/// with masked loads (its dword `k` of every group is `4m` bytes at `k * 4m`; lanes past `m`
+/// read as zero, as in the tile's zero-filled copy of it). The same operations in the same
+/// order as `q4_tile::<1, 1, VNNI>`, so the same bits.
 ///
 /// # Safety
-/// As [`q4_rows`] (and AVX-VNNI if `VNNI`), with `x.n() == 1`, `w.groups()` a multiple of 16
-/// and `rows` not empty; inlined into a function enabling the features.
+/// As [`q4_rows`] (and AVX-VNNI if `VNNI`), with `x.n() == 1` and `rows` not empty; inlined
+/// into a function enabling the features.
 #[inline(always)]
 unsafe fn q4_decode_rows<const VNNI: bool>(
     w: &Q4Matrix,
@@ -435,17 +437,21 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
 ) {
     let groups = w.groups();
     let nb = groups / BLOCK_GROUPS;
+    // The last block's groups when it is partial (0: whole blocks only).
+    let m = groups % BLOCK_GROUPS;
     let row_bytes = groups * 18;
     let a = ActPtr::new(&x.token(0));
     let base = w.row(rows.start).as_ptr();
     let mut cursor = first_prefetch(base, pf);
     let mut target = PREFETCH;
-    // Row bytes per 32 bytes of nibbles (scales included): 36.
-    let step = row_bytes / (nb * 8);
+    // Row bytes per 32 bytes of nibbles (scales included): 36 (a partial block counts as one).
+    let step = row_bytes / ((nb + usize::from(m > 0)) * 8);
     // SAFETY: block c < nb lies inside each row (c*32 + 32 <= groups*2 scale bytes, c*256 +
-    // 256 <= groups*16 nibble bytes); the activation arrays hold at least `groups` groups
-    // (c*512 + 512 bytes of qs, c*16 + 16 values of corr/dexp); the caller enables the
-    // features (contract).
+    // 256 <= groups*16 nibble bytes); the partial block's reads are only its live bytes (the
+    // scale copy takes `live * 2` bytes below groups*2, the masked loads only live lanes, below
+    // c*256 + 16m); the activation arrays are padded to whole blocks (c*512 + 512 bytes of qs,
+    // c*16 + 16 values of corr/dexp, zero past `groups`); the caller enables the features
+    // (contract).
     unsafe {
         let m4 = _mm256_set1_epi8(0x0f);
         for (i, r) in rows.enumerate() {
@@ -473,6 +479,50 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                     let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
                     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(dw, de), acc);
                 }
+            }
+            if m > 0 {
+                let c = nb;
+                for h in 0..2 {
+                    // Lanes of this half that hold groups of the partial block.
+                    let live = m.saturating_sub(h * 8).min(8);
+                    let lane_mask = _mm256_cmpgt_epi32(
+                        _mm256_set1_epi32(live as i32),
+                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                    );
+                    // The live scales (2 bytes each) of this half, zero past them.
+                    let mut sc = [0u16; 8];
+                    std::ptr::copy_nonoverlapping(
+                        ws.add(c * 32 + h * 16),
+                        sc.as_mut_ptr().cast::<u8>(),
+                        live * 2,
+                    );
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(sc.as_ptr().cast()));
+                    let mut ints = _mm256_loadu_si256(a.corr.add(c * 16 + h * 8).cast());
+                    for k in 0..4 {
+                        target += step;
+                        while cursor < target {
+                            prefetch_line(base.wrapping_add(cursor), pf);
+                            cursor += 64;
+                        }
+                        // Dword k of group g is at c*256 + k*4m + 4g: lane j of this half is
+                        // group h*8 + j, read only when live.
+                        let v = _mm256_maskload_epi32(
+                            wq.add(c * 256 + k * 4 * m + h * 32).cast(),
+                            lane_mask,
+                        );
+                        let wlo = _mm256_and_si256(v, m4);
+                        let whi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        let aoff = c * 512 + k * 128 + h * 32;
+                        let alo = _mm256_loadu_si256(a.qs.add(aoff).cast());
+                        let ahi = _mm256_loadu_si256(a.qs.add(aoff + 64).cast());
+                        ints = dot_lanes::<VNNI>(wlo, whi, alo, ahi, ints);
+                    }
+                    let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(dw, de), acc);
+                }
+                // Whole rows between prefetch targets: a partial row's integer steps need not
+                // add up to its bytes.
+                target = (i + 1) * row_bytes + PREFETCH;
             }
             // r is in `rows`, token 0: the caller guarantees out + r writable.
             *out.add(r) = hsum(acc);
