@@ -481,6 +481,8 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                 }
             }
             if m > 0 {
+                // The whole-block loop above with masked loads, kept apart as in the AVX-512
+                // kernel (one masked loop for both measured slower on whole rows there).
                 let c = nb;
                 for h in 0..2 {
                     // Lanes of this half that hold groups of the partial block.

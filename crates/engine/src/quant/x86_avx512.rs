@@ -223,6 +223,9 @@ unsafe fn q4_decode_rows(
             }
         }
         if m > 0 {
+            // The whole-block loop above with masked loads. Kept apart on purpose: folding
+            // both into one masked loop measured ~11% slower on whole rows (2048 x 512 and
+            // 2048 x 2048, the experts' shapes).
             let c = nb;
             // SAFETY: the masked loads read only the partial block's bytes inside row r: 2m
             // scale bytes at c*32 (< groups*2) and, per dword k, 4m nibble bytes at
