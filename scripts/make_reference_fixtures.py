@@ -9,7 +9,8 @@ dependencies):
     /root/refvenv/bin/python scripts/make_reference_fixtures.py
 
 It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe, deepseek_v3,
-deepseek_v3_noqlora, glm_moe_dsa, glm_moe_dsa_yarn, glm_moe_dsa_shared, deepseek_v32}:
+deepseek_v3_noqlora, glm_moe_dsa, glm_moe_dsa_yarn, glm_moe_dsa_shared, deepseek_v32,
+deepseek_v4}:
 
     tests/fixtures/<arch>/hf/            HF checkpoint (config.json, *.safetensors,
                                          tokenizer.json, tokenizer_config.json, ...)
@@ -42,6 +43,8 @@ from transformers import (
     AutoTokenizer,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    DeepseekV4Config,
+    DeepseekV4ForCausalLM,
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
     Glm4MoeConfig,
@@ -527,12 +530,93 @@ SPECS = {
             eos_token_id=EOS,
         ),
     ),
+    # DeepSeek-V4 (transformers' deepseek_v4): hyper-connections over 3 residual streams
+    # (Sinkhorn-mixed), shared-KV MQA with head_dim 16 (the last 8 rotated, interleaved),
+    # per-head sinks, the low-rank query with its unweighted per-head norm, a grouped output
+    # projection (2 groups to rank 10), and the three layer kinds: sliding window 6 only, + HCA
+    # (one compressed entry per 8 tokens) and + CSA (overlapping windows of 4; an indexer of 6
+    # heads x 12 keeps the top 3 entries, below the 33-token prompt's 8; with 3 heads ReLU zeros
+    # tied at the cut). Main RoPE theta 10000 plain; compressor layers theta 160000 with YaRN x4
+    # over 64 (attention factor 1, as V4 defines it). Layers 0-1 hash-routed (tid2eid), 2-3
+    # sqrt-softplus top-3 of 7 with the correction bias, 1 shared expert, x1.5, SwiGLU clamped
+    # at 1.5. bf16; routers, bias, hyper-connection weights, sinks and position biases f32.
+    "deepseek_v4": dict(
+        cls=DeepseekV4ForCausalLM,
+        cfg_cls=DeepseekV4Config,
+        tok_vocab=409,
+        storage=torch.bfloat16,
+        shards=1,
+        seed=10000,
+        cfg=dict(
+            vocab_size=409,
+            hidden_size=40,
+            moe_intermediate_size=20,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            q_lora_rank=12,
+            partial_rotary_factor=0.5,
+            num_experts_per_tok=3,
+            n_routed_experts=7,
+            n_shared_experts=1,
+            scoring_func="sqrtsoftplus",
+            norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            compress_rope_theta=160000.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            layer_types=[
+                "sliding_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+                "compressed_sparse_attention",
+            ],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+            hc_mult=3,
+            hc_sinkhorn_iters=20,
+            hc_eps=1e-6,
+            swiglu_limit=1.5,
+            sliding_window=6,
+            o_groups=2,
+            o_lora_rank=10,
+            index_n_heads=6,
+            index_head_dim=12,
+            index_topk=3,
+            num_nextn_predict_layers=0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
 }
 
 # Parameters that stay float32 in the stored checkpoint regardless of `storage`.
 _ROUTER_F32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 # transformers keeps the indexer's head weights in f32 (`_keep_in_fp32_modules`).
 _DSA_F32 = _ROUTER_F32 + ("indexer.weights_proj.weight",)
+# DeepSeek-V4 keeps its hyper-connections, sinks and compressor position biases in f32
+# (`_keep_in_fp32_modules_strict`).
+_V4_F32 = (
+    "_hc.fn",
+    "_hc.base",
+    "_hc.scale",
+    "hc_head.hc_fn",
+    "hc_head.hc_base",
+    "hc_head.hc_scale",
+    "self_attn.sinks",
+    "position_bias",
+)
 KEEP_F32 = {
     "glm4_moe": _ROUTER_F32,
     "deepseek_v3": _ROUTER_F32,
@@ -541,6 +625,7 @@ KEEP_F32 = {
     "glm_moe_dsa_yarn": _DSA_F32,
     "glm_moe_dsa_shared": _DSA_F32,
     "deepseek_v32": _DSA_F32,
+    "deepseek_v4": _ROUTER_F32 + _V4_F32,
 }
 # Architectures with sigmoid, group-limited routing and a correction bias.
 SIGMOID_ROUTED = (
@@ -662,6 +747,7 @@ SCALES = {
         "glm_moe_dsa_yarn": 1.5,
         "glm_moe_dsa_shared": 1.5,
         "deepseek_v32": 1.5,
+        "deepseek_v4": 1.5,
     },
     "bias": 0.3,
     "e_score_correction_bias": 0.08,
@@ -685,6 +771,14 @@ def randomize(model: torch.nn.Module, arch: str, seed: int) -> None:
         shape = tuple(p.shape)
         if name.endswith("e_score_correction_bias"):
             v = normal(shape, S["e_score_correction_bias"])
+        elif name.endswith(("_hc.base", "hc_head.hc_base")):  # DeepSeek-V4's hyper-connections
+            v = normal(shape, 0.5)
+        elif name.endswith(("_hc.scale", "hc_head.hc_scale")):
+            v = 0.5 + torch.rand(shape, generator=g)
+        elif name.endswith("self_attn.sinks"):
+            v = normal(shape, 1.0)
+        elif name.endswith("position_bias"):
+            v = normal(shape, 0.5)
         elif name.endswith("norm.weight"):
             v = S["norm_lo"] + (S["norm_hi"] - S["norm_lo"]) * torch.rand(shape, generator=g)
         elif name.endswith(".bias"):
@@ -700,6 +794,13 @@ def randomize(model: torch.nn.Module, arch: str, seed: int) -> None:
             v = normal(shape, S["linear_gain"] / math.sqrt(shape[-1]))
         with torch.no_grad():
             p.copy_(v)
+    # DeepSeek-V4's hash routers: each token's experts, distinct, drawn at random.
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            E = model.config.n_routed_experts
+            rows = [torch.randperm(E, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]
+            with torch.no_grad():
+                b.copy_(torch.stack(rows))
 
 
 def storage_dtype(arch: str, name: str) -> torch.dtype:
@@ -712,7 +813,7 @@ def round_to_storage(model: torch.nn.Module, arch: str) -> None:
     """Round every weight to its storage dtype, keeping the model in float32."""
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or not t.is_floating_point():
                 continue
             t.copy_(t.to(storage_dtype(arch, name)).to(torch.float32))
 
@@ -720,7 +821,7 @@ def round_to_storage(model: torch.nn.Module, arch: str) -> None:
 def cast_for_save(model: torch.nn.Module, arch: str) -> None:
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or not t.is_floating_point():
                 continue
             t.data = t.data.to(storage_dtype(arch, name))
 
@@ -754,7 +855,14 @@ class RouterProbe:
         gaps = []
         for mod, logits in self.records:
             k = mod.top_k
-            if self.arch in SIGMOID_ROUTED:
+            if hasattr(mod, "tid2eid"):  # DeepSeek-V4's hash routing: no decision to gap
+                continue
+            if self.arch == "deepseek_v4":
+                s = torch.nn.functional.softplus(logits).sqrt()
+                s = s + mod.e_score_correction_bias.double()
+                srt = s.sort(dim=-1, descending=True)[0]
+                gaps.append((srt[:, k - 1] - srt[:, k]).min().item())
+            elif self.arch in SIGMOID_ROUTED:
                 s = torch.sigmoid(logits) + mod.e_score_correction_bias.double()
                 ng, tg = mod.num_group, mod.topk_group
                 grouped = s.view(-1, ng, s.shape[-1] // ng)
@@ -859,6 +967,13 @@ def evaluate(model, arch, prompts):
     for h in probe.handles:
         h.remove()
     out["index_gap"], out["index_selecting"] = 1.0, 0
+    if arch == "deepseek_v4":  # the indexer's cut, from the float64 forward
+        cfg = model.config.to_dict()
+        W = {k: v.double().numpy() for k, v in model.state_dict().items()}
+        V4_INDEX_GAPS.clear()
+        for p, toks in zip(prompts, out["greedy"], strict=True):
+            numpy_forward_v4(cfg, W, p + toks[:-1])
+        out["index_gap"], out["index_selecting"] = min(V4_INDEX_GAPS), len(V4_INDEX_GAPS)
     if arch in DSA:
         ip = IndexerProbe(model)
         for p, toks in zip(prompts, out["greedy"], strict=True):
@@ -891,7 +1006,17 @@ def q4_0_roundtrip(w: torch.Tensor) -> torch.Tensor:
 
 def is_quantized(name: str, t: torch.Tensor) -> bool:
     # Routers and the indexer's head weights stay f32 (as in colibri's int4 models).
-    return t.dim() >= 2 and not name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight"))
+    # DeepSeek-V4's hyper-connection weights and compressor position biases too.
+    return t.dim() >= 2 and not name.endswith(
+        (
+            "mlp.gate.weight",
+            "indexer.weights_proj.weight",
+            "scorer.weights_proj.weight",
+            "_hc.fn",
+            "hc_head.hc_fn",
+            "position_bias",
+        )
+    )
 
 
 def kv_b_q4_0_roundtrip(w: torch.Tensor, cfg) -> torch.Tensor:
@@ -944,6 +1069,8 @@ def load_checkpoint(hf_dir: Path) -> tuple[dict, dict]:
 def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
     """Plain float64 re-implementation of the three HF forward passes (no cache)."""
     arch = cfg["model_type"]
+    if arch == "deepseek_v4":
+        return numpy_forward_v4(cfg, v4_module_names(W), ids)
     H = cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or H // nh
@@ -1047,6 +1174,222 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
     x = rms(x, W["model.norm.weight"])
     head = W.get("lm_head.weight", W["model.embed_tokens.weight"])  # tied if absent
     return x @ head.T
+
+
+# DeepSeek-V4's checkpoint names (as published, and as transformers saves them) -> transformers'
+# module names, in the order transformers' conversion mapping applies them.
+V4_RENAMES = (
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"),
+    (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_fn", "hc_head.hc_fn"),
+    (r"^hc_head_base", "hc_head.hc_base"),
+    (r"^hc_head_scale", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"),
+    (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+)
+
+
+def v4_module_names(W: dict) -> dict:
+    """A DeepSeek-V4 checkpoint's tensors under transformers' module names (experts fused)."""
+    import re
+
+    out, experts = {}, {}
+    for name, t in W.items():
+        bare = name.removeprefix("model.")
+        for pat, rep in V4_RENAMES:
+            bare = re.sub(pat, rep, bare)
+        m = re.match(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$", bare)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+            continue
+        out[bare if bare == "lm_head.weight" else "model." + bare] = t
+    for prefix, parts in experts.items():
+        stack = {w: np.stack([parts[w][e] for e in sorted(parts[w])]) for w in parts}
+        out[f"model.{prefix}.gate_up_proj"] = np.concatenate([stack["w1"], stack["w3"]], 1)
+        out[f"model.{prefix}.down_proj"] = stack["w2"]
+    return out
+
+
+# Gaps at the top-k cut of DeepSeek-V4's indexer, recorded by numpy_forward_v4 (float64).
+V4_INDEX_GAPS: list[float] = []
+
+
+def numpy_forward_v4(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
+    """DeepSeek-V4 in float64 from the files alone (transformers' deepseek_v4, no cache)."""
+    H, nh, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    eps, N, T = cfg["rms_norm_eps"], cfg["hc_mult"], len(ids)
+    hc_eps = cfg["hc_eps"]
+    rd = int(hd * cfg["partial_rotary_factor"])
+    pos = np.arange(T, dtype=np.float64)
+
+    def inv_freq(p):
+        if p.get("rope_type", "default") == "yarn":
+            return yarn_inv_freq({"rope_parameters": p}, rd)[0]  # attention factor 1 (V4)
+        return 1.0 / p["rope_theta"] ** (np.arange(0, rd, 2, dtype=np.float64) / rd)
+
+    inv_main = inv_freq(cfg["rope_parameters"]["main"])
+    inv_comp = inv_freq(cfg["rope_parameters"]["compress"])
+
+    def rope(x, at, inv, sign=1.0):  # interleaved pairs of the last rd dims; x [T, ..., d]
+        ang = at[:, None] * inv[None, :]
+        shape = (len(at),) + (1,) * (x.ndim - 2) + (rd // 2,)
+        c, sn = np.cos(ang).reshape(shape), sign * np.sin(ang).reshape(shape)
+        out = x.copy()
+        x1, x2 = x[..., -rd:][..., 0::2], x[..., -rd:][..., 1::2]
+        r = np.empty_like(x[..., -rd:])
+        r[..., 0::2], r[..., 1::2] = x1 * c - x2 * sn, x2 * c + x1 * sn
+        out[..., -rd:] = r
+        return out
+
+    def rms(x, w=None):
+        y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+        return y if w is None else y * w
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + np.exp(-x))
+
+    def softmax(x, axis):
+        m = np.max(np.where(np.isfinite(x), x, -np.inf), axis=axis, keepdims=True)
+        e = np.exp(x - m)
+        return e / e.sum(axis=axis, keepdims=True)
+
+    def hyper(X, pre):  # -> post [T, N], comb [T, N, N], collapsed [T, H]
+        mix = rms(X.reshape(T, N * H)) @ W[pre + "fn"].T
+        base, scale = W[pre + "base"], W[pre + "scale"]
+        a = sigmoid(mix[:, :N] * scale[0] + base[:N]) + hc_eps
+        post = 2.0 * sigmoid(mix[:, N : 2 * N] * scale[1] + base[N : 2 * N])
+        comb = softmax((mix[:, 2 * N :] * scale[2] + base[2 * N :]).reshape(T, N, N), -1) + hc_eps
+        comb = comb / (comb.sum(-2, keepdims=True) + hc_eps)
+        for _ in range(cfg["hc_sinkhorn_iters"] - 1):
+            comb = comb / (comb.sum(-1, keepdims=True) + hc_eps)
+            comb = comb / (comb.sum(-2, keepdims=True) + hc_eps)
+        return post, comb, (a[:, :, None] * X).sum(1)
+
+    def compress(h, c, m, width, overlap, norm_eps_w):  # -> entries [T // m, width]
+        kv, g = h @ W[c + "kv_proj.weight"].T, h @ W[c + "gate_proj.weight"].T
+        bias = W[c + "position_bias"]
+        out = []
+        for w in range(T // m):
+            k, z = kv[w * m : (w + 1) * m], g[w * m : (w + 1) * m] + bias
+            if overlap:  # window w-1's first half, then window w's second half
+                if w == 0:
+                    pk, pz = np.zeros((m, width)), np.full((m, width), -np.inf)
+                else:
+                    pk = kv[(w - 1) * m : w * m, :width]
+                    pz = g[(w - 1) * m : w * m, :width] + bias[:, :width]
+                k = np.concatenate([pk, k[:, width:]])
+                z = np.concatenate([pz, z[:, width:]])
+            e = (k * softmax(z, 0)).sum(0)
+            out.append(rms(e, norm_eps_w))
+        ent = np.array(out).reshape(-1, width)
+        return rope(ent, np.arange(len(ent), dtype=np.float64) * m, inv_comp)
+
+    def attention(h, layer):
+        a = f"model.layers.{layer}.self_attn."
+        kind = cfg["layer_types"][layer]
+        inv = inv_main if kind == "sliding_attention" else inv_comp
+        qr = rms(h @ W[a + "q_a_proj.weight"].T, W[a + "q_a_norm.weight"])
+        q = rope(rms((qr @ W[a + "q_b_proj.weight"].T).reshape(T, nh, hd)), pos, inv)
+        kv = rope(rms(h @ W[a + "kv_proj.weight"].T, W[a + "kv_norm.weight"]), pos, inv)
+        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+        bias = np.where((j <= i) & (j > i - cfg["sliding_window"]), 0.0, -np.inf)
+        keys = kv
+        if kind != "sliding_attention":
+            c = a + "compressor."
+            m = cfg["compress_rates"][kind]
+            csa = kind == "compressed_sparse_attention"
+            ent = compress(h, c, m, hd, csa, W[c + "kv_norm.weight"])
+            ready = np.arange(len(ent))[None, :] < ((np.arange(T) + 1) // m)[:, None]
+            if csa:
+                x = c + "indexer."
+                ihd, inh = cfg["index_head_dim"], cfg["index_n_heads"]
+                ik = compress(h, x, m, ihd, True, W[x + "kv_norm.weight"])
+                iq = rope((qr @ W[x + "q_b_proj.weight"].T).reshape(T, inh, ihd), pos, inv_comp)
+                sc = np.maximum(np.einsum("thd,sd->ths", iq, ik), 0.0) * ihd**-0.5
+                wts = (h @ W[x + "scorer.weights_proj.weight"].T) * inh**-0.5
+                score = np.einsum("th,ths->ts", wts, sc)
+                chosen = np.zeros_like(ready)
+                k = cfg["index_topk"]
+                for t in range(T):
+                    valid = np.flatnonzero(ready[t])
+                    order = valid[np.argsort(-score[t, valid], kind="stable")]
+                    chosen[t, order[:k]] = True
+                    if len(valid) > k:
+                        srt = score[t, order]
+                        V4_INDEX_GAPS.append(float(srt[k - 1] - srt[k]))
+                ready = chosen
+            keys = np.concatenate([kv, ent])
+            bias = np.concatenate([bias, np.where(ready, 0.0, -np.inf)], 1)
+        sc = np.einsum("thd,sd->ths", q, keys) * hd**-0.5 + bias[:, None, :]
+        sinks = np.broadcast_to(W[a + "sinks"][None, :, None], (T, nh, 1))
+        pr = softmax(np.concatenate([sc, sinks], -1), -1)[..., :-1]
+        o = rope(np.einsum("ths,sd->thd", pr, keys), pos, inv, -1.0)
+        G, R = cfg["o_groups"], cfg["o_lora_rank"]
+        wa = W[a + "o_a_proj.weight"].reshape(G, R, nh * hd // G)
+        og = np.einsum("tgi,gri->tgr", o.reshape(T, G, nh * hd // G), wa).reshape(T, G * R)
+        return og @ W[a + "o_b_proj.weight"].T
+
+    def swiglu(x, gate_w, up_w, down_w):
+        lim = cfg["swiglu_limit"]
+        g = np.minimum(x @ gate_w.T, lim)
+        u = np.clip(x @ up_w.T, -lim, lim)
+        return (g / (1.0 + np.exp(-g)) * u) @ down_w.T
+
+    def moe(h, layer):
+        m = f"model.layers.{layer}.mlp."
+        r = h @ W[m + "gate.weight"].T
+        s = np.sqrt(np.logaddexp(0.0, r))  # sqrt(softplus)
+        K = cfg["num_experts_per_tok"]
+        if cfg["mlp_layer_types"][layer] == "hash_moe":
+            idx = W[m + "gate.tid2eid"][ids].astype(np.int64)
+        else:
+            idx = np.argsort(-(s + W[m + "gate.e_score_correction_bias"]), -1, kind="stable")[:, :K]
+        w = np.take_along_axis(s, idx, -1)
+        w = w / (w.sum(-1, keepdims=True) + 1e-20) * cfg["routed_scaling_factor"]
+        gu, dn = W[m + "experts.gate_up_proj"], W[m + "experts.down_proj"]
+        inter = dn.shape[-1]
+        out = np.zeros_like(h)
+        for t in range(T):
+            for e, we in zip(idx[t], w[t], strict=True):
+                out[t] += we * swiglu(h[t : t + 1], gu[e, :inter], gu[e, inter:], dn[e])[0]
+        sh = m + "shared_experts."
+        return out + swiglu(h, *(W[f"{sh}{n}_proj.weight"] for n in ("gate", "up", "down")))
+
+    X = np.repeat(W["model.embed_tokens.weight"][ids][:, None, :], N, 1)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for hc, norm, block in (
+            ("attn_hc.", "input_layernorm.weight", attention),
+            ("ffn_hc.", "post_attention_layernorm.weight", moe),
+        ):
+            post, comb, col = hyper(X, p + hc)
+            y = block(rms(col, W[p + norm]), layer)
+            X = post[:, :, None] * y[:, None, :] + np.einsum("tjk,tjd->tkd", comb, X)
+    mix = rms(X.reshape(T, N * H)) @ W["model.hc_head.hc_fn"].T
+    a = sigmoid(mix * W["model.hc_head.hc_scale"][0] + W["model.hc_head.hc_base"]) + hc_eps
+    x = rms((a[:, :, None] * X).sum(1), W["model.norm.weight"])
+    return x @ W["lm_head.weight"].T
 
 
 def yarn_inv_freq(cfg: dict, dim: int) -> tuple[np.ndarray, float]:
@@ -1304,7 +1647,7 @@ def make(arch: str) -> dict:
         npz[f"greedy_{i}"] = np.asarray(ev["greedy"][i], dtype=np.int32)
         npz[f"greedy_margin_{i}"] = np.float32(ev["margin"][i])
     npz["router_min_gap"] = np.float32(ev["router_gap"])
-    if arch in DSA:
+    if arch in DSA or arch == "deepseek_v4":
         npz["index_min_gap"] = np.float32(ev["index_gap"])
         npz["index_selecting_queries"] = np.int32(ev["index_selecting"])
     npz["q4_0_rel_error"] = np.float32(rel2)
