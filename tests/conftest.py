@@ -23,6 +23,7 @@ ARCHS = [
     "glm_moe_dsa_yarn",
     "glm_moe_dsa_shared",
     "deepseek_v32",
+    "deepseek_v4",
 ]
 
 

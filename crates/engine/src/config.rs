@@ -22,6 +22,53 @@ pub enum AttentionKind {
     /// MLA whose queries attend only over the positions a lightning indexer picks (GLM-5's
     /// DeepSeek sparse attention, `model/layers/dsa.rs`).
     Dsa(MlaDims, IndexerDims),
+    /// DeepSeek-V4's attention (`model/layers/compressed.rs`): one shared key-and-value head
+    /// over a sliding window, plus (per layer, [`ModelConfig::compress_layers`]) compressed
+    /// entries of the history, all of them or those an indexer picks.
+    Compressed(CompressedDims),
+}
+
+/// What a DeepSeek-V4 layer attends over besides its sliding window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompressKind {
+    /// The window only.
+    Sliding,
+    /// Heavily compressed attention: one entry per `hca_rate` positions, every entry attended.
+    Heavy,
+    /// Compressed sparse attention: one entry per `csa_rate` positions over overlapping windows,
+    /// the `index_topk` an indexer scores highest attended.
+    Sparse,
+}
+
+/// The shape of DeepSeek-V4's attention (transformers' `DeepseekV4Attention`): `head_dim` is
+/// the one key-and-value head's width, the last `rope_dim` of each head rotated (interleaved).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CompressedDims {
+    pub q_lora_rank: usize,
+    pub rope_dim: usize,
+    pub o_groups: usize,
+    pub o_lora_rank: usize,
+    pub sliding_window: usize,
+    pub csa_rate: usize,
+    pub hca_rate: usize,
+    pub index_heads: usize,
+    pub index_head_dim: usize,
+    pub index_topk: usize,
+    /// The sliding-only layers' RoPE (`rope_parameters.main`).
+    pub main_theta: f64,
+    pub main_scaling: RopeScaling,
+    /// The compressed layers', their entries' and the indexer's (`rope_parameters.compress`).
+    pub compress_theta: f64,
+    pub compress_scaling: RopeScaling,
+}
+
+/// Manifold-constrained hyper-connections (DeepSeek-V4): the residual is `mult` streams, mixed
+/// around each block by weights computed from them (`model/layers/hyper.rs`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HyperDims {
+    pub mult: usize,
+    pub sinkhorn_iters: usize,
+    pub eps: f32,
 }
 
 /// The DSA lightning indexer (`model/layers/dsa.rs`): `heads` query heads of `head_dim`
@@ -78,6 +125,10 @@ pub enum Routing {
         norm_topk_prob: bool,
         scaling: f32,
     },
+    /// `sqrt(softplus)` scores; choice by score + correction bias; weights the chosen scores
+    /// renormalised, times `scaling` (DeepSeek-V4). A layer with a hash table
+    /// ([`ModelConfig::hash_layers`]) takes its experts from the token id instead.
+    SqrtSoftplus { scaling: f32 },
 }
 
 /// The feed-forward block of one layer.
@@ -118,6 +169,15 @@ pub struct ModelConfig {
     /// DSA only (else empty): per layer, whether it runs its own indexer (`"full"`) or reuses
     /// the top-k of the last layer that did (`"shared"`).
     pub indexer_layers: Vec<bool>,
+    /// DeepSeek-V4 only (else empty): per layer, what it attends over besides its window.
+    pub compress_layers: Vec<CompressKind>,
+    /// DeepSeek-V4 only (else empty): per layer, whether its experts come from a per-token
+    /// table (`hash_moe`) rather than the router's choice.
+    pub hash_layers: Vec<bool>,
+    /// The residual's hyper-connections, if the model has them (DeepSeek-V4).
+    pub hyper: Option<HyperDims>,
+    /// SwiGLU inputs clamped (gate above, up both ways) at this value (DeepSeek-V4).
+    pub swiglu_limit: Option<f32>,
     pub tie_word_embeddings: bool,
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
@@ -142,6 +202,18 @@ pub struct Reader<'a> {
 impl<'a> Reader<'a> {
     pub fn get(&self, key: &str) -> Option<&'a Value> {
         self.v.get(key).filter(|v| !v.is_null())
+    }
+    /// The object under `key`, read with the same rules (none when absent or `null`).
+    pub fn object(&self, key: &str) -> Result<Option<Reader<'a>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) if v.is_object() => Ok(Some(Reader { v })),
+            Some(_) => Err(bad(format!("config.json: `{key}` must be an object"))),
+        }
+    }
+    /// The value itself.
+    pub fn value(&self) -> &'a Value {
+        self.v
     }
     /// Whether the config has `key` at all (`null` included).
     pub fn has(&self, key: &str) -> bool {
@@ -200,7 +272,7 @@ fn check_size(key: &str, x: usize, min: usize, max: usize) -> Result<usize> {
 
 /// How RoPE frequencies are scaled for contexts past the pretraining length (transformers'
 /// `rope_type`).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RopeScaling {
     /// `default`: none.
     None,
@@ -228,6 +300,17 @@ fn rope_settings(
     max_positions: usize,
 ) -> Result<(f64, f64, RopeScaling)> {
     let params = r.get("rope_parameters").or_else(|| r.get("rope_scaling"));
+    rope_from(r, params, default_partial, max_positions)
+}
+
+/// RoPE settings from one set of RoPE parameters `params` (an object, or none), with the
+/// top-level config `r` for the fields it falls back on.
+pub(crate) fn rope_from(
+    r: &Reader,
+    params: Option<&Value>,
+    default_partial: f64,
+    max_positions: usize,
+) -> Result<(f64, f64, RopeScaling)> {
     let mut theta = r.f64_or("rope_theta", 10000.0)?;
     let mut partial = r.f64_or("partial_rotary_factor", default_partial)?;
     let mut scaling = RopeScaling::None;
@@ -425,11 +508,17 @@ impl ModelConfig {
             },
             layers: vec![FfnKind::Dense; num_layers],
             indexer_layers: Vec::new(),
+            compress_layers: Vec::new(),
+            hash_layers: Vec::new(),
+            hyper: None,
+            swiglu_limit: None,
             tie_word_embeddings: false,
             eos_token_ids: Vec::new(),
             bos_token_id: None,
         };
-        c.intermediate_size = r.size_req("intermediate_size", 0, MAX_DIM)?;
+        // Checked by `check_blocks` when the model has dense layers (DeepSeek-V4 has none and
+        // its configs no `intermediate_size`).
+        c.intermediate_size = r.size_or("intermediate_size", 0, 0, MAX_DIM)?;
         c.top_k = r.size_req("num_experts_per_tok", 0, MAX_DIM)?;
         // The family's own fields and checks (they may refuse the shared ones too).
         (family.configure)(&r, &mut c)?;

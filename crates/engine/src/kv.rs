@@ -421,6 +421,38 @@ impl KvCache {
         (gather(false), gather(true))
     }
 
+    /// Writes `src` into the key row of position `pos` of layer `li`, at column `offset`, for
+    /// a layer with one key run (a row of several parts, DeepSeek-V4's compressed layers). The
+    /// position must be within the reserved capacity.
+    pub fn write_key_part(&mut self, li: usize, pos: usize, offset: usize, src: &[f32]) {
+        let (s, cap) = (self.spans[li], self.cap);
+        assert!(s.heads == 1 && pos < cap && offset + src.len() <= s.key_dim);
+        self.data
+            .store(cap * s.keys + pos * s.key_dim + offset, src);
+    }
+
+    /// Columns `cols` of the key rows at `positions` of layer `li` (one key run), as f32 rows
+    /// of `cols.len()` one after another.
+    pub fn key_columns(
+        &self,
+        li: usize,
+        positions: impl Iterator<Item = usize>,
+        cols: Range<usize>,
+    ) -> Vec<f32> {
+        let (s, cap) = (&self.spans[li], self.cap);
+        assert!(s.heads == 1 && cols.end <= s.key_dim);
+        let w = cols.len();
+        let mut out = Vec::new();
+        for p in positions {
+            debug_assert!(p < cap);
+            let at = out.len();
+            out.resize(at + w, 0.0);
+            self.data
+                .load(cap * s.keys + p * s.key_dim + cols.start, &mut out[at..]);
+        }
+        out
+    }
+
     /// Forgets every position (keeps the allocation).
     pub fn clear(&mut self) {
         self.len = 0;

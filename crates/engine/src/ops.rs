@@ -156,6 +156,45 @@ impl Rope {
     }
 }
 
+impl Rope {
+    /// Rotates the last `2 * half()` values of each `head_dim`-sized head in `x` as interleaved
+    /// pairs `(2i, 2i + 1)` by the position's angles, or back by them (`inverse`: the rotation
+    /// by minus the angles), as DeepSeek-V4 rotates its queries, keys and outputs.
+    pub fn apply_interleaved_tail(
+        &self,
+        x: &mut [f32],
+        head_dim: usize,
+        angles: &RopeAngles,
+        inverse: bool,
+    ) {
+        let half = self.half();
+        let sign = if inverse { -1.0 } else { 1.0 };
+        let (cos, sin) = (&angles.cos, &angles.sin);
+        for head in x.chunks_exact_mut(head_dim) {
+            let tail = &mut head[head_dim - 2 * half..];
+            for i in 0..half {
+                let (a, b) = (tail[2 * i], tail[2 * i + 1]);
+                let s = sign * sin[i];
+                tail[2 * i] = a * cos[i] - b * s;
+                tail[2 * i + 1] = b * cos[i] + a * s;
+            }
+        }
+    }
+}
+
+/// `silu(min(gate, limit)) * clamp(up, -limit, limit)` into `gate` (DeepSeek-V4's clamped
+/// SwiGLU), or [`silu_mul`] without a limit.
+pub fn swiglu(gate: &mut [f32], up: &[f32], limit: Option<f32>) {
+    match limit {
+        None => silu_mul(gate, up),
+        Some(l) => {
+            gate.iter_mut().for_each(|g| *g = g.min(l));
+            let up: Vec<f32> = up.iter().map(|u| u.clamp(-l, l)).collect();
+            silu_mul(gate, &up)
+        }
+    }
+}
+
 #[inline(always)]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))

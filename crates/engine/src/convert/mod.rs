@@ -46,7 +46,13 @@ struct Checkpoint {
 }
 
 impl Checkpoint {
-    fn open(dir: &Path, config: &serde_json::Value) -> Result<Checkpoint> {
+    /// Opens the checkpoint's shards; `rename` maps its tensor names to the ones the plan
+    /// reads (a family whose checkpoints use other names than transformers' modules).
+    fn open(
+        dir: &Path,
+        config: &serde_json::Value,
+        rename: Option<fn(&str) -> String>,
+    ) -> Result<Checkpoint> {
         let fp8 = Fp8Blocks::from_config(config)?;
         let mut files: Vec<PathBuf> = fs::read_dir(dir)
             .map_err(io_err(dir))?
@@ -71,6 +77,7 @@ impl Checkpoint {
                 ))
             })?;
             for (name, t) in st.iter() {
+                let name = rename.map_or_else(|| name.to_string(), |f| f(name));
                 let start = t.data().as_ptr() as usize - map.as_ptr() as usize;
                 let meta = TensorMeta {
                     shard: i,
@@ -78,7 +85,7 @@ impl Checkpoint {
                     shape: t.shape().to_vec(),
                     data: start..start + t.data().len(),
                 };
-                if index.insert(name.to_string(), meta).is_some() {
+                if index.insert(name.clone(), meta).is_some() {
                     return Err(ck(format!(
                         "tensor `{name}` appears in more than one shard"
                     )));
@@ -186,7 +193,8 @@ impl Checkpoint {
             return fp8::dequantize(name, q, m.shape[1], &scales, blocks, first, count);
         }
         let width = match m.dtype {
-            Dtype::F32 => 4,
+            Dtype::F32 | Dtype::I32 => 4,
+            Dtype::I64 => 8,
             _ => 2,
         };
         let all = &self.maps[m.shard][m.data.clone()];
@@ -207,6 +215,17 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
+            // Integer tables (DeepSeek-V4's token-to-expert map): exact as f32 below 2^24.
+            Dtype::I32 => int_values(
+                name,
+                b.chunks_exact(4)
+                    .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+            )?,
+            Dtype::I64 => int_values(
+                name,
+                b.chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().expect("8-byte chunk"))),
+            )?,
             other => return Err(check_dtype(name, other).unwrap_err()),
         })
     }
@@ -214,12 +233,28 @@ impl Checkpoint {
 
 fn check_dtype(name: &str, dtype: Dtype) -> Result<()> {
     match dtype {
-        Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok(()),
+        Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::I32 | Dtype::I64 => Ok(()),
         other => Err(ck(format!(
-            "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32 (and F8_E4M3 with \
-             block scales)"
+            "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32, I32, I64 (and \
+             F8_E4M3 with block scales)"
         ))),
     }
+}
+
+/// Integers as f32, refused past 2^24 (where f32 stops holding every integer).
+fn int_values(name: &str, values: impl Iterator<Item = i64>) -> Result<Vec<f32>> {
+    const EXACT: i64 = 1 << 24;
+    values
+        .map(|v| {
+            if (-EXACT..=EXACT).contains(&v) {
+                Ok(v as f32)
+            } else {
+                Err(ck(format!(
+                    "tensor `{name}` holds {v}, too large for colibri's f32 tables"
+                )))
+            }
+        })
+        .collect()
 }
 
 /// Encodes a tensor for storage.
@@ -471,7 +506,7 @@ pub fn convert_keeping(
             tok_path.display()
         )));
     }
-    let ckpt = Checkpoint::open(hf_dir, &cfg_json)?;
+    let ckpt = Checkpoint::open(hf_dir, &cfg_json, cfg.family.checkpoint_name)?;
     let plan = family_plan(&cfg);
 
     // Every checkpoint tensor must be used or deliberately skipped.
@@ -810,7 +845,7 @@ mod tests {
         let src = fixture("deepseek_v3");
         let cfg: serde_json::Value =
             serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-        let ckpt = Checkpoint::open(&src, &cfg).unwrap();
+        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
         let blocks = Fp8Blocks { rows: 8, cols: 8 };
         let (mut fp8s, mut f32s) = (Vec::new(), Vec::new());
         let mut names: Vec<&String> = ckpt.index.keys().collect();

@@ -21,6 +21,7 @@ pub static FAMILY: Family = Family {
     default_rms_norm_eps: 1e-6,
     configure,
     plan: glm4_moe::tensor_plan,
+    checkpoint_name: None,
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {

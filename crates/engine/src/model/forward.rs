@@ -6,6 +6,7 @@ use std::time::Instant;
 use std::ops::Range;
 
 use super::layers::dsa::Selection;
+use super::layers::hyper::{HyperMix, Mix};
 use super::layers::{Ffn, SeqRows};
 use super::{Model, Pass};
 use crate::error::{Error, Result};
@@ -178,11 +179,19 @@ impl Model {
         let c = &self.cfg;
         let h = c.hidden_size;
         let n: usize = parts.iter().map(|p| p.tokens.len()).sum();
-        let mut x = vec![0.0f32; n * h];
+        // The residual: one row of `hidden` per position, or of `mult` streams of it with
+        // hyper-connections (each starts as the embedding).
+        let streams = c.hyper.map_or(1, |d| d.mult);
+        let sw = streams * h;
+        let mut x = vec![0.0f32; n * sw];
         let embed = self.w(&self.embed);
-        let tokens = parts.iter().flat_map(|p| p.tokens);
-        for (i, &tok) in tokens.enumerate() {
-            embed.row(tok as usize, h, &mut x[i * h..(i + 1) * h]);
+        pass.tokens = parts.iter().flat_map(|p| p.tokens).copied().collect();
+        for (i, &tok) in pass.tokens.iter().enumerate() {
+            let row = &mut x[i * sw..(i + 1) * sw];
+            embed.row(tok as usize, h, &mut row[..h]);
+            for k in 1..streams {
+                row.copy_within(..h, k * h);
+            }
         }
         // Each row's rotation, at its own position; it serves every layer's queries and keys.
         let angles: Vec<RopeAngles> = parts
@@ -208,19 +217,19 @@ impl Model {
         let mut selection: Vec<Option<Selection>> = (0..seqs.len()).map(|_| None).collect();
         for (li, layer) in self.layers.iter().enumerate() {
             let t = Instant::now();
-            let mut hn = x.clone();
-            self.per_position(&mut hn, h, |_, row| {
-                ops::rms_norm(row, &layer.attn_norm, c.rms_norm_eps)
-            });
+            let (hn, mix) = self.block_input(&x, layer.attn_hc.as_ref(), &layer.attn_norm);
             let att = self.attention(li, &layer.attention, hn, &angles, &mut seqs, &mut selection);
             pass.times.attention += t.elapsed();
-            for (a, b) in x.iter_mut().zip(&att) {
-                *a += *b;
-            }
-            let mut hn = x.clone();
-            self.per_position(&mut hn, h, |_, row| {
-                ops::rms_norm(row, &layer.ffn_norm, c.rms_norm_eps)
-            });
+            self.block_output(&mut x, &att, mix);
+            let (hn, mix) = self.block_input(&x, layer.ffn_hc.as_ref(), &layer.ffn_norm);
+            // The router look-ahead routes the block's input with the next layer's norm: the
+            // stream itself, or with hyper-connections this block's collapsed input.
+            let ahead = if mix.is_some() {
+                hn.clone()
+            } else {
+                Vec::new()
+            };
+            let residual = if mix.is_some() { &ahead } else { &x };
             let mut acts = Acts::from_vec(hn, n, h);
             let y = match &layer.ffn {
                 Ffn::Dense(m) => {
@@ -229,11 +238,9 @@ impl Model {
                     pass.times.expert += t.elapsed();
                     y
                 }
-                Ffn::Moe(m) => self.moe_block(m, &mut acts, li, &x, pass)?,
+                Ffn::Moe(m) => self.moe_block(m, &mut acts, li, residual, pass)?,
             };
-            for (a, b) in x.iter_mut().zip(&y) {
-                *a += *b;
-            }
+            self.block_output(&mut x, &y, mix);
         }
         for s in &mut seqs {
             s.kv.len += s.rows.len();
@@ -253,9 +260,12 @@ impl Model {
             })
             .collect();
         let mut hn: Vec<f32> =
-            Vec::with_capacity(wanted.iter().map(|r| r.len()).sum::<usize>() * h);
+            Vec::with_capacity(wanted.iter().map(|r| r.len()).sum::<usize>() * sw);
         for r in &wanted {
-            hn.extend_from_slice(&x[r.start * h..r.end * h]);
+            hn.extend_from_slice(&x[r.start * sw..r.end * sw]);
+        }
+        if let (Some(head), Some(d)) = (&self.hc_head, c.hyper) {
+            hn = self.hyper_head(head, d, &hn);
         }
         let m = hn.len() / h;
         self.per_position(&mut hn, h, |_, row| {
@@ -275,6 +285,40 @@ impl Model {
             .collect();
         pass.times.lm_head += t.elapsed();
         Ok(logits)
+    }
+
+    /// A block's normed input from the residual `x`: its rows, or with hyper-connections
+    /// (`hc`) the streams collapsed, and then the mixing weights [`Model::block_output`] needs.
+    fn block_input(
+        &self,
+        x: &[f32],
+        hc: Option<&HyperMix>,
+        norm: &[f32],
+    ) -> (Vec<f32>, Option<Vec<Mix>>) {
+        let c = &self.cfg;
+        let (mut hn, mix) = match (hc, c.hyper) {
+            (Some(w), Some(d)) => {
+                let (collapsed, mix) = self.hyper_collapse(w, d, x);
+                (collapsed, Some(mix))
+            }
+            _ => (x.to_vec(), None),
+        };
+        self.per_position(&mut hn, c.hidden_size, |_, row| {
+            ops::rms_norm(row, norm, c.rms_norm_eps)
+        });
+        (hn, mix)
+    }
+
+    /// Adds a block's output `y` to the residual `x`, or mixes it into the streams.
+    fn block_output(&self, x: &mut [f32], y: &[f32], mix: Option<Vec<Mix>>) {
+        match (mix, self.cfg.hyper) {
+            (Some(mix), Some(d)) => self.hyper_expand(d, x, y, &mix),
+            _ => {
+                for (a, b) in x.iter_mut().zip(y) {
+                    *a += *b;
+                }
+            }
+        }
     }
 
     /// `W x` for each weight in `ws` (same input), in one parallel region.

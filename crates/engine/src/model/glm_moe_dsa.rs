@@ -28,6 +28,7 @@ pub static FAMILY: Family = Family {
     default_rms_norm_eps: 1e-5,
     configure: |r, c| configure(r, c, &GLM5),
     plan: glm4_moe::tensor_plan,
+    checkpoint_name: None,
 };
 
 pub static DEEPSEEK_V32: Family = Family {
@@ -38,6 +39,7 @@ pub static DEEPSEEK_V32: Family = Family {
     default_rms_norm_eps: 1e-6,
     configure: |r, c| configure(r, c, &V32),
     plan: glm4_moe::tensor_plan,
+    checkpoint_name: None,
 };
 
 /// What tells the two architectures apart: transformers' config defaults for the fields a

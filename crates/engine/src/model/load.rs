@@ -9,6 +9,7 @@ use std::sync::Mutex;
 
 use memmap2::Mmap;
 
+use super::layers::hyper::{HyperHead, HyperMix};
 use super::layers::mlp::Mlp;
 use super::layers::moe::Moe;
 use super::layers::{self, Attention, Ffn, Layer};
@@ -235,14 +236,22 @@ impl Model {
                     Ffn::Moe(Moe::load(&t, &cfg, i, first_record, moe_ids.len() - 1)?)
                 }
             };
+            let hyper = |block: &str| -> Result<Option<HyperMix>> {
+                cfg.hyper
+                    .map(|_| HyperMix::load(&t, &cfg, &n(block)))
+                    .transpose()
+            };
             layers.push(Layer {
                 attn_norm: t.vector(&n("attn_norm"), h)?,
                 ffn_norm: t.vector(&n("ffn_norm"), h)?,
+                attn_hc: hyper("attn_hc")?,
+                ffn_hc: hyper("ffn_hc")?,
                 attention: Attention::load(&t, &cfg, i)?,
                 ffn,
             });
         }
 
+        let hc_head = cfg.hyper.map(|_| HyperHead::load(&t, &cfg)).transpose()?;
         let heat = Heat::new(moe_ids.clone(), cfg.num_experts);
         let heat_path = dir.join(HEAT_FILE);
         heat.load(&heat_path);
@@ -359,6 +368,7 @@ impl Model {
             embed,
             lm_head,
             norm,
+            hc_head,
             layers,
             kernel: quant::kernel(),
             pool,

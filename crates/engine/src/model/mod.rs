@@ -6,6 +6,7 @@
 //! [`Model`] from a converted directory and `forward.rs` runs it.
 
 pub mod deepseek_v3;
+pub mod deepseek_v4;
 mod forward;
 pub mod glm4_moe;
 pub mod glm_moe_dsa;
@@ -75,6 +76,8 @@ pub(super) struct Pass {
     pub(super) routed: Vec<Vec<(usize, Vec<usize>)>>,
     /// The look-ahead's prediction for the next MoE layer: (model layer, experts).
     pub(super) predicted: Option<(usize, Vec<usize>)>,
+    /// The token of each row of the pass (hash-routed MoE layers choose by it).
+    pub(super) tokens: Vec<u32>,
 }
 
 pub struct Model {
@@ -93,6 +96,8 @@ pub struct Model {
     embed: Linear,
     lm_head: Linear,
     norm: Vec<f32>,
+    /// The hyper-connections' last collapse of the residual streams (DeepSeek-V4).
+    hc_head: Option<layers::hyper::HyperHead>,
     layers: Vec<Layer>,
     rope: Rope,
     kernel: Kernel,

@@ -16,6 +16,7 @@ pub static FAMILY: Family = Family {
     default_rms_norm_eps: 1e-5,
     configure,
     plan: plan::standard,
+    checkpoint_name: None,
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {

@@ -237,6 +237,9 @@ pub fn skip_reason(c: &ModelConfig, hf: &str) -> Option<String> {
     if hf.ends_with("rotary_emb.inv_freq") {
         return Some("recomputed from config".into());
     }
+    if hf.starts_with("model.mtp.") || hf.starts_with("mtp.") {
+        return Some("multi-token-prediction head, not used".into());
+    }
     let layer: Option<usize> = hf
         .strip_prefix("model.layers.")
         .and_then(|rest| rest.split('.').next())

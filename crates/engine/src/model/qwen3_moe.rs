@@ -17,6 +17,7 @@ pub static FAMILY: Family = Family {
     default_rms_norm_eps: 1e-6,
     configure,
     plan: plan::standard,
+    checkpoint_name: None,
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {

@@ -26,6 +26,9 @@ pub struct Family {
     pub configure: fn(&Reader, &mut ModelConfig) -> Result<()>,
     /// The tensors the family's checkpoints hold, under colibri's names.
     pub plan: fn(&ModelConfig) -> Plan,
+    /// How a checkpoint's tensor names map to the names the plan reads, when the family's
+    /// checkpoints do not use transformers' module names (DeepSeek-V4).
+    pub checkpoint_name: Option<fn(&str) -> String>,
 }
 
 impl fmt::Debug for Family {
@@ -48,6 +51,7 @@ pub static FAMILIES: &[&Family] = &[
     &super::deepseek_v3::FAMILY,
     &super::glm_moe_dsa::FAMILY,
     &super::glm_moe_dsa::DEEPSEEK_V32,
+    &super::deepseek_v4::FAMILY,
 ];
 
 pub fn by_hf_name(name: &str) -> Option<&'static Family> {

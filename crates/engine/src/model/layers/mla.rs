@@ -72,7 +72,7 @@ pub(in crate::model) struct Mla {
 pub(super) fn dims(c: &ModelConfig) -> MlaDims {
     match c.attention {
         AttentionKind::Mla(d) | AttentionKind::Dsa(d, _) => d,
-        AttentionKind::Gqa => unreachable!("an MLA block of a non-MLA config"),
+        _ => unreachable!("an MLA block of a non-MLA config"),
     }
 }
 
@@ -374,7 +374,12 @@ impl Model {
 
     /// Head `h`'s row block of `w` (`rows` rows each) times `inputs[h]`, every head in one
     /// parallel region; per head `n x rows` values, position-major.
-    fn per_head_products(&self, w: &Linear, rows: usize, mut inputs: Vec<Acts>) -> Vec<Vec<f32>> {
+    pub(in crate::model) fn per_head_products(
+        &self,
+        w: &Linear,
+        rows: usize,
+        mut inputs: Vec<Acts>,
+    ) -> Vec<Vec<f32>> {
         for x in &mut inputs {
             x.prepare(w.dtype == DType::Q4);
         }

@@ -33,7 +33,7 @@ impl Model {
         let mut gu = self.project(&[m.gate, m.up], x);
         let up = gu.pop().unwrap();
         let mut g = gu.pop().unwrap();
-        ops::silu_mul(&mut g, &up);
+        ops::swiglu(&mut g, &up, self.cfg.swiglu_limit);
         let mut hidden = Acts::from_vec(g, x.n, m.gate.rows);
         self.project(&[m.down], &mut hidden).remove(0)
     }

@@ -2,8 +2,10 @@
 //! tensor plan, its forward pass and what it keeps per position, [`KvLayout`]) plus a variant of
 //! [`Attention`]; the feed-forward blocks are the dense [`mlp`] and the routed [`moe`].
 
+pub mod compressed;
 pub mod dsa;
 pub mod gqa;
+pub mod hyper;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
@@ -26,6 +28,7 @@ pub(in crate::model) enum Attention {
     Gqa(gqa::Gqa),
     Mla(mla::Mla),
     Dsa(dsa::Dsa),
+    Compressed(Box<compressed::Compressed>),
 }
 
 /// One layer's feed-forward block.
@@ -34,10 +37,14 @@ pub(in crate::model) enum Ffn {
     Moe(moe::Moe),
 }
 
-/// A decoder layer: pre-norm attention and pre-norm feed-forward, each added to the residual.
+/// A decoder layer: pre-norm attention and pre-norm feed-forward, each added to the residual
+/// (or, with hyper-connections, collapsed from and mixed into its streams by `attn_hc` and
+/// `ffn_hc`).
 pub(in crate::model) struct Layer {
     pub(in crate::model) attn_norm: Vec<f32>,
     pub(in crate::model) ffn_norm: Vec<f32>,
+    pub(in crate::model) attn_hc: Option<hyper::HyperMix>,
+    pub(in crate::model) ffn_hc: Option<hyper::HyperMix>,
     pub(in crate::model) attention: Attention,
     pub(in crate::model) ffn: Ffn,
 }
@@ -48,6 +55,7 @@ pub fn plan_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
         AttentionKind::Gqa => gqa::plan(p, c, i),
         AttentionKind::Mla(_) => mla::plan(p, c, i),
         AttentionKind::Dsa(..) => dsa::plan(p, c, i),
+        AttentionKind::Compressed(_) => compressed::plan(p, c, i),
     }
 }
 
@@ -57,6 +65,7 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
         AttentionKind::Gqa => gqa::kv_layout(c),
         AttentionKind::Mla(_) => mla::kv_layout(c),
         AttentionKind::Dsa(..) => dsa::kv_layout(c),
+        AttentionKind::Compressed(_) => compressed::kv_layout(c),
     }
 }
 
@@ -66,6 +75,9 @@ impl Attention {
             AttentionKind::Gqa => Attention::Gqa(gqa::Gqa::load(t, c, i)?),
             AttentionKind::Mla(_) => Attention::Mla(mla::Mla::load(t, c, i)?),
             AttentionKind::Dsa(..) => Attention::Dsa(dsa::Dsa::load(t, c, i)?),
+            AttentionKind::Compressed(_) => {
+                Attention::Compressed(Box::new(compressed::Compressed::load(t, c, i)?))
+            }
         })
     }
 }
@@ -192,6 +204,7 @@ impl Model {
             Attention::Gqa(w) => self.gqa_attention(li, w, hn, angles, seqs),
             Attention::Mla(w) => self.mla_attention(li, w, hn, angles, seqs),
             Attention::Dsa(w) => self.dsa_attention(li, w, hn, angles, seqs, selection),
+            Attention::Compressed(w) => self.compressed_attention(li, w, hn, seqs),
         }
     }
 }

@@ -26,6 +26,8 @@ pub(in crate::model) struct Moe {
     /// copy: a copy doubled the routers' RAM, 200-300 MB for Qwen3-235B or GLM-4.5).
     router: Linear,
     router_bias: Option<Vec<f32>>,
+    /// A hash-routed layer's experts per token id (`[vocab, top_k]`, DeepSeek-V4's `tid2eid`).
+    hash: Option<Vec<u32>>,
     first_record: usize,
     /// Index among the MoE layers (routing heat, cache lists).
     moe_idx: usize,
@@ -49,9 +51,34 @@ impl Moe {
             return Err(fmt_err(format!("tensor `{}` should be f32", n("router"))));
         }
         let router_bias = t.optional_vector(&n("router_bias"), c.num_experts)?;
-        if matches!(c.routing, Routing::SigmoidGrouped { .. }) && router_bias.is_none() {
+        let hashed = c.hash_layers.get(i).copied().unwrap_or(false);
+        let needs_bias = match c.routing {
+            Routing::SigmoidGrouped { .. } => true,
+            Routing::SqrtSoftplus { .. } => !hashed,
+            Routing::SoftmaxTopK { .. } => false,
+        };
+        if needs_bias && router_bias.is_none() {
             return Err(fmt_err(format!("missing `{}`", n("router_bias"))));
         }
+        let hash = if hashed {
+            let table = t.vector(&n("hash"), c.vocab_size * c.top_k)?;
+            let ids: Option<Vec<u32>> = table
+                .iter()
+                .map(|&x| {
+                    (x >= 0.0 && x.fract() == 0.0 && (x as usize) < c.num_experts)
+                        .then_some(x as u32)
+                })
+                .collect();
+            Some(ids.ok_or_else(|| {
+                fmt_err(format!(
+                    "`{}` holds an entry that is not an expert id below {}",
+                    n("hash"),
+                    c.num_experts
+                ))
+            })?)
+        } else {
+            None
+        };
         let shared = if c.shared_intermediate_size > 0 {
             Some(Mlp::load(t, &n("shared"), h, c.shared_intermediate_size)?)
         } else {
@@ -60,6 +87,7 @@ impl Moe {
         Ok(Moe {
             router,
             router_bias,
+            hash,
             first_record,
             moe_idx,
             shared,
@@ -83,6 +111,7 @@ impl Model {
             first_record: m.first_record,
             moe_idx: m.moe_idx,
             residual,
+            hash: m.hash.as_deref(),
         };
         let mut y = self.moe(acts, &m.router, m.router_bias.as_deref(), &at, pass)?;
         if let Some(s) = &m.shared {
@@ -95,8 +124,16 @@ impl Model {
         Ok(y)
     }
 
-    /// Router logits of `router` for every token of `x`, and each token's `(expert, weight)`.
-    fn route(&self, x: &Acts, router: &Linear, bias: Option<&[f32]>) -> Vec<Vec<(usize, f32)>> {
+    /// Router logits of `router` for every token of `x`, and each token's `(expert, weight)`:
+    /// the router's choice, or with a hash table the experts of the row's token (`tokens`).
+    fn route(
+        &self,
+        x: &Acts,
+        router: &Linear,
+        bias: Option<&[f32]>,
+        hash: Option<&[u32]>,
+        tokens: &[u32],
+    ) -> Vec<Vec<(usize, f32)>> {
         let c = &self.cfg;
         let (n, e) = (x.n, c.num_experts);
         let mut logits = vec![0.0f32; n * e];
@@ -111,14 +148,30 @@ impl Model {
                 out: &mut logits,
             }],
         );
+        let k = c.top_k;
         (0..n)
-            .map(|t| routing::route(&c.routing, c.top_k, &logits[t * e..(t + 1) * e], bias))
+            .map(|t| {
+                let l = &logits[t * e..(t + 1) * e];
+                match hash {
+                    Some(table) => {
+                        let tok = tokens[t] as usize;
+                        routing::route_fixed(&c.routing, l, &table[tok * k..(tok + 1) * k])
+                    }
+                    None => routing::route(&c.routing, k, l, bias),
+                }
+            })
             .collect()
     }
 
     /// Router look-ahead: the experts the next MoE layer after `li` would route the residual
     /// stream to now, read ahead of need. Returns (next layer, predicted experts).
-    fn prefetch_next(&self, li: usize, residual: &[f32], n: usize) -> Option<(usize, Vec<usize>)> {
+    fn prefetch_next(
+        &self,
+        li: usize,
+        residual: &[f32],
+        n: usize,
+        tokens: &[u32],
+    ) -> Option<(usize, Vec<usize>)> {
         let Some(Experts::Store(store)) = &self.experts else {
             return None;
         };
@@ -126,6 +179,7 @@ impl Model {
         let Ffn::Moe(Moe {
             router,
             router_bias,
+            hash,
             first_record,
             ..
         }) = &self.layers.get(next)?.ffn
@@ -136,7 +190,13 @@ impl Model {
         ops::rms_norm(&mut hn, &self.layers[next].ffn_norm, self.cfg.rms_norm_eps);
         let acts = Acts::from_vec(hn, n, self.cfg.hidden_size);
         let mut experts: Vec<usize> = self
-            .route(&acts, router, router_bias.as_deref())
+            .route(
+                &acts,
+                router,
+                router_bias.as_deref(),
+                hash.as_deref(),
+                tokens,
+            )
             .into_iter()
             .flat_map(|r| r.into_iter().map(|(e, _)| e))
             .collect();
@@ -163,7 +223,11 @@ impl Model {
         let (n, h) = (x.n, c.hidden_size);
         // expert -> [(token, weight)], in expert order (the order the reference sums them).
         let mut by_expert: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
-        for (t, r) in self.route(x, router, bias).into_iter().enumerate() {
+        for (t, r) in self
+            .route(x, router, bias, at.hash, &pass.tokens)
+            .into_iter()
+            .enumerate()
+        {
             for (ex, w) in r {
                 by_expert.entry(ex).or_default().push((t, w));
             }
@@ -250,7 +314,7 @@ impl Model {
                 // With a slot for every record the look-ahead would only cost a router product
                 // per layer: misses (warm-up) are read in the layer's own batch anyway.
                 if self.prefetch && !store.holds_all() {
-                    pass.predicted = self.prefetch_next(at.li, at.residual, n);
+                    pass.predicted = self.prefetch_next(at.li, at.residual, n, &pass.tokens);
                 }
                 loop {
                     let ready: Vec<(usize, RecordRef)> = batch.next_ready()?;
@@ -324,7 +388,7 @@ impl Model {
                 let (mut g, mut u) = (vec![0.0; n * mi], vec![0.0; n * mi]);
                 matmul_whole(self.kernel, w[0], xin, &mut g);
                 matmul_whole(self.kernel, w[1], xin, &mut u);
-                ops::silu_mul(&mut g, &u);
+                ops::swiglu(&mut g, &u, self.cfg.swiglu_limit);
                 let mut hid = Acts::from_vec(g, n, mi);
                 hid.prepare(q4);
                 let mut out = vec![0.0; n * h];
@@ -360,7 +424,7 @@ impl Model {
         let hidden: Vec<Acts> = self.pool.map(group.len(), |j| {
             let mut gu = pairs[j].lock().unwrap_or_else(|e| e.into_inner());
             let (g, u) = gu.split_at_mut(1);
-            ops::silu_mul(&mut g[0], &u[0]);
+            ops::swiglu(&mut g[0], &u[0], self.cfg.swiglu_limit);
             let mut a = Acts::from_vec(std::mem::take(&mut g[0]), toks(group[j].0), mi);
             a.prepare(q4);
             a
@@ -402,4 +466,6 @@ struct MoeAt<'a> {
     first_record: usize,
     moe_idx: usize,
     residual: &'a [f32],
+    /// A hash-routed layer's table.
+    hash: Option<&'a [u32]>,
 }

@@ -62,7 +62,49 @@ pub fn route(
             w.iter_mut().for_each(|x| *x *= scaling);
             chosen.into_iter().zip(w).collect()
         }
+        Routing::SqrtSoftplus { .. } => {
+            let scores = sqrt_softplus(logits);
+            let choice: Vec<f32> = match bias {
+                Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                None => scores.clone(),
+            };
+            weigh(routing, &scores, top_k(&choice, k))
+        }
     }
+}
+
+/// `sqrt(softplus(x))` of every logit (softplus as torch computes it: `x` itself above 20).
+fn sqrt_softplus(logits: &[f32]) -> Vec<f32> {
+    logits
+        .iter()
+        .map(|&x| {
+            let sp = if x > 20.0 { x } else { x.exp().ln_1p() };
+            sp.sqrt()
+        })
+        .collect()
+}
+
+/// The chosen experts' scores, renormalised and scaled (DeepSeek-V4).
+fn weigh(routing: &Routing, scores: &[f32], chosen: Vec<usize>) -> Vec<(usize, f32)> {
+    let Routing::SqrtSoftplus { scaling } = *routing else {
+        unreachable!("only sqrt-softplus routing weighs given experts")
+    };
+    let s: f32 = chosen.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
+    chosen
+        .into_iter()
+        .map(|e| (e, scores[e] / s * scaling))
+        .collect()
+}
+
+/// `(expert, weight)` pairs for a token whose experts are given (a hash-routed layer's table
+/// entry), weighed by the router's scores as the learned choice is.
+pub fn route_fixed(routing: &Routing, logits: &[f32], experts: &[u32]) -> Vec<(usize, f32)> {
+    let scores = sqrt_softplus(logits);
+    weigh(
+        routing,
+        &scores,
+        experts.iter().map(|&e| e as usize).collect(),
+    )
 }
 
 #[cfg(test)]
