@@ -213,8 +213,8 @@ fn read_dims(r: &Reader, c: &mut ModelConfig) -> Result<CompressedDims> {
     let rope_dim = (hd as f64 * partial) as usize;
     if rope_dim == 0 || !rope_dim.is_multiple_of(2) || rope_dim > hd {
         return Err(bad(format!(
-            "config.json: the rotated part of a head ({rope_dim} of head_dim {hd}) must be even, \
-             positive and at most head_dim"
+            "config.json: the rotated part of a head (`partial_rotary_factor`: {rope_dim} of \
+             head_dim {hd}) must be even, positive and at most head_dim"
         )));
     }
     let heads = c.num_heads;

@@ -42,12 +42,13 @@ fn err(r: Result<Model>) -> String {
     }
 }
 
-/// A prompt run in chunks gives the bits of the same prompt in one pass, for every fixture
-/// architecture, in int4 (expert-grouped products, f16 cache) and f32, with every token's
+/// A prompt run in chunks gives the bits of the same prompt in one pass, for the first three
+/// fixture architectures and DeepSeek-V4 (whose compressor windows and indexer span chunks), in
+/// int4 (expert-grouped products, f16 cache) and f32, with every token's
 /// logits and with the last one's; and decoding after it continues identically.
 #[test]
 fn chunked_prefill_gives_the_same_bits() {
-    for arch in ["olmoe", "qwen3_moe", "glm4_moe"] {
+    for arch in ["olmoe", "qwen3_moe", "glm4_moe", "deepseek_v4"] {
         for quant in [Quant::Int4, Quant::F32] {
             let d = convert_fixture(arch, quant, &format!("chunk-{arch}-{quant:?}"));
             let mut model = Model::load(&d, Some(2)).unwrap();

@@ -1,0 +1,200 @@
+"""DeepSeek-V4: what its layers keep per position, prefix reuse and slot-file restarts across
+compressor windows, checkpoints under DeepSeek's own tensor names, and malformed configs refused
+by name. (Parity with transformers: tests/test_reference.py runs the fixture like every other.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri import convert
+from colibri._engine import architectures
+from colibri.runtime.engine import Engine
+
+from .conftest import FIXTURES, Reference
+
+ARCH = "deepseek_v4"
+
+
+@pytest.fixture
+def v4() -> Reference:
+    return Reference(ARCH)
+
+
+def hf_config() -> dict:
+    return json.loads((FIXTURES / ARCH / "hf" / "config.json").read_text())
+
+
+def row_width(cfg: dict, kind: str) -> int:
+    """Floats one layer keeps per position: the rotated key; a compressor's values and gates
+    (twice as wide for CSA's overlapping windows) and its window entry; CSA's indexer the same
+    at index_head_dim."""
+    hd, ihd = cfg["head_dim"], cfg["index_head_dim"]
+    if kind == "sliding_attention":
+        return hd
+    if kind == "heavily_compressed_attention":
+        return hd + 2 * hd + hd
+    return hd + 2 * (2 * hd) + hd + 2 * (2 * ihd) + ihd
+
+
+def test_the_cache_keeps_one_row_per_position_and_layer(converted):
+    cfg = hf_config()
+    floats = sum(row_width(cfg, k) for k in cfg["layer_types"])
+    for quant, width in [("f32", 4), ("int4", 2)]:
+        info = Engine(converted(ARCH, quant), threads=1).info
+        assert info["kv_bytes_per_token"] == floats * width
+
+
+def test_the_fixture_spans_compressor_windows_and_indexer_selection(v4):
+    cfg = hf_config()
+    longest = len(v4.prompts[2])
+    rates = cfg["compress_rates"]
+    assert longest > cfg["sliding_window"]
+    assert longest // rates["heavily_compressed_attention"] >= 2
+    assert longest // rates["compressed_sparse_attention"] > cfg["index_topk"]
+
+
+def test_prefix_reuse_gives_the_tokens_of_a_cold_run(v4, converted):
+    for quant in ["f32", "int4"]:
+        engine = Engine(converted(ARCH, quant), threads=2, slots=2)
+        prompt = v4.prompts[1]
+        first = engine.generate(prompt, 6, slot=1)
+        out = list(first)
+        history = prompt + out[:-1]
+        assert engine.slot_info(1)["tokens"] == history
+        longer = history + v4.prompts[2][1:20]
+        warm = engine.generate(longer, 8, slot=1)
+        got = list(warm)
+        assert warm.reused_tokens == len(history)
+        assert got == list(engine.generate(longer, 8)), quant
+        # Leaving the history inside a compressor window (5: CSA windows of 4, HCA of 8).
+        branch = history[:5] + v4.prompts[0] + v4.prompts[2][3:14]
+        again = engine.generate(branch, 5, slot=1)
+        assert list(again) == list(engine.generate(branch, 5)) and again.reused_tokens == 5
+
+
+def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(v4, converted, tmp_path):
+    model = converted(ARCH, "int4")
+    kv = tmp_path / "kv"
+    engine = Engine(model, threads=2, kv_dir=kv)
+    prompt = v4.prompts[2]
+    stream = engine.generate(prompt, 7, slot=0)
+    out = list(stream)
+    stream.close()
+    history = engine.slot_info(0)["tokens"]
+    assert history == prompt + out[:-1]
+    del stream, engine
+    restarted = Engine(model, threads=1, kv_dir=kv)
+    assert restarted.slot_info(0)["tokens"] == history
+    longer = history + v4.prompts[1][1:9]
+    warm = restarted.generate(longer, 6, slot=0)
+    got = list(warm)
+    assert warm.reused_tokens == len(history)
+    assert got == list(Engine(model, threads=1).generate(longer, 6))
+
+
+def read_safetensors(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file's header and data block (bf16 has no numpy dtype, so the tests edit
+    the file's own bytes: a header of names, dtypes, shapes and offsets, then the data)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def write_safetensors(path: Path, header: dict, data: bytes) -> None:
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+
+
+def published_names(hf_dir: Path) -> None:
+    """Renames the fixture's tensors to the names DeepSeek publishes V4 with (no `model.`
+    prefix, `embed.weight`, `hc_head_fn`, ...), as transformers' conversion mapping reads them."""
+    header, data = read_safetensors(hf_dir / "model.safetensors")
+    renamed = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            renamed[name] = meta
+            continue
+        bare = name.removeprefix("model.")
+        bare = {
+            "embed_tokens.weight": "embed.weight",
+            "hc_head.hc_fn": "hc_head_fn",
+            "hc_head.hc_base": "hc_head_base",
+            "hc_head.hc_scale": "hc_head_scale",
+        }.get(bare, bare)
+        renamed[bare] = meta
+    assert "layers.0.attn.wq_a.weight" in renamed and "head.weight" in renamed
+    (hf_dir / "model.safetensors").unlink()
+    write_safetensors(hf_dir / "model-published.safetensors", renamed, data)
+
+
+def test_a_checkpoint_under_deepseeks_published_names_converts_the_same(tmp_path, converted):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / ARCH / "hf", hf)
+    published_names(hf)
+    convert(hf, tmp_path / "out", "f32")
+    prompt = Reference(ARCH).prompts[2]
+    ours = Engine(tmp_path / "out", threads=1).logits(prompt)
+    want = Engine(converted(ARCH, "f32"), threads=1).logits(prompt)
+    assert np.array_equal(ours, want)
+
+
+def test_a_hash_table_naming_an_expert_past_the_last_is_refused(tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / ARCH / "hf", hf)
+    path = hf / "model.safetensors"
+    header, data = read_safetensors(path)
+    meta = header["model.layers.1.ffn.gate.tid2eid"]
+    assert meta["dtype"] == "I64"
+    top_k = meta["shape"][1]
+    at = meta["data_offsets"][0] + 8 * (5 * top_k + 1)  # token 5's second expert
+    bad = struct.pack("<q", hf_config()["n_routed_experts"])
+    write_safetensors(path, header, data[:at] + bad + data[at + 8 :])
+    convert(hf, tmp_path / "out", "f32")
+    with pytest.raises((ValueError, RuntimeError, OSError)) as exc:
+        Engine(tmp_path / "out", threads=1)
+    assert "layers.1.hash" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_key_value_heads", 2),
+        ("o_groups", 3),
+        ("layer_types", ["sliding_attention", "dense", "sliding_attention", "sliding_attention"]),
+        ("layer_types", ["sliding_attention"]),
+        ("mlp_layer_types", ["hash_moe", "moe", "moe", "topk"]),
+        ("scoring_func", "softmax"),
+        ("n_shared_experts", 2),
+        ("partial_rotary_factor", 0.0625),
+        ("swiglu_limit", -1.0),
+        ("hc_mult", 0),
+        ("index_head_dim", 4),
+        ("moe_intermediate_size", None),
+    ],
+)
+def test_a_malformed_config_is_refused_by_name(tmp_path, field, value):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / ARCH / "hf", hf)
+    cfg = hf_config()
+    if value is None:
+        del cfg[field]
+    else:
+        cfg[field] = value
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((ValueError, RuntimeError, OSError)) as exc:
+        convert(hf, tmp_path / "out", "f32")
+    assert field in str(exc.value)
+
+
+def test_the_architecture_is_known_and_chats_as_deepseek_v32():
+    from colibri.chat.families import detect_family
+
+    assert dict(architectures())["DeepseekV4ForCausalLM"] == "deepseek_v32"
+    assert detect_family("DeepseekV4ForCausalLM", None).name == "deepseek_v32"
