@@ -580,7 +580,8 @@ impl Model {
             }
             v
         };
-        let outs = self.pool.map(row_span.len(), |i| {
+        // Each row's keys: its window, then the entries it attends (the indexer's choice).
+        let keys: Vec<Vec<&[f32]>> = self.pool.map(row_span.len(), |i| {
             let (s, p) = (row_span[i], pos[i]);
             let sn = &seen[s];
             let mut keys: Vec<&[f32]> = Vec::new();
@@ -595,24 +596,7 @@ impl Model {
                         let (ih, ihd) = (d.index_heads, ix.comp.width);
                         let qi = &iq[i * ih * ihd..(i + 1) * ih * ihd];
                         let wi = &iw[i * ih..(i + 1) * ih];
-                        let qscale = 1.0 / (ihd as f32).sqrt();
-                        let wscale = 1.0 / (ih as f32).sqrt();
-                        let scores: Vec<f32> = (0..ready)
-                            .map(|e| {
-                                let k = &sn.index_keys[e * ihd..(e + 1) * ihd];
-                                qi.chunks_exact(ihd)
-                                    .zip(wi)
-                                    .map(|(qh, &wh)| {
-                                        wh * wscale * (ops::dot(qh, k).max(0.0) * qscale)
-                                    })
-                                    .sum()
-                            })
-                            .collect();
-                        let mut order: Vec<usize> = (0..ready).collect();
-                        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-                        order.truncate(d.index_topk);
-                        order.sort_unstable();
-                        order
+                        index_choice(qi, wi, &sn.index_keys, ready, ihd, d.index_topk)
                     }
                     _ => (0..ready).collect(),
                 };
@@ -620,35 +604,68 @@ impl Model {
                     keys.push(&sn.entries[e * hd..(e + 1) * hd]);
                 }
             }
-            let qrow = &q[i * heads * hd..(i + 1) * heads * hd];
-            let mut out = vec![0.0f32; heads * hd];
-            let mut logits = vec![0.0f32; keys.len()];
-            for (head, (qh, oh)) in qrow
-                .chunks_exact(hd)
-                .zip(out.chunks_exact_mut(hd))
-                .enumerate()
-            {
-                for (l, k) in logits.iter_mut().zip(&keys) {
-                    *l = ops::dot(qh, k) * scale;
-                }
-                let sink = w.sinks[head];
-                let mx = logits.iter().copied().fold(sink, f32::max);
-                let mut sum = (sink - mx).exp();
-                for l in logits.iter_mut() {
-                    *l = (*l - mx).exp();
-                    sum += *l;
-                }
-                for (l, k) in logits.iter().zip(&keys) {
-                    let p = l / sum;
-                    for (o, v) in oh.iter_mut().zip(k.iter()) {
-                        *o += p * v;
-                    }
-                }
-            }
-            w.rope
-                .apply_interleaved_tail(&mut out, hd, &w.rope.angles(p), true);
-            out
+            keys
         });
-        outs.concat()
+        // Every (row, head) on its own: decode's one row still spreads over the threads.
+        let outs = self.pool.map(row_span.len() * heads, |t| {
+            let (i, head) = (t / heads, t % heads);
+            let qh = &q[(i * heads + head) * hd..(i * heads + head + 1) * hd];
+            attend_with_sink(qh, &keys[i], w.sinks[head], scale)
+        });
+        let mut att = outs.concat();
+        self.per_position(&mut att, heads * hd, |i, row| {
+            w.rope
+                .apply_interleaved_tail(row, hd, &w.rope.angles(pos[i]), true);
+        });
+        att
     }
+}
+
+/// The `topk` entries (of the first `ready`) the indexer scores highest for one query
+/// (`sum_h w_h / sqrt(heads) * relu(q_h . k) / sqrt(head_dim)`), ascending; ties to the lower
+/// index.
+fn index_choice(
+    q: &[f32],
+    weights: &[f32],
+    keys: &[f32],
+    ready: usize,
+    head_dim: usize,
+    topk: usize,
+) -> Vec<usize> {
+    let qscale = 1.0 / (head_dim as f32).sqrt();
+    let wscale = 1.0 / (weights.len() as f32).sqrt();
+    let scores: Vec<f32> = (0..ready)
+        .map(|e| {
+            let k = &keys[e * head_dim..(e + 1) * head_dim];
+            q.chunks_exact(head_dim)
+                .zip(weights)
+                .map(|(qh, &wh)| wh * wscale * (ops::dot(qh, k).max(0.0) * qscale))
+                .sum()
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..ready).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    order.truncate(topk);
+    order.sort_unstable();
+    order
+}
+
+/// One head's attention over `keys` (which are also the values) with a sink logit in the
+/// softmax's denominator.
+fn attend_with_sink(q: &[f32], keys: &[&[f32]], sink: f32, scale: f32) -> Vec<f32> {
+    let mut logits: Vec<f32> = keys.iter().map(|k| ops::dot(q, k) * scale).collect();
+    let mx = logits.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - mx).exp();
+    for l in logits.iter_mut() {
+        *l = (*l - mx).exp();
+        sum += *l;
+    }
+    let mut out = vec![0.0f32; q.len()];
+    for (l, k) in logits.iter().zip(keys) {
+        let p = l / sum;
+        for (o, v) in out.iter_mut().zip(k.iter()) {
+            *o += p * v;
+        }
+    }
+    out
 }
