@@ -1,6 +1,7 @@
 """The MLA and sparse-attention families served end to end: DeepSeek-V3's fixture (MLA) under
 DeepSeek V3.1's chat template, GLM-5's (glm_moe_dsa: MLA + the DSA indexer) under GLM's and
-DeepSeek-V3.2's (DSA) under V3.2's (DSML tool calls), each through `colibri serve` and the
+DeepSeek-V3.2's (DSA) and DeepSeek-V4's (compressed attention, hyper-connections) under V3.2's
+(DSML tool calls), each through `colibri serve` and the
 official SDKs. A streamed reply and a plain one agree token for token; a forced call comes back
 valid in the family's own syntax (the grammar writes it: the weights are random) and its result
 goes back in for a second turn; Anthropic's route serves the same model. (Parity with
@@ -25,7 +26,13 @@ from .server import RunningServer, model_with_template
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 
 # fixture -> the chat template it is served with
-SERVED = {"deepseek_v3": "deepseek_v31", "glm_moe_dsa": "glm", "deepseek_v32": "deepseek_v32"}
+SERVED = {
+    "deepseek_v3": "deepseek_v31",
+    "glm_moe_dsa": "glm",
+    "deepseek_v32": "deepseek_v32",
+    # DeepSeek-V4 calls tools in V3.2's DSML.
+    "deepseek_v4": "deepseek_v32",
+}
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -160,9 +167,15 @@ def test_anthropic_forced_tool_use_is_valid(served):
         max_tokens=600,
         messages=[{"role": "user", "content": "Weather in Lima?"}],
         tools=[{"name": "get_weather", "input_schema": WEATHER_SCHEMA, "strict": True}],
-        tool_choice={"type": "tool", "name": "get_weather"},
+        tool_choice={
+            "type": "tool",
+            "name": "get_weather",
+            # DeepSeek-V4's random weights, left to choose, open call after call until
+            # max_tokens (each one valid): here one call is asked for, and must close.
+            "disable_parallel_tool_use": arch == "deepseek_v4",
+        },
     )
-    assert r.stop_reason == "tool_use", (arch, r)
+    assert r.stop_reason == "tool_use", (arch, [b.model_dump() for b in r.content])
     # Parallel use is not disabled, so the forced call may come more than once: every one valid.
     uses = [b for b in r.content if b.type == "tool_use"]
     assert uses, (arch, r)
