@@ -10,7 +10,7 @@ dependencies):
 
 It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe, deepseek_v3,
 deepseek_v3_noqlora, glm_moe_dsa, glm_moe_dsa_yarn, glm_moe_dsa_shared, deepseek_v32,
-deepseek_v4}:
+deepseek_v4, qwen3_next}:
 
     tests/fixtures/<arch>/hf/            HF checkpoint (config.json, *.safetensors,
                                          tokenizer.json, tokenizer_config.json, ...)
@@ -55,6 +55,8 @@ from transformers import (
     OlmoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -599,6 +601,55 @@ SPECS = {
             eos_token_id=EOS,
         ),
     ),
+    # Qwen3-Next (transformers' qwen3_next): 4 layers, linear (gated DeltaNet) x2, full
+    # (gated attention), linear. DeltaNet: 2 key heads of 8 serving 4 value heads of 10 (two
+    # each), causal conv of 4, gated RMSNorm out. Attention: 4 heads / 2 kv heads of 12, the
+    # output gated per head, q/k norms zero-centred (1 + w), partial rotary 0.5 (first 6 dims).
+    # Layer 1 dense (mlp_only_layers), the others 7 experts top-3 softmax (renormalised) with a
+    # shared expert of 24 behind a sigmoid gate. bf16; routers f32.
+    "qwen3_next": dict(
+        cls=Qwen3NextForCausalLM,
+        cfg_cls=Qwen3NextConfig,
+        tok_vocab=419,
+        storage=torch.bfloat16,
+        shards=1,
+        seed=11000,
+        cfg=dict(
+            vocab_size=419,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            partial_rotary_factor=0.5,
+            layer_types=[
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+            ],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=10,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            moe_intermediate_size=20,
+            shared_expert_intermediate_size=24,
+            num_experts_per_tok=3,
+            num_experts=7,
+            norm_topk_prob=True,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
 }
 
 # Parameters that stay float32 in the stored checkpoint regardless of `storage`.
@@ -626,6 +677,7 @@ KEEP_F32 = {
     "glm_moe_dsa_shared": _DSA_F32,
     "deepseek_v32": _DSA_F32,
     "deepseek_v4": _ROUTER_F32 + _V4_F32,
+    "qwen3_next": ("mlp.gate.weight",),
 }
 # Architectures with sigmoid, group-limited routing and a correction bias.
 SIGMOID_ROUTED = (
@@ -748,6 +800,7 @@ SCALES = {
         "glm_moe_dsa_shared": 1.5,
         "deepseek_v32": 1.5,
         "deepseek_v4": 1.5,
+        "qwen3_next": 2.5,
     },
     "bias": 0.3,
     "e_score_correction_bias": 0.08,
@@ -775,6 +828,10 @@ def randomize(model: torch.nn.Module, arch: str, seed: int) -> None:
             v = normal(shape, 0.5)
         elif name.endswith(("_hc.scale", "hc_head.hc_scale")):
             v = 0.5 + torch.rand(shape, generator=g)
+        elif name.endswith("linear_attn.A_log"):  # Qwen3-Next: per-step decay exp(-A softplus)
+            v = torch.log(0.05 + 0.95 * torch.rand(shape, generator=g))
+        elif name.endswith("linear_attn.dt_bias"):
+            v = normal(shape, 0.5)
         elif name.endswith("self_attn.sinks"):
             v = normal(shape, 1.0)
         elif name.endswith("position_bias"):
@@ -1071,6 +1128,8 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
     arch = cfg["model_type"]
     if arch == "deepseek_v4":
         return numpy_forward_v4(cfg, v4_module_names(W), ids)
+    if arch == "qwen3_next":
+        return numpy_forward_qwen3_next(cfg, W, ids)
     H = cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or H // nh
@@ -1174,6 +1233,126 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
     x = rms(x, W["model.norm.weight"])
     head = W.get("lm_head.weight", W["model.embed_tokens.weight"])  # tied if absent
     return x @ head.T
+
+
+def numpy_forward_qwen3_next(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
+    """Qwen3-Next in float64 (transformers' qwen3_next, no cache): the gated DeltaNet in its
+    recurrent form, one position at a time."""
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, T = cfg["rms_norm_eps"], len(ids)
+    rd = int(hd * cfg["rope_parameters"].get("partial_rotary_factor", 1.0))
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    hk, hv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    K = cfg["linear_conv_kernel_dim"]
+    r = nv // nk
+
+    def rms(x, w=None, plus_one=True):
+        y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+        if w is None:
+            return y
+        return y * (1.0 + w) if plus_one else y * w
+
+    def silu(x):
+        return x / (1.0 + np.exp(-x))
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + np.exp(-x))
+
+    inv = 1.0 / cfg["rope_parameters"]["rope_theta"] ** (np.arange(0, rd, 2, dtype=np.float64) / rd)
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
+    cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]
+    sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
+
+    def rope(x):  # rotate_half on the first rd dims of each head
+        xr, xp = x[..., :rd], x[..., rd:]
+        rot = np.concatenate([-xr[..., rd // 2 :], xr[..., : rd // 2]], -1)
+        return np.concatenate([xr * cos + rot * sin, xp], -1)
+
+    def mlp(h, pre):
+        gate, up = h @ W[pre + "gate_proj.weight"].T, h @ W[pre + "up_proj.weight"].T
+        return (silu(gate) * up) @ W[pre + "down_proj.weight"].T
+
+    def full_attention(h, a):
+        qg = (h @ W[a + "q_proj.weight"].T).reshape(T, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nh * hd)
+        q = rope(rms(q, W[a + "q_norm.weight"]))
+        k = rope(rms((h @ W[a + "k_proj.weight"].T).reshape(T, nkv, hd), W[a + "k_norm.weight"]))
+        v = (h @ W[a + "v_proj.weight"].T).reshape(T, nkv, hd)
+        mask = np.triu(np.full((T, T), -np.inf), 1)
+        o = np.zeros((T, nh, hd))
+        for i in range(nh):
+            j = i // (nh // nkv)
+            sc = q[:, i] @ k[:, j].T * hd**-0.5 + mask
+            sc = np.exp(sc - sc.max(-1, keepdims=True))
+            o[:, i] = (sc / sc.sum(-1, keepdims=True)) @ v[:, j]
+        return (o.reshape(T, nh * hd) * sigmoid(gate)) @ W[a + "o_proj.weight"].T
+
+    def delta_net(h, a):
+        qkvz = (h @ W[a + "in_proj_qkvz.weight"].T).reshape(T, nk, 2 * hk + 2 * r * hv)
+        ba = (h @ W[a + "in_proj_ba.weight"].T).reshape(T, nk, 2 * r)
+        q, k = qkvz[..., :hk], qkvz[..., hk : 2 * hk]
+        v = qkvz[..., 2 * hk : 2 * hk + r * hv].reshape(T, nv * hv)
+        z = qkvz[..., 2 * hk + r * hv :].reshape(T, nv, hv)
+        b, av = ba[..., :r].reshape(T, nv), ba[..., r:].reshape(T, nv)
+        mixed = np.concatenate([q.reshape(T, nk * hk), k.reshape(T, nk * hk), v], -1)
+        w = W[a + "conv1d.weight"][:, 0, :]  # [channels, K]
+        padded = np.concatenate([np.zeros((K - 1, mixed.shape[1])), mixed])
+        conv = np.stack([(padded[t : t + K] * w.T).sum(0) for t in range(T)])
+        conv = silu(conv)
+        q = conv[:, : nk * hk].reshape(T, nk, hk)
+        k = conv[:, nk * hk : 2 * nk * hk].reshape(T, nk, hk)
+        v = conv[:, 2 * nk * hk :].reshape(T, nv, hv)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * hk**-0.5
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        beta = sigmoid(b)
+        g = -np.exp(W[a + "A_log"]) * np.logaddexp(0.0, av + W[a + "dt_bias"])
+        out = np.zeros((T, nv, hv))
+        for j in range(nv):
+            S = np.zeros((hk, hv))
+            kh = j // r
+            for t in range(T):
+                S = S * np.exp(g[t, j])
+                delta = (v[t, j] - S.T @ k[t, kh]) * beta[t, j]
+                S = S + np.outer(k[t, kh], delta)
+                out[t, j] = S.T @ q[t, kh]
+        out = rms(out, W[a + "norm.weight"], plus_one=False) * silu(z)
+        return out.reshape(T, nv * hv) @ W[a + "out_proj.weight"].T
+
+    x = W["model.embed_tokens.weight"][ids]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        h = rms(x, W[p + "input_layernorm.weight"])
+        if cfg["layer_types"][layer] == "full_attention":
+            x = x + full_attention(h, p + "self_attn.")
+        else:
+            x = x + delta_net(h, p + "linear_attn.")
+        h = rms(x, W[p + "post_attention_layernorm.weight"])
+        m = p + "mlp."
+        if m + "gate.weight" not in W:
+            x = x + mlp(h, m)
+            continue
+        logits = h @ W[m + "gate.weight"].T
+        pr = np.exp(logits - logits.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        kk = cfg["num_experts_per_tok"]
+        idx = np.argsort(-pr, -1, kind="stable")[:, :kk]
+        wts = np.take_along_axis(pr, idx, -1)
+        if cfg["norm_topk_prob"]:
+            wts = wts / wts.sum(-1, keepdims=True)
+        out = np.zeros_like(h)
+        gu, dn = W.get(m + "experts.gate_up_proj"), W.get(m + "experts.down_proj")
+        for t in range(T):
+            for e, we in zip(idx[t], wts[t], strict=True):
+                if gu is not None:
+                    inter = dn.shape[-1]
+                    gate, up = h[t] @ gu[e, :inter].T, h[t] @ gu[e, inter:].T
+                    out[t] += we * ((silu(gate) * up) @ dn[e].T)
+                else:
+                    out[t] += we * mlp(h[t : t + 1], f"{m}experts.{e}.")[0]
+        shared = mlp(h, m + "shared_expert.") * sigmoid(h @ W[m + "shared_expert_gate.weight"].T)
+        x = x + out + shared
+    x = rms(x, W["model.norm.weight"])
+    return x @ W["lm_head.weight"].T
 
 
 # DeepSeek-V4's checkpoint names (as published, and as transformers saves them) -> transformers'
