@@ -836,6 +836,12 @@ def randomize(model: torch.nn.Module, arch: str, seed: int) -> None:
             v = normal(shape, 1.0)
         elif name.endswith("position_bias"):
             v = normal(shape, 0.5)
+        elif (
+            arch == "qwen3_next"
+            and name.endswith("norm.weight")
+            and not name.endswith("linear_attn.norm.weight")
+        ):  # zero-centred: the norm multiplies by 1 + w
+            v = normal(shape, 0.1)
         elif name.endswith("norm.weight"):
             v = S["norm_lo"] + (S["norm_hi"] - S["norm_lo"]) * torch.rand(shape, generator=g)
         elif name.endswith(".bias"):
