@@ -24,6 +24,7 @@ ARCHS = [
     "glm_moe_dsa_shared",
     "deepseek_v32",
     "deepseek_v4",
+    "qwen3_next",
 ]
 
 

@@ -26,6 +26,22 @@ pub enum AttentionKind {
     /// over a sliding window, plus (per layer, [`ModelConfig::compress_layers`]) compressed
     /// entries of the history, all of them or those an indexer picks.
     Compressed(CompressedDims),
+    /// Qwen3-Next's hybrid: the layers marked in [`ModelConfig::linear_layers`] are gated
+    /// DeltaNet linear attention (`model/layers/delta.rs`: a fixed-size state per sequence, no
+    /// per-position KV), the others grouped-query attention with an output gate.
+    Hybrid(LinearDims),
+}
+
+/// The shape of gated DeltaNet linear attention (transformers' `Qwen3NextGatedDeltaNet`):
+/// `key_heads` query/key heads of `key_dim`, each serving `value_heads / key_heads` value heads
+/// of `value_dim`; a causal depthwise convolution of `conv_kernel` over q, k and v.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearDims {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
 }
 
 /// What a DeepSeek-V4 layer attends over besides its sliding window.
@@ -171,6 +187,8 @@ pub struct ModelConfig {
     pub indexer_layers: Vec<bool>,
     /// DeepSeek-V4 only (else empty): per layer, what it attends over besides its window.
     pub compress_layers: Vec<CompressKind>,
+    /// Qwen3-Next only (else empty): per layer, whether it is linear attention.
+    pub linear_layers: Vec<bool>,
     /// DeepSeek-V4 only (else empty): per layer, whether its experts come from a per-token
     /// table (`hash_moe`) rather than the router's choice.
     pub hash_layers: Vec<bool>,
@@ -509,6 +527,7 @@ impl ModelConfig {
             layers: vec![FfnKind::Dense; num_layers],
             indexer_layers: Vec::new(),
             compress_layers: Vec::new(),
+            linear_layers: Vec::new(),
             hash_layers: Vec::new(),
             hyper: None,
             swiglu_limit: None,

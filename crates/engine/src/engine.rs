@@ -145,8 +145,10 @@ impl Prefill {
     pub(crate) fn step(&mut self, model: &Model, slot: &mut Slot) -> Result<PrefillStep> {
         let (range, is_last) = self.next(model, slot)?;
         let t0 = Instant::now();
+        let (from, total) = (self.done, self.prompt.len());
         let logits = slot.forward(model, &self.prompt[range.clone()])?;
         self.advance(range.end, t0.elapsed(), model);
+        slot.kv.snapshot_if(snapshot_due(from, range.end, total));
         Ok(if is_last {
             PrefillStep::Last(logits)
         } else {
@@ -261,7 +263,10 @@ impl Generation {
         took: Duration,
     ) -> Result<Step> {
         if let Some(to) = feed.prefill_to {
+            let from = self.prefill.done;
             self.prefill.advance(to, took, model);
+            slot.kv
+                .snapshot_if(snapshot_due(from, to, self.prefill.total()));
             if !feed.samples {
                 let total = self.prefill.total();
                 return Ok(Step::Prefilled { done: to, total });
@@ -404,6 +409,17 @@ pub fn step_batch(model: &Model, work: &mut [(&mut Generation, &mut Slot)]) -> V
         .into_iter()
         .map(|r| r.expect("every generation has a result"))
         .collect()
+}
+
+/// Positions of a long prompt between the snapshots of linear-attention states taken while it
+/// prefills (besides the one at its end): a prompt that leaves the history part way through a
+/// long one resumes from the last snapshot before it instead of from the start.
+const SNAPSHOT_EVERY: usize = 4096;
+
+/// Whether a prefill step from `from` to `to` of a `total`-token prompt ends at a snapshot
+/// point: the prompt's end, or past a multiple of [`SNAPSHOT_EVERY`].
+fn snapshot_due(from: usize, to: usize, total: usize) -> bool {
+    to == total || to / SNAPSHOT_EVERY > from / SNAPSHOT_EVERY
 }
 
 /// The next prefill step's length after one of `len` positions took `took`: about

@@ -183,7 +183,25 @@ pub struct KvCache {
     limit: usize,
     /// Positions stored (the same in every layer once a forward pass completes).
     pub len: usize,
+    /// Per layer, the fixed-size state a linear-attention layer carries from position to
+    /// position (empty for the others): f32, rewritten by every position's step.
+    states: Vec<Vec<f32>>,
+    /// Copies of every layer's state after `len` positions, newest last: what a truncation
+    /// can go back to ([`KvCache::truncate`]).
+    snapshots: Vec<StateSnapshot>,
 }
+
+/// Every state layer's state after `len` positions.
+#[derive(Clone)]
+struct StateSnapshot {
+    len: usize,
+    states: Vec<Vec<f32>>,
+}
+
+/// Snapshots a cache keeps at most (the oldest goes first): each is a full copy of the states
+/// (Qwen3-Next-80B: ~80 MB), and prefix reuse wants the latest ones (the end of the last
+/// prompt, the end of the last turn).
+const MAX_SNAPSHOTS: usize = 4;
 
 /// Smallest growth step, in positions.
 const MIN_CAP: usize = 64;
@@ -223,7 +241,70 @@ impl KvCache {
             cap: 0,
             limit: usize::MAX,
             len: 0,
+            states: vec![Vec::new(); layout.layers.len()],
+            snapshots: Vec::new(),
         }
+    }
+
+    /// The same cache with a fixed-size state of `widths[li]` floats in each layer that has
+    /// one (linear attention; 0: none), zero at the start.
+    ///
+    /// # Panics
+    /// If `widths` does not have one entry per layer.
+    pub fn with_states(mut self, widths: &[usize]) -> KvCache {
+        assert_eq!(widths.len(), self.spans.len(), "one state width per layer");
+        self.states = widths.iter().map(|&w| vec![0.0; w]).collect();
+        self.snapshots.clear();
+        self
+    }
+
+    /// Whether any layer carries a state (then truncation goes back to a snapshot).
+    pub fn has_states(&self) -> bool {
+        self.states.iter().any(|s| !s.is_empty())
+    }
+
+    /// Layer `li`'s state (empty when it has none).
+    pub fn state(&self, li: usize) -> &[f32] {
+        &self.states[li]
+    }
+
+    pub fn state_mut(&mut self, li: usize) -> &mut [f32] {
+        &mut self.states[li]
+    }
+
+    /// Keeps a copy of every layer's state at the current position, for a later
+    /// [`KvCache::truncate`] to go back to (at most [`MAX_SNAPSHOTS`]; the oldest goes). Does
+    /// nothing for a cache without states.
+    pub fn snapshot(&mut self) {
+        if !self.has_states() {
+            return;
+        }
+        self.snapshots.retain(|s| s.len != self.len);
+        if self.snapshots.len() >= MAX_SNAPSHOTS {
+            self.snapshots.remove(0);
+        }
+        self.snapshots.push(StateSnapshot {
+            len: self.len,
+            states: self.states.clone(),
+        });
+        self.snapshots.sort_by_key(|s| s.len);
+    }
+
+    /// [`KvCache::snapshot`] when `due`.
+    pub fn snapshot_if(&mut self, due: bool) {
+        if due {
+            self.snapshot();
+        }
+    }
+
+    /// The positions of the snapshots kept, ascending.
+    pub fn snapshot_positions(&self) -> Vec<usize> {
+        self.snapshots.iter().map(|s| s.len).collect()
+    }
+
+    /// Bytes of state (every layer's, one copy; snapshots are as many copies more).
+    pub fn state_bytes(&self) -> usize {
+        self.states.iter().map(|s| s.len() * 4).sum()
     }
 
     /// The same cache, never grown past `limit` positions (doubling would otherwise allocate
@@ -356,6 +437,8 @@ impl KvCache {
             cap,
             limit: self.limit,
             len: self.len,
+            states: self.states.clone(),
+            snapshots: self.snapshots.clone(),
         }
     }
 
@@ -456,11 +539,33 @@ impl KvCache {
     /// Forgets every position (keeps the allocation).
     pub fn clear(&mut self) {
         self.len = 0;
+        self.states.iter_mut().for_each(|s| s.fill(0.0));
+        self.snapshots.clear();
     }
 
-    /// Drops positions from `len` on (keeps the common prefix for reuse).
+    /// Drops positions from `len` on (keeps the common prefix for reuse). With states, a
+    /// state cannot be unwound: the cache goes back to the latest snapshot at or before `len`
+    /// (or to the start), so it may keep fewer positions than asked; `self.len` says how many.
     pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
+        if len >= self.len {
+            return;
+        }
+        if !self.has_states() {
+            self.len = len;
+            return;
+        }
+        match self.snapshots.iter().rev().find(|s| s.len <= len) {
+            Some(s) => {
+                self.len = s.len;
+                self.states.clone_from(&s.states);
+            }
+            None => {
+                self.len = 0;
+                self.states.iter_mut().for_each(|s| s.fill(0.0));
+            }
+        }
+        let kept = self.len;
+        self.snapshots.retain(|s| s.len <= kept);
     }
 
     /// Bytes of KV memory per cached token (keys and values over all layers).

@@ -43,16 +43,25 @@ impl Slot {
         }
     }
 
-    /// A slot restored from persisted state (already validated against the model's layout).
+    /// A slot restored from persisted state (already validated against the model's layout):
+    /// the rows, and per layer its state after them (empty for a layer without one).
     pub fn restored(
         model: &Model,
         tokens: Vec<u32>,
         keys: &[Vec<f32>],
         values: &[Vec<f32>],
+        states: &[Vec<f32>],
     ) -> Slot {
         let n = tokens.len();
-        let kv = KvCache::from_rows(model.kv_layout(), model.kv_dtype, n, keys, values)
+        let mut kv = KvCache::from_rows(model.kv_layout(), model.kv_dtype, n, keys, values)
+            .with_states(model.state_widths())
             .with_limit(model.cfg.max_positions);
+        for (li, s) in states.iter().enumerate() {
+            if !s.is_empty() {
+                kv.state_mut(li).copy_from_slice(s);
+            }
+        }
+        kv.snapshot();
         Slot {
             tokens,
             kv,
@@ -83,7 +92,9 @@ impl Slot {
     }
 
     /// Keeps the longest common prefix of the history and `prompt`, but at least one prompt
-    /// token is left to compute (its logits start the generation). Returns the kept length.
+    /// token is left to compute (its logits start the generation). Returns the kept length:
+    /// with linear-attention states, the latest snapshot within that prefix
+    /// ([`KvCache::truncate`]).
     pub fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
         let common = self
             .tokens
@@ -92,9 +103,9 @@ impl Slot {
             .take_while(|(a, b)| a == b)
             .count()
             .min(prompt.len().saturating_sub(1));
-        self.tokens.truncate(common);
         self.kv.truncate(common);
-        common
+        self.tokens.truncate(self.kv.len);
+        self.kv.len
     }
 
     /// Runs `tokens` after the history, appends them to it, and commits them to the store.
@@ -115,7 +126,17 @@ impl Slot {
                 turn: &mut slot.turn,
             })
             .collect();
-        let logits = model.forward_batch(&mut seqs)?;
+        let logits = match model.forward_batch(&mut seqs) {
+            Ok(l) => l,
+            Err(e) => {
+                // A failed pass drops its positions; with states that may go back further
+                // (to a snapshot): the history follows the cache.
+                for (slot, _) in work.iter_mut() {
+                    slot.tokens.truncate(slot.kv.len);
+                }
+                return Err(e);
+            }
+        };
         for (slot, tokens) in work.iter_mut() {
             let start = slot.tokens.len();
             slot.tokens.extend_from_slice(tokens);
@@ -140,6 +161,10 @@ impl Slot {
         work: &mut [(&mut Slot, &[u32])],
     ) -> Result<Vec<Vec<f32>>> {
         let lens: Vec<usize> = work.iter().map(|(s, _)| s.kv.len).collect();
+        // States cannot be unwound: keep a copy to come back to exactly.
+        for (slot, _) in work.iter_mut() {
+            slot.kv.snapshot();
+        }
         let mut seqs: Vec<Seq> = work
             .iter_mut()
             .map(|(slot, tokens)| Seq {
@@ -156,8 +181,10 @@ impl Slot {
         r
     }
 
-    /// End of a turn: the store makes the history durable.
+    /// End of a turn: the store makes the history durable (and linear-attention states are
+    /// kept as a snapshot, where the next prompt most likely continues).
     pub fn end_turn(&mut self) {
+        self.kv.snapshot();
         if let Some(store) = self.store.as_mut() {
             if let Err(e) = store.sync(&self.tokens, &self.kv) {
                 self.disable_store(e.to_string());
@@ -200,20 +227,31 @@ impl crate::slotfile::KvRows for KvCache {
         let (k, v) = KvCache::rows(self, layer, positions);
         (Cow::Owned(k), Cow::Owned(v))
     }
+
+    fn states(&self) -> Vec<&[f32]> {
+        (0..KvCache::num_layers(self))
+            .map(|l| self.state(l))
+            .collect()
+    }
 }
 
 /// What a slot file must match to be loaded: the model (its manifest: config, tensors,
 /// quantization) and the KV layout ([`layout_text`]). 32 bytes from two seeded XXH3-128s.
 pub fn fingerprint(model: &Model) -> [u8; 32] {
     let manifest = serde_json::to_vec(&model.manifest).unwrap_or_default();
-    fingerprint_of(&manifest, model.kv_layout())
+    fingerprint_of(&manifest, model.kv_layout(), model.state_widths())
 }
 
-/// [`fingerprint`] from the manifest's JSON bytes and the KV layout.
-fn fingerprint_of(manifest: &[u8], layout: &KvLayout) -> [u8; 32] {
+/// [`fingerprint`] from the manifest's JSON bytes, the KV layout and the layers' state widths
+/// (a model with states adds `|state W,W,...`; without, the text is the one from before).
+fn fingerprint_of(manifest: &[u8], layout: &KvLayout, states: &[usize]) -> [u8; 32] {
     use xxhash_rust::xxh3::xxh3_128_with_seed;
     let mut text = manifest.to_vec();
     text.extend_from_slice(layout_text(layout).as_bytes());
+    if states.iter().any(|&s| s > 0) {
+        let widths: Vec<String> = states.iter().map(|s| s.to_string()).collect();
+        text.extend_from_slice(format!("|state {}", widths.join(",")).as_bytes());
+    }
     let mut out = [0u8; 32];
     out[..16].copy_from_slice(&xxh3_128_with_seed(&text, 0x636f_6c69).to_le_bytes());
     out[16..].copy_from_slice(&xxh3_128_with_seed(&text, 0x6272_6921).to_le_bytes());
@@ -269,10 +307,15 @@ pub fn open_persistent(
         ))
     })?;
     let path = dir.join(format!("slot-{index}.kv"));
-    let (file, opened) = SlotFile::open_layout(&path, fingerprint(model), model.kv_layout())?;
+    let (file, opened) = SlotFile::open_layout_states(
+        &path,
+        fingerprint(model),
+        model.kv_layout(),
+        model.state_widths(),
+    )?;
     let mut slot = match opened {
         Opened::Loaded(s) if s.tokens.len() < model.cfg.max_positions => {
-            Slot::restored(model, s.tokens, &s.keys, &s.values)
+            Slot::restored(model, s.tokens, &s.keys, &s.values, &s.states)
         }
         Opened::Loaded(_) => {
             log(format!(
@@ -314,7 +357,7 @@ mod tests {
         use xxhash_rust::xxh3::xxh3_128_with_seed;
         old[..16].copy_from_slice(&xxh3_128_with_seed(&text, 0x636f_6c69).to_le_bytes());
         old[16..].copy_from_slice(&xxh3_128_with_seed(&text, 0x6272_6921).to_le_bytes());
-        assert_eq!(fingerprint_of(manifest, &layout), old);
+        assert_eq!(fingerprint_of(manifest, &layout, &[0; 16]), old);
     }
 
     #[test]
@@ -345,8 +388,8 @@ mod tests {
             layers: vec![mla, none, mla, gqa, mla],
         };
         assert_ne!(
-            fingerprint_of(b"{}", &layout),
-            fingerprint_of(b"{}", &swapped)
+            fingerprint_of(b"{}", &layout, &[0; 5]),
+            fingerprint_of(b"{}", &swapped, &[0; 5])
         );
         // Every layer alike but values of another width: not the GQA text either.
         let uniform_mla = KvLayout {

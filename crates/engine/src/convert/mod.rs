@@ -580,6 +580,9 @@ pub fn convert_keeping(
         if let Some(hr) = spec.head_rows {
             data = hr.apply(&data, source_shape[1]);
         }
+        if spec.plus_one {
+            data.iter_mut().for_each(|v| *v += 1.0);
+        }
         let dtype = if spec.matrix && !keep.matches(&spec.name) {
             quant.matrix_dtype()
         } else {

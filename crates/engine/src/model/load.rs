@@ -352,6 +352,7 @@ impl Model {
             .map_err(|e| Error::Input(format!("cannot start worker threads: {e}")))?;
         let prefetch = opts.prefetch && matches!(experts, Some(Experts::Store(_)));
         let kv_layout = layers::kv_layout(&cfg);
+        let state_widths = layers::state_widths(&cfg);
         Ok(Model {
             rope: Rope::scaled(cfg.rotary_dim, cfg.rope_theta, &cfg.rope_scaling),
             cfg,
@@ -375,6 +376,7 @@ impl Model {
             prefill_chunk: super::forward::prefill_chunk_from_env(),
             kv_dtype,
             kv_layout,
+            state_widths,
         })
     }
 }

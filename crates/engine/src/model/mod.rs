@@ -15,6 +15,7 @@ mod load;
 pub mod olmoe;
 pub mod plan;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 pub mod registry;
 
 #[cfg(test)]
@@ -107,6 +108,7 @@ pub struct Model {
     /// How KV caches of this model store keys and values (`load::kv_dtype`).
     pub kv_dtype: KvDtype,
     kv_layout: KvLayout,
+    state_widths: Vec<usize>,
 }
 
 impl Model {
@@ -156,7 +158,14 @@ impl Model {
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.kv_layout, self.kv_dtype).with_limit(self.cfg.max_positions)
+        KvCache::new(&self.kv_layout, self.kv_dtype)
+            .with_states(&self.state_widths)
+            .with_limit(self.cfg.max_positions)
+    }
+
+    /// Per layer, the floats of the fixed-size state it carries (linear attention; 0: none).
+    pub fn state_widths(&self) -> &[usize] {
+        &self.state_widths
     }
 
     /// What every layer keeps per position (the cache's and slot files' layout).

@@ -21,6 +21,9 @@ pub struct TensorSpec {
     pub optional: bool,
     /// Made from per-head row blocks of the checkpoint tensor rather than taken whole.
     pub head_rows: Option<HeadRows>,
+    /// Stored as `1 + w` (a zero-centred RMSNorm weight, Qwen3-Next's: the norm multiplies by
+    /// `1 + w`, so the stored vector is what an ordinary RMSNorm multiplies by).
+    pub plus_one: bool,
 }
 
 /// A tensor cut from per-head row blocks of a checkpoint tensor `[heads * per_head, cols]`:
@@ -107,6 +110,7 @@ impl Plan {
             matrix,
             optional,
             head_rows: None,
+            plus_one: false,
         });
     }
     /// A weight matrix cut from a checkpoint tensor of `cols` columns by `hr`.
@@ -118,7 +122,17 @@ impl Plan {
             matrix: true,
             optional: false,
             head_rows: Some(hr),
+            plus_one: false,
         });
+    }
+    /// A zero-centred norm weight, stored as `1 + w` ([`TensorSpec::plus_one`]).
+    pub fn vector_plus_one(&mut self, name: String, hf: String, n: usize) {
+        self.vector(name, hf, n);
+        self.resident.last_mut().expect("just added").plus_one = true;
+    }
+    /// A full-precision tensor of any shape (a convolution's weights).
+    pub fn f32_tensor(&mut self, name: String, hf: String, shape: Vec<usize>) {
+        self.add(name, hf, shape, false, false);
     }
     /// A weight matrix, stored at the model's quantization.
     pub fn matrix(&mut self, name: String, hf: String, rows: usize, cols: usize) {

@@ -52,6 +52,7 @@ pub static FAMILIES: &[&Family] = &[
     &super::glm_moe_dsa::FAMILY,
     &super::glm_moe_dsa::DEEPSEEK_V32,
     &super::deepseek_v4::FAMILY,
+    &super::qwen3_next::FAMILY,
 ];
 
 pub fn by_hf_name(name: &str) -> Option<&'static Family> {

@@ -48,7 +48,13 @@ fn err(r: Result<Model>) -> String {
 /// logits and with the last one's; and decoding after it continues identically.
 #[test]
 fn chunked_prefill_gives_the_same_bits() {
-    for arch in ["olmoe", "qwen3_moe", "glm4_moe", "deepseek_v4"] {
+    for arch in [
+        "olmoe",
+        "qwen3_moe",
+        "glm4_moe",
+        "deepseek_v4",
+        "qwen3_next",
+    ] {
         for quant in [Quant::Int4, Quant::F32] {
             let d = convert_fixture(arch, quant, &format!("chunk-{arch}-{quant:?}"));
             let mut model = Model::load(&d, Some(2)).unwrap();

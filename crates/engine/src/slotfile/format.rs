@@ -5,13 +5,22 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::kv::KvLayout;
 
-/// The slot file format version; a file of any other version is refused.
+/// The slot file format version of a model without linear-attention states; a file of any
+/// other version is refused.
 pub const SLOT_FILE_VERSION: u32 = 1;
+/// The version of a model whose layers carry fixed-size states: the log also holds state
+/// records ([`STATE_MAGIC`]). Builds that read only version 1 refuse these files by version.
+pub const STATE_SLOT_FILE_VERSION: u32 = 2;
 
 /// First 8 bytes of every header copy.
 pub const SLOT_FILE_MAGIC: [u8; 8] = *b"CLBKVSLT";
 /// First 4 bytes of every record.
 pub const RECORD_MAGIC: [u8; 4] = *b"KVRC";
+/// First 4 bytes of a state record (version 2): every state layer's state after `position`
+/// positions.
+pub const STATE_MAGIC: [u8; 4] = *b"KVST";
+/// A state record's fixed part: magic, reserved, position, floats.
+pub(super) const STATE_HEAD: u64 = 24;
 /// Number of header copies at the start of the file.
 pub const HEADER_COPIES: usize = 3;
 /// Each header copy owns one 4 KiB block (so no two copies share a page or a disk sector).
@@ -30,6 +39,8 @@ pub(super) const RECORD_TAIL: u64 = 8;
 /// One header copy (the decoded fields; magic and version are implied).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Header {
+    /// [`SLOT_FILE_VERSION`], or [`STATE_SLOT_FILE_VERSION`] for a model with states.
+    pub(super) version: u32,
     pub(super) fingerprint: [u8; 32],
     pub(super) num_layers: u64,
     pub(super) kv_dim: u64,
@@ -47,7 +58,7 @@ impl Header {
     pub(super) fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..8].copy_from_slice(&SLOT_FILE_MAGIC);
-        b[8..12].copy_from_slice(&SLOT_FILE_VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&self.version.to_le_bytes());
         // 12..16 reserved, zero.
         b[16..48].copy_from_slice(&self.fingerprint);
         b[48..56].copy_from_slice(&self.num_layers.to_le_bytes());
@@ -92,7 +103,7 @@ pub(super) fn parse_block(b: &[u8]) -> Block {
     // The version sits at a fixed offset in every version; it is read before the checksum,
     // whose scheme another version may change.
     let version = le_u32(b, 8);
-    if version != SLOT_FILE_VERSION {
+    if version != SLOT_FILE_VERSION && version != STATE_SLOT_FILE_VERSION {
         return Block::Version(version);
     }
     if le_u64(b, 96) != xxh3_64(&b[..HEADER_SUMMED]) || le_u32(b, 12) != 0 {
@@ -101,6 +112,7 @@ pub(super) fn parse_block(b: &[u8]) -> Block {
     let mut fingerprint = [0u8; 32];
     fingerprint.copy_from_slice(&b[16..48]);
     Block::Valid(Header {
+        version,
         fingerprint,
         num_layers: le_u64(b, 48),
         kv_dim: le_u64(b, 56),
@@ -140,6 +152,9 @@ pub(super) struct Shape {
     pub(super) kv_dim: u64,
     /// [`token_bytes`]: 4 + 4 * (all the widths).
     pub(super) per_token: u64,
+    /// Per layer: floats of its fixed-size state (linear attention; 0: none). Any state makes
+    /// the file version [`STATE_SLOT_FILE_VERSION`], with state records in its log.
+    pub(super) states: Vec<usize>,
 }
 
 impl Shape {
@@ -157,6 +172,7 @@ impl Shape {
             widths,
             kv_dim: kv_dim as u64,
             per_token,
+            states: vec![0; num_layers],
         })
     }
 
@@ -191,11 +207,49 @@ impl Shape {
                 MIXED_WIDTHS | xxh3_64(&bytes)
             }
         };
+        let states = vec![0; widths.len()];
         Ok(Shape {
             widths,
             kv_dim,
             per_token,
+            states,
         })
+    }
+
+    /// The same records, with `states[li]` floats of state in each layer.
+    pub(super) fn with_states(mut self, states: &[usize]) -> Result<Shape, String> {
+        if states.len() != self.widths.len() {
+            return Err(format!(
+                "{} state widths for {} layers",
+                states.len(),
+                self.widths.len()
+            ));
+        }
+        states
+            .iter()
+            .try_fold(0u64, |a, &s| a.checked_add(s as u64))
+            .filter(|&f| f.checked_mul(4).is_some())
+            .ok_or("the layers' states are too large")?;
+        self.states = states.to_vec();
+        Ok(self)
+    }
+
+    /// Floats of a state record's data: every layer's state.
+    pub(super) fn state_floats(&self) -> u64 {
+        self.states.iter().map(|&s| s as u64).sum()
+    }
+
+    pub(super) fn has_states(&self) -> bool {
+        self.state_floats() > 0
+    }
+
+    /// The version of this shape's files.
+    pub(super) fn version(&self) -> u32 {
+        if self.has_states() {
+            STATE_SLOT_FILE_VERSION
+        } else {
+            SLOT_FILE_VERSION
+        }
     }
 
     pub(super) fn num_layers(&self) -> usize {
@@ -210,6 +264,11 @@ impl Shape {
             format!("{num_layers} layers x {kv_dim} floats")
         }
     }
+}
+
+/// Bytes of a state record of `floats` floats.
+pub(super) fn state_record_len(floats: u64) -> Option<u64> {
+    floats.checked_mul(4)?.checked_add(STATE_HEAD + RECORD_TAIL)
 }
 
 /// Bytes of a record of `n` tokens.

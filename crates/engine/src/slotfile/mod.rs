@@ -30,7 +30,7 @@ use crate::kv::KvLayout;
 
 pub use format::{
     reseal, reseal_layout, HEADER_BLOCK, HEADER_COPIES, LOG_START, RECORD_MAGIC, SLOT_FILE_MAGIC,
-    SLOT_FILE_VERSION,
+    SLOT_FILE_VERSION, STATE_MAGIC, STATE_SLOT_FILE_VERSION,
 };
 pub use lock::IN_USE;
 pub use replay::{load_bytes, load_bytes_layout};
@@ -47,6 +47,9 @@ pub struct LoadedSlot {
     pub tokens: Vec<u32>,
     pub keys: Vec<Vec<f32>>,
     pub values: Vec<Vec<f32>>,
+    /// Per layer, its state after the tokens (a version-2 file; empty for a layer without, and
+    /// for every layer of a version-1 file).
+    pub states: Vec<Vec<f32>>,
 }
 
 impl LoadedSlot {
@@ -55,6 +58,7 @@ impl LoadedSlot {
             tokens: Vec::new(),
             keys: vec![Vec::new(); num_layers],
             values: vec![Vec::new(); num_layers],
+            states: vec![Vec::new(); num_layers],
         }
     }
 }
@@ -81,6 +85,11 @@ pub trait KvRows {
     fn positions(&self) -> usize;
     /// Keys and values of `layer` at `positions` (within [`KvRows::positions`]), row by row.
     fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>);
+    /// Per layer, its fixed-size state after [`KvRows::positions`] positions (empty for a
+    /// layer without one).
+    fn states(&self) -> Vec<&[f32]> {
+        vec![&[][..]; self.num_layers()]
+    }
 }
 
 /// Per-layer position-major vectors (`keys[layer][pos * widths[layer].0 ..]`, values with
@@ -199,7 +208,21 @@ impl SlotFile {
         fingerprint: [u8; 32],
         layout: &KvLayout,
     ) -> Result<(SlotFile, Opened)> {
-        let shape = Shape::of(layout).map_err(Error::Input)?;
+        Self::open_layout_states(path, fingerprint, layout, &vec![0; layout.layers.len()])
+    }
+
+    /// [`SlotFile::open_layout`] for a model whose layers also carry fixed-size states of
+    /// `states[li]` floats (linear attention): a version-2 file whose log holds state records
+    /// beside the position records; it loads at the last position a state was written for.
+    pub fn open_layout_states(
+        path: &Path,
+        fingerprint: [u8; 32],
+        layout: &KvLayout,
+        states: &[usize],
+    ) -> Result<(SlotFile, Opened)> {
+        let shape = Shape::of(layout)
+            .and_then(|s| s.with_states(states))
+            .map_err(Error::Input)?;
         Self::open_shape(
             path,
             fingerprint,

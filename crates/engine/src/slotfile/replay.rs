@@ -9,7 +9,8 @@ use xxhash_rust::xxh3::Xxh3;
 
 use super::format::{
     hex, le_u32, le_u64, parse_block, Block, Header, Shape, HEADER_BLOCK, HEADER_COPIES, LOG_START,
-    RECORD_HEAD, RECORD_MAGIC, RECORD_TAIL, SLOT_FILE_MAGIC, SLOT_FILE_VERSION,
+    RECORD_HEAD, RECORD_MAGIC, RECORD_TAIL, SLOT_FILE_MAGIC, SLOT_FILE_VERSION, STATE_HEAD,
+    STATE_MAGIC, STATE_SLOT_FILE_VERSION,
 };
 use super::LoadedSlot;
 use crate::kv::KvLayout;
@@ -100,7 +101,8 @@ pub(super) fn load_from<S: Source + ?Sized>(
             _ => None,
         }) {
             return Err(LoadError::Invalid(format!(
-                "slot file version {v}, this build reads version {SLOT_FILE_VERSION}"
+                "slot file version {v}, this build reads versions {SLOT_FILE_VERSION} and \
+                 {STATE_SLOT_FILE_VERSION}"
             )));
         }
         if size < LOG_START {
@@ -124,6 +126,13 @@ pub(super) fn load_from<S: Source + ?Sized>(
         ));
     }
     for (_, h) in &valid {
+        if h.version != shape.version() {
+            return Err(LoadError::Invalid(format!(
+                "slot file version {}, this model's slot files are version {}",
+                h.version,
+                shape.version()
+            )));
+        }
         if h.fingerprint != fingerprint {
             return Err(LoadError::Invalid(format!(
                 "made for another model or KV layout (fingerprint {}, expected {})",
@@ -204,6 +213,8 @@ fn replay<S: Source + ?Sized>(
     let mut st = LoadedSlot::empty(shape.num_layers());
     let mut pos = LOG_START;
     let mut chain = 0u64;
+    // The latest state record still valid: (position, every layer's state, concatenated).
+    let mut state: Option<(usize, Vec<f32>)> = None;
     while pos < h.end {
         let avail = h.end - pos;
         if avail < RECORD_HEAD + RECORD_TAIL {
@@ -213,6 +224,41 @@ fn replay<S: Source + ?Sized>(
         }
         let mut head = [0u8; RECORD_HEAD as usize];
         src.read_at(&mut head, pos)?;
+        if head[0..4] == STATE_MAGIC && shape.has_states() && le_u32(&head, 4) == 0 {
+            let (position, floats) = (le_u64(&head, 8), le_u64(&head, 16));
+            if position != st.tokens.len() as u64 {
+                return bad(format!(
+                    "state record at byte {pos}: for position {position}, after {} tokens",
+                    st.tokens.len()
+                ));
+            }
+            if floats != shape.state_floats() {
+                return bad(format!(
+                    "state record at byte {pos}: {floats} floats, expected {}",
+                    shape.state_floats()
+                ));
+            }
+            if floats > (avail - STATE_HEAD - RECORD_TAIL) / 4 {
+                return bad(format!(
+                    "state record at byte {pos}: overruns the committed end"
+                ));
+            }
+            let mut hash = Xxh3::with_seed(chain);
+            hash.update(&head[..STATE_HEAD as usize]);
+            let mut data = Vec::new();
+            read_f32s(src, &mut data, floats as usize, pos + STATE_HEAD, &mut hash)?;
+            let at = pos + STATE_HEAD + 4 * floats;
+            let mut tail = [0u8; 8];
+            src.read_at(&mut tail, at)?;
+            let sum = hash.digest();
+            if u64::from_le_bytes(tail) != sum {
+                return bad(format!("state record at byte {pos}: checksum mismatch"));
+            }
+            state = Some((position as usize, data));
+            chain = sum;
+            pos = at + RECORD_TAIL;
+            continue;
+        }
         if head[0..4] != RECORD_MAGIC || le_u32(&head, 4) != 0 {
             return bad(format!("record at byte {pos}: bad record magic"));
         }
@@ -232,6 +278,10 @@ fn replay<S: Source + ?Sized>(
             ));
         }
         let (start, n) = (start as usize, n as usize);
+        // A record that goes back before the last state leaves no state for what follows.
+        if state.as_ref().is_some_and(|(p, _)| start < *p) {
+            state = None;
+        }
         let mut hash = Xxh3::with_seed(chain);
         hash.update(&head);
         let mut at = pos + RECORD_HEAD;
@@ -274,6 +324,25 @@ fn replay<S: Source + ?Sized>(
             st.tokens.len(),
             h.tokens
         ));
+    }
+    if shape.has_states() {
+        // The history ends where the last state belongs (positions after it could not be
+        // continued without their state); none: nothing.
+        let (n, data) = state.unwrap_or((0, Vec::new()));
+        st.tokens.truncate(n);
+        for (l, &(kw, vw)) in shape.widths.iter().enumerate() {
+            st.keys[l].truncate(n * kw);
+            st.values[l].truncate(n * vw);
+        }
+        let mut at = 0;
+        for (l, &w) in shape.states.iter().enumerate() {
+            st.states[l] = if data.is_empty() {
+                vec![0.0; w]
+            } else {
+                data[at..at + w].to_vec()
+            };
+            at += w;
+        }
     }
     Ok(st)
 }

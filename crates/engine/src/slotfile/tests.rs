@@ -1137,3 +1137,149 @@ fn damage_to_a_mixed_layout_file_loads_a_committed_state_or_refuses() {
         }
     }
 }
+
+// -----------------------------------------------------------------------------------------
+// Version 2: layers with fixed-size states (linear attention) and state records
+
+/// A cache of the small mixed layout whose linear layer (1) carries a 5-float state.
+fn stateful(n: usize, seed: f32) -> KvCache {
+    let layout = mixed_small();
+    let mut kv = KvCache::new(&layout, KvDtype::F32).with_states(&[0, 5, 0]);
+    kv.reserve(n);
+    for li in 0..3 {
+        let (kw, vw) = (kv.key_width(li), kv.value_width(li));
+        let k: Vec<f32> = (0..n * kw).map(|i| seed + i as f32).collect();
+        let v: Vec<f32> = (0..n * vw).map(|i| seed - i as f32).collect();
+        kv.write(li, 0, &k, &v);
+    }
+    kv.len = n;
+    for (i, x) in kv.state_mut(1).iter_mut().enumerate() {
+        *x = seed * 10.0 + i as f32;
+    }
+    kv
+}
+
+fn open_states(path: &Path) -> (SlotFile, Opened) {
+    SlotFile::open_layout_states(path, FP, &mixed_small(), &[0, 5, 0]).unwrap()
+}
+
+#[test]
+fn a_state_file_is_version_2_and_restores_the_state_written_at_sync() {
+    let s = Scratch::new("state-roundtrip");
+    let kv = stateful(7, 1.0);
+    let tokens: Vec<u32> = (0..7).collect();
+    {
+        let (mut f, opened) = open_states(&s.file());
+        assert!(matches!(opened, Opened::Fresh));
+        f.commit_kv(0, &tokens, &kv).unwrap();
+        f.sync_kv(&tokens, &kv).unwrap();
+    }
+    let raw = fs::read(s.file()).unwrap();
+    assert_eq!(le_u32_at(&raw, 8), STATE_SLOT_FILE_VERSION);
+    let (_, opened) = open_states(&s.file());
+    let Opened::Loaded(got) = opened else {
+        panic!("expected the slot back")
+    };
+    assert_eq!(got.tokens, tokens);
+    assert_eq!(got.states[1], kv.state(1));
+    assert!(got.states[0].is_empty() && got.states[2].is_empty());
+    assert_eq!(got.keys[0], kv.rows(0, 0..7).0);
+}
+
+fn le_u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+#[test]
+fn positions_committed_after_the_last_state_are_dropped_at_load() {
+    let s = Scratch::new("state-tail");
+    let kv = stateful(9, 2.0);
+    let tokens: Vec<u32> = (0..9).collect();
+    {
+        let (mut f, _) = open_states(&s.file());
+        f.commit_kv(0, &tokens[..4], &kv).unwrap();
+        let mut at4 = stateful(4, 2.0);
+        at4.state_mut(1).fill(4.5);
+        f.sync_kv(&tokens[..4], &at4).unwrap();
+        // A crash mid-turn: positions 4..9 committed, no state written for them.
+        f.commit_kv(4, &tokens[4..], &kv).unwrap();
+    }
+    let (_, opened) = open_states(&s.file());
+    let Opened::Loaded(got) = opened else {
+        panic!("expected the slot back")
+    };
+    assert_eq!(got.tokens, tokens[..4]);
+    assert_eq!(got.states[1], vec![4.5; 5]);
+    assert_eq!(got.keys[2], kv.rows(2, 0..4).0);
+}
+
+#[test]
+fn a_record_going_back_before_the_state_leaves_none() {
+    let s = Scratch::new("state-back");
+    let kv = stateful(6, 3.0);
+    let tokens: Vec<u32> = (0..6).collect();
+    {
+        let (mut f, _) = open_states(&s.file());
+        f.commit_kv(0, &tokens, &kv).unwrap();
+        f.sync_kv(&tokens, &kv).unwrap();
+        // Prefix reuse went back to position 2 and the turn never ended.
+        f.commit_kv(2, &[40, 41], &kv).unwrap();
+    }
+    let (_, opened) = open_states(&s.file());
+    assert!(
+        matches!(opened, Opened::Fresh),
+        "no state for any position: the slot starts empty"
+    );
+}
+
+#[test]
+fn compaction_keeps_the_state() {
+    let s = Scratch::new("state-compact");
+    let kv = stateful(5, 4.0);
+    let tokens: Vec<u32> = (0..5).collect();
+    {
+        let (mut f, _) = open_states(&s.file());
+        f.tuning.compact_slack = 0;
+        for _ in 0..4 {
+            f.commit_kv(0, &tokens, &kv).unwrap();
+            f.sync_kv(&tokens, &kv).unwrap();
+        }
+        assert!(f.committed_bytes() < 2 * LOG_START + 4096, "compacted");
+    }
+    let (_, opened) = open_states(&s.file());
+    let Opened::Loaded(got) = opened else {
+        panic!("expected the slot back")
+    };
+    assert_eq!(got.tokens, tokens);
+    assert_eq!(got.states[1], kv.state(1));
+}
+
+#[test]
+fn versions_are_not_mixed_between_models_with_and_without_states() {
+    let s = Scratch::new("state-versions");
+    let kv = stateful(3, 5.0);
+    let tokens: Vec<u32> = vec![1, 2, 3];
+    {
+        let (mut f, _) = SlotFile::open_layout(&s.file(), FP, &mixed_small()).unwrap();
+        f.commit_kv(0, &tokens, &kv).unwrap();
+        f.sync_kv(&tokens, &kv).unwrap();
+    }
+    let (_, opened) = open_states(&s.file());
+    let Opened::Refused(why) = opened else {
+        panic!("a version-1 file must not load as a model with states")
+    };
+    assert!(
+        why.contains("version 1") && why.contains("version 2"),
+        "{why}"
+    );
+    {
+        let (mut f, _) = open_states(&s.file());
+        f.commit_kv(0, &tokens, &kv).unwrap();
+        f.sync_kv(&tokens, &kv).unwrap();
+    }
+    let (_, opened) = SlotFile::open_layout(&s.file(), FP, &mixed_small()).unwrap();
+    let Opened::Refused(why) = opened else {
+        panic!("a version-2 file must not load without states")
+    };
+    assert!(why.contains("version 2"), "{why}");
+}

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::format::{
-    record_len, Header, Shape, HEADER_BLOCK, HEADER_COPIES, HEADER_LEN, LOG_START, RECORD_HEAD,
-    RECORD_MAGIC,
+    record_len, state_record_len, Header, Shape, HEADER_BLOCK, HEADER_COPIES, HEADER_LEN,
+    LOG_START, RECORD_HEAD, RECORD_MAGIC, STATE_HEAD, STATE_MAGIC,
 };
 use super::lock::lock;
 use super::{KvRows, PositionMajor, SlotFile};
@@ -183,6 +183,56 @@ fn write_record(
     Ok((offset + len, sum))
 }
 
+/// Writes a state record at `offset` (every state layer's state after `position` positions,
+/// `states` one slice per layer, empty for a layer without), chained to `chain`; returns (end
+/// offset, its checksum).
+#[allow(clippy::too_many_arguments)] // the record writer's own arguments, as `write_record`'s
+fn write_state_record(
+    io: &mut dyn Io,
+    file: &File,
+    offset: u64,
+    chain: u64,
+    position: usize,
+    states: &[&[f32]],
+    shape: &Shape,
+    chunk: usize,
+) -> io::Result<(u64, u64)> {
+    let floats = shape.state_floats();
+    for (layer, (s, &want)) in states.iter().zip(&shape.states).enumerate() {
+        if s.len() != want {
+            return Err(io::Error::other(format!(
+                "layer {layer}: a state of {} floats, the file's {want}",
+                s.len()
+            )));
+        }
+    }
+    if states.len() != shape.states.len() {
+        return Err(io::Error::other("state of another layer count"));
+    }
+    let len = state_record_len(floats).ok_or_else(|| io::Error::other("state too large"))?;
+    let mut w = Writer {
+        io,
+        file,
+        offset,
+        buf: Vec::with_capacity(chunk.min(usize::try_from(len).unwrap_or(usize::MAX))),
+        chunk: chunk.max(1),
+        hash: Xxh3::with_seed(chain),
+    };
+    let mut head = [0u8; STATE_HEAD as usize];
+    head[0..4].copy_from_slice(&STATE_MAGIC);
+    head[8..16].copy_from_slice(&(position as u64).to_le_bytes());
+    head[16..24].copy_from_slice(&floats.to_le_bytes());
+    w.put(&head)?;
+    for s in states {
+        w.put(&f32_le(s))?;
+    }
+    let sum = w.hash.digest();
+    w.put_raw(&sum.to_le_bytes())?;
+    w.flush()?;
+    debug_assert_eq!(w.offset, offset + len);
+    Ok((offset + len, sum))
+}
+
 pub(super) fn tmp_path(path: &Path) -> PathBuf {
     let mut s: OsString = path.as_os_str().to_owned();
     s.push(".tmp");
@@ -269,6 +319,16 @@ impl SlotFile {
             self.tuning.chunk,
         )
         .map_err(io_err(&path))?;
+        self.write_header(end, chain, start + tokens.len())?;
+        self.tokens.truncate(start);
+        self.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Commits a log that now ends at `end` with `chain` and holds `tokens` tokens: a new
+    /// header in a block that holds neither the newest nor the durable one.
+    fn write_header(&mut self, end: u64, chain: u64, tokens: usize) -> Result<()> {
+        let path = self.path.clone();
         // The header goes to a block that holds neither the newest header (the state a kill
         // must fall back to) nor the durable one (the state a power loss must fall back to).
         let target = (0..HEADER_COPIES)
@@ -276,12 +336,13 @@ impl SlotFile {
             .min_by_key(|&i| self.seqs[i])
             .expect("three header blocks leave at least one free");
         let header = Header {
+            version: self.shape.version(),
             fingerprint: self.fingerprint,
             num_layers: self.shape.num_layers() as u64,
             kv_dim: self.shape.kv_dim,
             seq: self.seq + 1,
             end,
-            tokens: (start + tokens.len()) as u64,
+            tokens: tokens as u64,
             chain,
         };
         self.seqs[target] = 0;
@@ -293,9 +354,31 @@ impl SlotFile {
         self.current = target;
         self.end = end;
         self.chain = chain;
-        self.tokens.truncate(start);
-        self.tokens.extend_from_slice(tokens);
         Ok(())
+    }
+
+    /// Appends a state record: the layers' `states` after the persisted positions (whose
+    /// count must be `position`), then a header. No fsync.
+    fn commit_state(&mut self, position: usize, states: &[&[f32]]) -> Result<()> {
+        if position != self.tokens.len() {
+            return Err(Error::Input(format!(
+                "slot file state at position {position}, {} tokens persisted",
+                self.tokens.len()
+            )));
+        }
+        let path = self.path.clone();
+        let (end, chain) = write_state_record(
+            &mut *self.io,
+            &self.file,
+            self.end,
+            self.chain,
+            position,
+            states,
+            &self.shape,
+            self.tuning.chunk,
+        )
+        .map_err(io_err(&path))?;
+        self.write_header(end, chain, position)
     }
 
     /// Whether the log has grown well past what the live state needs.
@@ -303,7 +386,9 @@ impl SlotFile {
         let live = if self.tokens.is_empty() {
             0
         } else {
-            record_len(self.tokens.len() as u64, self.shape.per_token).unwrap_or(u64::MAX)
+            record_len(self.tokens.len() as u64, self.shape.per_token)
+                .and_then(|r| r.checked_add(state_record_len(self.shape.state_floats())?))
+                .unwrap_or(u64::MAX)
         };
         let log = self.end - LOG_START;
         log > live
@@ -336,6 +421,11 @@ impl SlotFile {
             ));
         }
         self.check_state("sync", n, kv)?;
+        // With states: the state after the persisted positions, when the cache is there
+        // (a state record is only ever written for the position it belongs to).
+        if self.shape.has_states() && kv.positions() == n {
+            self.commit_state(n, &kv.states())?;
+        }
         // fsync first, so a compaction that fails (a full disk) still leaves the turn durable.
         self.io.sync_file(&self.file).map_err(io_err(&self.path))?;
         self.durable = self.current;
@@ -358,7 +448,7 @@ impl SlotFile {
             .map_err(io_err(&tmp))?;
         // Locked before it appears at `path`, so no other process can take it over.
         lock(&file, &tmp)?;
-        let (end, chain) = if tokens.is_empty() {
+        let (mut end, mut chain) = if tokens.is_empty() {
             (LOG_START, 0)
         } else {
             let rec = RecordData {
@@ -377,7 +467,23 @@ impl SlotFile {
             )
             .map_err(io_err(&tmp))?
         };
+        // The state goes along when the rows passed hold it (a compaction at the end of a
+        // turn); without one, a state file loads empty (nothing to pair the positions with).
+        if self.shape.has_states() && !tokens.is_empty() && kv.positions() == tokens.len() {
+            (end, chain) = write_state_record(
+                &mut *self.io,
+                &file,
+                end,
+                chain,
+                tokens.len(),
+                &kv.states(),
+                &self.shape,
+                self.tuning.chunk,
+            )
+            .map_err(io_err(&tmp))?;
+        }
         let header = Header {
+            version: self.shape.version(),
             fingerprint: self.fingerprint,
             num_layers: self.shape.num_layers() as u64,
             kv_dim: self.shape.kv_dim,

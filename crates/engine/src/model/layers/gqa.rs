@@ -10,7 +10,7 @@ use crate::error::Result;
 use crate::kv::{KvCache, KvLayout};
 use crate::linear::{Acts, Linear};
 use crate::model::load::Tensors;
-use crate::model::plan::Plan;
+use crate::model::plan::{HeadRows, Plan};
 use crate::model::Model;
 use crate::ops::{self, RopeAngles};
 
@@ -23,6 +23,8 @@ pub(in crate::model) struct Gqa {
     biases: [Option<Vec<f32>>; 4],
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+    /// The output gate (Qwen3-Next): each head's output times `sigmoid(gate x)`.
+    gate: Option<Linear>,
 }
 
 /// What every layer keeps per position: the kv heads' keys and values.
@@ -62,6 +64,30 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
     p.vector(n("k_norm"), hf("self_attn.k_norm.weight"), k_len);
 }
 
+/// Qwen3-Next's gated attention: `q_proj` holds each head's query then its output gate
+/// (`[heads * 2 * head_dim, hidden]`), cut into `q` and `q_gate`; the q/k norms are
+/// zero-centred (stored as `1 + w`).
+pub fn plan_gated(p: &mut Plan, c: &ModelConfig, i: usize) {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let hf = |s: &str| format!("model.layers.{i}.self_attn.{s}");
+    let n = |s: &str| format!("layers.{i}.{s}");
+    for (name, skip) in [("q", 0), ("q_gate", hd)] {
+        let hr = HeadRows {
+            heads: c.num_heads,
+            per_head: 2 * hd,
+            skip,
+            take: hd,
+            transpose: false,
+        };
+        p.head_rows_matrix(n(name), hf("q_proj.weight"), hr, h);
+    }
+    p.matrix(n("k"), hf("k_proj.weight"), c.kv_dim(), h);
+    p.matrix(n("v"), hf("v_proj.weight"), c.kv_dim(), h);
+    p.matrix(n("o"), hf("o_proj.weight"), h, c.q_dim());
+    p.vector_plus_one(n("q_norm"), hf("q_norm.weight"), hd);
+    p.vector_plus_one(n("k_norm"), hf("k_norm.weight"), hd);
+}
+
 impl Gqa {
     pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Gqa> {
         let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
@@ -90,6 +116,11 @@ impl Gqa {
             ],
             q_norm,
             k_norm,
+            gate: if t.has(&n("q_gate")) {
+                Some(t.linear(&n("q_gate"), qd, h)?)
+            } else {
+                None
+            },
         })
     }
 }
@@ -109,7 +140,10 @@ impl Model {
         let c = &self.cfg;
         let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
         let mut acts = Acts::from_vec(hn, n, h);
-        let mut qkv = self.project(&[layer.q, layer.k, layer.v], &mut acts);
+        let mut ws = vec![layer.q, layer.k, layer.v];
+        ws.extend(layer.gate);
+        let mut qkv = self.project(&ws, &mut acts);
+        let gate = layer.gate.map(|_| qkv.pop().unwrap());
         for (out, bias) in qkv.iter_mut().zip(&layer.biases) {
             if let Some(b) = bias {
                 for row in out.chunks_exact_mut(b.len()) {
@@ -158,6 +192,12 @@ impl Model {
             |i, head| &q[i * qd + head * hd..i * qd + (head + 1) * hd],
             |s, head, len| kvs[s].head(li, head / group, len),
         );
+        let mut att = att;
+        if let Some(g) = &gate {
+            for (x, &gv) in att.iter_mut().zip(g) {
+                *x *= 1.0 / (1.0 + (-gv).exp());
+            }
+        }
         let mut acts = Acts::from_vec(att, n, qd);
         let mut o = self.project(&[layer.o], &mut acts).remove(0);
         if let Some(b) = &layer.biases[3] {

@@ -3,6 +3,7 @@
 //! [`Attention`]; the feed-forward blocks are the dense [`mlp`] and the routed [`moe`].
 
 pub mod compressed;
+pub mod delta;
 pub mod dsa;
 pub mod gqa;
 pub mod hyper;
@@ -29,6 +30,7 @@ pub(in crate::model) enum Attention {
     Mla(mla::Mla),
     Dsa(dsa::Dsa),
     Compressed(Box<compressed::Compressed>),
+    Delta(Box<delta::Delta>),
 }
 
 /// One layer's feed-forward block.
@@ -56,6 +58,8 @@ pub fn plan_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
         AttentionKind::Mla(_) => mla::plan(p, c, i),
         AttentionKind::Dsa(..) => dsa::plan(p, c, i),
         AttentionKind::Compressed(_) => compressed::plan(p, c, i),
+        AttentionKind::Hybrid(_) if c.linear_layers[i] => delta::plan(p, c, i),
+        AttentionKind::Hybrid(_) => gqa::plan_gated(p, c, i),
     }
 }
 
@@ -66,6 +70,33 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
         AttentionKind::Mla(_) => mla::kv_layout(c),
         AttentionKind::Dsa(..) => dsa::kv_layout(c),
         AttentionKind::Compressed(_) => compressed::kv_layout(c),
+        AttentionKind::Hybrid(_) => KvLayout {
+            layers: c
+                .linear_layers
+                .iter()
+                .map(|&linear| {
+                    let heads = if linear { 0 } else { c.num_kv_heads };
+                    let dim = if linear { 0 } else { c.head_dim };
+                    crate::kv::LayerKv {
+                        heads,
+                        key_dim: dim,
+                        value_dim: dim,
+                    }
+                })
+                .collect(),
+        },
+    }
+}
+
+/// Per layer, the floats of the fixed-size state it carries (linear attention; 0: none).
+pub fn state_widths(c: &ModelConfig) -> Vec<usize> {
+    match c.attention {
+        AttentionKind::Hybrid(_) => c
+            .linear_layers
+            .iter()
+            .map(|&linear| if linear { delta::state_width(c) } else { 0 })
+            .collect(),
+        _ => vec![0; c.num_layers],
     }
 }
 
@@ -78,6 +109,10 @@ impl Attention {
             AttentionKind::Compressed(_) => {
                 Attention::Compressed(Box::new(compressed::Compressed::load(t, c, i)?))
             }
+            AttentionKind::Hybrid(_) if c.linear_layers[i] => {
+                Attention::Delta(Box::new(delta::Delta::load(t, c, i)?))
+            }
+            AttentionKind::Hybrid(_) => Attention::Gqa(gqa::Gqa::load(t, c, i)?),
         })
     }
 }
@@ -205,6 +240,7 @@ impl Model {
             Attention::Mla(w) => self.mla_attention(li, w, hn, angles, seqs),
             Attention::Dsa(w) => self.dsa_attention(li, w, hn, angles, seqs, selection),
             Attention::Compressed(w) => self.compressed_attention(li, w, hn, seqs),
+            Attention::Delta(w) => self.delta_attention(li, w, hn, seqs),
         }
     }
 }

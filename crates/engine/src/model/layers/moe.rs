@@ -32,6 +32,9 @@ pub(in crate::model) struct Moe {
     /// Index among the MoE layers (routing heat, cache lists).
     moe_idx: usize,
     shared: Option<Mlp>,
+    /// The shared expert's gate (Qwen3-Next): its output times `sigmoid(gate x)`, f32 `[1,
+    /// hidden]`.
+    shared_gate: Option<Linear>,
 }
 
 impl Moe {
@@ -84,10 +87,23 @@ impl Moe {
         } else {
             None
         };
+        let shared_gate = if t.has(&n("shared_gate")) {
+            let g = t.linear(&n("shared_gate"), 1, h)?;
+            if g.dtype != DType::F32 {
+                return Err(fmt_err(format!(
+                    "tensor `{}` should be f32",
+                    n("shared_gate")
+                )));
+            }
+            Some(g)
+        } else {
+            None
+        };
         Ok(Moe {
             router,
             router_bias,
             hash,
+            shared_gate,
             first_record,
             moe_idx,
             shared,
@@ -116,7 +132,16 @@ impl Model {
         let mut y = self.moe(acts, &m.router, m.router_bias.as_deref(), &at, pass)?;
         if let Some(s) = &m.shared {
             let t = Instant::now();
-            for (a, b) in y.iter_mut().zip(self.mlp(s, acts)) {
+            let mut shared = self.mlp(s, acts);
+            if let Some(g) = &m.shared_gate {
+                let gates = self.project(&[*g], acts).remove(0);
+                let h = self.cfg.hidden_size;
+                for (row, &gv) in shared.chunks_exact_mut(h).zip(&gates) {
+                    let sg = 1.0 / (1.0 + (-gv).exp());
+                    row.iter_mut().for_each(|x| *x *= sg);
+                }
+            }
+            for (a, b) in y.iter_mut().zip(shared) {
                 *a += b;
             }
             pass.times.expert += t.elapsed();

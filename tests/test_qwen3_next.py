@@ -1,0 +1,116 @@
+"""Qwen3-Next: the linear-attention layers' fixed-size state in slots (no per-position KV),
+prefix reuse from state snapshots and slot-file restarts give the tokens of a cold run, the
+state in version-2 slot files, and malformed configs refused by name. (Parity with
+transformers: tests/test_reference.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from colibri import convert
+from colibri._engine import architectures
+from colibri.runtime.engine import Engine
+
+from .conftest import FIXTURES, Reference
+
+ARCH = "qwen3_next"
+
+
+@pytest.fixture
+def qn() -> Reference:
+    return Reference(ARCH)
+
+
+def hf_config() -> dict:
+    return json.loads((FIXTURES / ARCH / "hf" / "config.json").read_text())
+
+
+def test_only_the_full_attention_layers_keep_kv_per_position(converted):
+    cfg = hf_config()
+    full = cfg["layer_types"].count("full_attention")
+    per_layer = 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
+    for quant, width in [("f32", 4), ("int4", 2)]:
+        info = Engine(converted(ARCH, quant), threads=1).info
+        assert info["kv_bytes_per_token"] == full * per_layer * width
+
+
+def test_prefix_reuse_gives_the_tokens_of_a_cold_run(qn, converted):
+    for quant in ["f32", "int4"]:
+        engine = Engine(converted(ARCH, quant), threads=2, slots=2)
+        prompt = qn.prompts[1]
+        first = engine.generate(prompt, 6, slot=1)
+        out = list(first)
+        history = prompt + out[:-1]
+        assert engine.slot_info(1)["tokens"] == history
+        # The next turn continues the history: its state resumes from the end-of-turn snapshot.
+        longer = history + qn.prompts[2][1:12]
+        warm = engine.generate(longer, 8, slot=1)
+        got = list(warm)
+        assert warm.reused_tokens == len(history)
+        assert got == list(engine.generate(longer, 8)), quant
+        # Leaving the history part way through the first prompt: no snapshot there, so the
+        # state goes back to the last one before it (the start) and the prompt is recomputed.
+        branch = history[:5] + qn.prompts[0]
+        again = engine.generate(branch, 5, slot=1)
+        assert list(again) == list(engine.generate(branch, 5))
+        assert again.reused_tokens < 5
+
+
+def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(qn, converted, tmp_path):
+    model = converted(ARCH, "int4")
+    kv = tmp_path / "kv"
+    engine = Engine(model, threads=2, kv_dir=kv)
+    prompt = qn.prompts[2]
+    stream = engine.generate(prompt, 7, slot=0)
+    out = list(stream)
+    stream.close()
+    history = engine.slot_info(0)["tokens"]
+    assert history == prompt + out[:-1]
+    del stream, engine
+    # The file is version 2 (state records beside the position records).
+    raw = (kv / "slot-0.kv").read_bytes()
+    assert raw[:8] == b"CLBKVSLT" and struct.unpack("<I", raw[8:12])[0] == 2
+    assert b"KVST" in raw
+    restarted = Engine(model, threads=1, kv_dir=kv)
+    assert restarted.slot_info(0)["tokens"] == history
+    longer = history + qn.prompts[1][1:6]
+    warm = restarted.generate(longer, 6, slot=0)
+    got = list(warm)
+    assert warm.reused_tokens == len(history)
+    assert got == list(Engine(model, threads=1).generate(longer, 6))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("linear_num_value_heads", 3),
+        ("layer_types", ["linear_attention", "sliding", "full_attention", "linear_attention"]),
+        ("layer_types", ["linear_attention"]),
+        ("attention_bias", True),
+        ("num_experts", None),
+        ("mlp_only_layers", "1"),
+    ],
+)
+def test_a_malformed_config_is_refused_by_name(tmp_path, field, value):
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / ARCH / "hf", hf)
+    cfg = hf_config()
+    if value is None:
+        del cfg[field]
+    else:
+        cfg[field] = value
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((ValueError, RuntimeError, OSError)) as exc:
+        convert(hf, tmp_path / "out", "f32")
+    assert field in str(exc.value)
+
+
+def test_the_architecture_is_known_and_chats_as_qwen3():
+    from colibri.chat.families import detect_family
+
+    assert dict(architectures())["Qwen3NextForCausalLM"] == "qwen3"
+    assert detect_family("Qwen3NextForCausalLM", None).name == "qwen3"
