@@ -19,6 +19,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from colibri.demo.builtin import builtin_model_dir
 from colibri.runtime.catalog import stable_id
@@ -378,3 +379,17 @@ def test_the_ram_budget_unloads_the_model_used_longest_ago(budget_server):
     )
     use("y")  # loads again (its slot files were let go), and x goes
     assert sources()["x"] == "configured" and health["models_ram_budget_bytes"] > 0
+    # The metrics of an unloaded model: its gauges go, its counters stay, and continue when it
+    # loads again.
+    series = {
+        (s.name, s.labels.get("model")): s.value
+        for family in text_string_to_metric_families(httpx.get(budget_server.url + "/metrics").text)
+        for s in family.samples
+    }
+    assert series[("colibri_scheduler_admitted_total", "y")] == 2  # one before, one after
+    assert series[("colibri_scheduler_completed_total", "x")] == 2  # x is unloaded now
+    assert series[("colibri_scheduler_capacity", "y")] == 1
+    assert ("colibri_scheduler_capacity", "x") not in series
+    assert ("colibri_engine_kv_bytes_per_token", "x") not in series
+    assert series[("colibri_scheduler_queue_wait_seconds_count", "x")] == 2
+    assert series[("colibri_engine_generated_tokens_total", "y")] == 2

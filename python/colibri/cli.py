@@ -181,7 +181,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.quiet,
         log_format=args.log_format,
     )
-    served = ServedModel(engine, config, default.created)
+    from colibri.observability import MetricsHub
+
+    hub = MetricsHub()  # one /metrics for every model, each under its `model` label
+    served = ServedModel(engine, config, default.created, hub=hub)
 
     def load(entry: CatalogEntry) -> ServedModel:
         """A catalog entry's engine, KV slots (in a directory of its own) and scheduler."""
@@ -193,7 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         own = dataclasses.replace(
             config, model_id=entry.id, aliases=entry.aliases, chat_family=entry.chat_family
         )
-        return ServedModel(entry_engine, own, entry.created)
+        return ServedModel(entry_engine, own, entry.created, hub=hub)
 
     loaded = {default.id: served}
     for entry in entries[1:]:

@@ -237,6 +237,7 @@ class ModelSet:
         log.info("unloading model %s (used longest ago) to make room", entry.id)
         model.scheduler.close()
         model.generator.close()
+        model.metrics.detach()  # its gauges go; its counters go on when it loads again
         del model
         gc.collect()  # the engine's memory and slot-file locks go now, not at some later time
         self.unloads += 1
