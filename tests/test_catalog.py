@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from colibri.errors import ApiError
@@ -222,4 +222,25 @@ def test_an_id_becomes_one_directory_name_of_its_own():
     names = [dir_name(i) for i in odd]
     assert len(set(names)) == len(odd) and "org_model" in names
     for name in names:
-        assert "/" not in name and not name.startswith(".") and len(name) <= 77
+        assert "/" not in name and not name.startswith(".") and len(name) <= 97
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(min_size=1, max_size=80), st.text(min_size=1, max_size=80))
+def test_two_ids_never_share_a_kv_directory(a, b):
+    """A model's slot files live in --kv-dir/dir_name(id): distinct ids, distinct names, also
+    for an id spelled like another's digested name."""
+    assume(a != b)
+    assert dir_name(a) != dir_name(b)
+    if dir_name(a) != a:  # digested: an id spelled like that name gets another one
+        assert dir_name(dir_name(a)) != dir_name(a)
+    for name in (dir_name(a), dir_name(b)):
+        assert name not in (".", "..") and "/" not in name and "\x00" not in name
+        assert 1 <= len(name) <= 97
+
+
+def test_an_id_spelled_like_a_digested_name_keeps_its_own_directory():
+    digested = dir_name("org/model")
+    assert digested != "org/model"
+    assert dir_name(digested) != digested or len(digested) > 64
+    assert dir_name(digested) != dir_name("org/model")

@@ -255,12 +255,14 @@ def merge(
 
 def dir_name(entry_id: str) -> str:
     """``entry_id`` as one directory name (its KV directory): kept when it is plain and at most
-    64 characters, else its first plain characters and a digest, so two ids never share a
-    directory."""
+    64 characters, else its first plain characters and its whole SHA-256. Two ids never share a
+    directory: a kept id is at most 64 characters and a digested name always longer (so an id
+    spelled like another's digested name keeps a directory of its own), and two digested names
+    differ by their digests."""
     plain = re.sub(r"[^A-Za-z0-9._-]", "_", entry_id).strip(".") or "_"
     if plain == entry_id and len(plain) <= 64:
         return plain
-    return f"{plain[:64]}-{_digest(entry_id.encode())[:12]}"
+    return f"{plain[:32]}-{_digest(entry_id.encode())}"
 
 
 def _candidates(entries: Sequence[CatalogEntry]) -> str:
