@@ -132,6 +132,12 @@ class MetricsHub:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16),
             registry=r,
         )
+        self.request_timeouts = Counter(
+            "colibri_request_timeouts",
+            "Requests not streamed cut at --request-timeout (504, or 503 while still queued)",
+            model,
+            registry=r,
+        )
         per_slot = ["model", "slot"]
         self.kv_tokens = Gauge(
             "colibri_engine_kv_tokens", "Tokens in each KV slot's context", per_slot, registry=r
@@ -227,6 +233,7 @@ class Metrics:
         self.decode_rate = hub.decode_rate.labels(**bound)
         self.batch_size = hub.batch_size.labels(**bound)
         self.kv_bytes_per_token = hub.kv_bytes_per_token.labels(**bound)
+        self.request_timeouts = hub.request_timeouts.labels(**bound)
         self.kv_tokens = _PerSlot(hub.kv_tokens, model)
         self.prefill_done = _PerSlot(hub.prefill_done, model)
         self.prefill_total = _PerSlot(hub.prefill_total, model)

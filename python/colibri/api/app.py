@@ -21,7 +21,7 @@ from colibri.api.http import json_response
 from colibri.api.request_id import RequestIdMiddleware
 from colibri.api.security import security_middleware
 from colibri.observability import CONTENT_TYPE
-from colibri.runtime.admission import ClientGone, client_gone_response
+from colibri.runtime.admission import ClientGone, DeadlineExceeded, client_gone_response
 from colibri.runtime.catalog import CatalogEntry
 from colibri.runtime.models import ModelSet, single_model
 from colibri.runtime.served import ServedModel
@@ -181,6 +181,26 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return client_gone_response()
 
 
+async def _deadline_exceeded(request: Request, exc: Exception) -> Response:
+    """504 for a request not streamed whose answer outlasted --request-timeout (seed 003):
+    its generation was cancelled (slot given back), and a retry would take as long, so the
+    SDKs are told not to retry."""
+    assert isinstance(exc, DeadlineExceeded)
+    deadline = exc.deadline
+    served: ServedModel = request.app.state.served
+    served.metrics.hub.request_timeouts.labels(model=deadline.model).inc()
+    err = ApiError(
+        504,
+        f"The model '{deadline.model}' did not finish this request within "
+        f"{deadline.limit:g} s (--request-timeout) and it was stopped; a retry would take as "
+        'long: send it with "stream": true, or ask for fewer tokens',
+        code="request_timeout",
+        headers={"x-should-retry": "false"},
+    )
+    note_error(request.scope, err)
+    return error_response(request.url.path, err)
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     note_error(request.scope, exc)
@@ -289,6 +309,7 @@ def _starlette_app(served: ServedModel, models: ModelSet) -> Starlette:
         exception_handlers={
             ApiError: _api_error,
             ClientGone: _client_gone,
+            DeadlineExceeded: _deadline_exceeded,
             HTTPException: _http_error,
             Exception: _unexpected,
         },
