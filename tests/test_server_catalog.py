@@ -283,18 +283,27 @@ def test_a_scoring_model_generates_no_text(oai, claude):
         claude.messages.create(model="scorer-c", messages=HELLO, max_tokens=1)
 
 
-def test_a_model_that_cannot_load_is_503_naming_it_and_the_others_keep_serving(oai, ids):
+def test_a_model_that_cannot_load_is_503_naming_it_and_the_others_keep_serving(oai, ids, http):
     for _ in range(2):  # each request tries again, and fails the same way
         with pytest.raises(openai.InternalServerError) as e:
             oai.completions.create(model=ids["broken"], prompt="Hi", max_tokens=1)
         assert e.value.status_code == 503
         assert e.value.body["code"] == "model_load_failed"
-        assert (
-            "zz-broken" in e.value.body["message"] and "failed to load" in e.value.body["message"]
-        )
+        message = e.value.body["message"]
+        assert f"'{ids['broken']}'" in message and "zz-broken" in message
+        # The problem itself, in the engine's words: the file the model lacks.
+        assert "failed to load" in message
+        assert "resident.bin: No such file or directory" in message, message
     assert oai.models.retrieve(ids["broken"]).model_dump()["max_model_len_source"] == "configured"
     r = oai.chat.completions.create(model="colibri-demo", messages=HELLO, max_tokens=4)
     assert r.model == "colibri-demo" and r.choices[0].message.content
+    # Every other model keeps being served, a cold one loading as usual.
+    r = oai.completions.create(model=ids["qwen"], prompt="Hi", max_tokens=2)
+    assert r.model == ids["qwen"] and r.usage.completion_tokens >= 1
+    health = http.get("/health").json()
+    states = {m["id"]: m["state"] for m in health["models"]}
+    assert states[ids["broken"]] == "cold" and states[ids["qwen"]] == "loaded"
+    assert health["status"] == "ok"
 
 
 def test_a_stream_names_the_model_it_resolved(oai, ids):
