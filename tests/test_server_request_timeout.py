@@ -133,6 +133,30 @@ def test_the_anthropic_envelope_of_the_504(server):
     assert after["cancelled"] == before["cancelled"] + 1 and after["active"] == 0
 
 
+def test_a_scoring_request_is_cut_the_same_way(server):
+    """A 20,000-token state to prefill (~8 s, in steps of ~0.5 s) before two options are read:
+    504 at the limit, the slot given back after the step in flight."""
+    before = health(server, "long")
+    t0 = time.monotonic()
+    r = httpx.post(
+        server.base_url + "/brio",
+        json={
+            "model": "long",
+            "state": "the cat sat on the mat. " * 2500,
+            "question": "Where did the cat sit?",
+            "options": ["on the mat", "on the hat"],
+        },
+        timeout=60,
+    )
+    assert r.status_code == 504, r.text[:500]
+    assert time.monotonic() - t0 < LIMIT_S + 2.5
+    assert r.headers["x-should-retry"] == "false"
+    assert r.json()["error"]["code"] == "request_timeout"
+    after = idle(server, "long")
+    assert after["active"] == 0 and after["cancelled"] == before["cancelled"] + 1
+    assert (after["completed"], after["failed"]) == (before["completed"], before["failed"])
+
+
 def test_a_stream_is_never_cut(server):
     client = openai.OpenAI(base_url=server.base_url, api_key="any", max_retries=0)
     stream = client.chat.completions.create(
