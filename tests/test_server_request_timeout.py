@@ -133,6 +133,17 @@ def test_the_anthropic_envelope_of_the_504(server):
     assert after["cancelled"] == before["cancelled"] + 1 and after["active"] == 0
 
 
+def test_a_responses_request_is_cut_the_same_way(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="any", max_retries=2)
+    before = health(server, "long")
+    with pytest.raises(openai.InternalServerError) as e:
+        client.responses.create(model="long", input="Hello", max_output_tokens=LONG)
+    assert e.value.status_code == 504 and e.value.body["code"] == "request_timeout"
+    after = idle(server, "long")
+    assert after["admitted"] == before["admitted"] + 1  # one try
+    assert after["cancelled"] == before["cancelled"] + 1 and after["active"] == 0
+
+
 def test_a_scoring_request_is_cut_the_same_way(server):
     """A 20,000-token state to prefill (~8 s, in steps of ~0.5 s) before two options are read:
     504 at the limit, the slot given back after the step in flight."""
