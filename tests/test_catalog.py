@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from colibri.errors import ApiError
@@ -110,6 +110,10 @@ def test_catalog_json_and_toml_read_the_same(tmp_path):
         ({"path": "m", "aliases": "a"}, "'aliases' must be a list"),
         ({"path": "m", "aliases": ["has space"]}, "'aliases' must be a non-empty string"),
         ({"path": "m", "id": ""}, "'id' must be a non-empty string"),
+        ({"path": "m", "id": "has space"}, "'id' must be a non-empty string without spaces"),
+        ({"path": "m", "name": " padded"}, "'name' must be .* without control characters"),
+        ({"path": "m", "name": "tab\there"}, "'name' must be .* without control characters"),
+        ({"path": "m", "name": 3}, "'name' must be a non-empty string"),
         ({"path": "m", "chat_family": "nope"}, "'chat_family' must be one of"),
         ({"path": "missing"}, "model 0: .*missing is not a colibri model directory"),
         ("m", "model 0 is not an object"),
@@ -120,6 +124,25 @@ def test_a_bad_catalog_entry_is_refused_naming_the_field(tmp_path, item, message
     (tmp_path / "cat.json").write_text(json.dumps([item]))
     with pytest.raises(CatalogError, match=message):
         read_catalog(tmp_path / "cat.json")
+
+
+def test_a_refusal_names_the_file_and_the_entry_once(tmp_path):
+    (tmp_path / "cat.json").write_text(json.dumps([{"path": "m", "id": "a b"}]))
+    with pytest.raises(CatalogError) as e:
+        read_catalog(tmp_path / "cat.json")
+    assert str(e.value).count("model 0") == 1 and str(e.value).count("--catalog") == 1
+
+
+def test_a_readable_name_and_a_path_may_have_spaces(tmp_path):
+    """docs/API.md's example names a model "Qwen3 30B A3B"; model directories may live under
+    a folder with a space in its name."""
+    fake_model(tmp_path / "My Models" / "q")
+    (tmp_path / "cat.json").write_text(
+        json.dumps([{"path": "My Models/q", "id": "q", "name": "Qwen3 30B A3B"}])
+    )
+    (entry,) = read_catalog(tmp_path / "cat.json")
+    assert entry.name == "Qwen3 30B A3B" and entry.path == tmp_path / "My Models" / "q"
+    assert resolve([entry], "Qwen3 30B A3B") is entry
 
 
 def test_a_catalog_file_that_does_not_parse_is_refused(tmp_path):
@@ -222,4 +245,25 @@ def test_an_id_becomes_one_directory_name_of_its_own():
     names = [dir_name(i) for i in odd]
     assert len(set(names)) == len(odd) and "org_model" in names
     for name in names:
-        assert "/" not in name and not name.startswith(".") and len(name) <= 77
+        assert "/" not in name and not name.startswith(".") and len(name) <= 97
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(min_size=1, max_size=80), st.text(min_size=1, max_size=80))
+def test_two_ids_never_share_a_kv_directory(a, b):
+    """A model's slot files live in --kv-dir/dir_name(id): distinct ids, distinct names, also
+    for an id spelled like another's digested name."""
+    assume(a != b)
+    assert dir_name(a) != dir_name(b)
+    if dir_name(a) != a:  # digested: an id spelled like that name gets another one
+        assert dir_name(dir_name(a)) != dir_name(a)
+    for name in (dir_name(a), dir_name(b)):
+        assert name not in (".", "..") and "/" not in name and "\x00" not in name
+        assert 1 <= len(name) <= 97
+
+
+def test_an_id_spelled_like_a_digested_name_keeps_its_own_directory():
+    digested = dir_name("org/model")
+    assert digested != "org/model"
+    assert dir_name(digested) != digested or len(digested) > 64
+    assert dir_name(digested) != dir_name("org/model")

@@ -12,6 +12,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from colibri.demo.builtin import builtin_model_dir
 from colibri.errors import ApiError
@@ -166,3 +168,23 @@ def test_requests_for_one_cold_model_share_one_load(tmp_path):
     got = asyncio.run(scenario())
     assert loads == ["d", "a"] and all(m is got[0] for m in got)
     assert len(models.measured("a")) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(min_value=0, max_value=1e5, allow_nan=False), max_size=8))
+def test_a_streams_wait_for_a_load_has_seed_003s_ceiling(times):
+    """20 minutes for an id, an alias or a readable name; for the model's own name 1.25 times
+    its worst measured load (the times kept beside its KV files), at least 2 minutes."""
+    import json
+    import tempfile
+
+    path = builtin_model_dir()
+    entry = make_entry(path, id="e", name="Readable", aliases=("al",))
+    with tempfile.TemporaryDirectory() as state:
+        (Path(state) / "load-times.json").write_text(json.dumps({"seconds": times}))
+        models = ModelSet([entry], lambda e: None, {}, state_dir=lambda e: Path(state))
+        for label in ("e", "al", "Readable"):
+            assert models.stream_ceiling(entry, label) == 1200.0
+        own = models.stream_ceiling(entry, entry.model_name)
+    assert entry.model_name == "colibri-builtin"
+    assert own == (max(120.0, 1.25 * max(times)) if times else 120.0)

@@ -473,7 +473,9 @@ def test_errors_carry_cors_headers_for_an_allowed_origin(client: TestClient):
     assert r.status_code == 401
     assert r.headers["access-control-allow-origin"] == VITE
     exposed = r.headers["access-control-expose-headers"]
-    assert {"x-request-id", "x-colibri-queue-wait-ms", "retry-after"} <= set(exposed.split(", "))
+    assert {"x-request-id", "x-colibri-queue-wait-ms", "retry-after", "x-should-retry"} <= set(
+        exposed.split(", ")
+    )
     r = client.post("/v1/chat/completions", content=b"x" * (LIMIT + 1), headers={"Origin": VITE})
     assert r.status_code == 413
     assert r.headers["access-control-allow-origin"] == VITE

@@ -43,7 +43,7 @@ def brio(http: httpx.Client, **body) -> httpx.Response:
 
 def prompt_tokens_total(http: httpx.Client) -> float:
     text = http.get("/metrics").text
-    m = re.search(r"^colibri_engine_prompt_tokens_total (\S+)$", text, re.M)
+    m = re.search(rf'^colibri_engine_prompt_tokens_total\{{model="{MODEL}"\}} (\S+)$', text, re.M)
     assert m, text
     return float(m.group(1))
 

@@ -19,6 +19,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from colibri.demo.builtin import builtin_model_dir
 from colibri.runtime.catalog import stable_id
@@ -282,18 +283,27 @@ def test_a_scoring_model_generates_no_text(oai, claude):
         claude.messages.create(model="scorer-c", messages=HELLO, max_tokens=1)
 
 
-def test_a_model_that_cannot_load_is_503_naming_it_and_the_others_keep_serving(oai, ids):
+def test_a_model_that_cannot_load_is_503_naming_it_and_the_others_keep_serving(oai, ids, http):
     for _ in range(2):  # each request tries again, and fails the same way
         with pytest.raises(openai.InternalServerError) as e:
             oai.completions.create(model=ids["broken"], prompt="Hi", max_tokens=1)
         assert e.value.status_code == 503
         assert e.value.body["code"] == "model_load_failed"
-        assert (
-            "zz-broken" in e.value.body["message"] and "failed to load" in e.value.body["message"]
-        )
+        message = e.value.body["message"]
+        assert f"'{ids['broken']}'" in message and "zz-broken" in message
+        # The problem itself, in the engine's words: the file the model lacks.
+        assert "failed to load" in message
+        assert "resident.bin: No such file or directory" in message, message
     assert oai.models.retrieve(ids["broken"]).model_dump()["max_model_len_source"] == "configured"
     r = oai.chat.completions.create(model="colibri-demo", messages=HELLO, max_tokens=4)
     assert r.model == "colibri-demo" and r.choices[0].message.content
+    # Every other model keeps being served, a cold one loading as usual.
+    r = oai.completions.create(model=ids["qwen"], prompt="Hi", max_tokens=2)
+    assert r.model == ids["qwen"] and r.usage.completion_tokens >= 1
+    health = http.get("/health").json()
+    states = {m["id"]: m["state"] for m in health["models"]}
+    assert states[ids["broken"]] == "cold" and states[ids["qwen"]] == "loaded"
+    assert health["status"] == "ok"
 
 
 def test_a_stream_names_the_model_it_resolved(oai, ids):
@@ -378,3 +388,17 @@ def test_the_ram_budget_unloads_the_model_used_longest_ago(budget_server):
     )
     use("y")  # loads again (its slot files were let go), and x goes
     assert sources()["x"] == "configured" and health["models_ram_budget_bytes"] > 0
+    # The metrics of an unloaded model: its gauges go, its counters stay, and continue when it
+    # loads again.
+    series = {
+        (s.name, s.labels.get("model")): s.value
+        for family in text_string_to_metric_families(httpx.get(budget_server.url + "/metrics").text)
+        for s in family.samples
+    }
+    assert series[("colibri_scheduler_admitted_total", "y")] == 2  # one before, one after
+    assert series[("colibri_scheduler_completed_total", "x")] == 2  # x is unloaded now
+    assert series[("colibri_scheduler_capacity", "y")] == 1
+    assert ("colibri_scheduler_capacity", "x") not in series
+    assert ("colibri_engine_kv_bytes_per_token", "x") not in series
+    assert series[("colibri_scheduler_queue_wait_seconds_count", "x")] == 2
+    assert series[("colibri_engine_generated_tokens_total", "y")] == 2

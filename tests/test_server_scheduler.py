@@ -32,9 +32,13 @@ def metrics(srv: RunningServer, **headers: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
+            # Every series names its model (one model here: the key leaves it out).
+            labels = dict(sample.labels)
+            if family.name.startswith("colibri_"):
+                assert labels.pop("model") == srv.model_id, sample
             key = sample.name + (
-                "{" + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())) + "}"
-                if sample.labels
+                "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+                if labels
                 else ""
             )
             out[key] = sample.value

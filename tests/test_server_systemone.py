@@ -33,7 +33,9 @@ def http(server):
 
 def engine_calls(http: httpx.Client) -> float:
     text = http.get("/metrics").text
-    m = re.search(r"^colibri_scheduler_engine_call_seconds_count (\S+)$", text, re.M)
+    m = re.search(
+        r'^colibri_scheduler_engine_call_seconds_count\{model="[^"]+"\} (\S+)$', text, re.M
+    )
     return float(m.group(1)) if m else 0.0
 
 

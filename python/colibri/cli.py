@@ -181,7 +181,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.quiet,
         log_format=args.log_format,
     )
-    served = ServedModel(engine, config, default.created)
+    from colibri.observability import MetricsHub
+
+    hub = MetricsHub()  # one /metrics for every model, each under its `model` label
+    served = ServedModel(engine, config, default.created, hub=hub)
 
     def load(entry: CatalogEntry) -> ServedModel:
         """A catalog entry's engine, KV slots (in a directory of its own) and scheduler."""
@@ -193,7 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         own = dataclasses.replace(
             config, model_id=entry.id, aliases=entry.aliases, chat_family=entry.chat_family
         )
-        return ServedModel(entry_engine, own, entry.created)
+        return ServedModel(entry_engine, own, entry.created, hub=hub)
 
     loaded = {default.id: served}
     for entry in entries[1:]:
@@ -208,6 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         state_dir=lambda entry: _entry_kv_dir(args, entry.id),
         budget_bytes=None if args.models_ram_gb is None else int(args.models_ram_gb * 1e9),
         footprint=_footprint(args),
+        request_timeout=_request_timeout(args.request_timeout, several),
     )
     if several:
         print(
@@ -225,6 +229,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         create_app(served, models), sock, config.model_id, on_stop=models.close, dashboard=page
     )
     return 0
+
+
+# --request-timeout's default with a catalog: the 300 s after which proxies and clients give up
+# on a silent response (seed 003's edge limit), as --ready-timeout's.
+CATALOG_REQUEST_TIMEOUT_S = 300.0
+
+
+def _request_timeout(given: float | None, several: bool) -> float | None:
+    """--request-timeout in force: as given (0: off); else 300 s with a catalog, and off for
+    one model, whose long CPU generations not streamed have always run to their end."""
+    if given is None:
+        return CATALOG_REQUEST_TIMEOUT_S if several else None
+    return given or None
 
 
 def _footprint(args: argparse.Namespace):
@@ -559,6 +576,15 @@ def serve_args(sp: argparse.ArgumentParser, model_args) -> None:
         default=_env_number("COLI_READY_TIMEOUT", float, 300.0),
         help="seconds a request that is not streamed waits for its model to load, then 503 + "
         "Retry-After ($COLI_READY_TIMEOUT, default 300)",
+    )
+    sp.add_argument(
+        "--request-timeout",
+        type=_non_negative_float,
+        default=_env_number("COLI_REQUEST_TIMEOUT", float, None),
+        metavar="S",
+        help="seconds a request that is not streamed may take from arrival to answer, then 504 "
+        "(its generation stopped) ($COLI_REQUEST_TIMEOUT; default: 300 with --catalog or "
+        "--models-dir, off with one model; 0: off)",
     )
     sp.add_argument(
         "--kv-dir",

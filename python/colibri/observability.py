@@ -11,6 +11,7 @@ otherwise the no-op tracer, whose spans cost next to nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -52,28 +53,50 @@ _COUNTERS = {
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
+    """The scheduler figures of every model, read at scrape time: one family per name, one
+    sample per model (``model`` label). A model's counters go on through its unloads and
+    reloads (what its earlier schedulers counted is carried); its gauges are there while it is
+    loaded."""
+
+    def __init__(self, hub: MetricsHub) -> None:
+        self._hub = hub
 
     def collect(self) -> Iterator[Any]:
-        snap = self._scheduler.snapshot()
+        attached = {m: s.snapshot() for m, s in self._hub.schedulers().items()}
+        carried = self._hub.carried()
         for name, doc in _GAUGES.items():
-            yield GaugeMetricFamily(f"colibri_scheduler_{name}", doc, value=snap[name])
+            family = GaugeMetricFamily(f"colibri_scheduler_{name}", doc, labels=["model"])
+            for model, snap in attached.items():
+                family.add_metric([model], snap[name])
+            yield family
+        models = [*attached, *(m for m in carried if m not in attached)]
         for name, doc in _COUNTERS.items():
-            yield CounterMetricFamily(f"colibri_scheduler_{name}", doc, value=snap[name])
+            family = CounterMetricFamily(f"colibri_scheduler_{name}", doc, labels=["model"])
+            for model in models:
+                value = carried.get(model, {}).get(name, 0)
+                family.add_metric([model], value + attached.get(model, {}).get(name, 0))
+            yield family
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # nothing to check at registration; collect() is cheap anyway
 
 
-class Metrics:
-    def __init__(self, scheduler: Scheduler) -> None:
+class MetricsHub:
+    """The server's one Prometheus registry. Every metric carries a ``model`` label (the
+    model's id), also with a single model, so a family's series always have the same label
+    names (Prometheus' rule) and a query keeps working when models are added. Each served
+    model observes through its own :class:`Metrics` (:meth:`attach`)."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_SchedulerCollector(scheduler))
+        self._schedulers: dict[str, Scheduler] = {}
+        self._carried: dict[str, dict[str, int]] = {}
+        self.registry.register(_SchedulerCollector(self))
         r = self.registry
+        model = ["model"]
 
         def hist(name: str, doc: str) -> Histogram:
-            return Histogram(f"colibri_scheduler_{name}", doc, buckets=BUCKETS, registry=r)
+            return Histogram(f"colibri_scheduler_{name}", doc, model, buckets=BUCKETS, registry=r)
 
         self.queue_wait = hist("queue_wait_seconds", "Wait until admission (admitted requests)")
         self.slot_duration = hist("slot_duration_seconds", "Slot occupancy until release")
@@ -84,51 +107,144 @@ class Metrics:
         self.prompt_tokens = Counter(
             "colibri_engine_prompt_tokens",
             "Prompt tokens the engine prefilled (reused KV not counted)",
+            model,
             registry=r,
         )
         self.generated_tokens = Counter(
-            "colibri_engine_generated_tokens", "Tokens the engine generated", registry=r
+            "colibri_engine_generated_tokens", "Tokens the engine generated", model, registry=r
         )
         self.prefill_rate = Gauge(
             "colibri_engine_last_prefill_tokens_per_second",
             "Prefill speed of the last engine call",
+            model,
             registry=r,
         )
         self.decode_rate = Gauge(
             "colibri_engine_last_decode_tokens_per_second",
             "Decode speed of the last engine call",
+            model,
             registry=r,
         )
         self.batch_size = Histogram(
             "colibri_engine_batch_size",
             "Generations run together in each batched engine step",
+            model,
             buckets=(1, 2, 3, 4, 6, 8, 12, 16),
             registry=r,
         )
+        self.request_timeouts = Counter(
+            "colibri_request_timeouts",
+            "Requests not streamed cut at --request-timeout (504, or 503 while still queued)",
+            model,
+            registry=r,
+        )
+        per_slot = ["model", "slot"]
         self.kv_tokens = Gauge(
-            "colibri_engine_kv_tokens", "Tokens in each KV slot's context", ["slot"], registry=r
+            "colibri_engine_kv_tokens", "Tokens in each KV slot's context", per_slot, registry=r
         )
         self.kv_bytes_per_token = Gauge(
-            "colibri_engine_kv_bytes_per_token", "KV memory per token of context", registry=r
+            "colibri_engine_kv_bytes_per_token",
+            "KV memory per token of context",
+            model,
+            registry=r,
         )
         self.prefill_done = Gauge(
             "colibri_engine_prefill_tokens_done",
             "Prompt tokens with KV so far in the slot's prefill in progress (0: none)",
-            ["slot"],
+            per_slot,
             registry=r,
         )
         self.prefill_total = Gauge(
             "colibri_engine_prefill_tokens",
             "Prompt tokens of the slot's prefill in progress (0: none)",
-            ["slot"],
+            per_slot,
             registry=r,
         )
+
+    def attach(self, model: str, scheduler: Scheduler) -> Metrics:
+        """The metrics of the model ``model`` (its id) scheduled by ``scheduler``: its series
+        appear now; a model loaded again continues its counters and histograms."""
+        self.detach(model)
+        self._schedulers[model] = scheduler
+        view = Metrics(scheduler, model, self)
         for slot in range(scheduler.capacity):
             for gauge in (self.kv_tokens, self.prefill_done, self.prefill_total):
-                gauge.labels(slot=str(slot)).set(0)
+                gauge.labels(model=model, slot=str(slot)).set(0)
+        return view
+
+    def detach(self, model: str) -> None:
+        """``model`` was unloaded: its gauges go (they described an engine that is gone), its
+        scheduler's counters are carried for the next load, counters and histograms stay."""
+        scheduler = self._schedulers.pop(model, None)
+        if scheduler is None:
+            return
+        snap = scheduler.snapshot()
+        kept = self._carried.setdefault(model, {})
+        for name in _COUNTERS:
+            kept[name] = kept.get(name, 0) + snap[name]
+        for slot in range(scheduler.capacity):
+            for gauge in (self.kv_tokens, self.prefill_done, self.prefill_total):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(model, str(slot))
+        for gauge in (self.prefill_rate, self.decode_rate, self.kv_bytes_per_token):
+            with contextlib.suppress(KeyError):
+                gauge.remove(model)
+
+    def schedulers(self) -> dict[str, Scheduler]:
+        return dict(self._schedulers)
+
+    def carried(self) -> dict[str, dict[str, int]]:
+        return {model: dict(counts) for model, counts in self._carried.items()}
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PerSlot:
+    """A per-slot gauge of one model: ``.labels(slot=...)`` as on the gauge itself."""
+
+    def __init__(self, gauge: Gauge, model: str) -> None:
+        self._gauge = gauge
+        self._model = model
+
+    def labels(self, slot: str) -> Gauge:
+        return self._gauge.labels(model=self._model, slot=slot)
+
+
+class Metrics:
+    """What one served model observes: the hub's metrics with its ``model`` label bound.
+    ``hub``: the server's (None: a registry of this model's own, for a server of one model or
+    a test)."""
+
+    def __init__(self, scheduler: Scheduler, model: str = "model", hub: MetricsHub | None = None):
+        if hub is None:
+            hub = MetricsHub()
+            hub.attach(model, scheduler)
+        self.hub = hub
+        self.model = model
+        bound = {"model": model}
+        self.queue_wait = hub.queue_wait.labels(**bound)
+        self.slot_duration = hub.slot_duration.labels(**bound)
+        self.first_output = hub.first_output.labels(**bound)
+        self.engine_call = hub.engine_call.labels(**bound)
+        self.prompt_tokens = hub.prompt_tokens.labels(**bound)
+        self.generated_tokens = hub.generated_tokens.labels(**bound)
+        self.prefill_rate = hub.prefill_rate.labels(**bound)
+        self.decode_rate = hub.decode_rate.labels(**bound)
+        self.batch_size = hub.batch_size.labels(**bound)
+        self.kv_bytes_per_token = hub.kv_bytes_per_token.labels(**bound)
+        self.request_timeouts = hub.request_timeouts.labels(**bound)
+        self.kv_tokens = _PerSlot(hub.kv_tokens, model)
+        self.prefill_done = _PerSlot(hub.prefill_done, model)
+        self.prefill_total = _PerSlot(hub.prefill_total, model)
+
+    def detach(self) -> None:
+        """The model was unloaded (see :meth:`MetricsHub.detach`)."""
+        self.hub.detach(self.model)
+
+    def exposition(self) -> bytes:
+        """The whole server's metrics (every model's)."""
+        return self.hub.exposition()
 
 
 def make_tracer(exporter: Any | None = None) -> Tracer:

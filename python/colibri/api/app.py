@@ -21,7 +21,8 @@ from colibri.api.http import json_response
 from colibri.api.request_id import RequestIdMiddleware
 from colibri.api.security import security_middleware
 from colibri.observability import CONTENT_TYPE
-from colibri.runtime.admission import ClientGone, client_gone_response
+from colibri.runtime.admission import ClientGone, DeadlineExceeded, client_gone_response
+from colibri.runtime.catalog import CatalogEntry
 from colibri.runtime.models import ModelSet, single_model
 from colibri.runtime.served import ServedModel
 
@@ -32,46 +33,81 @@ def _authenticated(request: Request) -> bool:
     return bool(request.scope.get("state", {}).get("authenticated", False))
 
 
+def _named(request: Request) -> tuple[CatalogEntry, ServedModel | None]:
+    """The catalog entry the ``model`` query parameter names (the resolution order of every
+    route: 404 unknown, 409 ambiguous), the default one when it is absent, and its loaded
+    model (None when it is not loaded: these endpoints never load a model)."""
+    catalog: ModelSet = request.app.state.models
+    label = request.query_params.get("model")
+    entry = catalog.default if label is None else catalog.resolve(label)
+    return entry, catalog.loaded(entry.id)
+
+
+def _loaded(request: Request) -> ServedModel:
+    """The loaded model the ``model`` query parameter names (default: the default model); a
+    model that is not loaded is 409 ``model_not_loaded`` (it is not loaded for this)."""
+    entry, model = _named(request)
+    if model is None:
+        state = request.app.state.models.state(entry.id)
+        raise ApiError(
+            409,
+            f"The model '{entry.id}' is not loaded ({state}): it has no engine to describe yet; "
+            "it loads on its first generation or scoring request (GET /health lists every "
+            "model's state)",
+            code="model_not_loaded",
+            param="model",
+        )
+    return model
+
+
 async def health(request: Request) -> Response:
     """Public liveness; the scheduler snapshot only for an authenticated caller (or when no key
-    is set). 503 once the engine has failed."""
-    model: ServedModel = request.app.state.served
+    is set), of the model ``?model=`` names (default: the default model). 503 once that
+    model's engine has failed."""
+    if not _authenticated(request):  # the query is not read: no catalog names for anyone
+        dead = request.app.state.served.generator.dead
+        return json_response({"status": "error" if dead else "ok"}, status=503 if dead else 200)
+    catalog: ModelSet = request.app.state.models
+    entry, model = _named(request)
+    if model is None:  # nothing to report but its state: never figures it does not have
+        return json_response({"status": "ok", "model": entry.id, "state": catalog.state(entry.id)})
     dead = model.generator.dead
-    body: dict = {"status": "error" if dead else "ok"}
-    if _authenticated(request):
-        body.update(model=model.id, **model.scheduler.snapshot())
-        body["context_length"] = model.engine.info.get("context_length")
-        body["kv_bytes_per_token"] = model.engine.info.get("kv_bytes_per_token")
-        body["prefill"] = [
-            {"slot": slot, "prompt_tokens": total, "prompt_tokens_done": done}
-            for slot, done, total in model.generator.prefilling.values()
+    body: dict = {"status": "error" if dead else "ok", "model": model.id, "state": "loaded"}
+    body.update(model.scheduler.snapshot())
+    body["context_length"] = model.engine.info.get("context_length")
+    body["kv_bytes_per_token"] = model.engine.info.get("kv_bytes_per_token")
+    body["prefill"] = [
+        {"slot": slot, "prompt_tokens": total, "prompt_tokens_done": done}
+        for slot, done, total in model.generator.prefilling.values()
+    ]
+    if dead:
+        body["error"] = dead
+    if len(catalog.entries) > 1:
+        body["models"] = [
+            {"id": e.id, "state": catalog.state(e.id), "ram_bytes": catalog.footprint(e)}
+            for e in catalog.entries
         ]
-        if dead:
-            body["error"] = dead
-        catalog: ModelSet = request.app.state.models
-        if len(catalog.entries) > 1:
-            body["models"] = [
-                {"id": e.id, "state": catalog.state(e.id), "ram_bytes": catalog.footprint(e)}
-                for e in catalog.entries
-            ]
-            body["models_ram_budget_bytes"] = catalog.budget_bytes
-            body["models_unloaded"] = catalog.unloads
+        body["models_ram_budget_bytes"] = catalog.budget_bytes
+        body["models_unloaded"] = catalog.unloads
     return json_response(body, status=503 if dead else 200)
 
 
 async def metrics(request: Request) -> Response:
-    """Prometheus text exposition 0.0.4 (the API key middleware guards it like generation)."""
+    """Prometheus text exposition 0.0.4 of every model (each series with its ``model`` label;
+    the API key middleware guards it like generation)."""
     model: ServedModel = request.app.state.served
     return Response(model.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 async def profile(request: Request) -> Response:
-    """Where the engine spent its last turns (dashboard's profiling and live-routing views).
-    Behind the API key like generation."""
-    model: ServedModel = request.app.state.served
+    """Where the engine of the model ``?model=`` names (default: the default model) spent its
+    last turns (dashboard's profiling and live-routing views). Behind the API key like
+    generation."""
+    model = _loaded(request)
     engine = model.engine
     return json_response(
         {
+            "model": model.id,
             "turns": engine.profiles(),
             "last_routed_experts": engine.last_routed_experts(),
             "expert_cache": engine.store_stats(),
@@ -102,7 +138,7 @@ _INFO_FIELDS = (
 async def info(request: Request) -> Response:
     """What the served model is and how the engine runs it (the dashboard's System page).
     Behind the API key like generation."""
-    model: ServedModel = request.app.state.served
+    model = _loaded(request)
     engine = model.engine
     body = {"model": model.id, "chat_family": model.family.name}
     body.update({name: engine.info.get(name) for name in _INFO_FIELDS})
@@ -114,8 +150,8 @@ async def info(request: Request) -> Response:
 async def experts(request: Request) -> Response:
     """The routing map (the dashboard's Brain page): per MoE layer, how often the router chose
     each expert (the engine's routing heat) and the experts of the last generation. Behind the
-    API key like generation."""
-    model: ServedModel = request.app.state.served
+    API key like generation. ``?model=``: as for the profile."""
+    model = _loaded(request)
     engine = model.engine
     heat = engine.routing_heat()
     routed = engine.last_routed_experts()
@@ -130,6 +166,7 @@ async def experts(request: Request) -> Response:
     snap = model.scheduler.snapshot()
     return json_response(
         {
+            "model": model.id,
             "experts": int(heat.get("experts", 0)),
             "layers": layers,
             "placement": "resident" if engine.store_stats() is None else "cached",
@@ -142,6 +179,26 @@ async def experts(request: Request) -> Response:
 async def _client_gone(request: Request, exc: Exception) -> Response:
     note_error(request.scope, ApiError(499, "client gone", code="client_gone"))
     return client_gone_response()
+
+
+async def _deadline_exceeded(request: Request, exc: Exception) -> Response:
+    """504 for a request not streamed whose answer outlasted --request-timeout (seed 003):
+    its generation was cancelled (slot given back), and a retry would take as long, so the
+    SDKs are told not to retry."""
+    assert isinstance(exc, DeadlineExceeded)
+    deadline = exc.deadline
+    served: ServedModel = request.app.state.served
+    served.metrics.hub.request_timeouts.labels(model=deadline.model).inc()
+    err = ApiError(
+        504,
+        f"The model '{deadline.model}' did not finish this request within "
+        f"{deadline.limit:g} s (--request-timeout) and it was stopped; a retry would take as "
+        'long: send it with "stream": true, or ask for fewer tokens',
+        code="request_timeout",
+        headers={"x-should-retry": "false"},
+    )
+    note_error(request.scope, err)
+    return error_response(request.url.path, err)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -252,6 +309,7 @@ def _starlette_app(served: ServedModel, models: ModelSet) -> Starlette:
         exception_handlers={
             ApiError: _api_error,
             ClientGone: _client_gone,
+            DeadlineExceeded: _deadline_exceeded,
             HTTPException: _http_error,
             Exception: _unexpected,
         },

@@ -29,6 +29,7 @@ _OPENAI_TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 # HTTP status -> Anthropic error type.
 _ANTHROPIC_TYPES = {
@@ -42,6 +43,7 @@ _ANTHROPIC_TYPES = {
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
+    504: "timeout_error",
 }
 
 

@@ -23,7 +23,7 @@ from colibri.api.errors import error_body, is_anthropic_path
 from colibri.api.http import models
 from colibri.api.keepalive import PING_INTERVAL_S
 from colibri.errors import ApiError
-from colibri.runtime.admission import ClientGone
+from colibri.runtime.admission import ClientGone, Deadline, set_deadline
 from colibri.runtime.catalog import CatalogEntry
 from colibri.runtime.models import ModelSet
 from colibri.runtime.served import ServedModel
@@ -48,10 +48,25 @@ def entry_for(request: Request, label: str | None, generation: bool = True) -> C
     return entry
 
 
+def _arm(request: Request, catalog: ModelSet, entry: CatalogEntry) -> float | None:
+    """Gives a request that is not streamed its deadline when the server has a request
+    timeout (``--request-timeout``: counted from the request's arrival); the seconds it may
+    still wait for a load (the ready timeout, or less when the deadline comes first)."""
+    limit = catalog.request_timeout
+    if not limit:
+        return None
+    arrived = request.scope.get("state", {}).get("arrived", time.monotonic())
+    deadline = Deadline(arrived + limit, limit, entry.id)
+    set_deadline(request, deadline)
+    return max(0.0, min(catalog.ready_timeout, deadline.at - time.monotonic()))
+
+
 async def model_for(request: Request, label: str | None, generation: bool = True) -> ServedModel:
     """The served model ``label`` names, loaded if it was not (a non-streamed wait: at most
-    the ready timeout)."""
-    return await models(request).get(entry_for(request, label, generation))
+    the ready timeout, and within the request's deadline)."""
+    catalog = models(request)
+    entry = entry_for(request, label, generation)
+    return await catalog.get(entry, timeout=_arm(request, catalog, entry))
 
 
 async def with_model(request: Request, label: str | None, answer: Answer, stream: bool) -> Response:
@@ -61,7 +76,8 @@ async def with_model(request: Request, label: str | None, answer: Answer, stream
     entry = entry_for(request, label)
     model = catalog.ready(entry)
     if model is not None or not stream:
-        model = model or await catalog.get(entry)
+        wait = None if stream else _arm(request, catalog, entry)
+        model = model or await catalog.get(entry, timeout=wait)
         with catalog.hold(entry.id):  # until admitted (then its slot keeps the model loaded)
             return await answer(model)
     ceiling = catalog.stream_ceiling(entry, label or entry.id)

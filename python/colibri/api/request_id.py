@@ -4,6 +4,7 @@ fresh one, so a log line, a trace and a client report can be matched."""
 from __future__ import annotations
 
 import re
+import time
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,7 +22,9 @@ class RequestIdMiddleware:
             return
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
         rid = given if given is not None and _SANE.match(given) else uuid.uuid4().hex.encode()
-        scope.setdefault("state", {})["request_id"] = rid.decode()
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid.decode()
+        state["arrived"] = time.monotonic()  # a --request-timeout counts from here
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

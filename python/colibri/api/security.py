@@ -59,7 +59,12 @@ CORS_ALLOW_HEADERS = (
     "traceparent",
     "tracestate",
 )
-CORS_EXPOSE_HEADERS = ("x-request-id", "x-colibri-queue-wait-ms", "retry-after")
+CORS_EXPOSE_HEADERS = (
+    "x-request-id",
+    "x-colibri-queue-wait-ms",
+    "retry-after",
+    "x-should-retry",
+)
 
 _LOCALHOST = "localhost"
 _LOCALHOST_SUFFIX = ".localhost"

@@ -25,6 +25,7 @@ TASK_TYPES = ("text-generation", "scoring")
 # The fields of one catalog-file entry (anything else is refused, naming it).
 _FIELDS = ("id", "name", "path", "aliases", "task_type", "pinned", "chat_family")
 _LABEL = re.compile(r"^[^\s\x00-\x1f]{1,256}$")
+_TEXT = re.compile(r"^[^\x00-\x1f\x7f]{1,4096}$")
 
 
 class CatalogError(ValueError):
@@ -174,8 +175,19 @@ def _catalog_items(path: Path) -> list[Any]:
 
 
 def _string(where: str, key: str, value: Any) -> str:
+    """An id or an alias: what a client sends as ``model`` and a KV directory is named after."""
     if not isinstance(value, str) or not _LABEL.match(value):
         raise CatalogError(f"{where}: '{key}' must be a non-empty string without spaces")
+    return value
+
+
+def _text(where: str, key: str, value: Any) -> str:
+    """A readable name or a path: spaces allowed, not at either end; no control characters."""
+    if not isinstance(value, str) or not _TEXT.match(value) or value != value.strip():
+        raise CatalogError(
+            f"{where}: '{key}' must be a non-empty string without control characters or "
+            "spaces at either end"
+        )
     return value
 
 
@@ -195,7 +207,7 @@ def read_catalog(path: Path) -> list[CatalogEntry]:
             )
         if "path" not in item:
             raise CatalogError(f"{where}: 'path' (the model directory) is required")
-        model_path = Path(_string(where, "path", item["path"])).expanduser()
+        model_path = Path(_text(where, "path", item["path"])).expanduser()
         if not model_path.is_absolute():
             model_path = path.parent / model_path
         aliases = item.get("aliases", [])
@@ -212,13 +224,16 @@ def read_catalog(path: Path) -> list[CatalogEntry]:
             raise CatalogError(
                 f"{where}: 'chat_family' must be one of {', '.join(sorted(FAMILIES))}"
             )
+        entry_id = _string(where, "id", item["id"]) if "id" in item else None
+        name = _text(where, "name", item["name"]) if "name" in item else None
+        labels = [_string(where, "aliases", a) for a in aliases]
         try:
             entries.append(
                 make_entry(
                     model_path,
-                    id=_string(where, "id", item["id"]) if "id" in item else None,
-                    name=_string(where, "name", item["name"]) if "name" in item else None,
-                    aliases=[_string(where, "aliases", a) for a in aliases],
+                    id=entry_id,
+                    name=name,
+                    aliases=labels,
                     task_type=task_type,
                     pinned=pinned,
                     chat_family=family,
@@ -255,12 +270,14 @@ def merge(
 
 def dir_name(entry_id: str) -> str:
     """``entry_id`` as one directory name (its KV directory): kept when it is plain and at most
-    64 characters, else its first plain characters and a digest, so two ids never share a
-    directory."""
+    64 characters, else its first plain characters and its whole SHA-256. Two ids never share a
+    directory: a kept id is at most 64 characters and a digested name always longer (so an id
+    spelled like another's digested name keeps a directory of its own), and two digested names
+    differ by their digests."""
     plain = re.sub(r"[^A-Za-z0-9._-]", "_", entry_id).strip(".") or "_"
     if plain == entry_id and len(plain) <= 64:
         return plain
-    return f"{plain[:64]}-{_digest(entry_id.encode())[:12]}"
+    return f"{plain[:32]}-{_digest(entry_id.encode())}"
 
 
 def _candidates(entries: Sequence[CatalogEntry]) -> str:

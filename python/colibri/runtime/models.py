@@ -66,13 +66,15 @@ class ModelSet:
         state_dir: Callable[[CatalogEntry], Path | None] = lambda entry: None,
         budget_bytes: int | None = None,
         footprint: Footprint | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         """``entries``: the catalog, the default entry first; ``loaded``: the models already
         loaded at startup, by id; ``context``: ``--context`` (what a cold start asks for);
         ``ready_timeout``: how long a non-streamed request waits for its model;
         ``state_dir``: where an entry's load times are kept (its KV directory);
         ``budget_bytes``: the RAM every loaded model may take together (None: no limit), each
-        one's ``footprint``."""
+        one's ``footprint``; ``request_timeout``: seconds a request that is not streamed may
+        take from its arrival to its answer (None: no limit; api/loading.py)."""
         self.entries = tuple(entries)
         self.default = self.entries[0]
         self._loader = loader
@@ -82,6 +84,7 @@ class ModelSet:
         self._times = {e.id: LoadTimes(state_dir(e)) for e in self.entries}
         self.context = context
         self.ready_timeout = ready_timeout
+        self.request_timeout = request_timeout
         self._delay = _load_delay()
         self.budget_bytes = budget_bytes
         self._footprint = footprint or (lambda entry, model: 0)
@@ -237,6 +240,7 @@ class ModelSet:
         log.info("unloading model %s (used longest ago) to make room", entry.id)
         model.scheduler.close()
         model.generator.close()
+        model.metrics.detach()  # its gauges go; its counters go on when it loads again
         del model
         gc.collect()  # the engine's memory and slot-file locks go now, not at some later time
         self.unloads += 1

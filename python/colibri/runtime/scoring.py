@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from colibri.errors import ApiError
 from colibri.observability import RequestObserver
-from colibri.runtime.admission import ClientGone, admit, until_disconnect
+from colibri.runtime.admission import ClientGone, DeadlineExceeded, admit, until_disconnect
 from colibri.runtime.scheduler import Lease
 from colibri.runtime.served import ServedModel
 from colibri.scoring.maths import OptionRead
@@ -114,7 +114,7 @@ async def run_scoring(
     try:
         value = await until_disconnect(request, work(scorer))
         outcome = "completed"
-    except ClientGone:
+    except (ClientGone, DeadlineExceeded):
         raise  # "cancelled"
     except Exception:
         outcome = "failed"

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from colibri.chat.families import Family, detect_family, family_by_name
 from colibri.chat.template import ChatTemplate, special_tokens_of
 from colibri.errors import ApiError
-from colibri.observability import AccessRecord, Metrics, RequestObserver, make_tracer
+from colibri.observability import (
+    AccessRecord,
+    Metrics,
+    MetricsHub,
+    RequestObserver,
+    make_tracer,
+)
 from colibri.runtime.engine import Engine
 from colibri.runtime.generation import Generator
 from colibri.runtime.scheduler import Lease, Scheduler
@@ -39,8 +45,15 @@ class ServerConfig:
 
 class ServedModel:
     def __init__(
-        self, engine: Engine, config: ServerConfig, created: int, span_exporter: object = None
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        created: int,
+        span_exporter: object = None,
+        hub: MetricsHub | None = None,
     ) -> None:
+        """``hub``: the server's metrics, which every model of a catalog shares (each under
+        its ``model`` label); None: a registry of this model's own."""
         self.engine = engine
         self.config = config
         self.id = config.model_id
@@ -62,7 +75,9 @@ class ServedModel:
             on_release=self._released,
             max_active=config.max_active,
         )
-        self.metrics = Metrics(self.scheduler)
+        self.metrics = (
+            Metrics(self.scheduler, self.id) if hub is None else hub.attach(self.id, self.scheduler)
+        )
         self.generator = Generator(engine, on_batch=self.metrics.batch_size.observe)
         self.metrics.kv_bytes_per_token.set(float(engine.info.get("kv_bytes_per_token", 0)))
         self.tracer = make_tracer(span_exporter)
