@@ -1,4 +1,5 @@
-"""The MLA and sparse-attention families served end to end: DeepSeek-V3's fixture (MLA) under
+"""The MLA, sparse-attention and linear-attention families served end to end (Qwen3-Next under
+Qwen3's template, its DeltaNet state resumed across turns): DeepSeek-V3's fixture (MLA) under
 DeepSeek V3.1's chat template, GLM-5's (glm_moe_dsa: MLA + the DSA indexer) under GLM's and
 DeepSeek-V3.2's (DSA) and DeepSeek-V4's (compressed attention, hyper-connections) under V3.2's
 (DSML tool calls), each through `colibri serve` and the
@@ -32,6 +33,8 @@ SERVED = {
     "deepseek_v32": "deepseek_v32",
     # DeepSeek-V4 calls tools in V3.2's DSML.
     "deepseek_v4": "deepseek_v32",
+    # Qwen3-Next (gated DeltaNet + gated attention) in Qwen3's XML.
+    "qwen3_next": "qwen3",
 }
 
 WEATHER_SCHEMA = {
@@ -170,9 +173,9 @@ def test_anthropic_forced_tool_use_is_valid(served):
         tool_choice={
             "type": "tool",
             "name": "get_weather",
-            # DeepSeek-V4's random weights, left to choose, open call after call until
-            # max_tokens (each one valid): here one call is asked for, and must close.
-            "disable_parallel_tool_use": arch == "deepseek_v4",
+            # DeepSeek-V4's and Qwen3-Next's random weights, left to choose, open call after
+            # call until max_tokens (each one valid): here one call is asked for, and must close.
+            "disable_parallel_tool_use": arch in ("deepseek_v4", "qwen3_next"),
         },
     )
     assert r.stop_reason == "tool_use", (arch, [b.model_dump() for b in r.content])
