@@ -10,7 +10,7 @@ dependencies):
 
 It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe, deepseek_v3,
 deepseek_v3_noqlora, glm_moe_dsa, glm_moe_dsa_yarn, glm_moe_dsa_shared, deepseek_v32,
-deepseek_v4, qwen3_next}:
+deepseek_v4, qwen3_next, qwen3_next_ratios}:
 
     tests/fixtures/<arch>/hf/            HF checkpoint (config.json, *.safetensors,
                                          tokenizer.json, tokenizer_config.json, ...)
@@ -650,6 +650,47 @@ SPECS = {
             eos_token_id=EOS,
         ),
     ),
+    # Qwen3-Next with other ratios: 6 layers from the default schedule (full_attention_interval
+    # 3: layers 2 and 5 full), one key head serving 3 value heads (k 12, v 6), a 2-tap
+    # convolution, 3 heads / 1 kv head of 16 with the default partial rotary (0.25: 4 dims), MoE
+    # every other layer (decoder_sparse_step 2), 9 experts top-2 without renormalisation, a
+    # shared expert of 8. f16; routers f32.
+    "qwen3_next_ratios": dict(
+        cls=Qwen3NextForCausalLM,
+        cfg_cls=Qwen3NextConfig,
+        tok_vocab=389,
+        storage=torch.float16,
+        shards=1,
+        seed=12000,
+        cfg=dict(
+            vocab_size=389,
+            hidden_size=40,
+            intermediate_size=56,
+            num_hidden_layers=6,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=16,
+            full_attention_interval=3,
+            linear_conv_kernel_dim=2,
+            linear_key_head_dim=12,
+            linear_value_head_dim=6,
+            linear_num_key_heads=1,
+            linear_num_value_heads=3,
+            decoder_sparse_step=2,
+            moe_intermediate_size=18,
+            shared_expert_intermediate_size=8,
+            num_experts_per_tok=2,
+            num_experts=9,
+            norm_topk_prob=False,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
 }
 
 # Parameters that stay float32 in the stored checkpoint regardless of `storage`.
@@ -678,6 +719,7 @@ KEEP_F32 = {
     "deepseek_v32": _DSA_F32,
     "deepseek_v4": _ROUTER_F32 + _V4_F32,
     "qwen3_next": ("mlp.gate.weight",),
+    "qwen3_next_ratios": ("mlp.gate.weight",),
 }
 # Architectures with sigmoid, group-limited routing and a correction bias.
 SIGMOID_ROUTED = (
@@ -801,6 +843,7 @@ SCALES = {
         "deepseek_v32": 1.5,
         "deepseek_v4": 1.5,
         "qwen3_next": 2.5,
+        "qwen3_next_ratios": 2.5,
     },
     "bias": 0.3,
     "e_score_correction_bias": 0.08,
@@ -837,7 +880,7 @@ def randomize(model: torch.nn.Module, arch: str, seed: int) -> None:
         elif name.endswith("position_bias"):
             v = normal(shape, 0.5)
         elif (
-            arch == "qwen3_next"
+            arch.startswith("qwen3_next")
             and name.endswith("norm.weight")
             and not name.endswith("linear_attn.norm.weight")
         ):  # zero-centred: the norm multiplies by 1 + w
@@ -1134,7 +1177,7 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
     arch = cfg["model_type"]
     if arch == "deepseek_v4":
         return numpy_forward_v4(cfg, v4_module_names(W), ids)
-    if arch == "qwen3_next":
+    if arch == "qwen3_next":  # both Qwen3-Next fixtures (the config's model_type)
         return numpy_forward_qwen3_next(cfg, W, ids)
     H = cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]

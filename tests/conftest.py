@@ -25,6 +25,7 @@ ARCHS = [
     "deepseek_v32",
     "deepseek_v4",
     "qwen3_next",
+    "qwen3_next_ratios",
 ]
 
 

@@ -20,27 +20,35 @@ from .conftest import FIXTURES, Reference
 ARCH = "qwen3_next"
 
 
-@pytest.fixture
-def qn() -> Reference:
-    return Reference(ARCH)
+@pytest.fixture(params=[ARCH, "qwen3_next_ratios"])
+def qn(request) -> Reference:
+    return Reference(request.param)
 
 
-def hf_config() -> dict:
-    return json.loads((FIXTURES / ARCH / "hf" / "config.json").read_text())
+def hf_config(arch: str = ARCH) -> dict:
+    return json.loads((FIXTURES / arch / "hf" / "config.json").read_text())
 
 
-def test_only_the_full_attention_layers_keep_kv_per_position(converted):
-    cfg = hf_config()
-    full = cfg["layer_types"].count("full_attention")
+def full_layers(cfg: dict) -> int:
+    if "layer_types" in cfg:
+        return cfg["layer_types"].count("full_attention")
+    every = cfg.get("full_attention_interval", 4)
+    return sum((i + 1) % every == 0 for i in range(cfg["num_hidden_layers"]))
+
+
+def test_only_the_full_attention_layers_keep_kv_per_position(qn, converted):
+    cfg = hf_config(qn.arch)
+    full = full_layers(cfg)
+    assert 0 < full < cfg["num_hidden_layers"]
     per_layer = 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
     for quant, width in [("f32", 4), ("int4", 2)]:
-        info = Engine(converted(ARCH, quant), threads=1).info
+        info = Engine(converted(qn.arch, quant), threads=1).info
         assert info["kv_bytes_per_token"] == full * per_layer * width
 
 
 def test_prefix_reuse_gives_the_tokens_of_a_cold_run(qn, converted):
     for quant in ["f32", "int4"]:
-        engine = Engine(converted(ARCH, quant), threads=2, slots=2)
+        engine = Engine(converted(qn.arch, quant), threads=2, slots=2)
         prompt = qn.prompts[1]
         first = engine.generate(prompt, 6, slot=1)
         out = list(first)
@@ -61,7 +69,7 @@ def test_prefix_reuse_gives_the_tokens_of_a_cold_run(qn, converted):
 
 
 def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(qn, converted, tmp_path):
-    model = converted(ARCH, "int4")
+    model = converted(qn.arch, "int4")
     kv = tmp_path / "kv"
     engine = Engine(model, threads=2, kv_dir=kv)
     prompt = qn.prompts[2]
