@@ -170,13 +170,33 @@ const SLOT_LAYERS: usize = 2;
 const SLOT_KV_DIM: usize = 3;
 const SLOT_FP: [u8; 32] = [0xa5; 32];
 
+/// The per-layer state widths of the version-2 (linear-attention) slot files the harness reads
+/// when byte 0 has bit 1 set: the same two layers of 3 keys and 3 values, the first with a
+/// 4-float state.
+const SLOT_STATES: [usize; SLOT_LAYERS] = [4, 0];
+
 /// Byte 0 odd: recompute every checksum first (`reseal`), so mutated fields reach the replay.
+/// Bit 1 set: read the rest as a version-2 file with [`SLOT_STATES`].
 fn slot_file(data: &[u8]) {
-    use colibri_engine::slotfile::{load_bytes, reseal};
+    use colibri_engine::slotfile::{load_bytes, load_bytes_states, reseal, reseal_layout_states};
     let Some((&mode, rest)) = data.split_first() else {
         return;
     };
     let mut bytes = rest.to_vec();
+    if mode & 2 == 2 {
+        let layout = colibri_engine::kv::KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM);
+        if mode & 1 == 1 {
+            reseal_layout_states(&mut bytes, &layout, &SLOT_STATES);
+        }
+        if let Ok(Some(s)) = load_bytes_states(&bytes, SLOT_FP, &layout, &SLOT_STATES) {
+            for v in s.keys.iter().chain(&s.values) {
+                assert_eq!(v.len(), s.tokens.len() * SLOT_KV_DIM);
+            }
+            let widths: Vec<usize> = s.states.iter().map(Vec::len).collect();
+            assert_eq!(widths, SLOT_STATES);
+        }
+        return;
+    }
     if mode & 1 == 1 {
         reseal(&mut bytes, SLOT_LAYERS, SLOT_KV_DIM);
     }
@@ -227,6 +247,36 @@ fn slot_file_bases() -> Vec<(String, Vec<u8>)> {
     commit(&mut sf, 1, 0); // truncation only
     snap(&mut out, "truncated", 0);
     drop(sf);
+    // A version-2 file: positions, a state record at each sync, a truncation, more positions.
+    {
+        use colibri_engine::kv::{KvCache, KvDtype, KvLayout};
+        let _ = std::fs::remove_file(&path);
+        let layout = KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM);
+        let (mut sf, _) =
+            SlotFile::open_layout_states(&path, SLOT_FP, &layout, &SLOT_STATES).unwrap();
+        let cache = |n: usize, seed: f32| {
+            let mut kv = KvCache::new(&layout, KvDtype::F32).with_states(&SLOT_STATES);
+            kv.reserve(n);
+            for li in 0..SLOT_LAYERS {
+                let rows: Vec<f32> = (0..n * SLOT_KV_DIM).map(|i| seed + i as f32).collect();
+                kv.write(li, 0, &rows, &rows);
+            }
+            kv.len = n;
+            kv.state_mut(0).fill(seed);
+            kv
+        };
+        let tokens: Vec<u32> = (0..8).collect();
+        let kv = cache(5, 1.0);
+        sf.commit_kv(0, &tokens[..5], &kv).unwrap();
+        sf.sync_kv(&tokens[..5], &kv).unwrap();
+        snap(&mut out, "state-one", 2);
+        let kv = cache(8, 2.0);
+        sf.commit_kv(3, &tokens[3..8], &kv).unwrap();
+        snap(&mut out, "state-tail", 2);
+        sf.sync_kv(&tokens[..8], &kv).unwrap();
+        snap(&mut out, "state-two", 2);
+        snap(&mut out, "state-two-resealed", 3);
+    }
     // Each header copy torn in turn: the loader falls back to another one (or refuses).
     let log = out.iter().find(|(n, _)| n == "log").unwrap().1.clone();
     for block in 0..3 {
@@ -243,8 +293,16 @@ fn slot_file_survives_mutations() {
     let mut base = seeds("slot_file");
     for s in &base {
         if s.len() > 1 && s[0] & 1 == 0 {
-            let r =
-                colibri_engine::slotfile::load_bytes(&s[1..], SLOT_FP, SLOT_LAYERS, SLOT_KV_DIM);
+            let r = if s[0] & 2 == 2 {
+                colibri_engine::slotfile::load_bytes_states(
+                    &s[1..],
+                    SLOT_FP,
+                    &colibri_engine::kv::KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM),
+                    &SLOT_STATES,
+                )
+            } else {
+                colibri_engine::slotfile::load_bytes(&s[1..], SLOT_FP, SLOT_LAYERS, SLOT_KV_DIM)
+            };
             assert!(
                 r.is_ok(),
                 "a seed no longer loads ({r:?}): the format changed; rewrite the seeds with \
@@ -261,7 +319,8 @@ fn slot_file_survives_mutations() {
         if b.len() <= 1 {
             continue;
         }
-        b[0] = rng.below(2) as u8;
+        // Keep a base's kind (bit 1: a state file); choose raw or resealed.
+        b[0] = (b[0] & 2) | rng.below(2) as u8;
         for _ in 0..1 + rng.below(3) {
             let at = if rng.below(2) == 0 || b.len() <= 1 + 3 * 4096 {
                 1 + rng.below(3) * 4096 + rng.below(104)

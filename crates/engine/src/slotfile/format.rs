@@ -285,7 +285,7 @@ pub(super) fn record_len(n: u64, per_token: u64) -> Option<u64> {
 #[doc(hidden)]
 pub fn reseal(bytes: &mut [u8], num_layers: usize, kv_dim: usize) {
     if let Some(per_token) = token_bytes(num_layers, kv_dim) {
-        reseal_records(bytes, per_token);
+        reseal_records(bytes, per_token, 0);
     }
 }
 
@@ -293,16 +293,38 @@ pub fn reseal(bytes: &mut [u8], num_layers: usize, kv_dim: usize) {
 #[doc(hidden)]
 pub fn reseal_layout(bytes: &mut [u8], layout: &KvLayout) {
     if let Ok(shape) = Shape::of(layout) {
-        reseal_records(bytes, shape.per_token);
+        reseal_records(bytes, shape.per_token, 0);
     }
 }
 
-fn reseal_records(bytes: &mut [u8], per_token: u64) {
+/// [`reseal`] for the (version-2) slot files of `layout` with `states[li]` floats of state per
+/// layer: state records are resealed too.
+#[doc(hidden)]
+pub fn reseal_layout_states(bytes: &mut [u8], layout: &KvLayout, states: &[usize]) {
+    if let Ok(shape) = Shape::of(layout).and_then(|s| s.with_states(states)) {
+        reseal_records(bytes, shape.per_token, shape.state_floats());
+    }
+}
+
+fn reseal_records(bytes: &mut [u8], per_token: u64, state_floats: u64) {
     let size = bytes.len() as u64;
     let mut ends = vec![(LOG_START, 0u64)];
     let (mut pos, mut chain) = (LOG_START, 0u64);
     while size >= pos + RECORD_HEAD + RECORD_TAIL {
         let at = pos as usize;
+        if state_floats > 0 && bytes[at..at + 4] == STATE_MAGIC {
+            let floats = le_u64(bytes, at + 16);
+            if floats != state_floats || floats > (size - pos - STATE_HEAD - RECORD_TAIL) / 4 {
+                break;
+            }
+            let body_end = (pos + STATE_HEAD + 4 * floats) as usize;
+            let sum = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[at..body_end], chain);
+            bytes[body_end..body_end + 8].copy_from_slice(&sum.to_le_bytes());
+            chain = sum;
+            pos = body_end as u64 + RECORD_TAIL;
+            ends.push((pos, chain));
+            continue;
+        }
         if bytes[at..at + 4] != RECORD_MAGIC {
             break;
         }

@@ -29,11 +29,11 @@ use crate::error::{io_err, Error, Result};
 use crate::kv::KvLayout;
 
 pub use format::{
-    reseal, reseal_layout, HEADER_BLOCK, HEADER_COPIES, LOG_START, RECORD_MAGIC, SLOT_FILE_MAGIC,
-    SLOT_FILE_VERSION, STATE_MAGIC, STATE_SLOT_FILE_VERSION,
+    reseal, reseal_layout, reseal_layout_states, HEADER_BLOCK, HEADER_COPIES, LOG_START,
+    RECORD_MAGIC, SLOT_FILE_MAGIC, SLOT_FILE_VERSION, STATE_MAGIC, STATE_SLOT_FILE_VERSION,
 };
 pub use lock::IN_USE;
-pub use replay::{load_bytes, load_bytes_layout};
+pub use replay::{load_bytes, load_bytes_layout, load_bytes_states};
 
 use format::{Shape, HEADER_LEN};
 use lock::open_locked;

@@ -377,6 +377,21 @@ pub fn load_bytes_layout(
     load_shape(bytes, fingerprint, &Shape::of(layout)?)
 }
 
+/// [`load_bytes_layout`] for the (version-2) slot files of a model whose layers also carry
+/// `states[li]` floats of state: the loaded slot ends at the last state record's position and
+/// holds that state.
+pub fn load_bytes_states(
+    bytes: &[u8],
+    fingerprint: [u8; 32],
+    layout: &KvLayout,
+    states: &[usize],
+) -> std::result::Result<Option<LoadedSlot>, String> {
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    load_shape(bytes, fingerprint, &Shape::of(layout)?.with_states(states)?)
+}
+
 fn load_shape(
     bytes: &[u8],
     fingerprint: [u8; 32],

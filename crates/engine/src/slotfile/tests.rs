@@ -1283,3 +1283,87 @@ fn versions_are_not_mixed_between_models_with_and_without_states() {
     };
     assert!(why.contains("version 2"), "{why}");
 }
+
+/// A state file written through commits, syncs (state records), a truncation and a compaction;
+/// with every state a load of the file could give at some point of the script.
+fn scripted_states() -> (Vec<u8>, Vec<LoadedSlot>) {
+    let s = Scratch::new("state-damage");
+    let layout = mixed_small();
+    let load = |path: &Path| {
+        load_bytes_states(&fs::read(path).unwrap(), FP, &layout, &[0, 5, 0])
+            .unwrap()
+            .unwrap_or_else(|| LoadedSlot::empty(3))
+    };
+    let (mut f, _) = open_states(&s.file());
+    let mut seen = vec![load(&s.file())];
+    let tokens: Vec<u32> = (0..9).map(|t| 100 + t).collect();
+    for (seed, start, end, sync) in [
+        (1.0, 0, 3, true),
+        (2.0, 3, 6, false),
+        (3.0, 3, 7, true),
+        (4.0, 1, 2, false),
+        (5.0, 2, 9, true),
+    ] {
+        let kv = stateful(end, seed);
+        f.commit_kv(start, &tokens[start..end], &kv).unwrap();
+        seen.push(load(&s.file()));
+        if sync {
+            f.sync_kv(&tokens[..end], &kv).unwrap();
+            seen.push(load(&s.file()));
+        }
+    }
+    (fs::read(s.file()).unwrap(), seen)
+}
+
+#[test]
+fn damage_to_a_state_file_loads_a_committed_state_or_refuses() {
+    let layout = mixed_small();
+    let (bytes, seen) = scripted_states();
+    assert!(seen
+        .iter()
+        .any(|s| s.tokens.len() == 9 && s.states[1].len() == 5));
+    let check = |b: &[u8], what: &str| match load_bytes_states(b, FP, &layout, &[0, 5, 0]) {
+        Ok(Some(s)) => assert!(
+            s.tokens.is_empty() || seen.iter().any(|t| same(t, &s) && t.states == s.states),
+            "{what}"
+        ),
+        Ok(None) => assert!(b.is_empty(), "{what}"),
+        Err(_) => {}
+    };
+    for cut in 0..bytes.len() {
+        check(&bytes[..cut], &format!("cut at {cut}"));
+    }
+    for at in LOG_START as usize..bytes.len() {
+        let mut b = bytes.clone();
+        b[at] ^= 0x41;
+        check(&b, &format!("flip at {at}"));
+    }
+    // Resealed mutations reach the replay: whatever loads has the layout's shape.
+    let mut rng = Rng::new(7);
+    let w = widths(&layout);
+    for i in 0..3000 {
+        let mut b = bytes.clone();
+        for _ in 0..1 + rng.below(3) {
+            let at = LOG_START as usize + rng.below(b.len() - LOG_START as usize);
+            match rng.below(3) {
+                0 => b[at] = rng.next() as u8,
+                1 if at + 8 <= b.len() => {
+                    b[at..at + 8].copy_from_slice(&(rng.below(12) as u64).to_le_bytes())
+                }
+                _ => b[at] ^= 1 << rng.below(8),
+            }
+        }
+        reseal_layout_states(&mut b, &layout, &[0, 5, 0]);
+        if let Ok(Some(s)) = load_bytes_states(&b, FP, &layout, &[0, 5, 0]) {
+            for (l, &(kw, vw)) in w.iter().enumerate() {
+                assert_eq!(s.keys[l].len(), s.tokens.len() * kw, "case {i}");
+                assert_eq!(s.values[l].len(), s.tokens.len() * vw, "case {i}");
+            }
+            assert_eq!(
+                s.states.iter().map(Vec::len).collect::<Vec<_>>(),
+                [0, 5, 0],
+                "case {i}"
+            );
+        }
+    }
+}
