@@ -25,7 +25,7 @@ shards as hard links (no second 14 GB copy on disk, no regeneration).
 
 Needs numpy and tokenizers. Usage:
 
-    python benchmarks/make_random_moe.py OUT_DIR [--arch olmoe|deepseek_v3] [--seed 0]
+    python benchmarks/make_random_moe.py OUT_DIR [--arch olmoe|deepseek_v3|qwen3_next] [--seed 0]
         [--layers 16] [--max-position-embeddings 4096] [--weights-from DIR ...]
 """
 
@@ -126,6 +126,51 @@ DEEPSEEK_V3_CONFIG = {
     "vocab_size": 50304,
 }
 
+# A Qwen3-Next-shaped model at the same width and depth (transformers' Qwen3NextConfig keys):
+# Qwen3-Next-80B-A3B's layer pattern (every 4th layer full attention: 16 heads / 2 kv heads of
+# 256, partial rotary 0.25, the output gate; the others gated DeltaNet with 16 key heads and 32
+# value heads of 128, a 4-tap convolution), 64 routed experts of 512 (of its 512) top-10 and the
+# sigmoid-gated shared expert of 512.
+QWEN3_NEXT_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 0,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 4096,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_next",
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 2,
+    "pad_token_id": 1,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 50304,
+}
+
 SHARD_BYTES = 5 * 1000**3  # like the hub's ~5 GB shards
 WEIGHT_STD = 0.02
 TOKENIZER_VOCAB = 8192
@@ -135,6 +180,8 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) for every tensor, kind in {'normal', 'ones', 'zeros'}."""
     if cfg["model_type"] == "deepseek_v3":
         return deepseek_v3_specs(cfg)
+    if cfg["model_type"] == "qwen3_next":
+        return qwen3_next_specs(cfg)
     h = cfg["hidden_size"]
     inter = cfg["intermediate_size"]
     n_head = cfg["num_attention_heads"]
@@ -205,6 +252,54 @@ def deepseek_v3_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
             specs += expert_specs(f"{p}.mlp.experts.{j}", h, moe_inter)
         specs += expert_specs(f"{p}.mlp.shared_experts", h, moe_inter * cfg["n_shared_experts"])
     specs += [("model.norm.weight", (h,), "ones"), ("lm_head.weight", (vocab, h), "normal")]
+    return specs
+
+
+def qwen3_next_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Qwen3-Next's tensors; its RMSNorms are zero-centred (1 + w): their weights are zeros,
+    the DeltaNet's gated norm ones; A_log zeros (decay exp(-softplus(a + 1)))."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    kd, vd = nk * cfg["linear_key_head_dim"], nv * cfg["linear_value_head_dim"]
+    n_experts, moe_inter = cfg["num_experts"], cfg["moe_intermediate_size"]
+    every = cfg["full_attention_interval"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (vocab, h), "normal")
+    ]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        specs.append((f"{p}.input_layernorm.weight", (h,), "zeros"))
+        if (i + 1) % every == 0:
+            a = f"{p}.self_attn"
+            specs += [
+                (f"{a}.q_proj.weight", (heads * hd * 2, h), "normal"),
+                (f"{a}.k_proj.weight", (kv * hd, h), "normal"),
+                (f"{a}.v_proj.weight", (kv * hd, h), "normal"),
+                (f"{a}.o_proj.weight", (h, heads * hd), "normal"),
+                (f"{a}.q_norm.weight", (hd,), "zeros"),
+                (f"{a}.k_norm.weight", (hd,), "zeros"),
+            ]
+        else:
+            a = f"{p}.linear_attn"
+            specs += [
+                (f"{a}.in_proj_qkvz.weight", (2 * kd + 2 * vd, h), "normal"),
+                (f"{a}.in_proj_ba.weight", (2 * nv, h), "normal"),
+                (f"{a}.conv1d.weight", (2 * kd + vd, 1, cfg["linear_conv_kernel_dim"]), "normal"),
+                (f"{a}.dt_bias", (nv,), "ones"),
+                (f"{a}.A_log", (nv,), "zeros"),
+                (f"{a}.norm.weight", (cfg["linear_value_head_dim"],), "ones"),
+                (f"{a}.out_proj.weight", (h, vd), "normal"),
+            ]
+        specs += [
+            (f"{p}.post_attention_layernorm.weight", (h,), "zeros"),
+            (f"{p}.mlp.gate.weight", (n_experts, h), "normal"),
+        ]
+        for j in range(n_experts):
+            specs += expert_specs(f"{p}.mlp.experts.{j}", h, moe_inter)
+        specs += expert_specs(f"{p}.mlp.shared_expert", h, cfg["shared_expert_intermediate_size"])
+        specs.append((f"{p}.mlp.shared_expert_gate.weight", (1, h), "normal"))
+    specs += [("model.norm.weight", (h,), "zeros"), ("lm_head.weight", (vocab, h), "normal")]
     return specs
 
 
@@ -408,7 +503,11 @@ def link_shards(src: Path, dst: Path, stamp: dict) -> int | None:
     return int(done["n_params"])
 
 
-ARCH_CONFIGS = {"olmoe": BASE_CONFIG, "deepseek_v3": DEEPSEEK_V3_CONFIG}
+ARCH_CONFIGS = {
+    "olmoe": BASE_CONFIG,
+    "deepseek_v3": DEEPSEEK_V3_CONFIG,
+    "qwen3_next": QWEN3_NEXT_CONFIG,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,11 @@ def read_json(path: Path):
 
 
 # The random model's file names per --arch of make_random_moe.py.
-ARCH_PREFIX = {"olmoe": "olmoe-random", "deepseek_v3": "deepseek-v3-random"}
+ARCH_PREFIX = {
+    "olmoe": "olmoe-random",
+    "deepseek_v3": "deepseek-v3-random",
+    "qwen3_next": "qwen3-next-random",
+}
 
 
 class Paths:

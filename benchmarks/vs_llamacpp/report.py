@@ -19,6 +19,8 @@ def bytes_per_decoded_token(cfg: dict, bits: float = BITS_PER_WEIGHT) -> dict:
     """Weight bytes one decode step reads: everything active for one token."""
     if cfg["model_type"] == "deepseek_v3":
         return deepseek_v3_bytes_per_decoded_token(cfg, bits)
+    if cfg["model_type"] == "qwen3_next":
+        return qwen3_next_bytes_per_decoded_token(cfg, bits)
     h = cfg["hidden_size"]
     inter = cfg["intermediate_size"]
     n_head = cfg["num_attention_heads"]
@@ -76,6 +78,36 @@ def deepseek_v3_bytes_per_decoded_token(cfg: dict, bits: float) -> dict:
     }
 
 
+def qwen3_next_bytes_per_decoded_token(cfg: dict, bits: float) -> dict:
+    """The same for Qwen3-Next's shape: gated attention every `full_attention_interval`-th
+    layer, gated DeltaNet projections in the others, the router, top-k routed and the shared
+    experts in every layer."""
+    h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    vd = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    full = sum((i + 1) % cfg["full_attention_interval"] == 0 for i in range(L))
+    attn = full * (2 * heads * hd * h + 2 * kv * hd * h + h * heads * hd)
+    attn += (L - full) * ((2 * kd + 2 * vd) * h + 2 * cfg["linear_num_value_heads"] * h + h * vd)
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    n_experts = cfg["num_experts"]
+    router = L * (n_experts + 1) * h
+    shared = L * 3 * h * cfg["shared_expert_intermediate_size"]
+    experts = L * cfg["num_experts_per_tok"] * expert
+    lm_head = cfg["vocab_size"] * h
+    active = attn + router + shared + experts + lm_head + h
+    total = 2 * cfg["vocab_size"] * h + attn + router + shared + L * n_experts * expert
+    return {
+        "active_params": active,
+        "total_params": total,
+        "attn": attn,
+        "router": router,
+        "experts": experts + shared,
+        "lm_head": lm_head,
+        "bytes": active * bits / 8,
+    }
+
+
 def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> dict | None:
     """For an MLA model: the latent's size per token (what its cache should hold: c_kv and the
     rope key, every layer) and what GQA of the same width would cache (every head's key and
@@ -122,6 +154,8 @@ def git_rev() -> str:
 MODEL_NAMES = {
     "olmoe": "OLMoE-1B-7B",
     "deepseek_v3": "DeepSeek-V3-shaped (MLA, kv_lora_rank 512, 64 experts top-6 + 1 shared)",
+    "qwen3_next": "Qwen3-Next-shaped (gated DeltaNet x3 + gated attention x1, 64 experts top-10 "
+    "+ a gated shared expert)",
 }
 
 
