@@ -229,6 +229,9 @@ def setup_gguf(p: Paths, keep_bf16: bool) -> None:
                 tmp,
                 "--outtype",
                 "bf16",
+                # A random model has no multi-token-prediction layers; llama.cpp's Qwen3-Next
+                # converter expects them unless told (harmless for the other architectures).
+                *(["--no-mtp"] if p.arch == "qwen3_next" else []),
             ],
             nice=True,
             log_file=p.logs / "convert-gguf.log",
