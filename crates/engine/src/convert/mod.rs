@@ -43,6 +43,9 @@ struct Checkpoint {
     index: HashMap<String, TensorMeta>,
     /// The block shape of FP8 weights, when config.json says the checkpoint has them.
     fp8: Option<Fp8Blocks>,
+    /// Tensors the plan reads as integer tables (I32 / I64 allowed; any other tensor of an
+    /// integer dtype is refused).
+    int_tables: std::collections::HashSet<String>,
 }
 
 impl Checkpoint {
@@ -93,7 +96,12 @@ impl Checkpoint {
             }
             maps.push(map);
         }
-        Ok(Checkpoint { maps, index, fp8 })
+        Ok(Checkpoint {
+            maps,
+            index,
+            fp8,
+            int_tables: Default::default(),
+        })
     }
 
     fn has(&self, name: &str) -> bool {
@@ -147,6 +155,9 @@ impl Checkpoint {
     /// (a checkpoint whose config declares FP8 blocks).
     fn check_dtype(&self, name: &str, m: &TensorMeta) -> Result<()> {
         if m.dtype != Dtype::F8_E4M3 {
+            if matches!(m.dtype, Dtype::I32 | Dtype::I64) && self.int_tables.contains(name) {
+                return Ok(());
+            }
             return check_dtype(name, m.dtype);
         }
         let Some(blocks) = self.fp8 else {
@@ -233,10 +244,10 @@ impl Checkpoint {
 
 fn check_dtype(name: &str, dtype: Dtype) -> Result<()> {
     match dtype {
-        Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::I32 | Dtype::I64 => Ok(()),
+        Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok(()),
         other => Err(ck(format!(
-            "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32, I32, I64 (and \
-             F8_E4M3 with block scales)"
+            "tensor `{name}` has dtype {other:?}; supported: BF16, F16, F32 (and F8_E4M3 with \
+             block scales; I32 / I64 for an integer table)"
         ))),
     }
 }
@@ -506,8 +517,14 @@ pub fn convert_keeping(
             tok_path.display()
         )));
     }
-    let ckpt = Checkpoint::open(hf_dir, &cfg_json, cfg.family.checkpoint_name)?;
+    let mut ckpt = Checkpoint::open(hf_dir, &cfg_json, cfg.family.checkpoint_name)?;
     let plan = family_plan(&cfg);
+    ckpt.int_tables = plan
+        .resident
+        .iter()
+        .filter(|t| t.int_table)
+        .map(|t| t.hf.clone())
+        .collect();
 
     // Every checkpoint tensor must be used or deliberately skipped.
     let mut used: std::collections::HashSet<String> =

@@ -327,7 +327,7 @@ fn tensor_plan(c: &ModelConfig) -> Plan {
         compressed::plan(&mut p, c, i);
         plan::add_ffn(&mut p, c, i);
         if c.hash_layers[i] {
-            p.f32_matrix(
+            p.int_table(
                 format!("layers.{i}.hash"),
                 format!("model.layers.{i}.mlp.gate.tid2eid"),
                 c.vocab_size,

@@ -24,6 +24,9 @@ pub struct TensorSpec {
     /// Stored as `1 + w` (a zero-centred RMSNorm weight, Qwen3-Next's: the norm multiplies by
     /// `1 + w`, so the stored vector is what an ordinary RMSNorm multiplies by).
     pub plus_one: bool,
+    /// An integer table (DeepSeek-V4's `tid2eid`): the checkpoint may hold it as I32 / I64,
+    /// stored as exact f32.
+    pub int_table: bool,
 }
 
 /// A tensor cut from per-head row blocks of a checkpoint tensor `[heads * per_head, cols]`:
@@ -111,6 +114,7 @@ impl Plan {
             optional,
             head_rows: None,
             plus_one: false,
+            int_table: false,
         });
     }
     /// A weight matrix cut from a checkpoint tensor of `cols` columns by `hr`.
@@ -123,7 +127,13 @@ impl Plan {
             optional: false,
             head_rows: Some(hr),
             plus_one: false,
+            int_table: false,
         });
+    }
+    /// An integer table `[rows, cols]` ([`TensorSpec::int_table`]), stored as f32.
+    pub fn int_table(&mut self, name: String, hf: String, rows: usize, cols: usize) {
+        self.add(name, hf, vec![rows, cols], false, false);
+        self.resident.last_mut().expect("just added").int_table = true;
     }
     /// A zero-centred norm weight, stored as `1 + w` ([`TensorSpec::plus_one`]).
     pub fn vector_plus_one(&mut self, name: String, hf: String, n: usize) {
