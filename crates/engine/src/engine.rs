@@ -121,6 +121,11 @@ impl Prefill {
         let len = self.step_len.min(max_step(model));
         if total - from > len {
             Ok((from..from + len, false))
+        } else if slot.kv.has_states() && total - from > 1 {
+            // Linear-attention states: the last token runs alone, after a snapshot of the
+            // state before it, so the same prompt again (a scoring's repeated state) reuses
+            // all but that token, as a cache of rows would.
+            Ok((from..total - 1, false))
         } else {
             Ok((from..total, true))
         }
@@ -417,9 +422,10 @@ pub fn step_batch(model: &Model, work: &mut [(&mut Generation, &mut Slot)]) -> V
 const SNAPSHOT_EVERY: usize = 4096;
 
 /// Whether a prefill step from `from` to `to` of a `total`-token prompt ends at a snapshot
-/// point: the prompt's end, or past a multiple of [`SNAPSHOT_EVERY`].
+/// point: the prompt's end or the token before it (where the same prompt again resumes), or
+/// past a multiple of [`SNAPSHOT_EVERY`].
 fn snapshot_due(from: usize, to: usize, total: usize) -> bool {
-    to == total || to / SNAPSHOT_EVERY > from / SNAPSHOT_EVERY
+    to == total || to + 1 == total || to / SNAPSHOT_EVERY > from / SNAPSHOT_EVERY
 }
 
 /// The next prefill step's length after one of `len` positions took `took`: about
