@@ -2,8 +2,10 @@
 the KL divergence of each quantized model's next-token distributions from its own full-precision
 model, on the same text, chunks and tokens.
 
-colibri: `colibri eval-ppl` of the int4 conversion with the f32 conversion as `--reference`
-(bf16 weights, so f32 holds them exactly). llama.cpp: `llama-perplexity` of the bf16 GGUF saving
+colibri: `colibri eval-ppl` of the int4 conversions with the f32 conversion as `--reference`
+(bf16 weights, so f32 holds them exactly): all-int4 (`--pure`, the same bytes as llama.cpp's
+Q4_0 `--pure` spends) and the default conversion (attention v and o at 8 bits), plus any
+`--keep-f32` / `--q8` variants asked for. llama.cpp: `llama-perplexity` of the bf16 GGUF saving
 its logits (`--kl-divergence-base`), then of Q4_0 `--pure` and of Q4_K_M (llama-quantize's
 default mix) with `--kl-divergence`. Both tools count alike (chunks of --ctx, the second half of
 each scored); the f32 / bf16 rows check that the two tokenize and count the same text alike
@@ -43,7 +45,8 @@ def text_file(cache: Path) -> Path:
 
 
 def setup(p: prepare.Paths, threads: int) -> dict[str, Path]:
-    """Every model file, made when missing: colibri int4 and f32, GGUF bf16, Q4_0, Q4_K_M."""
+    """Every model file, made when missing: colibri int4 (--pure), the default conversion (v/o
+    at 8 bits) and f32, GGUF bf16, Q4_0, Q4_K_M."""
     prepare.setup_venv(p)
     prepare.setup_llama_src(p)
     prepare.setup_llama_build(p)
@@ -57,6 +60,7 @@ def setup(p: prepare.Paths, threads: int) -> dict[str, Path]:
     if not (f32 / "manifest.json").exists():
         log(f"[setup] colibri convert --quant f32 -> {f32}")
         run([exe, "convert", p.hf, f32, "--quant", "f32"], nice=True)
+    default = variant(p, exe, "default", [])
     q4_k_m = p.gguf_q4.with_name(p.gguf_q4.name.replace("q4_0-pure", "q4_k_m"))
     if not q4_k_m.exists():
         log("[setup] GGUF: llama-quantize Q4_K_M")
@@ -66,11 +70,26 @@ def setup(p: prepare.Paths, threads: int) -> dict[str, Path]:
     return {
         "exe": exe,
         "colibri_int4": p.colibri_model,
+        "colibri_default": default,
         "colibri_f32": f32,
         "gguf_bf16": p.gguf_bf16,
         "gguf_q4_0": p.gguf_q4,
         "gguf_q4_k_m": q4_k_m,
     }
+
+
+def variant(p: prepare.Paths, exe: Path, slug: str, args: list[str]) -> Path:
+    """The int4 conversion with the extra `colibri convert` arguments `args` (none: the default
+    precisions), made when missing, named by `slug`."""
+    model = p.colibri_model.with_name(f"{p.colibri_model.name}-{slug}")
+    if not (model / "manifest.json").exists():
+        log(f"[setup] colibri convert --quant int4 {' '.join(args)} -> {model}")
+        run([exe, "convert", p.hf, model, "--quant", "int4", *args], nice=True)
+    return model
+
+
+def slug_of(patterns: list[str]) -> str:
+    return "-".join(re.sub(r"[^A-Za-z0-9]+", "_", x).strip("_") or "all" for x in patterns)
 
 
 def colibri_eval(exe: Path, model: Path, ref: Path | None, text: Path, a) -> dict:
@@ -136,6 +155,14 @@ def main(argv: list[str] | None = None) -> None:
         help="also measure int4 conversions with these resident matrices kept f32, one "
         "conversion per comma-separated set (e.g. lm_head 'layers.*.v,layers.*.o')",
     )
+    ap.add_argument(
+        "--q8",
+        nargs="*",
+        default=[],
+        metavar="PATTERNS",
+        help="also measure int4 conversions with these resident matrices at 8 bits, one "
+        "conversion per comma-separated set (e.g. 'layers.*.v,layers.*.o,lm_head')",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "quality-latest.md")
     a = ap.parse_args(argv)
     cache = a.cache or Path(
@@ -145,19 +172,21 @@ def main(argv: list[str] | None = None) -> None:
     m = setup(p, a.threads)
     text = text_file(p.cache)
     base = p.cache / f"quality-base-{a.layers}L-{a.ctx}.kld"
-    log("[quality] colibri f32 and int4")
+    log("[quality] colibri f32, int4 --pure, default (v/o 8-bit)")
     c_f32 = colibri_eval(m["exe"], m["colibri_f32"], None, text, a)
     c_int4 = colibri_eval(m["exe"], m["colibri_int4"], m["colibri_f32"], text, a)
+    c_default = colibri_eval(m["exe"], m["colibri_default"], m["colibri_f32"], text, a)
     kept = []
     for spec in a.keep_f32:
         patterns = [x for x in spec.split(",") if x]
-        slug = "-".join(re.sub(r"[^A-Za-z0-9]+", "_", x).strip("_") or "all" for x in patterns)
-        model = p.colibri_model.with_name(f"{p.colibri_model.name}-keep-{slug}")
-        if not (model / "manifest.json").exists():
-            log(f"[setup] colibri convert --keep-f32 {' '.join(patterns)} -> {model}")
-            keep = [arg for x in patterns for arg in ("--keep-f32", x)]
-            run([m["exe"], "convert", p.hf, model, "--quant", "int4", *keep], nice=True)
+        keep = [arg for x in patterns for arg in ("--keep-f32", x)]
+        model = variant(p, m["exe"], f"keep-{slug_of(patterns)}", ["--pure", *keep])
         kept.append((f"colibri int4, f32 {' + '.join(patterns)}", model))
+    for spec in a.q8:
+        patterns = [x for x in spec.split(",") if x]
+        eight = [arg for x in patterns for arg in ("--q8", x)]
+        model = variant(p, m["exe"], f"q8-{slug_of(patterns)}", eight)
+        kept.append((f"colibri int4, 8-bit {' + '.join(patterns)}", model))
     kept_rows = [
         (name, colibri_eval(m["exe"], model, m["colibri_f32"], text, a), c_f32)
         for name, model in kept
@@ -168,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     l_q4_k_m = llama_eval(p, m["gguf_q4_k_m"], text, base, a, False)
     rows = [
         ("colibri f32 (reference)", c_f32, None),
-        ("colibri int4", c_int4, c_f32),
+        ("colibri int4 --pure", c_int4, c_f32),
+        ("colibri default: int4, attention v + o 8-bit", c_default, c_f32),
         *kept_rows,
         ("llama.cpp bf16 (reference)", l_bf16, None),
         ("llama.cpp Q4_0 --pure", l_q4_0, l_bf16),
@@ -190,11 +220,16 @@ def main(argv: list[str] | None = None) -> None:
             f"{'–' if same is None else f'{100 * same:.2f}%'} |"
         )
     k_int4, k_q40, k_qkm = c_int4["kl_mean"], l_q4_0["kl_mean"], l_q4_k_m["kl_mean"]
+    k_def = c_default["kl_mean"]
     summary = [
-        f"- colibri int4 / llama.cpp Q4_0 mean KL: **{k_int4 / k_q40:.3f}** (target <= 1.0)"
+        f"- colibri int4 --pure / llama.cpp Q4_0 mean KL: **{k_int4 / k_q40:.3f}** (target <= 1.0)"
         if k_q40
         else "- llama.cpp Q4_0's KL not read",
-        f"- colibri int4 / llama.cpp Q4_K_M mean KL: **{k_int4 / k_qkm:.3f}**"
+        f"- colibri int4 --pure / llama.cpp Q4_K_M mean KL: **{k_int4 / k_qkm:.3f}**"
+        if k_qkm
+        else "- llama.cpp Q4_K_M's KL not read",
+        f"- colibri default (v/o 8-bit) / llama.cpp Q4_K_M mean KL: **{k_def / k_qkm:.3f}**, "
+        f"/ int4 --pure: {k_def / k_int4:.3f}"
         if k_qkm
         else "- llama.cpp Q4_K_M's KL not read",
         f"- the references agree: colibri f32 PPL {fmt(c_f32['ppl'], 4)} over "
@@ -223,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "colibri_f32": c_f32,
                 "colibri_int4": c_int4,
-                "colibri_int4_kept": {name: r for name, r, _ in kept_rows},
+                "colibri_default": c_default,
+                "colibri_int4_variants": {name: r for name, r, _ in kept_rows},
                 "llama_bf16": l_bf16,
                 "llama_q4_0": l_q4_0,
                 "llama_q4_k_m": l_q4_k_m,

@@ -50,14 +50,19 @@ def reference(request) -> Reference:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """``converted(arch, quant)`` -> path of that fixture converted (cached per session)."""
+    """``converted(arch, quant)`` -> path of that fixture converted (cached per session);
+    ``quant`` "int4" is the default conversion (attention v and o at 8 bits), "int4-pure" every
+    matrix int4 (``colibri convert --pure``)."""
     cache: dict[tuple[str, str], Path] = {}
 
     def get(arch: str, quant: str) -> Path:
         key = (arch, quant)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{arch}-{quant}")
-            convert(FIXTURES / arch / "hf", out, quant)
+            if quant == "int4-pure":
+                convert(FIXTURES / arch / "hf", out, "int4", q8=())
+            else:
+                convert(FIXTURES / arch / "hf", out, quant)
             cache[key] = out
         return cache[key]
 

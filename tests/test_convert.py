@@ -595,3 +595,79 @@ def test_keep_f32_leaves_the_named_matrices_at_f32_and_moves_toward_the_referenc
 def test_keep_f32_refuses_a_pattern_that_names_nothing(tmp_path):
     r = cli("convert", str(FIXTURES / "olmoe" / "hf"), str(tmp_path / "o"), "--keep-f32", "lm_hed")
     assert r.returncode != 0 and "`lm_hed` matches no weight matrix" in r.stderr, r.stderr
+
+
+# --- 8-bit matrices: the default, --q8, --pure ------------------------------------------------
+
+
+def _dtypes(model: Path) -> dict[str, str]:
+    m = json.loads((model / "manifest.json").read_text())
+    return {k: v["dtype"] for k, v in m["resident"]["tensors"].items()}
+
+
+def test_int4_stores_attention_v_and_o_at_8_bits_by_default_and_pure_none(olmoe_int4, tmp_path):
+    """The default int4 conversion: every layer's v and o are q8, every other matrix q4, the
+    experts q4; `--pure` writes no q8 at all (what every conversion wrote before)."""
+    dtypes = _dtypes(olmoe_int4)
+    for name, dtype in dtypes.items():
+        if name.endswith((".v", ".o")) and name.startswith("layers."):
+            assert dtype == "q8", name
+        else:
+            assert dtype in ("q4", "f32"), name
+    assert dtypes["embed"] == "q4" and dtypes["layers.0.q"] == "q4"
+    m = json.loads((olmoe_int4 / "manifest.json").read_text())
+    assert {p["dtype"] for p in m["experts"]["parts"].values()} == {"q4"}
+    pure = tmp_path / "pure"
+    r = cli("convert", str(FIXTURES / "olmoe" / "hf"), str(pure), "--pure")
+    assert r.returncode == 0, r.stderr
+    assert set(_dtypes(pure).values()) == {"q4", "f32"}
+    assert (pure / "experts.bin").read_bytes() == (olmoe_int4 / "experts.bin").read_bytes()
+    # 34 bytes per 32 weights instead of 18: the default's resident part is larger.
+    assert (olmoe_int4 / "resident.bin").stat().st_size > (pure / "resident.bin").stat().st_size
+    # An f32 conversion has no 8-bit matrix unless asked.
+    f32 = tmp_path / "f32"
+    convert(FIXTURES / "olmoe" / "hf", f32, "f32")
+    assert set(_dtypes(f32).values()) == {"f32"}
+
+
+def test_q8_patterns_replace_the_default_and_move_toward_the_reference(tmp_path):
+    ref = np.load(FIXTURES / "olmoe" / "reference.npz")
+    prompt = ref["prompt_2"].tolist()
+    want = ref["logits_2"]
+
+    def err(model: Path) -> float:
+        got = Engine(model).logits(prompt)
+        return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+    hf = FIXTURES / "olmoe" / "hf"
+    out = tmp_path / "named"
+    r = cli(
+        "convert",
+        str(hf),
+        str(out),
+        "--q8",
+        "lm_head",
+        "--q8",
+        "layers.*.q",
+        "--keep-f32",
+        "layers.0.q",
+    )
+    assert r.returncode == 0, r.stderr
+    dtypes = _dtypes(out)
+    assert dtypes["lm_head"] == "q8" and dtypes["layers.1.q"] == "q8"
+    assert dtypes["layers.0.q"] == "f32"  # --keep-f32 wins
+    assert dtypes["layers.0.v"] == "q4" and dtypes["layers.0.o"] == "q4"  # no default
+    pure, every = tmp_path / "pure", tmp_path / "every"
+    convert(hf, pure, "int4", q8=())
+    convert(hf, every, "int4", q8=["*"])
+    assert set(_dtypes(every).values()) == {"q8", "f32"}
+    assert err(every) < err(pure) / 2
+
+
+def test_q8_refuses_a_pattern_that_names_nothing_and_pure_with_q8(tmp_path):
+    hf = str(FIXTURES / "olmoe" / "hf")
+    r = cli("convert", hf, str(tmp_path / "o"), "--q8", "layers.*.vv")
+    assert r.returncode != 0 and "--q8 `layers.*.vv` matches no weight matrix" in r.stderr
+    assert not (tmp_path / "o" / "manifest.json").exists()
+    r = cli("convert", hf, str(tmp_path / "p"), "--q8", "lm_head", "--pure")
+    assert r.returncode != 0 and "not allowed with argument" in r.stderr, r.stderr

@@ -359,12 +359,15 @@ def setup_colibri_model(p: Paths, exe: Path, force: bool) -> None:
     if not force and p.colibri_model.exists() and read_json(stamp) == want:
         log(f"[setup] colibri int4 model: {p.colibri_model} (cached)")
         return
-    log(f"[setup] colibri convert --quant int4 -> {p.colibri_model}")
+    # --pure: every matrix int4, as the Q4_0 --pure GGUF it is compared with (and as every
+    # conversion was before 8-bit matrices; the default, v/o at 8 bits, is bench_quality.py's
+    # and bench_mixed_precision.py's).
+    log(f"[setup] colibri convert --quant int4 --pure -> {p.colibri_model}")
     p.logs.mkdir(parents=True, exist_ok=True)
     tmp = p.colibri_model.with_name(p.colibri_model.name + ".partial")
     remove_path(tmp)
     run(
-        [exe, "convert", p.hf, tmp, "--quant", "int4"],
+        [exe, "convert", p.hf, tmp, "--quant", "int4", "--pure"],
         nice=True,
         log_file=p.logs / "colibri-convert.log",
     )

@@ -351,7 +351,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
         return 2
     t0 = time.perf_counter()
-    summary = convert(src, dst, args.quant, progress=sys.stderr.isatty(), keep_f32=args.keep_f32)
+    q8 = [] if args.pure else (args.q8 or None)
+    summary = convert(
+        src, dst, args.quant, progress=sys.stderr.isatty(), keep_f32=args.keep_f32, q8=q8
+    )
     dt = time.perf_counter() - t0
     mb = (summary["resident_bytes"] + summary["expert_bytes"]) / 1e6
     print(
@@ -680,6 +683,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="keep the resident weight matrices so named at f32 (`lm_head`, `layers.*.v`; `*` "
         "matches anything; repeatable): to measure which tensors the quantization hurts",
+    )
+    eight = c.add_mutually_exclusive_group()
+    eight.add_argument(
+        "--q8",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="store the resident weight matrices so named at 8 bits (repeatable; replaces the "
+        "default, which in an int4 conversion is `layers.*.v` and `layers.*.o`)",
+    )
+    eight.add_argument(
+        "--pure",
+        action="store_true",
+        help="every resident weight matrix at --quant: no 8-bit matrices by default",
     )
     c.set_defaults(func=cmd_convert)
 

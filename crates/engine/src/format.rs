@@ -30,6 +30,16 @@ pub enum DType {
     F32,
     /// group-wise int4, layout of `quant::quantize_q4`
     Q4,
+    /// group-wise int8, layout of `quant::quantize_q8` (resident matrices chosen at conversion)
+    Q8,
+}
+
+impl DType {
+    /// Whether products with a weight of this dtype read the activations' 8-bit form
+    /// (`linear::Acts::prepare`): the quantized ones.
+    pub fn takes_q8_acts(self) -> bool {
+        matches!(self, DType::Q4 | DType::Q8)
+    }
 }
 
 /// Weight precision chosen at conversion.

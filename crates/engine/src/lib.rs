@@ -35,6 +35,8 @@ pub mod upgrade;
 #[cfg(test)]
 mod batch_tests;
 #[cfg(test)]
+mod precision_tests;
+#[cfg(test)]
 mod testutil;
 
 #[cfg(feature = "python")]

@@ -1,4 +1,4 @@
-//! Weight matrices as stored (f32 or int4) and the multi-threaded matmul over them.
+//! Weight matrices as stored (f32, int4 or 8-bit) and the multi-threaded matmul over them.
 //!
 //! [`matmul_many`] runs several independent products (e.g. q, k and v; or every routed expert's
 //! gate and up) in one parallel region: the rows of all jobs are cut into chunks that the pool's
@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use crate::format::DType;
 use crate::pool::Pool;
-use crate::quant::{self, Kernel, OutView, Q4Matrix, Q8Acts};
+use crate::quant::{self, Kernel, OutView, Q4Matrix, Q8Acts, Q8Matrix};
 
 /// A weight matrix `[rows, cols]` (a linear layer `y = W x`) inside some byte buffer.
 #[derive(Clone, Copy, Debug)]
@@ -27,6 +27,7 @@ pub struct Linear {
 pub enum WeightRef<'a> {
     F32(&'a [f32]),
     Q4(Q4Matrix<'a>),
+    Q8(Q8Matrix<'a>),
 }
 
 impl Linear {
@@ -50,6 +51,9 @@ impl Linear {
             DType::Q4 => WeightRef::Q4(
                 Q4Matrix::new(bytes, self.rows, self.cols).expect("tensor size checked at load"),
             ),
+            DType::Q8 => WeightRef::Q8(
+                Q8Matrix::new(bytes, self.rows, self.cols).expect("tensor size checked at load"),
+            ),
         }
     }
 }
@@ -60,12 +64,13 @@ impl WeightRef<'_> {
         match self {
             WeightRef::F32(w) => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
             WeightRef::Q4(m) => m.dequantize_row(r, out),
+            WeightRef::Q8(m) => m.dequantize_row(r, out),
         }
     }
 }
 
 /// Activations for a product: `n` rows of `cols` f32 values, plus their 8-bit form when an int4
-/// weight needs it (quantized once, shared by every job reading the same input).
+/// or 8-bit weight needs it (quantized once, shared by every job reading the same input).
 pub struct Acts {
     pub x: Vec<f32>,
     pub n: usize,
@@ -120,7 +125,8 @@ impl Acts {
         a
     }
 
-    /// Makes the 8-bit form available if any of `weights` is int4.
+    /// Makes the 8-bit form available when `needs_q8` (some weight reading these activations
+    /// is int4 or 8-bit: `DType::takes_q8_acts`).
     pub fn prepare(&mut self, needs_q8: bool) {
         if needs_q8 && !self.q8_ready {
             self.q8.quantize(&self.x, self.n, self.cols);
@@ -147,6 +153,7 @@ fn rows_of(w: &WeightRef, x: &Acts) -> usize {
     match w {
         WeightRef::F32(d) => d.len() / x.cols,
         WeightRef::Q4(m) => m.rows,
+        WeightRef::Q8(m) => m.rows,
     }
 }
 
@@ -190,6 +197,10 @@ fn matmul_view(k: Kernel, w: WeightRef, x: &Acts, out: OutView) {
         WeightRef::Q4(m) => {
             debug_assert!(x.q8_ready, "Acts::prepare must run before an int4 product");
             quant::q4_matmul_into(k, &m, &x.q8, out)
+        }
+        WeightRef::Q8(m) => {
+            debug_assert!(x.q8_ready, "Acts::prepare must run before an 8-bit product");
+            quant::q8_matmul_into(k, &m, &x.q8, out)
         }
     }
 }

@@ -653,8 +653,10 @@ impl Drop for ScoreStream {
 }
 
 /// Converts a Hugging Face checkpoint directory; returns a summary dict.
+/// `keep_f32`: resident matrices kept at f32; `q8`: resident matrices stored at 8 bits (`None`:
+/// the default, attention `v` and `o` in an int4 conversion; an empty list: none).
 #[pyfunction]
-#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new()))]
+#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new(), q8=None))]
 fn convert_checkpoint<'py>(
     py: Python<'py>,
     hf_dir: PathBuf,
@@ -662,6 +664,7 @@ fn convert_checkpoint<'py>(
     quant: &str,
     progress: bool,
     keep_f32: Vec<String>,
+    q8: Option<Vec<String>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let q = Quant::parse(quant).ok_or_else(|| {
         PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)"))
@@ -673,13 +676,8 @@ fn convert_checkpoint<'py>(
                     show_progress("converting", done, total, what);
                 }
             };
-            convert::convert_keeping(
-                &hf_dir,
-                &out_dir,
-                q,
-                &convert::KeepF32(keep_f32),
-                &mut report,
-            )
+            let prec = convert::Precisions { keep_f32, q8 };
+            convert::convert_with(&hf_dir, &out_dir, q, &prec, &mut report)
         })
         .map_err(to_py)?;
     let d = PyDict::new(py);

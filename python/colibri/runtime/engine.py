@@ -337,12 +337,22 @@ def convert(
     quant: str = "int4",
     progress: bool = False,
     keep_f32: Iterable[str] = (),
+    q8: Iterable[str] | None = None,
 ) -> dict:
     """Converts a Hugging Face checkpoint directory to a colibri model directory; resident
     weight matrices whose names match a ``keep_f32`` pattern (``*`` = any run of characters)
-    stay f32 in a quantized conversion."""
+    stay f32, those matching a ``q8`` pattern are stored at 8 bits. ``q8=None`` is the default:
+    attention ``v`` and ``o`` at 8 bits in an int4 conversion; ``q8=()`` stores every resident
+    matrix at ``quant`` (``colibri convert --pure``)."""
     return dict(
-        _engine.convert_checkpoint(str(hf_dir), str(out_dir), quant, progress, list(keep_f32))
+        _engine.convert_checkpoint(
+            str(hf_dir),
+            str(out_dir),
+            quant,
+            progress,
+            list(keep_f32),
+            None if q8 is None else list(q8),
+        )
     )
 
 

@@ -273,6 +273,7 @@ fn encode(data: &[f32], shape: &[usize], dtype: DType) -> Vec<u8> {
     match dtype {
         DType::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
         DType::Q4 => quant::quantize_q4(data, shape[0], shape[1]),
+        DType::Q8 => quant::quantize_q8(data, shape[0], shape[1]),
     }
 }
 
@@ -280,6 +281,7 @@ fn encoded_len(shape: &[usize], dtype: DType) -> usize {
     match dtype {
         DType::F32 => shape.iter().product::<usize>() * 4,
         DType::Q4 => quant::q4_byte_len(shape[0], shape[1]),
+        DType::Q8 => quant::q8_byte_len(shape[0], shape[1]),
     }
 }
 
@@ -455,16 +457,85 @@ fn copy_file(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Resident weight matrices kept at f32 in a quantized conversion (`colibri convert
-/// --keep-f32 PATTERN`): colibri tensor names (`lm_head`, `layers.3.v`, ...) matched by
-/// patterns in which `*` stands for any run of characters. For measuring which tensors a
-/// quantization hurts most; routed experts always take the model's quantization.
-#[derive(Clone, Debug, Default)]
-pub struct KeepF32(pub Vec<String>);
+/// The 8-bit matrices of an int4 conversion when the user names none (`colibri convert` without
+/// `--q8` or `--pure`): every layer's attention value and output projections. Measured on the
+/// 4-layer OLMoE shape (docs/PERFORMANCE.md): they carry ~70% of the int4 error (KL 0.0227 ->
+/// 0.0066 at f32). An MLA layer's value projection is `kv_b_uv` (each head's `W_uv`; it has no
+/// `v`): on the MLA and DSA fixtures `o` alone was not always closer to f32 than all-int4,
+/// `kv_b_uv` + `o` always was (`precision_tests`). No pattern has to match anything.
+pub const DEFAULT_Q8: [&str; 3] = ["layers.*.v", "layers.*.o", "layers.*.kv_b_uv"];
 
-impl KeepF32 {
-    pub fn matches(&self, name: &str) -> bool {
-        self.0.iter().any(|p| glob_match(p, name))
+/// Resident weight matrices stored at another precision than the model's (`colibri convert
+/// --keep-f32 PATTERN`, `--q8 PATTERN`, `--pure`): colibri tensor names (`lm_head`,
+/// `layers.3.v`, ...) matched by patterns in which `*` stands for any run of characters. Routed
+/// experts always take the model's quantization. A matrix named by both stays f32.
+#[derive(Clone, Debug, Default)]
+pub struct Precisions {
+    /// Kept at f32 (for measuring which tensors a quantization hurts most).
+    pub keep_f32: Vec<String>,
+    /// Stored at 8 bits (`DType::Q8`); `None`: [`DEFAULT_Q8`] in an int4 conversion, nothing
+    /// in an f32 one; `Some(vec![])`: none (`--pure`).
+    pub q8: Option<Vec<String>>,
+}
+
+impl Precisions {
+    /// Only `keep_f32` named, the 8-bit default otherwise.
+    pub fn keeping_f32(keep_f32: Vec<String>) -> Precisions {
+        Precisions { keep_f32, q8: None }
+    }
+
+    /// Every resident matrix at the model's quantization.
+    pub fn pure() -> Precisions {
+        Precisions {
+            keep_f32: Vec::new(),
+            q8: Some(Vec::new()),
+        }
+    }
+
+    /// The 8-bit patterns in effect for a conversion at `quant`.
+    fn q8_patterns(&self, quant: Quant) -> Vec<String> {
+        match (&self.q8, quant) {
+            (Some(p), _) => p.clone(),
+            (None, Quant::Int4) => DEFAULT_Q8.iter().map(|p| p.to_string()).collect(),
+            (None, Quant::F32) => Vec::new(),
+        }
+    }
+
+    /// The dtype of the resident tensor `name` (`matrix`: a weight matrix, not a vector or a
+    /// router) in a conversion at `quant`.
+    fn dtype(&self, name: &str, matrix: bool, quant: Quant, q8: &[String]) -> DType {
+        if !matrix || self.keep_f32.iter().any(|p| glob_match(p, name)) {
+            DType::F32
+        } else if q8.iter().any(|p| glob_match(p, name)) {
+            DType::Q8
+        } else {
+            quant.matrix_dtype()
+        }
+    }
+
+    /// Refuses a pattern the user gave that names no resident weight matrix of the plan.
+    fn check(&self, plan: &Plan) -> Result<()> {
+        let none = Vec::new();
+        let given = [
+            ("--keep-f32", &self.keep_f32),
+            ("--q8", self.q8.as_ref().unwrap_or(&none)),
+        ];
+        for (flag, patterns) in given {
+            for pattern in patterns {
+                if !plan
+                    .resident
+                    .iter()
+                    .any(|t| t.matrix && glob_match(pattern, &t.name))
+                {
+                    return Err(Error::Input(format!(
+                        "{flag} `{pattern}` matches no weight matrix of this model (resident \
+                         matrices are named like `embed`, `lm_head`, `layers.0.q`; routed experts \
+                         cannot be chosen)"
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -492,17 +563,18 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     p[i..].iter().all(|&c| c == b'*')
 }
 
-/// Converts `hf_dir` into `out_dir` (created if needed).
+/// Converts `hf_dir` into `out_dir` (created if needed), with the default precisions (an int4
+/// conversion stores [`DEFAULT_Q8`] at 8 bits).
 pub fn convert(hf_dir: &Path, out_dir: &Path, quant: Quant, progress: Progress) -> Result<Summary> {
-    convert_keeping(hf_dir, out_dir, quant, &KeepF32::default(), progress)
+    convert_with(hf_dir, out_dir, quant, &Precisions::default(), progress)
 }
 
-/// [`convert`], with the resident matrices `keep` names left at f32.
-pub fn convert_keeping(
+/// [`convert`], with the resident matrices' precisions chosen by `prec`.
+pub fn convert_with(
     hf_dir: &Path,
     out_dir: &Path,
     quant: Quant,
-    keep: &KeepF32,
+    prec: &Precisions,
     progress: Progress,
 ) -> Result<Summary> {
     let cfg_path = hf_dir.join("config.json");
@@ -559,19 +631,8 @@ pub fn convert_keeping(
     }
 
     check_plan(&ckpt, &plan, &cfg)?;
-    for pattern in &keep.0 {
-        if !plan
-            .resident
-            .iter()
-            .any(|t| t.matrix && glob_match(pattern, &t.name))
-        {
-            return Err(Error::Input(format!(
-                "--keep-f32 `{pattern}` matches no weight matrix of this model (resident \
-                 matrices are named like `embed`, `lm_head`, `layers.0.q`; routed experts cannot \
-                 be kept)"
-            )));
-        }
-    }
+    prec.check(&plan)?;
+    let q8 = prec.q8_patterns(quant);
 
     fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
     // A previous manifest would describe files we are about to overwrite.
@@ -600,11 +661,7 @@ pub fn convert_keeping(
         if spec.plus_one {
             data.iter_mut().for_each(|v| *v += 1.0);
         }
-        let dtype = if spec.matrix && !keep.matches(&spec.name) {
-            quant.matrix_dtype()
-        } else {
-            DType::F32
-        };
+        let dtype = prec.dtype(&spec.name, spec.matrix, quant, &q8);
         let bytes = encode(&data, &spec.shape, dtype);
         let offset = rw.write_aligned(&bytes, TENSOR_ALIGN)?;
         tensors.insert(

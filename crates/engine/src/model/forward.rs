@@ -10,7 +10,6 @@ use super::layers::hyper::{HyperMix, Mix};
 use super::layers::{Ffn, SeqRows};
 use super::{Model, Pass};
 use crate::error::{Error, Result};
-use crate::format::DType;
 use crate::kv::KvCache;
 use crate::linear::{for_each_chunk_mut, matmul_many, Acts, Job, Linear};
 use crate::ops::{self, RopeAngles};
@@ -323,7 +322,7 @@ impl Model {
 
     /// `W x` for each weight in `ws` (same input), in one parallel region.
     pub(in crate::model) fn project(&self, ws: &[Linear], x: &mut Acts) -> Vec<Vec<f32>> {
-        x.prepare(ws.iter().any(|w| w.dtype == DType::Q4));
+        x.prepare(ws.iter().any(|w| w.dtype.takes_q8_acts()));
         let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; w.rows * x.n]).collect();
         let x = &*x;
         let mut jobs: Vec<Job> = ws

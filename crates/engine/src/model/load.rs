@@ -145,6 +145,7 @@ pub(in crate::model) fn check_linear(
     let want = match e.dtype {
         DType::F32 => rows * cols * 4,
         DType::Q4 => quant::q4_byte_len(rows, cols),
+        DType::Q8 => quant::q8_byte_len(rows, cols),
     };
     if e.shape != [rows, cols] || e.nbytes != want {
         return Err(fmt_err(format!(

@@ -65,6 +65,7 @@
 pub mod prefetch;
 mod q4;
 mod q8;
+mod q8w;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
@@ -82,12 +83,13 @@ pub use q4::{
     q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn, Q4Matrix, GROUP,
 };
 pub use q8::Q8Acts;
+pub use q8w::{q8_byte_len, q8_row_bytes, quantize_q8, Q8Matrix};
 
 /// Errors of this module.
 #[derive(thiserror::Error, Debug)]
 pub enum QuantError {
     /// The byte buffer does not have the length the layout needs for `rows x cols`.
-    #[error("int4 matrix {rows}x{cols} needs {expected} bytes, got {actual}")]
+    #[error("quantized matrix {rows}x{cols} needs {expected} bytes, got {actual}")]
     Length {
         rows: usize,
         cols: usize,
@@ -95,7 +97,7 @@ pub enum QuantError {
         actual: usize,
     },
     /// `rows x cols` overflows `usize` in the layout computation.
-    #[error("int4 matrix shape {rows}x{cols} is too large")]
+    #[error("quantized matrix shape {rows}x{cols} is too large")]
     Shape { rows: usize, cols: usize },
 }
 
@@ -438,6 +440,85 @@ fn par_chunk_rows(rows: usize, threads: usize) -> usize {
     // A few chunks per thread for balance, whole 16-row tiles, at least 64 rows.
     let per = rows.div_ceil(threads.max(1) * 4);
     per.next_multiple_of(16).max(64)
+}
+
+/// Raw entry point for 8-bit weights ([`Q8Matrix`]): writes `out[t * out_stride + r]` for
+/// `t < x.n()`, `r in rows`.
+///
+/// # Safety
+/// As [`q4_matmul_raw`]: `k` is available; `rows.end <= w.rows`; `x.cols() == w.cols`; every
+/// element `out + t * out_stride + r` for `t < x.n()`, `r in rows` is valid for writes and not
+/// accessed concurrently by anyone else.
+pub unsafe fn q8_matmul_raw(
+    k: Kernel,
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    out_stride: usize,
+    rows: Range<usize>,
+) {
+    if rows.is_empty() || x.n() == 0 {
+        return;
+    }
+    match k {
+        // SAFETY: forwarded from this function's contract.
+        Kernel::Scalar => unsafe { q8w::q8_rows_scalar(w, x, out, out_stride, rows) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded from this function's contract (k available ⇒ AVX2/FMA/F16C).
+        Kernel::Avx2 => unsafe { x86_avx2::q8_rows(w, x, out, out_stride, rows) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded from this function's contract (k available ⇒ AVX-512 F/BW/VL/VNNI).
+        Kernel::Avx512Vnni => unsafe { x86_avx512::q8_rows(w, x, out, out_stride, rows) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("kernel {} is not available", k.name()),
+    }
+}
+
+fn check_q8(k: Kernel, w: &Q8Matrix, x: &Q8Acts, rows: &Range<usize>) {
+    check_kernel(k);
+    assert_eq!(
+        x.cols(),
+        w.cols,
+        "q8_matmul: activation cols != weight cols"
+    );
+    assert!(
+        rows.start <= rows.end && rows.end <= w.rows,
+        "q8_matmul: rows {rows:?} out of 0..{}",
+        w.rows
+    );
+}
+
+/// [`q4_matmul`] for 8-bit weights: `out[t * out_stride + r] = dot(row r of w, vector t of
+/// x)` for `t in 0..x.n()`, `r in rows`. Other elements of `out` are left alone.
+pub fn q8_matmul(
+    k: Kernel,
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    out: &mut [f32],
+    out_stride: usize,
+    rows: Range<usize>,
+) {
+    check_q8(k, w, x, &rows);
+    check_out_len(out.len(), x.n(), out_stride, rows.end, "q8_matmul");
+    // SAFETY: checked above: kernel available, shapes agree, every written element
+    // t * out_stride + r < out.len(), and `out` is borrowed mutably.
+    unsafe { q8_matmul_raw(k, w, x, out.as_mut_ptr(), out_stride, rows) }
+}
+
+/// Computes the rows of `out` (a piece of an [`OutView`]) for 8-bit weights.
+pub fn q8_matmul_into(k: Kernel, w: &Q8Matrix, x: &Q8Acts, out: OutView) {
+    let rows = out.rows();
+    check_q8(k, w, x, &rows);
+    assert_eq!(
+        out.n,
+        x.n(),
+        "q8_matmul_into: view has n={} but x has n={}",
+        out.n,
+        x.n()
+    );
+    // SAFETY: the view borrows exactly the elements (t, r), t < n, r in rows (checked at
+    // creation); kernel and shapes checked above.
+    unsafe { q8_matmul_raw(k, w, x, out.ptr, out.stride, rows) }
 }
 
 /// Raw entry point for f32 weights: writes `out[t * out_stride + r]`.

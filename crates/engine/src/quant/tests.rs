@@ -455,3 +455,335 @@ fn every_prefetch_level_gives_the_same_bits() {
     }
     set_prefetch_level(before);
 }
+
+// --- 8-bit weights ---------------------------------------------------------------------------
+
+/// Shapes for the 8-bit kernels: partial last groups (cols not a multiple of 32), partial last
+/// blocks (groups not a multiple of 16: 1, 3, 7, 9, 17, 34, 44 groups), rows shorter than a
+/// block, odd row counts.
+const Q8_SHAPES: &[(usize, usize)] = &[
+    (1, 32),
+    (1, 72),
+    (3, 40),
+    (17, 200),
+    (5, 256),
+    (9, 288),
+    (4, 1000),
+    (6, 1024),
+    (3, 544),
+    (7, 1408),
+    (11, 128),
+    (13, 1090),
+];
+
+fn q8_case(rows: usize, cols: usize, n: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
+    let c = case(rows, cols, n, seed);
+    let w = gauss(rows * cols, seed);
+    (quantize_q8(&w, rows, cols), c.x)
+}
+
+#[test]
+fn scalar_q8_matches_dequantized_dot() {
+    for &(rows, cols) in Q8_SHAPES {
+        for &n in NS {
+            let (bytes, x) = q8_case(rows, cols, n, (rows * 31 + cols * 7 + n) as u64);
+            let w = Q8Matrix::new(&bytes, rows, cols).unwrap();
+            let mut a = Q8Acts::new();
+            a.quantize(&x, n, cols);
+            let mut out = vec![0.0; n * rows];
+            q8_matmul(Kernel::Scalar, &w, &a, &mut out, rows, 0..rows);
+            let wd = w.dequantize();
+            for t in 0..n {
+                let xd = a.dequantize(t);
+                for r in 0..rows {
+                    let row = &wd[r * cols..(r + 1) * cols];
+                    let exact: f64 = row
+                        .iter()
+                        .zip(&xd)
+                        .map(|(&p, &q)| p as f64 * q as f64)
+                        .sum();
+                    let mag: f64 = row
+                        .iter()
+                        .zip(&xd)
+                        .map(|(&p, &q)| (p as f64 * q as f64).abs())
+                        .sum();
+                    let got = out[t * rows + r] as f64;
+                    assert!(
+                        (got - exact).abs() <= 1e-5 * mag + 1e-12,
+                        "{rows}x{cols} n={n} t={t} r={r}: {got} vs {exact}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_q8_matches_scalar_awkward_shapes_and_subranges() {
+    let mut a = Q8Acts::new();
+    for &(rows, cols) in Q8_SHAPES {
+        for &n in NS {
+            let (bytes, x) = q8_case(rows, cols, n, (rows * 131 + cols * 17 + n) as u64);
+            let w = Q8Matrix::new(&bytes, rows, cols).unwrap();
+            a.quantize(&x, n, cols);
+            let stride = rows + 3;
+            let mut want = vec![f32::NAN; n * stride];
+            q8_matmul(Kernel::Scalar, &w, &a, &mut want, stride, 0..rows);
+            for k in available() {
+                for range in [
+                    0..rows,
+                    rows / 3..rows,
+                    0..rows / 2 + 1,
+                    rows / 2..rows / 2 + 1,
+                ] {
+                    let mut got = vec![f32::NAN; n * stride];
+                    q8_matmul(k, &w, &a, &mut got, stride, range.clone());
+                    for t in 0..n {
+                        for r in 0..stride {
+                            let g = got[t * stride + r];
+                            if range.contains(&r) {
+                                assert!(g.is_finite());
+                            } else {
+                                assert!(g.is_nan(), "{} wrote outside rows {range:?}", k.name());
+                            }
+                        }
+                    }
+                    let sel = |v: &[f32]| -> Vec<f32> {
+                        (0..n)
+                            .flat_map(|t| range.clone().map(move |r| (t, r)))
+                            .map(|(t, r)| v[t * stride + r])
+                            .collect()
+                    };
+                    let d = rel_max_diff(&sel(&got), &sel(&want));
+                    assert!(
+                        d < 1e-5,
+                        "{} {rows}x{cols} n={n} rows {range:?}: rel diff {d}",
+                        k.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn q8_extreme_values_do_not_saturate() {
+    // Every weight and activation at ±127 (the extremes of both ranges), in sign patterns that
+    // make each i16 pair of AVX2's maddubs as large as it gets (2 * 127 * 127) and each group's
+    // sum ±32 * 127 * 127: every kernel gives exactly what the scalar integer gives.
+    let (rows, cols) = (6, 16 * 32 + 40);
+    for pattern in 0..4 {
+        let sign = |i: usize, s: usize| -> f32 {
+            match pattern {
+                0 => 1.0,
+                1 => 1.0 - 2.0 * ((i / s) % 2) as f32,
+                2 => -1.0,
+                _ => 1.0 - 2.0 * (i * 7 + s).is_multiple_of(3) as u8 as f32,
+            }
+        };
+        let w: Vec<f32> = (0..rows * cols).map(|i| sign(i, 1) * 0.5).collect();
+        let x: Vec<f32> = (0..2 * cols).map(|i| sign(i, 2) * 2.0).collect();
+        let bytes = quantize_q8(&w, rows, cols);
+        let m = Q8Matrix::new(&bytes, rows, cols).unwrap();
+        let mut a = Q8Acts::new();
+        for n in [1, 2] {
+            a.quantize(&x[..n * cols], n, cols);
+            let mut want = vec![0.0; n * rows];
+            q8_matmul(Kernel::Scalar, &m, &a, &mut want, rows, 0..rows);
+            // The exact value: every product is ±1 (0.5 * 2), summed over cols.
+            for t in 0..n {
+                for r in 0..rows {
+                    let exact: f32 = (0..cols).map(|c| w[r * cols + c] * x[t * cols + c]).sum();
+                    assert!((want[t * rows + r] - exact).abs() <= 1e-3 * cols as f32);
+                }
+            }
+            for k in available() {
+                let mut got = vec![0.0; n * rows];
+                q8_matmul(k, &m, &a, &mut got, rows, 0..rows);
+                assert!(
+                    rel_max_diff(&got, &want) < 1e-6,
+                    "{} pattern {pattern} n={n}",
+                    k.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn q8_prefill_larger_n_matches_scalar() {
+    // Several token blocks and row chunks (600 rows of 2080 columns at 34 bytes a group), a
+    // ragged last chunk, and a sub-range starting off the tile grid.
+    let (rows, cols, n) = (601, 2080, 70);
+    let (bytes, x) = q8_case(rows, cols, n, 4243);
+    let w = Q8Matrix::new(&bytes, rows, cols).unwrap();
+    let mut a = Q8Acts::new();
+    a.quantize(&x, n, cols);
+    let mut want = vec![0.0; n * rows];
+    q8_matmul(Kernel::Scalar, &w, &a, &mut want, rows, 0..rows);
+    for k in available() {
+        for range in [0..rows, 7..rows] {
+            let mut got = want.clone();
+            for t in 0..n {
+                got[t * rows + range.start..(t + 1) * rows].fill(f32::NAN);
+            }
+            q8_matmul(k, &w, &a, &mut got, rows, range.clone());
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "{} left outputs unwritten",
+                k.name()
+            );
+            assert!(rel_max_diff(&got, &want) < 1e-5, "{} {range:?}", k.name());
+        }
+    }
+}
+
+#[test]
+fn q8_decode_path_equals_batched_tiles_bit_for_bit() {
+    // One token takes each SIMD kernel's own row loop (partial last blocks read in place with
+    // masked loads); the same vector repeated in a batch takes the tiles (a zero-filled copy of
+    // the partial block). Same exact integers, same float operations in the same order.
+    for &(rows, cols) in &[
+        (37usize, 256usize),
+        (64, 2048),
+        (5, 1024),
+        (9, 288),
+        (6, 1408),
+        (3, 544),
+        (40, 128),
+        (7, 32),
+        (11, 768),
+        (13, 1090),
+    ] {
+        let (bytes, x) = q8_case(rows, cols, 1, 77 + cols as u64);
+        let w = Q8Matrix::new(&bytes, rows, cols).unwrap();
+        let mut one = Q8Acts::new();
+        one.quantize(&x, 1, cols);
+        let n = 5;
+        let xs: Vec<f32> = (0..n).flat_map(|_| x.iter().copied()).collect();
+        let mut many = Q8Acts::new();
+        many.quantize(&xs, n, cols);
+        for k in available() {
+            for range in [0..rows, 3.min(rows - 1)..rows] {
+                let mut got1 = vec![0.0; rows];
+                q8_matmul(k, &w, &one, &mut got1, rows, range.clone());
+                let mut gotn = vec![0.0; n * rows];
+                q8_matmul(k, &w, &many, &mut gotn, rows, range.clone());
+                for t in 0..n {
+                    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got1[range.clone()]),
+                        bits(&gotn[t * rows..(t + 1) * rows][range.clone()]),
+                        "{} {rows}x{cols} {range:?} token {t}",
+                        k.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn q8_avx2_kernel_with_avx_vnni_gives_the_same_bits() {
+    if !(Kernel::Avx2.available() && std::arch::is_x86_feature_detected!("avxvnni")) {
+        println!("no AVX2 + AVX-VNNI here: nothing to compare");
+        return;
+    }
+    let mut a = Q8Acts::new();
+    for &(rows, cols) in Q8_SHAPES {
+        for &n in NS {
+            let (bytes, x) = q8_case(rows, cols, n, (rows * 7 + cols * 3 + n) as u64);
+            let w = Q8Matrix::new(&bytes, rows, cols).unwrap();
+            a.quantize(&x, n, cols);
+            let run = |vnni: bool| {
+                let mut out = vec![f32::NAN; n * rows];
+                // SAFETY: AVX2/FMA/F16C (available) and AVX-VNNI (detected) are present; the
+                // rows are w's, the activations have its width, `out` holds n * rows values.
+                unsafe {
+                    super::x86_avx2::q8_rows_with(vnni, &w, &a, out.as_mut_ptr(), rows, 0..rows)
+                };
+                out.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+            };
+            assert_eq!(run(true), run(false), "{rows}x{cols} n={n}");
+        }
+    }
+}
+
+#[test]
+fn q8_every_prefetch_level_gives_the_same_bits() {
+    use super::prefetch::{prefetch_level, set_prefetch_level, PrefetchLevel};
+    let before = prefetch_level();
+    let mut a = Q8Acts::new();
+    for &(rows, cols) in &[(64usize, 2048usize), (9, 288), (7, 1408), (3, 40)] {
+        for &n in &[1usize, 5] {
+            let (bytes, x) = q8_case(rows, cols, n, (rows * 5 + cols + n) as u64);
+            let w = Q8Matrix::new(&bytes, rows, cols).unwrap();
+            a.quantize(&x, n, cols);
+            for k in available() {
+                let run = |level: PrefetchLevel| {
+                    set_prefetch_level(level);
+                    let mut out = vec![f32::NAN; n * rows];
+                    q8_matmul(k, &w, &a, &mut out, rows, 0..rows);
+                    out.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+                };
+                let want = run(PrefetchLevel::L2);
+                for level in [PrefetchLevel::L1, PrefetchLevel::Off] {
+                    assert_eq!(run(level), want, "{} {rows}x{cols} n={n}", k.name());
+                }
+            }
+        }
+    }
+    set_prefetch_level(before);
+}
+
+#[test]
+fn q8_weights_are_closer_than_int4_and_n_zero_is_a_no_op() {
+    // The point of the format: on the same weights and activations the 8-bit product is much
+    // closer to the exact f32 one than the int4 product.
+    let (rows, cols, n) = (64, 1024, 3);
+    let w = gauss(rows * cols, 5);
+    let x = gauss(n * cols, 6);
+    let mut a = Q8Acts::new();
+    a.quantize(&x, n, cols);
+    let exact: Vec<f32> = (0..n)
+        .flat_map(|t| {
+            let (w, x) = (&w, &x);
+            (0..rows).map(move |r| {
+                (0..cols)
+                    .map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64)
+                    .sum::<f64>() as f32
+            })
+        })
+        .collect();
+    let b8 = quantize_q8(&w, rows, cols);
+    let b4 = quantize_q4(&w, rows, cols);
+    let (m8, m4) = (
+        Q8Matrix::new(&b8, rows, cols).unwrap(),
+        Q4Matrix::new(&b4, rows, cols).unwrap(),
+    );
+    let (mut o8, mut o4) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+    q8_matmul(kernel(), &m8, &a, &mut o8, rows, 0..rows);
+    q4_matmul(kernel(), &m4, &a, &mut o4, rows, 0..rows);
+    let err = |o: &[f32]| {
+        let num: f64 = o
+            .iter()
+            .zip(&exact)
+            .map(|(&p, &q)| ((p - q) as f64).powi(2))
+            .sum();
+        let den: f64 = exact.iter().map(|&q| (q as f64).powi(2)).sum();
+        (num / den).sqrt()
+    };
+    let (e8, e4) = (err(&o8), err(&o4));
+    println!("relative error of the product: 8-bit {e8:.5}, int4 {e4:.5}");
+    assert!(e8 < e4 / 3.0, "8-bit {e8} vs int4 {e4}");
+    a.quantize(&[], 0, cols);
+    for k in available() {
+        q8_matmul(k, &m8, &a, &mut [], rows, 0..rows);
+        let mut o = [7.0f32; 4];
+        a.quantize(&x[..cols], 1, cols);
+        q8_matmul(k, &m8, &a, &mut o, 4, 2..2);
+        assert_eq!(o, [7.0; 4]);
+        a.quantize(&[], 0, cols);
+    }
+}

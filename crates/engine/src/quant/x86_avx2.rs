@@ -21,7 +21,8 @@ use std::ops::Range;
 use super::prefetch::{prefetch_level, PrefetchLevel};
 use super::q4::{RowBlocks, TailBuf, BLOCK_GROUPS};
 use super::q8::TokenActs;
-use super::{Q4Matrix, Q8Acts};
+use super::q8w::{RowBlocks8, TailBuf8};
+use super::{Q4Matrix, Q8Acts, Q8Matrix};
 
 /// Software prefetch distance in each row's byte stream, bytes.
 pub(super) const PREFETCH: usize = 8192;
@@ -115,7 +116,8 @@ const L1_BLOCK_BYTES: usize = 24 << 10;
 /// Weights per row chunk: a quarter of a 1 MiB L2, re-read from there by each token block.
 const L2_CHUNK_BYTES: usize = 256 << 10;
 
-/// Calls `f(rows, tokens)` for the blocks of a product over `rows` and every token of `x`:
+/// Calls `f(rows, tokens)` for the blocks of a product over `rows` (of `row_bytes` bytes each,
+/// int4 or 8-bit) and every token of `x`:
 /// rows in chunks whose weights stay in L2 (a multiple of 6 rows, so 2- and 3-row tiles fit),
 /// and within a chunk tokens in blocks whose activations stay in L1 (a multiple of 4, the token
 /// tile). The weights then come from memory once and the innermost loop reads activations from
@@ -123,7 +125,7 @@ const L2_CHUNK_BYTES: usize = 256 << 10;
 /// (AVX-512 at 64 tokens: 157-173 -> 184-204 GMAC/s). Decode (one token) is one block per
 /// chunk, the chunks back to back: one sequential stream per thread as without them.
 pub(crate) fn for_each_block(
-    w: &Q4Matrix,
+    row_bytes: usize,
     x: &Q8Acts,
     rows: Range<usize>,
     mut f: impl FnMut(Range<usize>, Range<usize>),
@@ -133,7 +135,7 @@ pub(crate) fn for_each_block(
     // where 64 gave 4: prefill of 512 tokens +2%).
     let per_token = x.padded_groups() * 40;
     let tb = (L1_BLOCK_BYTES / per_token.max(1)).clamp(4, 256) / 4 * 4;
-    let rc = (L2_CHUNK_BYTES / (w.groups() * 18).max(1)).max(6) / 6 * 6;
+    let rc = (L2_CHUNK_BYTES / row_bytes.max(1)).max(6) / 6 * 6;
     let mut c0 = rows.start;
     while c0 < rows.end {
         let c1 = (c0 + rc).min(rows.end);
@@ -390,7 +392,7 @@ unsafe fn q4_rows_plain(
         return;
     }
     // The closure is defined here so that it has this function's target features.
-    for_each_block(w, x, rows, |chunk, ts| {
+    for_each_block(w.row_stride(), x, rows, |chunk, ts| {
         // SAFETY: forwarded contract; this function enables the features the block needs.
         unsafe { q4_block::<false>(w, x, chunk, ts, out, stride, pf) }
     });
@@ -406,7 +408,7 @@ unsafe fn q4_rows_vnni(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, stride: usize, r
         unsafe { q4_decode_rows::<true>(w, x, out, rows, pf) };
         return;
     }
-    for_each_block(w, x, rows, |chunk, ts| {
+    for_each_block(w.row_stride(), x, rows, |chunk, ts| {
         // SAFETY: as above.
         unsafe { q4_block::<true>(w, x, chunk, ts, out, stride, pf) }
     });
@@ -680,4 +682,375 @@ pub(crate) unsafe fn f32_rows(
         }
         r += if two { 2 } else { 1 };
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8-bit weights (`q8w`), per half block of 8 groups: run `k` of the 8 groups' values is one
+// 32-byte vector, meeting the activations' matching 32 bytes, i32 lane `i` = group `i`. Without
+// AVX-VNNI: `maddubs(|q|, sign(a, q))` (|q| <= 127 and |a| <= 127, so at most 2 * 127 * 127 per
+// i16: no saturation), widened by `madd` with ones; with it: `dpbusd(q ^ 0x80, a)` from lanes
+// starting at `-128 * sum(a)` (16 times the activations' `corr`). The same exact integer.
+// ---------------------------------------------------------------------------------------------
+
+/// `acc` plus, per i32 lane, the four products of the signed weight bytes `w` with `a` (exact).
+///
+/// # Safety
+/// The CPU has AVX2, and AVX-VNNI if `VNNI`; inlined into functions enabling them. With `VNNI`
+/// the lanes of `acc` must have started at `-128 * sum(a)` of their group (see above).
+#[inline(always)]
+unsafe fn dot8_lanes<const VNNI: bool>(w: __m256i, a: __m256i, acc: __m256i) -> __m256i {
+    // SAFETY: forwarded contract (register operations only).
+    unsafe {
+        if VNNI {
+            let u = _mm256_xor_si256(w, _mm256_set1_epi8(0x80u8 as i8));
+            _mm256_dpbusd_avx_epi32(acc, u, a)
+        } else {
+            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+            _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), acc)
+        }
+    }
+}
+
+/// The lanes an 8-bit group's integer starts from: `-128 * sum(a)` with VNNI (it offsets the
+/// unsigned weights), else 0.
+///
+/// # Safety
+/// As [`dot8_lanes`]; `corr` points at 8 readable i32.
+#[inline(always)]
+unsafe fn dot8_start<const VNNI: bool>(corr: *const i32) -> __m256i {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if VNNI {
+            _mm256_slli_epi32::<4>(_mm256_loadu_si256(corr.cast()))
+        } else {
+            _mm256_setzero_si256()
+        }
+    }
+}
+
+/// Dots of `R` 8-bit rows with `T` activation vectors.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C, and AVX-VNNI if `VNNI` (inlined into the entry points that
+/// enable them); `wr[r]` points at the `groups * 34` readable bytes of one row (`groups * 2`
+/// bytes of scales, then `groups * 32` values); each `a[t]` points at the arrays of one
+/// activation vector with at least `groups.next_multiple_of(16)` groups.
+#[inline(always)]
+unsafe fn q8_tile<const R: usize, const T: usize, const VNNI: bool>(
+    wr: [*const u8; R],
+    groups: usize,
+    a: [ActPtr; T],
+    pf: PrefetchLevel,
+) -> [[f32; T]; R] {
+    // SAFETY: the caller enables AVX2, FMA and F16C (and AVX-VNNI if VNNI) around this
+    // inlined body; every pointer read is inside a row or activation vector by the
+    // function's contract, as the comments below say for each.
+    unsafe {
+        let nb = groups.div_ceil(BLOCK_GROUPS);
+        let row_bytes = groups * 34;
+        let mut tails: [TailBuf8; R] = [const { TailBuf8::uninit() }; R];
+        // Row r is one row of `groups` groups (contract); `tails` lives to the end.
+        let blocks: [RowBlocks8; R] =
+            std::array::from_fn(|r| RowBlocks8::new(wr[r], groups, &mut tails[r]));
+        let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, pf);
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        for c in 0..nb {
+            prefetch.chunk(c, nb);
+            let mut q = [std::ptr::null::<u8>(); R];
+            let mut sc = [std::ptr::null::<u8>(); R];
+            for r in 0..R {
+                (q[r], sc[r]) = blocks[r].block(c);
+            }
+            // Groups 16c + 8h..: block c < nb <= padded groups / 16, so the activation reads
+            // (qs[c*512..c*512 + 512], corr/dexp[c*16..c*16 + 16]) are inside each vector.
+            for h in 0..2 {
+                let mut dw = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    // sc[r] points at the block's 16 f16 scales (32 bytes).
+                    dw[r] = _mm256_cvtph_ps(_mm_loadu_si128(sc[r].add(h * 16).cast()));
+                }
+                let mut ints = [[_mm256_setzero_si256(); T]; R];
+                for t in 0..T {
+                    let start = dot8_start::<VNNI>(a[t].corr.add(c * 16 + h * 8));
+                    for row in ints.iter_mut() {
+                        row[t] = start;
+                    }
+                }
+                for k in 0..8 {
+                    let mut wv = [_mm256_setzero_si256(); R];
+                    for r in 0..R {
+                        // q[r] points at the block's 512 value bytes.
+                        wv[r] = _mm256_loadu_si256(q[r].add(k * 64 + h * 32).cast());
+                    }
+                    for t in 0..T {
+                        let av = _mm256_loadu_si256(a[t].qs.add(c * 512 + k * 64 + h * 32).cast());
+                        for r in 0..R {
+                            ints[r][t] = dot8_lanes::<VNNI>(wv[r], av, ints[r][t]);
+                        }
+                    }
+                }
+                for t in 0..T {
+                    let de = _mm256_loadu_ps(a[t].dexp.add(c * 16 + h * 8));
+                    for r in 0..R {
+                        acc[r][t] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(ints[r][t]),
+                            _mm256_mul_ps(dw[r], de),
+                            acc[r][t],
+                        );
+                    }
+                }
+            }
+        }
+        let mut res = [[0.0f32; T]; R];
+        for r in 0..R {
+            for t in 0..T {
+                res[r][t] = hsum(acc[r][t]);
+            }
+        }
+        res
+    }
+}
+
+/// # Safety
+/// As [`q8_rows`] (and AVX-VNNI if `VNNI`), for rows `r0..r0 + R` and tokens `t0..t0 + T`.
+#[inline(always)]
+unsafe fn q8_run<const R: usize, const T: usize, const VNNI: bool>(
+    w: &Q8Matrix,
+    r0: usize,
+    x: &Q8Acts,
+    t0: usize,
+    out: *mut f32,
+    out_stride: usize,
+    pf: PrefetchLevel,
+) {
+    let wr: [*const u8; R] = std::array::from_fn(|i| w.row(r0 + i).as_ptr());
+    let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
+    // SAFETY: the pointers come from row slices of `w` (groups*34 bytes: scales, then values)
+    // and from activation vectors padded to a multiple of 16 groups >= w.groups() (cols agree).
+    let res = unsafe { q8_tile::<R, T, VNNI>(wr, w.groups(), a, pf) };
+    for (i, row) in res.iter().enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
+            // writable.
+            unsafe { *out.wrapping_add((t0 + j) * out_stride + r0 + i) = v };
+        }
+    }
+}
+
+/// One block of `for_each_block` over 8-bit rows: rows `chunk` for tokens `ts`, in tiles of
+/// 2 rows x up to 4 tokens.
+///
+/// # Safety
+/// As [`q8_rows`] (and AVX-VNNI if `VNNI`), for `chunk` inside its rows and `ts` inside its
+/// tokens; inlined into a function enabling the features.
+#[inline(always)]
+unsafe fn q8_block<const VNNI: bool>(
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    chunk: Range<usize>,
+    ts: Range<usize>,
+    out: *mut f32,
+    out_stride: usize,
+    pf: PrefetchLevel,
+) {
+    let mut r = chunk.start;
+    while r < chunk.end {
+        let rows2 = chunk.end - r >= 2;
+        let mut t = ts.start;
+        while t < ts.end {
+            // SAFETY: rows r..r+(2 or 1) are inside `chunk`, tokens t..t+T inside `ts`
+            // (contract).
+            unsafe {
+                match (rows2, ts.end - t) {
+                    (true, 1) => q8_run::<2, 1, VNNI>(w, r, x, t, out, out_stride, pf),
+                    (true, 2) => q8_run::<2, 2, VNNI>(w, r, x, t, out, out_stride, pf),
+                    (true, 3) => q8_run::<2, 3, VNNI>(w, r, x, t, out, out_stride, pf),
+                    (true, _) => q8_run::<2, 4, VNNI>(w, r, x, t, out, out_stride, pf),
+                    (false, 1) => q8_run::<1, 1, VNNI>(w, r, x, t, out, out_stride, pf),
+                    (false, 2) => q8_run::<1, 2, VNNI>(w, r, x, t, out, out_stride, pf),
+                    (false, 3) => q8_run::<1, 3, VNNI>(w, r, x, t, out, out_stride, pf),
+                    (false, _) => q8_run::<1, 4, VNNI>(w, r, x, t, out, out_stride, pf),
+                }
+            }
+            t += (ts.end - t).min(4);
+        }
+        r += if rows2 { 2 } else { 1 };
+    }
+}
+
+/// Decode (one token) over 8-bit rows: as [`q4_decode_rows`], one sequential stream with the
+/// prefetch ahead, a row's partial last block read in place with masked loads (lanes past its
+/// `m` groups read as zero, which multiply zero activations). The same operations in the same
+/// order as `q8_tile::<1, 1, VNNI>`, so the same bits.
+///
+/// # Safety
+/// As [`q8_rows`] (and AVX-VNNI if `VNNI`), with `x.n() == 1` and `rows` not empty; inlined
+/// into a function enabling the features.
+#[inline(always)]
+unsafe fn q8_decode_rows<const VNNI: bool>(
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    rows: Range<usize>,
+    pf: PrefetchLevel,
+) {
+    let groups = w.groups();
+    let nb = groups / BLOCK_GROUPS;
+    let m = groups % BLOCK_GROUPS;
+    let row_bytes = groups * 34;
+    let a = ActPtr::new(&x.token(0));
+    let base = w.row(rows.start).as_ptr();
+    let mut cursor = first_prefetch(base, pf);
+    let mut target = PREFETCH;
+    // Row bytes per 32 bytes of values (scales included): 34 (a partial block counts as one).
+    let step = row_bytes / ((nb + usize::from(m > 0)) * 16);
+    // SAFETY: block c < nb lies inside each row (c*32 + 32 <= groups*2 scale bytes, c*512 +
+    // 512 <= groups*32 value bytes); the partial block's reads are only its live bytes (the
+    // scale copy takes `live * 2` bytes below groups*2, the masked loads only live lanes, below
+    // c*512 + 32m); the activation arrays are padded to whole blocks (c*512 + 512 bytes of qs,
+    // c*16 + 16 values of corr/dexp, zero past `groups`); the caller enables the features
+    // (contract).
+    unsafe {
+        for (i, r) in rows.enumerate() {
+            let ws = base.wrapping_add(i * row_bytes);
+            let wq = ws.wrapping_add(groups * 2);
+            let mut acc = _mm256_setzero_ps();
+            for c in 0..nb {
+                for h in 0..2 {
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(c * 32 + h * 16).cast()));
+                    let mut ints = dot8_start::<VNNI>(a.corr.add(c * 16 + h * 8));
+                    for k in 0..8 {
+                        target += step;
+                        while cursor < target {
+                            prefetch_line(base.wrapping_add(cursor), pf);
+                            cursor += 64;
+                        }
+                        let wv = _mm256_loadu_si256(wq.add(c * 512 + k * 64 + h * 32).cast());
+                        let av = _mm256_loadu_si256(a.qs.add(c * 512 + k * 64 + h * 32).cast());
+                        ints = dot8_lanes::<VNNI>(wv, av, ints);
+                    }
+                    let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(dw, de), acc);
+                }
+            }
+            if m > 0 {
+                // The whole-block loop above with masked loads, kept apart as in the int4
+                // kernels.
+                let c = nb;
+                for h in 0..2 {
+                    let live = m.saturating_sub(h * 8).min(8);
+                    let lane_mask = _mm256_cmpgt_epi32(
+                        _mm256_set1_epi32(live as i32),
+                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                    );
+                    let mut sc = [0u16; 8];
+                    std::ptr::copy_nonoverlapping(
+                        ws.add(c * 32 + h * 16),
+                        sc.as_mut_ptr().cast::<u8>(),
+                        live * 2,
+                    );
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(sc.as_ptr().cast()));
+                    let mut ints = dot8_start::<VNNI>(a.corr.add(c * 16 + h * 8));
+                    for k in 0..8 {
+                        target += step;
+                        while cursor < target {
+                            prefetch_line(base.wrapping_add(cursor), pf);
+                            cursor += 64;
+                        }
+                        // Run k of group g is at c*512 + k*4m + 4g: lane j of this half is
+                        // group h*8 + j, read only when live.
+                        let wv = _mm256_maskload_epi32(
+                            wq.add(c * 512 + k * 4 * m + h * 32).cast(),
+                            lane_mask,
+                        );
+                        let av = _mm256_loadu_si256(a.qs.add(c * 512 + k * 64 + h * 32).cast());
+                        ints = dot8_lanes::<VNNI>(wv, av, ints);
+                    }
+                    let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(dw, de), acc);
+                }
+                target = (i + 1) * row_bytes + PREFETCH;
+            }
+            // r is in `rows`, token 0: the caller guarantees out + r writable.
+            *out.add(r) = hsum(acc);
+        }
+    }
+}
+
+/// `out[t * out_stride + r] = dot(w[r], x[t])` for 8-bit weights, with AVX-VNNI when
+/// [`avx_vnni`] says so.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `rows.end <= w.rows`; `x.cols() == w.cols`; every
+/// `out + t * out_stride + r` (`t < x.n()`, `r in rows`) is valid for writes.
+pub(crate) unsafe fn q8_rows(
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    out_stride: usize,
+    rows: Range<usize>,
+) {
+    // SAFETY: forwarded contract; `avx_vnni` is only true on CPUs with AVX-VNNI.
+    unsafe { q8_rows_with(avx_vnni(), w, x, out, out_stride, rows) }
+}
+
+/// [`q8_rows`] with AVX-VNNI or without (`vnni` only where the CPU has it).
+///
+/// # Safety
+/// As [`q8_rows`], and the CPU has AVX-VNNI if `vnni`.
+pub(crate) unsafe fn q8_rows_with(
+    vnni: bool,
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    out_stride: usize,
+    rows: Range<usize>,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if vnni {
+            q8_rows_vnni(w, x, out, out_stride, rows)
+        } else {
+            q8_rows_plain(w, x, out, out_stride, rows)
+        }
+    }
+}
+
+/// # Safety
+/// As [`q8_rows`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_rows_plain(
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    stride: usize,
+    rows: Range<usize>,
+) {
+    let pf = prefetch_level();
+    if decode_rows_apply(x, &rows) {
+        // SAFETY: forwarded contract; one token.
+        unsafe { q8_decode_rows::<false>(w, x, out, rows, pf) };
+        return;
+    }
+    // The closure is defined here so that it has this function's target features.
+    for_each_block(w.row_stride(), x, rows, |chunk, ts| {
+        // SAFETY: forwarded contract; this function enables the features the block needs.
+        unsafe { q8_block::<false>(w, x, chunk, ts, out, stride, pf) }
+    });
+}
+
+/// # Safety
+/// As [`q8_rows`], and the CPU has AVX-VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn q8_rows_vnni(w: &Q8Matrix, x: &Q8Acts, out: *mut f32, stride: usize, rows: Range<usize>) {
+    let pf = prefetch_level();
+    if decode_rows_apply(x, &rows) {
+        // SAFETY: forwarded contract; one token.
+        unsafe { q8_decode_rows::<true>(w, x, out, rows, pf) };
+        return;
+    }
+    for_each_block(w.row_stride(), x, rows, |chunk, ts| {
+        // SAFETY: as above.
+        unsafe { q8_block::<true>(w, x, chunk, ts, out, stride, pf) }
+    });
 }

@@ -14,10 +14,11 @@ use std::ops::Range;
 
 use super::prefetch::{prefetch_level, PrefetchLevel};
 use super::q4::{RowBlocks, TailBuf, BLOCK_GROUPS, BLOCK_NIBBLES};
+use super::q8w::{RowBlocks8, TailBuf8, BLOCK_VALUES};
 use super::x86_avx2::{
     first_prefetch, for_each_block, prefetch_line, ActPtr, TilePrefetch, PREFETCH,
 };
-use super::{Q4Matrix, Q8Acts};
+use super::{Q4Matrix, Q8Acts, Q8Matrix};
 
 /// Dots of `R` rows with `T` activation vectors.
 ///
@@ -287,7 +288,7 @@ pub(crate) unsafe fn q4_rows(
         return;
     }
     // Blocks that keep weights in L2 and activations in L1 (see `for_each_block`).
-    for_each_block(w, x, rows, |chunk, ts| {
+    for_each_block(w.row_stride(), x, rows, |chunk, ts| {
         let mut r = chunk.start;
         // Single rows for decode (n = 1): each thread reads its rows as one sequential stream.
         // 2 rows x 4 tokens for prefill: with 3 rows the integer and float accumulators (24 +
@@ -412,4 +413,281 @@ pub(crate) unsafe fn f32_rows(
         }
         r += if four { 4 } else { 1 };
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8-bit weights (`q8w`): a block of 16 groups is eight 64-byte vectors of values laid out like
+// the activations' eight, so vector k of the weights meets vector k of the activations and i32
+// lane i is group i throughout. `dpbusd` takes the weights as unsigned bytes `q ^ 0x80 = q + 128`
+// and each lane starts at `-128 * sum(a)` (16 times the activations' `corr`): the exact integer
+// `sum(q * a)`. Then, as for int4, one conversion and one FMA per block.
+// ---------------------------------------------------------------------------------------------
+
+/// Dots of `R` 8-bit rows with `T` activation vectors.
+///
+/// # Safety
+/// `wr[r]` points at the `groups * 34` readable bytes of one row (`groups * 2` bytes of scales,
+/// then `groups * 32` values); each `a[t]` points at the arrays of one activation vector with
+/// at least `groups.next_multiple_of(16)` groups.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_tile<const R: usize, const T: usize>(
+    wr: [*const u8; R],
+    groups: usize,
+    a: [ActPtr; T],
+    pf: PrefetchLevel,
+) -> [[f32; T]; R] {
+    let nb = groups.div_ceil(BLOCK_GROUPS);
+    let row_bytes = groups * 34;
+    let mut tails: [TailBuf8; R] = [const { TailBuf8::uninit() }; R];
+    // SAFETY: each wr[r] is one row of `groups` groups (contract); `tails` lives to the end.
+    let blocks: [RowBlocks8; R] =
+        std::array::from_fn(|r| unsafe { RowBlocks8::new(wr[r], groups, &mut tails[r]) });
+    let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, pf);
+    let bias = _mm512_set1_epi8(0x80u8 as i8);
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for c in 0..nb {
+        prefetch.chunk(c, nb);
+        let mut q = [std::ptr::null::<u8>(); R];
+        let mut dw = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            let (vals, sc) = blocks[r].block(c);
+            q[r] = vals;
+            // SAFETY: sc points at 32 readable bytes (16 f16 scales), see RowBlocks8::block.
+            dw[r] = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(sc.cast()) });
+        }
+        // SAFETY (activation reads below): block c < nb <= padded groups / 16, so
+        // qs[c*512..c*512 + 512] and corr/dexp[c*16..c*16 + 16] are inside each vector's arrays.
+        let mut ints = [[_mm512_setzero_si512(); T]; R];
+        for t in 0..T {
+            let corr = unsafe { _mm512_loadu_si512(a[t].corr.add(c * 16).cast()) };
+            let start = _mm512_slli_epi32::<4>(corr);
+            for row in ints.iter_mut() {
+                row[t] = start;
+            }
+        }
+        for k in 0..8 {
+            let mut wv = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                // SAFETY: q[r] points at the block's 512 value bytes.
+                let v = unsafe { _mm512_loadu_si512(q[r].add(k * 64).cast()) };
+                wv[r] = _mm512_xor_si512(v, bias);
+            }
+            for t in 0..T {
+                let av = unsafe { _mm512_loadu_si512(a[t].qs.add(c * 512 + k * 64).cast()) };
+                for r in 0..R {
+                    ints[r][t] = _mm512_dpbusd_epi32(ints[r][t], wv[r], av);
+                }
+            }
+        }
+        for t in 0..T {
+            let de = unsafe { _mm512_loadu_ps(a[t].dexp.add(c * 16)) };
+            for r in 0..R {
+                acc[r][t] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(ints[r][t]),
+                    _mm512_mul_ps(dw[r], de),
+                    acc[r][t],
+                );
+            }
+        }
+    }
+    let mut res = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+    res
+}
+
+/// # Safety
+/// As [`q8_rows`], for rows `r0..r0 + R` and tokens `t0..t0 + T`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_run<const R: usize, const T: usize>(
+    w: &Q8Matrix,
+    r0: usize,
+    x: &Q8Acts,
+    t0: usize,
+    out: *mut f32,
+    out_stride: usize,
+    pf: PrefetchLevel,
+) {
+    let wr: [*const u8; R] = std::array::from_fn(|i| w.row(r0 + i).as_ptr());
+    let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
+    // SAFETY: the pointers come from row slices of `w` (groups*34 bytes: scales, then values)
+    // and from activation vectors padded to a multiple of 16 groups >= w.groups() (cols agree).
+    let res = unsafe { q8_tile::<R, T>(wr, w.groups(), a, pf) };
+    for (i, row) in res.iter().enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
+            // writable.
+            unsafe { *out.wrapping_add((t0 + j) * out_stride + r0 + i) = v };
+        }
+    }
+}
+
+/// # Safety
+/// As `q8_rows`, for rows `r0..r0 + R` and tokens `ts`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_rows_tokens<const R: usize>(
+    w: &Q8Matrix,
+    r0: usize,
+    x: &Q8Acts,
+    ts: Range<usize>,
+    out: *mut f32,
+    out_stride: usize,
+    pf: PrefetchLevel,
+) {
+    let mut t = ts.start;
+    while t < ts.end {
+        // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
+        unsafe {
+            match ts.end - t {
+                1 => q8_run::<R, 1>(w, r0, x, t, out, out_stride, pf),
+                2 => q8_run::<R, 2>(w, r0, x, t, out, out_stride, pf),
+                3 => q8_run::<R, 3>(w, r0, x, t, out, out_stride, pf),
+                _ => q8_run::<R, 4>(w, r0, x, t, out, out_stride, pf),
+            }
+        }
+        t += (ts.end - t).min(4);
+    }
+}
+
+/// Decode (one token) over 8-bit rows: as `q4_decode_rows`, the rows one after another as one
+/// sequential stream with the prefetch running PREFETCH bytes ahead, a row's partial last block
+/// read in place with masked loads (its run `k` of every group is `4m` bytes at `k * 4m`; lanes
+/// past `m` read as zero, whose `0 ^ 0x80` meets zero activations). The integer is summed in
+/// two chains (even and odd runs) and is the tile's exact integer; the float operations are
+/// those of `q8_tile::<1, 1>` in the same order, so the results are bit-identical to it.
+///
+/// # Safety
+/// As [`q8_rows`], with `x.n() == 1` and `rows` not empty.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_decode_rows(
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    rows: Range<usize>,
+    pf: PrefetchLevel,
+) {
+    let groups = w.groups();
+    let nb = groups / BLOCK_GROUPS;
+    // The last block's groups when it is partial (0: whole blocks only).
+    let m = groups % BLOCK_GROUPS;
+    let row_bytes = groups * 34;
+    let a = ActPtr::new(&x.token(0));
+    let base = w.row(rows.start).as_ptr();
+    let bias = _mm512_set1_epi8(0x80u8 as i8);
+    let mut cursor = first_prefetch(base, pf);
+    let mut target = PREFETCH;
+    // Row bytes per 64 bytes of values (scales included): 68 (a partial block counts as one).
+    let step = row_bytes / ((nb + usize::from(m > 0)) * 8);
+    let lanes: __mmask16 = ((1u32 << m) - 1) as __mmask16;
+    for (i, r) in rows.enumerate() {
+        let ws = base.wrapping_add(i * row_bytes);
+        let wq = ws.wrapping_add(groups * 2);
+        let mut acc = _mm512_setzero_ps();
+        for c in 0..nb {
+            // SAFETY: block c < nb lies inside row r (c*32 + 32 <= groups*2 scale bytes,
+            // c*512 + 512 <= groups*32 value bytes); the activation arrays hold at least
+            // `groups` groups (c*512 + 512 bytes of qs, c*16 + 16 values of corr/dexp).
+            unsafe {
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(ws.add(c * 32).cast()));
+                let corr = _mm512_loadu_si512(a.corr.add(c * 16).cast());
+                let mut even = _mm512_slli_epi32::<4>(corr);
+                let mut odd = _mm512_setzero_si512();
+                for k in (0..8).step_by(2) {
+                    target += 2 * step;
+                    while cursor < target {
+                        prefetch_line(base.wrapping_add(cursor), pf);
+                        cursor += 64;
+                    }
+                    let off = c * BLOCK_VALUES + k * 64;
+                    let w0 = _mm512_xor_si512(_mm512_loadu_si512(wq.add(off).cast()), bias);
+                    let w1 = _mm512_xor_si512(_mm512_loadu_si512(wq.add(off + 64).cast()), bias);
+                    let a0 = _mm512_loadu_si512(a.qs.add(c * 512 + k * 64).cast());
+                    let a1 = _mm512_loadu_si512(a.qs.add(c * 512 + k * 64 + 64).cast());
+                    even = _mm512_dpbusd_epi32(even, w0, a0);
+                    odd = _mm512_dpbusd_epi32(odd, w1, a1);
+                }
+                let ints = _mm512_add_epi32(even, odd);
+                let de = _mm512_loadu_ps(a.dexp.add(c * 16));
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_mul_ps(dw, de), acc);
+            }
+        }
+        if m > 0 {
+            // The whole-block loop above with masked loads, kept apart as in the int4 kernel.
+            let c = nb;
+            // SAFETY: the masked loads read only the partial block's bytes inside row r: 2m
+            // scale bytes at c*32 (< groups*2) and, per run k, 4m value bytes at
+            // c*512 + k*4m (< groups*32); the activation arrays are padded to whole blocks
+            // (c*512 + 512 bytes of qs, c*16 + 16 values of corr/dexp), zero past `groups`.
+            unsafe {
+                let dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, ws.add(c * 32).cast()));
+                let corr = _mm512_loadu_si512(a.corr.add(c * 16).cast());
+                let mut even = _mm512_slli_epi32::<4>(corr);
+                let mut odd = _mm512_setzero_si512();
+                for k in (0..8).step_by(2) {
+                    target += 2 * step;
+                    while cursor < target {
+                        prefetch_line(base.wrapping_add(cursor), pf);
+                        cursor += 64;
+                    }
+                    let off = c * BLOCK_VALUES + k * 4 * m;
+                    let w0 = _mm512_maskz_loadu_epi32(lanes, wq.add(off).cast());
+                    let w1 = _mm512_maskz_loadu_epi32(lanes, wq.add(off + 4 * m).cast());
+                    let a0 = _mm512_loadu_si512(a.qs.add(c * 512 + k * 64).cast());
+                    let a1 = _mm512_loadu_si512(a.qs.add(c * 512 + k * 64 + 64).cast());
+                    even = _mm512_dpbusd_epi32(even, _mm512_xor_si512(w0, bias), a0);
+                    odd = _mm512_dpbusd_epi32(odd, _mm512_xor_si512(w1, bias), a1);
+                }
+                let ints = _mm512_add_epi32(even, odd);
+                let de = _mm512_loadu_ps(a.dexp.add(c * 16));
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_mul_ps(dw, de), acc);
+            }
+            // Whole rows between prefetch targets: a partial row's integer steps need not add
+            // up to its bytes.
+            target = (i + 1) * row_bytes + PREFETCH;
+        }
+        // SAFETY: r is in `rows`, token 0: the caller guarantees out + r writable.
+        unsafe { *out.add(r) = _mm512_reduce_add_ps(acc) };
+    }
+}
+
+/// `out[t * out_stride + r] = dot(w[r], x[t])` for 8-bit weights.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `rows.end <= w.rows`;
+/// `x.cols() == w.cols`; every `out + t * out_stride + r` (`t < x.n()`, `r in rows`) is valid
+/// for writes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q8_rows(
+    w: &Q8Matrix,
+    x: &Q8Acts,
+    out: *mut f32,
+    out_stride: usize,
+    rows: Range<usize>,
+) {
+    let pf = prefetch_level();
+    let n = x.n();
+    if n == 1 && !rows.is_empty() {
+        // SAFETY: forwarded contract; one token.
+        unsafe { q8_decode_rows(w, x, out, rows, pf) };
+        return;
+    }
+    for_each_block(w.row_stride(), x, rows, |chunk, ts| {
+        let mut r = chunk.start;
+        // 2 rows x 4 tokens, as for int4.
+        while r < chunk.end {
+            // SAFETY: rows r..r+R are inside `rows` (R <= left), tokens `ts` inside 0..n.
+            unsafe {
+                if chunk.end - r >= 2 {
+                    q8_rows_tokens::<2>(w, r, x, ts.clone(), out, out_stride, pf);
+                    r += 2;
+                } else {
+                    q8_rows_tokens::<1>(w, r, x, ts.clone(), out, out_stride, pf);
+                    r += 1;
+                }
+            }
+        }
+    });
 }

@@ -381,7 +381,7 @@ impl Model {
         mut inputs: Vec<Acts>,
     ) -> Vec<Vec<f32>> {
         for x in &mut inputs {
-            x.prepare(w.dtype == DType::Q4);
+            x.prepare(w.dtype.takes_q8_acts());
         }
         let mut outs: Vec<Vec<f32>> = inputs.iter().map(|x| vec![0.0; x.n * rows]).collect();
         let mut jobs: Vec<Job> = inputs

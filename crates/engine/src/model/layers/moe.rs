@@ -289,7 +289,7 @@ impl Model {
         let q4 = self
             .expert_layout
             .as_ref()
-            .is_some_and(|l| l.parts[0].dtype == DType::Q4);
+            .is_some_and(|l| l.parts[0].dtype.takes_q8_acts());
         // Inputs per expert: the shared activations when every token goes there (decode);
         // otherwise its tokens' rows, gathered over the pool from the activations quantized
         // once (quantizing per expert again took ~5% of a prefill).
@@ -400,7 +400,7 @@ impl Model {
         let q4 = self
             .expert_layout
             .as_ref()
-            .is_some_and(|l| l.parts[0].dtype == DType::Q4);
+            .is_some_and(|l| l.parts[0].dtype.takes_q8_acts());
         let toks = |i: usize| experts[i].1.len();
         let threads = self.pool.threads();
         // Enough experts that whole ones keep every thread busy to the end.
