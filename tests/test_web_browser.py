@@ -6,6 +6,7 @@ target/web-screenshots/ (not committed)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -338,6 +339,7 @@ def test_the_brain_page_maps_the_experts_and_flashes_after_a_turn(demo, open_pag
     # The same map as a table, for screen readers.
     page.get_by_text("As a table").click()
     rows = page.get_by_test_id("brain-table").locator("tbody tr")
+    rows.first.wait_for()  # made when opened
     assert rows.count() == known["experts"] * len(known["layers"])
     no_console_errors(p)
 
@@ -488,3 +490,269 @@ def test_a_server_gone_is_said_in_plain_words(open_page):
         no_console_errors(p, re.compile(r"Failed to load resource|ERR_CONNECTION_REFUSED"))
     finally:
         srv.stop()
+
+
+TIER_WORDS = {"p": "pinned", "c": "cached", "d": "disk", "r": "resident"}
+TIER_LEGEND = {
+    "pinned": "pinned",
+    "cached": "RAM cache",
+    "disk": "disk",
+    "resident": "RAM (resident)",
+}
+
+
+def legend(page) -> dict[str, int]:
+    """The Brain legend's counts per tier (data-tier -> count)."""
+    items = page.get_by_test_id("brain-legend").locator("li")
+    out = {}
+    for i in range(items.count()):
+        item = items.nth(i)
+        tier = item.get_attribute("data-tier")
+        text = item.inner_text()
+        assert text.startswith(TIER_LEGEND[tier] + ":"), text
+        out[tier] = int(text.rsplit(":", 1)[1])
+    return out
+
+
+def want_legend(body: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for layer in body["layers"]:
+        for letter in layer["tiers"]:
+            out[TIER_WORDS[letter]] = out.get(TIER_WORDS[letter], 0) + 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory) -> Iterator[RunningServer]:
+    """The built-in model (one MoE layer of 8 experts, 4 KiB records) behind a cache of 5
+    records, 2 of them pinned by the heat in the KV directory: experts 1 and 4."""
+    from colibri.demo.builtin import builtin_model_dir
+
+    from .server import routing_heat_json
+
+    assert (builtin_model_dir() / "experts.bin").stat().st_size == 8 * 4096
+    kv = tmp_path_factory.mktemp("tiered-kv")
+    (kv / "routing-heat.json").write_text(routing_heat_json({1: [5, 900, 3, 0, 700, 1, 2, 4]}))
+    srv = RunningServer(
+        "--kv-dir", str(kv), "--ram-gb", str(5.5 * 4096 / 1e9), "--pin-gb", str(2.5 * 4096 / 1e9)
+    )
+    yield srv
+    srv.stop()
+
+
+def test_the_brain_page_colours_each_expert_by_where_it_lives(tiered, open_page):
+    p = open_page(scheme="dark")
+    page = p.page
+    page.goto(tiered.url + "/#/brain")
+    grid = page.get_by_test_id("brain-grid")
+    grid.wait_for()
+    body = httpx.get(tiered.url + "/v1/colibri/experts").json()
+    assert body["layers"][0]["tiers"] == "dpddpddd"
+    # Before any turn: the two hottest pinned, the rest on disk, and the legend says so.
+    page.get_by_test_id("brain-legend").wait_for()
+    assert legend(page) == {"pinned": 2, "disk": 6} == want_legend(body)
+
+    def shown_tiers() -> list[str]:
+        return grid.locator(".cell").evaluate_all("els => els.map(e => e.dataset.tier)")
+
+    assert shown_tiers() == [TIER_WORDS[t] for t in body["layers"][0]["tiers"]]
+    # Colour = tier: each cell is drawn in its legend swatch's colour (brightness = heat).
+    swatches = dict(
+        page.get_by_test_id("brain-legend")
+        .locator("li")
+        .evaluate_all(
+            "els => els.map(e => [e.dataset.tier,"
+            " getComputedStyle(e.querySelector('.swatch')).getPropertyValue('--tier').trim()])"
+        )
+    )
+    assert set(swatches) == {"pinned", "disk"} and len(set(swatches.values())) == 2
+    tier_colour = grid.locator(".cell").evaluate_all(
+        "els => els.map(e => [e.dataset.tier,"
+        " getComputedStyle(e).getPropertyValue('--tier').trim()])"
+    )
+    assert all(colour == swatches[tier] for tier, colour in tier_colour), tier_colour
+    # The hottest pinned expert is the brightest cell; the tooltip names layer, expert, tier
+    # and selections.
+    hot = grid.locator('.cell[data-expert="1"]')
+    assert hot.get_attribute("title") == "layer 1, expert 1: pinned, 900 selections"
+    assert (
+        grid.locator('.cell[data-expert="3"]').get_attribute("title")
+        == "layer 1, expert 3: disk, 0 selections"
+    )
+    # A turn reads experts into the RAM cache: the page shows them there after its next poll.
+    r = httpx.post(
+        tiered.base_url + "/chat/completions",
+        json={"model": tiered.model_id, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 12},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200
+    page.locator(".cell.flash").first.wait_for(timeout=10_000)
+    body = httpx.get(tiered.url + "/v1/colibri/experts").json()
+    want = want_legend(body)
+    assert want.get("cached", 0) > 0 and want["pinned"] == 2
+    page.wait_for_function(
+        "n => document.querySelectorAll('.cell.tier-cached').length === n", arg=want["cached"]
+    )
+    assert legend(page) == want
+    assert shown_tiers() == [TIER_WORDS[t] for t in body["layers"][0]["tiers"]]
+    page.screenshot(path=str(SHOTS / "brain-tiers-1280x800-dark.png"))
+    # The table says the same in words.
+    page.get_by_text("As a table").click()
+    rows = page.get_by_test_id("brain-table").locator("tbody tr")
+    rows.first.wait_for()
+    assert rows.count() == 8
+    words = [rows.nth(i).locator("td").nth(2).inner_text() for i in range(8)]
+    assert words == [TIER_LEGEND[TIER_WORDS[t]] for t in body["layers"][0]["tiers"]]
+    # The System page states the RAM budget the tiers come from.
+    page.goto(tiered.url + "/#/system")
+    ram = page.get_by_test_id("expert-ram")
+    ram.wait_for()
+    assert ram.inner_text().startswith("RAM cache of 5 experts (20.0 KiB), 2 of them pinned")
+    no_console_errors(p)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Iterator[RunningServer]:
+    """A random model of the built-in recipe with 24 layers (23 MoE) of 64 experts: 1,472 cells,
+    over the page's canvas threshold, behind an expert cache of a quarter of them."""
+    from colibri.demo.builtin import write_checkpoint
+    from colibri.runtime.engine import convert
+
+    root = tmp_path_factory.mktemp("big-map")
+    write_checkpoint(root / "hf", num_hidden_layers=24, n_routed_experts=64)
+    convert(root / "hf", root / "model", "int4")
+    size = (root / "model" / "experts.bin").stat().st_size
+    srv = RunningServer(
+        "--model", str(root / "model"), "--no-kv-persist", "--ram-gb", str(size / 4 / 1e9)
+    )
+    yield srv
+    srv.stop()
+
+
+# The canvas's pixel at (x, y) CSS pixels from its top left, as [r, g, b].
+PIXEL_JS = """([x, y]) => {
+    const c = document.querySelector('[data-testid=brain-canvas]');
+    const d = window.devicePixelRatio || 1;
+    const px = c.getContext('2d').getImageData(Math.floor(x * d), Math.floor(y * d), 1, 1);
+    return Array.from(px.data).slice(0, 3);
+}"""
+
+
+def canvas_pixel(page, x: float, y: float) -> list[int]:
+    return page.evaluate(PIXEL_JS, [x, y])
+
+
+def test_a_big_map_is_drawn_on_a_canvas_with_a_tooltip_and_a_table(big, open_page):
+    p = open_page(1280, 800)
+    page = p.page
+    r = httpx.post(
+        big.base_url + "/chat/completions",
+        json={"model": big.model_id, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 6},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200
+    body = httpx.get(big.url + "/v1/colibri/experts").json()
+    layers, experts = body["layers"], body["experts"]
+    assert (len(layers), experts) == (23, 64)
+    page.goto(big.url + "/#/brain")
+    canvas = page.get_by_test_id("brain-canvas")
+    canvas.wait_for()
+    assert page.locator(".cell").count() == 0  # no element per cell
+    assert legend(page) == want_legend(body)
+    lay = json.loads(canvas.get_attribute("data-layout") or "{}")
+    step = lay["cell"] + lay["gap"]
+    assert lay["cell"] >= 3
+    box = canvas.bounding_box()
+    assert box is not None
+
+    def centre(row: int, col: int) -> tuple[float, float]:
+        return lay["label"] + col * step + lay["cell"] / 2, row * step + lay["cell"] / 2
+
+    # Hover: the tooltip of the cell under the pointer (hit-tested on the canvas).
+    tip = page.get_by_test_id("brain-tooltip")
+    for row, col in [(0, 0), (2, 10), (22, 63)]:
+        x, y = centre(row, col)
+        page.mouse.move(box["x"] + x, box["y"] + y)
+        layer = layers[row]
+        count = layer["counts"][col]
+        tier = TIER_LEGEND[TIER_WORDS[layer["tiers"][col]]]
+        tip.wait_for()
+        assert tip.inner_text().startswith(
+            f"layer {layer['layer']}, expert {col}: {tier}, {count} selections"
+        ), tip.inner_text()
+    page.mouse.move(box["x"] + 2, box["y"] + 2)  # the labels: no cell
+    tip.wait_for(state="detached")
+    # Each cell in its tier's colour at its heat's brightness (as the DOM cells mix them).
+    colours = page.evaluate(
+        """() => { const s = getComputedStyle(document.querySelector('[data-testid=brain-canvas]'));
+        return Object.fromEntries(['--tier-cached', '--tier-disk', '--code-bg'].map(
+            n => [n, s.getPropertyValue(n).trim()])); }"""
+    )
+
+    def rgb(hex_: str) -> list[int]:
+        return [int(hex_[i : i + 2], 16) for i in (1, 3, 5)]
+
+    top = max(max(x["counts"]) for x in layers)
+    seen = set()
+    for row, layer in enumerate(layers[:6]):
+        for col in range(0, experts, 7):
+            letter = layer["tiers"][col]
+            heat = math.log2(layer["counts"][col] + 1) / math.log2(top + 1)
+            share = 0.08 + 0.92 * heat
+            tint = rgb(colours["--tier-cached" if letter == "c" else "--tier-disk"])
+            bg = rgb(colours["--code-bg"])
+            want = [round(a * share + b * (1 - share)) for a, b in zip(tint, bg, strict=True)]
+            got = canvas_pixel(page, *centre(row, col))
+            close = all(abs(g - w) <= 2 for g, w in zip(got, want, strict=True))
+            assert close, (row, col, letter, got, want)
+            seen.add(letter)
+    assert seen == {"c", "d"}
+    # Keyboard: focus puts a cursor on the first cell, the arrows move it, with the tooltip.
+    canvas.focus()
+    tip.wait_for()
+    assert tip.inner_text().startswith(f"layer {layers[0]['layer']}, expert 0:")
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowDown")
+    assert tip.inner_text().startswith(f"layer {layers[1]['layer']}, expert 1:")
+    page.keyboard.press("Escape")
+    tip.wait_for(state="detached")
+    # A new turn flashes its experts white, then they fade back.
+    before = httpx.get(big.url + "/v1/colibri/experts").json()["turns"]
+    r = httpx.post(
+        big.base_url + "/chat/completions",
+        json={"model": big.model_id, "messages": [{"role": "user", "content": "Hello"}],
+              "max_tokens": 4},
+        timeout=60,
+    )  # fmt: skip
+    now = httpx.get(big.url + "/v1/colibri/experts").json()
+    assert now["turns"] == before + 1
+    row = 3
+    col = now["layers"][row]["routed"][0]
+    x, y = centre(row, col)
+    white = f"xy => ({PIXEL_JS})(xy).every(v => v > 200)"
+    page.wait_for_function(white, arg=[x, y], polling="raf", timeout=10_000)
+    page.wait_for_function(f"xy => !({white})(xy)", arg=[x, y], timeout=10_000)
+    page.screenshot(path=str(SHOTS / "brain-canvas-1280x800-light.png"))
+    # The table, one layer at a time.
+    page.get_by_text("As a table").click()
+    table = page.get_by_test_id("brain-table")
+    table.locator("tbody tr").first.wait_for()
+    assert table.locator("tbody tr").count() == experts
+    page.get_by_label("Layer", exact=True).select_option(str(layers[5]["layer"]))
+    first = table.locator("tbody tr").first.locator("td").all_inner_texts()
+    assert first[:2] == [str(layers[5]["layer"]), "0"]
+    assert first[3] == str(now["layers"][5]["counts"][0])
+    no_console_errors(p)
+
+
+@pytest.mark.parametrize("width", [360, 1920])
+def test_the_canvas_map_never_overflows_the_page(big, open_page, width):
+    p = open_page(width, 800, "dark")
+    page = p.page
+    page.goto(big.url + "/#/brain")
+    page.get_by_test_id("brain-canvas").wait_for()
+    no_horizontal_overflow(page)
+    page.screenshot(path=str(SHOTS / f"brain-canvas-{width}x800-dark.png"))
+    no_console_errors(p)
