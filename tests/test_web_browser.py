@@ -756,3 +756,172 @@ def test_the_canvas_map_never_overflows_the_page(big, open_page, width):
     no_horizontal_overflow(page)
     page.screenshot(path=str(SHOTS / f"brain-canvas-{width}x800-dark.png"))
     no_console_errors(p)
+
+
+def test_a_full_queue_is_said_in_the_servers_words_with_retry_after(open_page):
+    """One slot, no queue: while a long generation holds the slot the chat's request is
+    refused with 429, shown as the server put it, Retry-After included."""
+    srv = RunningServer("--no-kv-persist", "--kv-slots", "1", "--max-queue", "0")
+    holder: dict[str, object] = {}
+    try:
+        client = httpx.Client(timeout=120)
+        req = client.build_request(
+            "POST",
+            srv.base_url + "/chat/completions",
+            json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hello"}],
+                  "max_tokens": 1500, "stream": True},
+        )  # fmt: skip
+        stream = client.send(req, stream=True)
+        holder["stream"] = stream
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        while "delta" not in next(lines):
+            pass
+        assert health(srv)["active"] == 1
+        p = open_page(360, 640)
+        page = p.page
+        page.goto(srv.url + "/")
+        page.get_by_text(srv.model_id).first.wait_for()
+        rejected = health(srv)["rejected"]
+        ask(page, "Hello")
+        error = last_reply(page).get_by_test_id("error")
+        error.wait_for(timeout=20_000)
+        # What the server says to the same request, word for word.
+        direct = httpx.post(
+            srv.base_url + "/chat/completions",
+            json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hello"}]},
+        )
+        assert direct.status_code == 429
+        words = direct.json()["error"]["message"]
+        retry = direct.headers["retry-after"]
+        assert error.inner_text() == f"429: {words} (retry after {retry} s)", error.inner_text()
+        assert health(srv)["rejected"] == rejected + 2
+        page.get_by_role("button", name="Send", exact=True).wait_for()
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / "chat-429-360x640.png"))
+        no_console_errors(p, re.compile(r"Failed to load resource.*429"))
+    finally:
+        s = holder.get("stream")
+        if isinstance(s, httpx.Response):
+            s.close()
+        srv.stop()
+
+
+def test_slot_choice_regenerate_and_the_context_meter(open_page):
+    """With two KV slots the chat offers the choice and sends `cache_slot`; Regenerate asks
+    the server again; the meter counts the last turn's tokens against the context."""
+    srv = RunningServer("--no-kv-persist", "--kv-slots", "2")
+    try:
+        p = open_page()
+        page = p.page
+        page.goto(srv.url + "/")
+        page.get_by_text(srv.model_id).first.wait_for()
+        slot = page.get_by_label("KV slot")
+        assert slot.locator("option").all_inner_texts() == ["any", "0", "1"]
+        slot.select_option("1")
+        page.get_by_label("Max tokens").fill("5")
+        page.get_by_label("Reasoning").uncheck()
+        ask(page, "Hello")
+        wait_done(page)
+
+        def exported_reply() -> str:
+            with page.expect_download() as got:
+                page.get_by_role("button", name="Export JSON").click()
+            messages = json.loads(Path(got.value.path()).read_text())["messages"]
+            assert [m["role"] for m in messages] == ["user", "assistant"]
+            return messages[1]["content"]
+
+        shown = exported_reply()
+        assert shown
+
+        def again(cache_slot: int) -> dict:
+            r = httpx.post(
+                srv.base_url + "/chat/completions",
+                json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hello"}],
+                      "max_tokens": 5, "temperature": 0, "enable_thinking": False,
+                      "cache_slot": cache_slot},
+                timeout=60,
+            )  # fmt: skip
+            assert r.status_code == 200
+            return r.json()
+
+        # Slot 1 holds the page's conversation (its prompt is reused), slot 0 nothing.
+        one, zero = again(1), again(0)
+        assert one["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert zero["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert one["choices"][0]["message"]["content"] == shown  # greedy: the same reply
+        used = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"]
+        meter = page.locator(".meter")
+        assert meter.inner_text() == f"context {used} / 2048"
+        # Regenerate: the same question asked again (a new admission), one reply shown.
+        admitted = health(srv)["admitted"]
+        page.get_by_role("button", name="Regenerate").click()
+        deadline = time.monotonic() + 60
+        while (h := health(srv))["admitted"] != admitted + 1 or h["active"] != 0:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.1)
+        wait_done(page)
+        assert page.locator('[data-testid="turn-user"]').count() == 1
+        assert page.locator('[data-testid="turn-assistant"]').count() == 1
+        assert exported_reply() == shown
+        no_console_errors(p)
+    finally:
+        srv.stop()
+
+
+def test_a_markdown_reply_shows_highlighted_code_with_a_copy_button(demo, open_page):
+    """A reply's Markdown (here a kept conversation reopened from History: the demo model
+    writes no code) renders code highlighted, with a button that copies it exactly; no raw
+    HTML gets through."""
+    p = open_page()
+    page = p.page
+    p.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=demo.url)
+    page.goto(demo.url + "/")
+    page.get_by_text("colibri-demo").first.wait_for()
+    code = 'def add(a, b):\n    return a + b  # sum\n\nprint(add(1, 2), "ok")\n'
+    reply = f"Here:\n\n```python\n{code}```\n\n| x | y |\n|---|---|\n| 1 | 2 |\n\n<b>raw</b>"
+    conversation = {
+        "id": "kept-markdown",
+        "title": "Write add in Python",
+        "model": "colibri-demo",
+        "updatedAt": 1,
+        "turns": [
+            {"role": "user", "content": "Write add in Python", "reasoning": "", "finish": None},
+            {"role": "assistant", "content": reply, "reasoning": "", "finish": "stop"},
+        ],
+    }
+    page.evaluate(
+        """c => new Promise((resolve, reject) => {
+            const req = indexedDB.open('colibri', 1);
+            req.onupgradeneeded = () =>
+                req.result.createObjectStore('conversations', {keyPath: 'id'});
+            req.onsuccess = () => {
+                const tx = req.result.transaction('conversations', 'readwrite');
+                tx.objectStore('conversations').put(c);
+                tx.oncomplete = () => { req.result.close(); resolve(); };
+                tx.onerror = () => reject(tx.error);
+            };
+            req.onerror = () => reject(req.error);
+        })""",
+        conversation,
+    )
+    page.reload()
+    page.get_by_text("colibri-demo").first.wait_for()
+    history = page.get_by_test_id("history")
+    history.locator("summary").click()
+    history.get_by_role("button", name="Write add in Python", exact=True).click()
+    answer = last_reply(page).get_by_test_id("answer")
+    block = answer.locator(".codeblock")
+    block.wait_for()
+    assert block.locator(".codebar span").first.inner_text() == "python"
+    assert block.locator("code.hljs.language-python").inner_text() == code.rstrip("\n")
+    assert block.locator(".hljs-keyword").first.inner_text() == "def"
+    assert block.locator(".hljs-string").first.inner_text() == '"ok"'
+    assert block.locator(".hljs-comment").first.inner_text() == "# sum"
+    copy = block.get_by_role("button", name="Copy code")
+    copy.click()
+    page.wait_for_function("b => b.textContent === 'Copied'", arg=copy.element_handle())
+    assert page.evaluate("() => navigator.clipboard.readText()") == code.rstrip("\n")
+    assert answer.locator("table td").all_inner_texts() == ["1", "2"]
+    assert answer.locator("b").count() == 0 and "raw" in answer.inner_text()
+    no_console_errors(p)
