@@ -925,3 +925,30 @@ def test_a_markdown_reply_shows_highlighted_code_with_a_copy_button(demo, open_p
     assert answer.locator("table td").all_inner_texts() == ["1", "2"]
     assert answer.locator("b").count() == 0 and "raw" in answer.inner_text()
     no_console_errors(p)
+
+
+def test_profiling_shows_the_cache_hit_rate_and_the_speed_trend(tiered, open_page):
+    """Behind an expert cache: the hit rate over the turns kept, as the profile's counters give
+    it, and a decode tok/s trend with a point per turn."""
+    for question in ("Hi", "Hello there"):
+        r = httpx.post(
+            tiered.base_url + "/chat/completions",
+            json={"model": tiered.model_id, "messages": [{"role": "user", "content": question}],
+                  "max_tokens": 6},
+            timeout=60,
+        )  # fmt: skip
+        assert r.status_code == 200
+    turns = httpx.get(tiered.url + "/v1/colibri/profile").json()["turns"]
+    hits = sum(t["cache_hits"] for t in turns)
+    misses = sum(t["cache_misses"] for t in turns)
+    assert len(turns) >= 2 and misses > 0
+    p = open_page()
+    page = p.page
+    page.goto(tiered.url + "/#/profiling")
+    page.get_by_test_id("turn-count").wait_for()
+    assert page.get_by_test_id("turn-count").inner_text() == str(len(turns))
+    assert page.get_by_test_id("hit-rate").inner_text() == f"{100 * hits / (hits + misses):.1f}%"
+    points = page.locator(".trend polyline").get_attribute("points") or ""
+    assert len(points.split()) == len(turns)
+    assert f"last {len(turns)} turns" in page.locator(".trend figcaption").inner_text()
+    no_console_errors(p)
