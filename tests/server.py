@@ -133,3 +133,15 @@ def think_open_template() -> str:
     )
     assert template != CHAT_TEMPLATE
     return template
+
+
+def routing_heat_json(layer_counts: dict[int, list[int]]) -> str:
+    """A ``routing-heat.json`` of these counts per MoE layer, as the engine writes it
+    (crates/engine/src/store/heat.rs): put in a KV directory, it picks the pinned experts."""
+    import json
+
+    experts = len(next(iter(layer_counts.values())))
+    layers = [{"layer": layer, "counts": c} for layer, c in sorted(layer_counts.items())]
+    return json.dumps(
+        {"format": "colibri-routing-heat", "version": 1, "experts": experts, "layers": layers}
+    )

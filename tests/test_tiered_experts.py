@@ -3,7 +3,11 @@ and the per-turn profile reports where the time and the bytes went."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,7 +16,7 @@ from openai import OpenAI
 from colibri.demo.builtin import builtin_model_dir
 from colibri.runtime.engine import Engine
 
-from .server import RunningServer
+from .server import RunningServer, routing_heat_json
 
 PROFILE_KEYS = {
     "io_wait_s",
@@ -120,3 +124,110 @@ def test_streams_stepped_together_under_the_smallest_budget_are_exact(model_dir)
             if isinstance(r, int):
                 o.append(r)
     assert out == alone
+
+
+def _counts(srv: RunningServer) -> dict[int, list[int]]:
+    body = httpx.get(srv.url + "/v1/colibri/experts").json()
+    return {x["layer"]: x["counts"] for x in body["layers"]}
+
+
+def _chat(srv: RunningServer, max_tokens: int = 8) -> None:
+    r = httpx.post(
+        srv.base_url + "/chat/completions",
+        json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": max_tokens},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+
+
+def _saved(path: Path, deadline_s: float = 10) -> dict[int, list[int]]:
+    end = time.monotonic() + deadline_s
+    while not path.is_file():
+        assert time.monotonic() < end, f"{path} never written"
+        time.sleep(0.05)
+    return {x["layer"]: x["counts"] for x in json.loads(path.read_text())["layers"]}
+
+
+def test_the_heat_lives_beside_the_slot_files_and_an_old_one_is_taken_from_the_model_dir(
+    tmp_path,
+):
+    """The server never writes into the model directory (the package's own for the demo model):
+    the heat is kept in the KV directory; a file an older version left in the model directory
+    is read while the KV directory has none, and left as it was."""
+    model = tmp_path / "model"
+    shutil.copytree(builtin_model_dir(), model, ignore=shutil.ignore_patterns("routing-heat*"))
+    old = {1: [5, 900, 3, 0, 700, 1, 2, 4]}
+    (model / "routing-heat.json").write_text(routing_heat_json(old))
+    before = (model / "routing-heat.json").read_bytes()
+    kv = tmp_path / "kv"
+    srv = RunningServer("--model", str(model), "--kv-dir", str(kv))
+    try:
+        assert _counts(srv) == old  # the old file, read once
+        _chat(srv)
+        grown = _counts(srv)
+        assert sum(grown[1]) > sum(old[1])
+        # Saved at the first turn's end, beside the slot file; the model directory untouched.
+        assert _saved(kv / "routing-heat.json") == grown
+        assert (kv / "slot-0.kv").is_file()
+        assert (model / "routing-heat.json").read_bytes() == before
+        shipped = {p.name for p in builtin_model_dir().iterdir()} - {"routing-heat.json"}
+        assert {p.name for p in model.iterdir()} == shipped | {"routing-heat.json"}
+    finally:
+        srv.stop()
+    # From now on the KV directory's heat is the one read, whatever the model directory holds.
+    (model / "routing-heat.json").write_text(routing_heat_json({1: [1] * 8}))
+    srv = RunningServer("--model", str(model), "--kv-dir", str(kv))
+    try:
+        assert _counts(srv) == grown
+    finally:
+        srv.stop()
+
+
+def test_without_a_kv_directory_the_heat_is_counted_in_memory_only(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(builtin_model_dir(), model, ignore=shutil.ignore_patterns("routing-heat*"))
+    srv = RunningServer("--model", str(model), "--no-kv-persist")
+    try:
+        _chat(srv)
+        assert sum(_counts(srv)[1]) > 0
+        time.sleep(0.5)
+        assert not (model / "routing-heat.json").exists()
+        assert not list(model.glob("routing-heat*"))
+    finally:
+        srv.stop()
+
+
+def test_the_experts_endpoint_says_where_every_expert_is(tmp_path):
+    """A cache of 5 records over the built-in model's 8 experts (one MoE layer, top-2), 2 of
+    them pinned by the heat in the KV directory: before a turn the two hottest are pinned and
+    the rest on disk; after it the LRU part holds the last experts the turn used."""
+    info = Engine(builtin_model_dir(), threads=1).info
+    record = 4096
+    assert os.path.getsize(builtin_model_dir() / "experts.bin") == 8 * record
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    (kv / "routing-heat.json").write_text(routing_heat_json({1: [5, 900, 3, 0, 700, 1, 2, 4]}))
+    ram, pin = str(5.5 * record / 1e9), str(2.5 * record / 1e9)
+    srv = RunningServer("--kv-dir", str(kv), "--ram-gb", ram, "--pin-gb", pin)
+    try:
+        body = httpx.get(srv.url + "/v1/colibri/experts").json()
+        assert body["placement"] == "cached" and body["experts"] == info["num_experts"] == 8
+        (layer,) = body["layers"]
+        assert layer["tiers"] == "dpddpddd"  # experts 1 and 4: the hottest two
+        cache = httpx.get(srv.url + "/v1/colibri/profile").json()["expert_cache"]
+        assert (cache["slots"], cache["pinned"]) == (5, 2)
+        _chat(srv, 12)
+        body = httpx.get(srv.url + "/v1/colibri/experts").json()
+        (layer,) = body["layers"]
+        tiers, routed = layer["tiers"], set(layer["routed"])
+        assert len(tiers) == 8 and set(tiers) <= {"p", "c", "d"}
+        assert [e for e, t in enumerate(tiers) if t == "p"] == [1, 4]
+        cached = {e for e, t in enumerate(tiers) if t == "c"}
+        # Only experts the turn used were read, and the 3 LRU slots keep 3 of them (fewer only
+        # when the turn used fewer outside the pinned ones).
+        assert cached <= routed - {1, 4}
+        assert len(cached) == min(3, len(routed - {1, 4}))
+        assert {e for e, t in enumerate(tiers) if t == "d"} == set(range(8)) - cached - {1, 4}
+    finally:
+        srv.stop()

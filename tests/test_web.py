@@ -181,6 +181,7 @@ def test_the_experts_endpoint_maps_routing_heat_and_the_last_turn(keyed):
         assert len(layer["counts"]) == experts
         assert layer["routed"] and all(0 <= e < experts for e in layer["routed"])
         assert layer["routed"] == sorted(set(layer["routed"]))
+        assert layer["tiers"] == "r" * experts  # every expert resident: no --ram-gb
     # The turn's selections were counted: 8 tokens and a prompt, top-k experts each.
     grew = sum(sum(x["counts"]) for x in after["layers"]) - sum(
         sum(x["counts"]) for x in before["layers"]

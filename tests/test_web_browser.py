@@ -6,6 +6,7 @@ target/web-screenshots/ (not committed)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -338,6 +339,7 @@ def test_the_brain_page_maps_the_experts_and_flashes_after_a_turn(demo, open_pag
     # The same map as a table, for screen readers.
     page.get_by_text("As a table").click()
     rows = page.get_by_test_id("brain-table").locator("tbody tr")
+    rows.first.wait_for()  # made when opened
     assert rows.count() == known["experts"] * len(known["layers"])
     no_console_errors(p)
 
@@ -488,3 +490,465 @@ def test_a_server_gone_is_said_in_plain_words(open_page):
         no_console_errors(p, re.compile(r"Failed to load resource|ERR_CONNECTION_REFUSED"))
     finally:
         srv.stop()
+
+
+TIER_WORDS = {"p": "pinned", "c": "cached", "d": "disk", "r": "resident"}
+TIER_LEGEND = {
+    "pinned": "pinned",
+    "cached": "RAM cache",
+    "disk": "disk",
+    "resident": "RAM (resident)",
+}
+
+
+def legend(page) -> dict[str, int]:
+    """The Brain legend's counts per tier (data-tier -> count)."""
+    items = page.get_by_test_id("brain-legend").locator("li")
+    out = {}
+    for i in range(items.count()):
+        item = items.nth(i)
+        tier = item.get_attribute("data-tier")
+        text = item.inner_text()
+        assert text.startswith(TIER_LEGEND[tier] + ":"), text
+        out[tier] = int(text.rsplit(":", 1)[1])
+    return out
+
+
+def want_legend(body: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for layer in body["layers"]:
+        for letter in layer["tiers"]:
+            out[TIER_WORDS[letter]] = out.get(TIER_WORDS[letter], 0) + 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory) -> Iterator[RunningServer]:
+    """The built-in model (one MoE layer of 8 experts, 4 KiB records) behind a cache of 5
+    records, 2 of them pinned by the heat in the KV directory: experts 1 and 4."""
+    from colibri.demo.builtin import builtin_model_dir
+
+    from .server import routing_heat_json
+
+    assert (builtin_model_dir() / "experts.bin").stat().st_size == 8 * 4096
+    kv = tmp_path_factory.mktemp("tiered-kv")
+    (kv / "routing-heat.json").write_text(routing_heat_json({1: [5, 900, 3, 0, 700, 1, 2, 4]}))
+    srv = RunningServer(
+        "--kv-dir", str(kv), "--ram-gb", str(5.5 * 4096 / 1e9), "--pin-gb", str(2.5 * 4096 / 1e9)
+    )
+    yield srv
+    srv.stop()
+
+
+def test_the_brain_page_colours_each_expert_by_where_it_lives(tiered, open_page):
+    p = open_page(scheme="dark")
+    page = p.page
+    page.goto(tiered.url + "/#/brain")
+    grid = page.get_by_test_id("brain-grid")
+    grid.wait_for()
+    body = httpx.get(tiered.url + "/v1/colibri/experts").json()
+    assert body["layers"][0]["tiers"] == "dpddpddd"
+    # Before any turn: the two hottest pinned, the rest on disk, and the legend says so.
+    page.get_by_test_id("brain-legend").wait_for()
+    assert legend(page) == {"pinned": 2, "disk": 6} == want_legend(body)
+
+    def shown_tiers() -> list[str]:
+        return grid.locator(".cell").evaluate_all("els => els.map(e => e.dataset.tier)")
+
+    assert shown_tiers() == [TIER_WORDS[t] for t in body["layers"][0]["tiers"]]
+    # Colour = tier: each cell is drawn in its legend swatch's colour (brightness = heat).
+    swatches = dict(
+        page.get_by_test_id("brain-legend")
+        .locator("li")
+        .evaluate_all(
+            "els => els.map(e => [e.dataset.tier,"
+            " getComputedStyle(e.querySelector('.swatch')).getPropertyValue('--tier').trim()])"
+        )
+    )
+    assert set(swatches) == {"pinned", "disk"} and len(set(swatches.values())) == 2
+    tier_colour = grid.locator(".cell").evaluate_all(
+        "els => els.map(e => [e.dataset.tier,"
+        " getComputedStyle(e).getPropertyValue('--tier').trim()])"
+    )
+    assert all(colour == swatches[tier] for tier, colour in tier_colour), tier_colour
+    # The hottest pinned expert is the brightest cell; the tooltip names layer, expert, tier
+    # and selections.
+    hot = grid.locator('.cell[data-expert="1"]')
+    assert hot.get_attribute("title") == "layer 1, expert 1: pinned, 900 selections"
+    assert (
+        grid.locator('.cell[data-expert="3"]').get_attribute("title")
+        == "layer 1, expert 3: disk, 0 selections"
+    )
+    # A turn reads experts into the RAM cache: the page shows them there after its next poll.
+    r = httpx.post(
+        tiered.base_url + "/chat/completions",
+        json={"model": tiered.model_id, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 12},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200
+    page.locator(".cell.flash").first.wait_for(timeout=10_000)
+    body = httpx.get(tiered.url + "/v1/colibri/experts").json()
+    want = want_legend(body)
+    assert want.get("cached", 0) > 0 and want["pinned"] == 2
+    page.wait_for_function(
+        "n => document.querySelectorAll('.cell.tier-cached').length === n", arg=want["cached"]
+    )
+    assert legend(page) == want
+    assert shown_tiers() == [TIER_WORDS[t] for t in body["layers"][0]["tiers"]]
+    page.screenshot(path=str(SHOTS / "brain-tiers-1280x800-dark.png"))
+    # The table says the same in words.
+    page.get_by_text("As a table").click()
+    rows = page.get_by_test_id("brain-table").locator("tbody tr")
+    rows.first.wait_for()
+    assert rows.count() == 8
+    words = [rows.nth(i).locator("td").nth(2).inner_text() for i in range(8)]
+    assert words == [TIER_LEGEND[TIER_WORDS[t]] for t in body["layers"][0]["tiers"]]
+    # The System page states the RAM budget the tiers come from.
+    page.goto(tiered.url + "/#/system")
+    ram = page.get_by_test_id("expert-ram")
+    ram.wait_for()
+    assert ram.inner_text().startswith("RAM cache of 5 experts (20.0 KiB), 2 of them pinned")
+    no_console_errors(p)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Iterator[RunningServer]:
+    """A random model of the built-in recipe with 24 layers (23 MoE) of 64 experts: 1,472 cells,
+    over the page's canvas threshold, behind an expert cache of a quarter of them."""
+    from colibri.demo.builtin import write_checkpoint
+    from colibri.runtime.engine import convert
+
+    root = tmp_path_factory.mktemp("big-map")
+    write_checkpoint(root / "hf", num_hidden_layers=24, n_routed_experts=64)
+    convert(root / "hf", root / "model", "int4")
+    size = (root / "model" / "experts.bin").stat().st_size
+    srv = RunningServer(
+        "--model", str(root / "model"), "--no-kv-persist", "--ram-gb", str(size / 4 / 1e9)
+    )
+    yield srv
+    srv.stop()
+
+
+# The canvas's pixel at (x, y) CSS pixels from its top left, as [r, g, b].
+PIXEL_JS = """([x, y]) => {
+    const c = document.querySelector('[data-testid=brain-canvas]');
+    const d = window.devicePixelRatio || 1;
+    const px = c.getContext('2d').getImageData(Math.floor(x * d), Math.floor(y * d), 1, 1);
+    return Array.from(px.data).slice(0, 3);
+}"""
+
+
+def canvas_pixel(page, x: float, y: float) -> list[int]:
+    return page.evaluate(PIXEL_JS, [x, y])
+
+
+def test_a_big_map_is_drawn_on_a_canvas_with_a_tooltip_and_a_table(big, open_page):
+    p = open_page(1280, 800)
+    page = p.page
+    r = httpx.post(
+        big.base_url + "/chat/completions",
+        json={"model": big.model_id, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 6},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200
+    body = httpx.get(big.url + "/v1/colibri/experts").json()
+    layers, experts = body["layers"], body["experts"]
+    assert (len(layers), experts) == (23, 64)
+    page.goto(big.url + "/#/brain")
+    canvas = page.get_by_test_id("brain-canvas")
+    canvas.wait_for()
+    assert page.locator(".cell").count() == 0  # no element per cell
+    assert legend(page) == want_legend(body)
+    lay = json.loads(canvas.get_attribute("data-layout") or "{}")
+    step = lay["cell"] + lay["gap"]
+    assert lay["cell"] >= 3
+    box = canvas.bounding_box()
+    assert box is not None
+
+    def centre(row: int, col: int) -> tuple[float, float]:
+        return lay["label"] + col * step + lay["cell"] / 2, row * step + lay["cell"] / 2
+
+    # Hover: the tooltip of the cell under the pointer (hit-tested on the canvas).
+    tip = page.get_by_test_id("brain-tooltip")
+    for row, col in [(0, 0), (2, 10), (22, 63)]:
+        x, y = centre(row, col)
+        page.mouse.move(box["x"] + x, box["y"] + y)
+        layer = layers[row]
+        count = layer["counts"][col]
+        tier = TIER_LEGEND[TIER_WORDS[layer["tiers"][col]]]
+        tip.wait_for()
+        assert tip.inner_text().startswith(
+            f"layer {layer['layer']}, expert {col}: {tier}, {count} selections"
+        ), tip.inner_text()
+    page.mouse.move(box["x"] + 2, box["y"] + 2)  # the labels: no cell
+    tip.wait_for(state="detached")
+    # Each cell in its tier's colour at its heat's brightness (as the DOM cells mix them).
+    colours = page.evaluate(
+        """() => { const s = getComputedStyle(document.querySelector('[data-testid=brain-canvas]'));
+        return Object.fromEntries(['--tier-cached', '--tier-disk', '--code-bg'].map(
+            n => [n, s.getPropertyValue(n).trim()])); }"""
+    )
+
+    def rgb(hex_: str) -> list[int]:
+        return [int(hex_[i : i + 2], 16) for i in (1, 3, 5)]
+
+    top = max(max(x["counts"]) for x in layers)
+    seen = set()
+    for row, layer in enumerate(layers[:6]):
+        for col in range(0, experts, 7):
+            letter = layer["tiers"][col]
+            heat = math.log2(layer["counts"][col] + 1) / math.log2(top + 1)
+            share = 0.08 + 0.92 * heat
+            tint = rgb(colours["--tier-cached" if letter == "c" else "--tier-disk"])
+            bg = rgb(colours["--code-bg"])
+            want = [round(a * share + b * (1 - share)) for a, b in zip(tint, bg, strict=True)]
+            got = canvas_pixel(page, *centre(row, col))
+            close = all(abs(g - w) <= 2 for g, w in zip(got, want, strict=True))
+            assert close, (row, col, letter, got, want)
+            seen.add(letter)
+    assert seen == {"c", "d"}
+    # Keyboard: focus puts a cursor on the first cell, the arrows move it, with the tooltip.
+    canvas.focus()
+    tip.wait_for()
+    assert tip.inner_text().startswith(f"layer {layers[0]['layer']}, expert 0:")
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowDown")
+    assert tip.inner_text().startswith(f"layer {layers[1]['layer']}, expert 1:")
+    page.keyboard.press("Escape")
+    tip.wait_for(state="detached")
+    # A new turn flashes its experts white, then they fade back.
+    before = httpx.get(big.url + "/v1/colibri/experts").json()["turns"]
+    r = httpx.post(
+        big.base_url + "/chat/completions",
+        json={"model": big.model_id, "messages": [{"role": "user", "content": "Hello"}],
+              "max_tokens": 4},
+        timeout=60,
+    )  # fmt: skip
+    now = httpx.get(big.url + "/v1/colibri/experts").json()
+    assert now["turns"] == before + 1
+    row = 3
+    col = now["layers"][row]["routed"][0]
+    x, y = centre(row, col)
+    white = f"xy => ({PIXEL_JS})(xy).every(v => v > 200)"
+    page.wait_for_function(white, arg=[x, y], polling="raf", timeout=10_000)
+    page.wait_for_function(f"xy => !({white})(xy)", arg=[x, y], timeout=10_000)
+    page.screenshot(path=str(SHOTS / "brain-canvas-1280x800-light.png"))
+    # The table, one layer at a time.
+    page.get_by_text("As a table").click()
+    table = page.get_by_test_id("brain-table")
+    table.locator("tbody tr").first.wait_for()
+    assert table.locator("tbody tr").count() == experts
+    page.get_by_label("Layer", exact=True).select_option(str(layers[5]["layer"]))
+    first = table.locator("tbody tr").first.locator("td").all_inner_texts()
+    assert first[:2] == [str(layers[5]["layer"]), "0"]
+    assert first[3] == str(now["layers"][5]["counts"][0])
+    no_console_errors(p)
+
+
+@pytest.mark.parametrize("width", [360, 1920])
+def test_the_canvas_map_never_overflows_the_page(big, open_page, width):
+    p = open_page(width, 800, "dark")
+    page = p.page
+    page.goto(big.url + "/#/brain")
+    page.get_by_test_id("brain-canvas").wait_for()
+    no_horizontal_overflow(page)
+    page.screenshot(path=str(SHOTS / f"brain-canvas-{width}x800-dark.png"))
+    no_console_errors(p)
+
+
+def test_a_full_queue_is_said_in_the_servers_words_with_retry_after(open_page):
+    """One slot, no queue: while a long generation holds the slot the chat's request is
+    refused with 429, shown as the server put it, Retry-After included."""
+    srv = RunningServer("--no-kv-persist", "--kv-slots", "1", "--max-queue", "0")
+    holder: dict[str, object] = {}
+    try:
+        client = httpx.Client(timeout=120)
+        req = client.build_request(
+            "POST",
+            srv.base_url + "/chat/completions",
+            json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hello"}],
+                  "max_tokens": 1500, "stream": True},
+        )  # fmt: skip
+        stream = client.send(req, stream=True)
+        holder["stream"] = stream
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        while "delta" not in next(lines):
+            pass
+        assert health(srv)["active"] == 1
+        p = open_page(360, 640)
+        page = p.page
+        page.goto(srv.url + "/")
+        page.get_by_text(srv.model_id).first.wait_for()
+        rejected = health(srv)["rejected"]
+        ask(page, "Hello")
+        error = last_reply(page).get_by_test_id("error")
+        error.wait_for(timeout=20_000)
+        # What the server says to the same request, word for word.
+        direct = httpx.post(
+            srv.base_url + "/chat/completions",
+            json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hello"}]},
+        )
+        assert direct.status_code == 429
+        words = direct.json()["error"]["message"]
+        retry = direct.headers["retry-after"]
+        assert error.inner_text() == f"429: {words} (retry after {retry} s)", error.inner_text()
+        assert health(srv)["rejected"] == rejected + 2
+        page.get_by_role("button", name="Send", exact=True).wait_for()
+        no_horizontal_overflow(page)
+        page.screenshot(path=str(SHOTS / "chat-429-360x640.png"))
+        no_console_errors(p, re.compile(r"Failed to load resource.*429"))
+    finally:
+        s = holder.get("stream")
+        if isinstance(s, httpx.Response):
+            s.close()
+        srv.stop()
+
+
+def test_slot_choice_regenerate_and_the_context_meter(open_page):
+    """With two KV slots the chat offers the choice and sends `cache_slot`; Regenerate asks
+    the server again; the meter counts the last turn's tokens against the context."""
+    srv = RunningServer("--no-kv-persist", "--kv-slots", "2")
+    try:
+        p = open_page()
+        page = p.page
+        page.goto(srv.url + "/")
+        page.get_by_text(srv.model_id).first.wait_for()
+        slot = page.get_by_label("KV slot")
+        assert slot.locator("option").all_inner_texts() == ["any", "0", "1"]
+        slot.select_option("1")
+        page.get_by_label("Max tokens").fill("5")
+        page.get_by_label("Reasoning").uncheck()
+        ask(page, "Hello")
+        wait_done(page)
+
+        def exported_reply() -> str:
+            with page.expect_download() as got:
+                page.get_by_role("button", name="Export JSON").click()
+            messages = json.loads(Path(got.value.path()).read_text())["messages"]
+            assert [m["role"] for m in messages] == ["user", "assistant"]
+            return messages[1]["content"]
+
+        shown = exported_reply()
+        assert shown
+
+        def again(cache_slot: int) -> dict:
+            r = httpx.post(
+                srv.base_url + "/chat/completions",
+                json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hello"}],
+                      "max_tokens": 5, "temperature": 0, "enable_thinking": False,
+                      "cache_slot": cache_slot},
+                timeout=60,
+            )  # fmt: skip
+            assert r.status_code == 200
+            return r.json()
+
+        # Slot 1 holds the page's conversation (its prompt is reused), slot 0 nothing.
+        one, zero = again(1), again(0)
+        assert one["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert zero["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert one["choices"][0]["message"]["content"] == shown  # greedy: the same reply
+        used = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"]
+        meter = page.locator(".meter")
+        assert meter.inner_text() == f"context {used} / 2048"
+        # Regenerate: the same question asked again (a new admission), one reply shown.
+        admitted = health(srv)["admitted"]
+        page.get_by_role("button", name="Regenerate").click()
+        deadline = time.monotonic() + 60
+        while (h := health(srv))["admitted"] != admitted + 1 or h["active"] != 0:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.1)
+        wait_done(page)
+        assert page.locator('[data-testid="turn-user"]').count() == 1
+        assert page.locator('[data-testid="turn-assistant"]').count() == 1
+        assert exported_reply() == shown
+        no_console_errors(p)
+    finally:
+        srv.stop()
+
+
+def test_a_markdown_reply_shows_highlighted_code_with_a_copy_button(demo, open_page):
+    """A reply's Markdown (here a kept conversation reopened from History: the demo model
+    writes no code) renders code highlighted, with a button that copies it exactly; no raw
+    HTML gets through."""
+    p = open_page()
+    page = p.page
+    p.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=demo.url)
+    page.goto(demo.url + "/")
+    page.get_by_text("colibri-demo").first.wait_for()
+    code = 'def add(a, b):\n    return a + b  # sum\n\nprint(add(1, 2), "ok")\n'
+    reply = f"Here:\n\n```python\n{code}```\n\n| x | y |\n|---|---|\n| 1 | 2 |\n\n<b>raw</b>"
+    conversation = {
+        "id": "kept-markdown",
+        "title": "Write add in Python",
+        "model": "colibri-demo",
+        "updatedAt": 1,
+        "turns": [
+            {"role": "user", "content": "Write add in Python", "reasoning": "", "finish": None},
+            {"role": "assistant", "content": reply, "reasoning": "", "finish": "stop"},
+        ],
+    }
+    page.evaluate(
+        """c => new Promise((resolve, reject) => {
+            const req = indexedDB.open('colibri', 1);
+            req.onupgradeneeded = () =>
+                req.result.createObjectStore('conversations', {keyPath: 'id'});
+            req.onsuccess = () => {
+                const tx = req.result.transaction('conversations', 'readwrite');
+                tx.objectStore('conversations').put(c);
+                tx.oncomplete = () => { req.result.close(); resolve(); };
+                tx.onerror = () => reject(tx.error);
+            };
+            req.onerror = () => reject(req.error);
+        })""",
+        conversation,
+    )
+    page.reload()
+    page.get_by_text("colibri-demo").first.wait_for()
+    history = page.get_by_test_id("history")
+    history.locator("summary").click()
+    history.get_by_role("button", name="Write add in Python", exact=True).click()
+    answer = last_reply(page).get_by_test_id("answer")
+    block = answer.locator(".codeblock")
+    block.wait_for()
+    assert block.locator(".codebar span").first.inner_text() == "python"
+    assert block.locator("code.hljs.language-python").inner_text() == code.rstrip("\n")
+    assert block.locator(".hljs-keyword").first.inner_text() == "def"
+    assert block.locator(".hljs-string").first.inner_text() == '"ok"'
+    assert block.locator(".hljs-comment").first.inner_text() == "# sum"
+    copy = block.get_by_role("button", name="Copy code")
+    copy.click()
+    page.wait_for_function("b => b.textContent === 'Copied'", arg=copy.element_handle())
+    assert page.evaluate("() => navigator.clipboard.readText()") == code.rstrip("\n")
+    assert answer.locator("table td").all_inner_texts() == ["1", "2"]
+    assert answer.locator("b").count() == 0 and "raw" in answer.inner_text()
+    no_console_errors(p)
+
+
+def test_profiling_shows_the_cache_hit_rate_and_the_speed_trend(tiered, open_page):
+    """Behind an expert cache: the hit rate over the turns kept, as the profile's counters give
+    it, and a decode tok/s trend with a point per turn."""
+    for question in ("Hi", "Hello there"):
+        r = httpx.post(
+            tiered.base_url + "/chat/completions",
+            json={"model": tiered.model_id, "messages": [{"role": "user", "content": question}],
+                  "max_tokens": 6},
+            timeout=60,
+        )  # fmt: skip
+        assert r.status_code == 200
+    turns = httpx.get(tiered.url + "/v1/colibri/profile").json()["turns"]
+    hits = sum(t["cache_hits"] for t in turns)
+    misses = sum(t["cache_misses"] for t in turns)
+    assert len(turns) >= 2 and misses > 0
+    p = open_page()
+    page = p.page
+    page.goto(tiered.url + "/#/profiling")
+    page.get_by_test_id("turn-count").wait_for()
+    assert page.get_by_test_id("turn-count").inner_text() == str(len(turns))
+    assert page.get_by_test_id("hit-rate").inner_text() == f"{100 * hits / (hits + misses):.1f}%"
+    points = page.locator(".trend polyline").get_attribute("points") or ""
+    assert len(points.split()) == len(turns)
+    assert f"last {len(turns)} turns" in page.locator(".trend figcaption").inner_text()
+    no_console_errors(p)

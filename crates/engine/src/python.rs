@@ -19,6 +19,7 @@ use crate::model::Model as RsModel;
 use crate::quant::Kernel;
 use crate::score::{ScoreStep, Scoring};
 use crate::slots::{self, Slot};
+use crate::store::heat::HeatHome;
 use crate::store::ExpertOptions;
 
 fn to_py(e: Error) -> PyErr {
@@ -94,6 +95,13 @@ impl Model {
         if let Some(v) = prefetch {
             opts.prefetch = v;
         }
+        // The routing heat lives beside the slot files (never written into the model
+        // directory, which may be the package's own); without a KV directory it is counted in
+        // memory only. An older version's file in the model directory is still read.
+        opts.heat = match &kv_dir {
+            Some(dir) => HeatHome::Dir(dir.clone()),
+            None => HeatHome::Memory,
+        };
         if !(1..=MAX_SLOTS).contains(&slots) {
             return Err(PyValueError::new_err(format!(
                 "slots must be 1..{MAX_SLOTS}, got {slots}"
@@ -388,6 +396,16 @@ impl Model {
     fn routing_heat_json(&self) -> PyResult<String> {
         serde_json::to_string(&self.inner.routing_heat())
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// Where each routed expert is now: `(layer, tiers)` per MoE layer, `tiers` one letter per
+    /// expert (`r` resident: no expert cache; `p` pinned, `c` cached, `d` on disk).
+    fn expert_tiers(&self) -> Vec<(usize, String)> {
+        self.inner
+            .expert_tiers()
+            .into_iter()
+            .map(|(layer, t)| (layer, t.into_iter().map(|t| t.letter()).collect()))
+            .collect()
     }
 
     /// The expert cache's counters as JSON (`null` when every expert is resident).

@@ -149,17 +149,20 @@ async def info(request: Request) -> Response:
 
 async def experts(request: Request) -> Response:
     """The routing map (the dashboard's Brain page): per MoE layer, how often the router chose
-    each expert (the engine's routing heat) and the experts of the last generation. Behind the
-    API key like generation. ``?model=``: as for the profile."""
+    each expert (the engine's routing heat), the experts of the last generation and where each
+    expert is now (pinned, RAM cache, disk, or resident). Behind the API key like generation.
+    ``?model=``: as for the profile."""
     model = _loaded(request)
     engine = model.engine
     heat = engine.routing_heat()
     routed = engine.last_routed_experts()
+    tiers = engine.expert_tiers()
     layers = [
         {
             "layer": int(entry["layer"]),
             "counts": [int(c) for c in entry["counts"]],
             "routed": sorted(routed[entry["layer"]]) if entry["layer"] < len(routed) else [],
+            "tiers": tiers.get(int(entry["layer"]), ""),
         }
         for entry in heat.get("layers", [])
     ]

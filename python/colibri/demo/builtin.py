@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -164,13 +165,15 @@ def _weights(cfg: dict) -> dict[str, np.ndarray]:
     return w
 
 
-def write_checkpoint(out: Path) -> None:
-    """Writes the built-in Hugging Face checkpoint (config, safetensors, tokenizer) to ``out``."""
+def write_checkpoint(out: Path, **config: Any) -> None:
+    """Writes the built-in Hugging Face checkpoint (config, safetensors, tokenizer) to ``out``;
+    ``config`` entries replace CONFIG's (another shape of the same recipe, e.g. a map of many
+    layers and experts for the dashboard's tests)."""
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = _tokenizer_json(out / "tokenizer.json")
-    cfg = dict(CONFIG, vocab_size=vocab)
+    cfg = dict(CONFIG, **config, vocab_size=vocab)
     eos = [
         vocab - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(t)
         for t in ("<|endoftext|>", "<|user|>", "<|observation|>")

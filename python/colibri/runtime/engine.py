@@ -25,9 +25,12 @@ class Engine:
     ``"avx2"``, ``"avx512"``), otherwise the best one this CPU has (or ``COLI_KERNEL``) is used.
     ``slots`` KV slots keep their history between generations; with ``kv_dir`` each slot is
     persisted to ``kv_dir/slot-N.kv`` and restored at the next load (a file from another model
-    or layout is refused with a log line and replaced). ``ram_gb`` bounds the RAM for routed
-    experts (an expert cache over the experts file; default ``COLI_RAM_GB``, else every expert
-    resident), ``pin_gb`` of it holds the hottest experts for the whole run (``COLI_PIN_GB``),
+    or layout is refused with a log line and replaced), and the routing heat is kept there too
+    (``routing-heat.json``; one an older version left in the model directory is read while
+    ``kv_dir`` has none; without ``kv_dir`` the heat is counted in memory only). ``ram_gb``
+    bounds the RAM for routed experts (an expert cache over the experts file; default
+    ``COLI_RAM_GB``, else every expert resident), ``pin_gb`` of it holds the hottest experts
+    for the whole run (``COLI_PIN_GB``),
     ``direct_io`` reads with O_DIRECT (``COLI_DIRECT_IO``), ``prefetch`` loads the next layer's
     likely experts ahead (``COLI_PREFETCH``). Results never depend on these. ``context`` runs
     the model with a context of that many tokens (prompt and reply), 1 up to the model's own
@@ -225,7 +228,16 @@ class Engine:
         return [list(x) for x in self._model.last_routed_experts()]
 
     def routing_heat(self) -> dict[str, Any]:
+        """Routing counts per (MoE layer, expert): ``{"experts", "layers": [{"layer",
+        "counts"}]}``, kept in ``routing-heat.json`` beside the slot files of ``kv_dir`` (in
+        memory only without one)."""
         return dict(json.loads(self._model.routing_heat_json()))
+
+    def expert_tiers(self) -> dict[int, str]:
+        """Where each routed expert is now, per MoE layer (model layer index): one letter per
+        expert, ``r`` resident (no expert cache: every expert in RAM), ``p`` pinned (the
+        hottest, held for the whole run), ``c`` in the RAM cache, ``d`` on disk."""
+        return {int(layer): str(tiers) for layer, tiers in self._model.expert_tiers()}
 
     def store_stats(self) -> dict[str, Any] | None:
         """The expert cache's counters, or None when every expert is resident."""

@@ -199,4 +199,41 @@ describe("expertCells", () => {
     expect(cells.filter((c) => c.routed).map((c) => `${c.layer}:${c.expert}`)).toEqual(["1:2", "2:0", "2:1"]);
     expect(expertCells({ experts: 2, placement: "resident", turns: 0, layers: [{ layer: 1, counts: [0, 0], routed: [] }] }).every((c) => c.heat === 0)).toBe(true);
   });
+
+  it("decodes each layer's tiers, one letter per expert, and counts them for the legend", async () => {
+    const { expertCells, decodeTiers, tierCounts } = await import("./api");
+    expect(decodeTiers("rpcd", 4)).toEqual(["resident", "pinned", "cached", "disk"]);
+    // Short, missing or unknown letters: not reported (an older server sends no tiers).
+    expect(decodeTiers("px", 3)).toEqual(["pinned", "unknown", "unknown"]);
+    expect(decodeTiers(undefined, 2)).toEqual(["unknown", "unknown"]);
+    expect(decodeTiers("", 0)).toEqual([]);
+    const cells = expertCells({
+      experts: 4,
+      placement: "cached",
+      turns: 1,
+      layers: [
+        { layer: 1, counts: [9, 0, 3, 1], routed: [0, 2], tiers: "pdcd" },
+        { layer: 2, counts: [0, 7, 0, 0], routed: [1], tiers: "dpdd" },
+      ],
+    });
+    expect(cells.map((c) => c.tier)).toEqual(["pinned", "disk", "cached", "disk", "disk", "pinned", "disk", "disk"]);
+    expect(cells.filter((c) => c.routed).map((c) => `${c.layer}:${c.expert}:${c.tier}`)).toEqual(["1:0:pinned", "1:2:cached", "2:1:pinned"]);
+    // Legend order: pinned, RAM cache, resident, disk, not reported; tiers without cells left out.
+    expect(tierCounts(cells)).toEqual([
+      ["pinned", 2],
+      ["cached", 1],
+      ["disk", 5],
+    ]);
+    const resident = expertCells({ experts: 2, placement: "resident", turns: 0, layers: [{ layer: 3, counts: [1, 2], routed: [], tiers: "rr" }] });
+    expect(tierCounts(resident)).toEqual([["resident", 2]]);
+  });
+});
+
+describe("expertBudget", () => {
+  it("is the cache's slots times its record size, with the pinned count; null without a cache", async () => {
+    const { expertBudget } = await import("./api");
+    expect(expertBudget({ slots: 5, pinned: 2, record_size: 4096, reads: 9, io: "io_uring" })).toEqual({ slots: 5, pinned: 2, bytes: 20480 });
+    expect(expertBudget(null)).toBeNull();
+    expect(expertBudget({ slots: 5, pinned: 2 })).toBeNull();
+  });
 });

@@ -269,6 +269,16 @@ export interface EngineInfo {
   expert_cache: Record<string, unknown> | null;
 }
 
+/** The RAM budget of the expert cache from its counters (`expert_cache` of /v1/colibri/info or
+ * /v1/colibri/profile): slots (experts it holds at once), the pinned ones among them, and the
+ * bytes (slots x record size); null without a cache or when a figure is missing. */
+export function expertBudget(cache: Record<string, unknown> | null): { slots: number; pinned: number; bytes: number } | null {
+  if (cache === null) return null;
+  const { slots, pinned, record_size: size } = cache;
+  if (typeof slots !== "number" || typeof pinned !== "number" || typeof size !== "number") return null;
+  return { slots, pinned, bytes: slots * size };
+}
+
 export async function fetchInfo(conn: Connection, signal?: AbortSignal): Promise<EngineInfo> {
   const { body } = await getJson(conn, "/v1/colibri/info", signal);
   return body as EngineInfo;
@@ -356,12 +366,31 @@ export function profileTotals(turns: TurnProfile[]): {
   };
 }
 
-/** Routing of one MoE layer: selections per expert since the heat began, and the experts the
- * last turn routed to. */
+/** Where an expert lives now: in RAM for the whole run with no expert cache ("resident"), in the
+ * cache's pinned part ("pinned"), in its LRU part ("cached"), or only in the experts file
+ * ("disk"); "unknown" when the server does not say (an older server). */
+export type Tier = "resident" | "pinned" | "cached" | "disk" | "unknown";
+
+export const TIERS: readonly Tier[] = ["pinned", "cached", "resident", "disk", "unknown"];
+
+const TIER_LETTERS: Record<string, Tier> = { r: "resident", p: "pinned", c: "cached", d: "disk" };
+
+/** A layer's `tiers` string (one letter per expert: r, p, c, d) as `experts` tiers; a missing
+ * string, a short one or an unknown letter gives "unknown" for those experts. */
+export function decodeTiers(letters: string | undefined, experts: number): Tier[] {
+  const out: Tier[] = [];
+  for (let e = 0; e < experts; e++) out.push(TIER_LETTERS[letters?.charAt(e) ?? ""] ?? "unknown");
+  return out;
+}
+
+/** Routing of one MoE layer: selections per expert since the heat began, the experts the last
+ * turn routed to, and where each expert is now. */
 export interface ExpertLayer {
   layer: number;
   counts: number[];
   routed: number[];
+  /** One letter per expert: r resident, p pinned, c RAM cache, d disk (absent: older server). */
+  tiers?: string;
 }
 
 export interface ExpertMap {
@@ -385,6 +414,7 @@ export interface ExpertCell {
   /** 0..1: log-scaled selections against the hottest expert of the map. */
   heat: number;
   routed: boolean;
+  tier: Tier;
 }
 
 /** The map's cells, row-major (layers x experts), heat on a log scale so that the cold
@@ -396,10 +426,25 @@ export function expertCells(map: ExpertMap): ExpertCell[] {
   const cells: ExpertCell[] = [];
   for (const l of map.layers) {
     const routed = new Set(l.routed);
+    const tiers = decodeTiers(l.tiers, map.experts);
     for (let e = 0; e < map.experts; e++) {
       const count = l.counts[e] ?? 0;
-      cells.push({ layer: l.layer, expert: e, count, heat: scale > 0 ? Math.log2(count + 1) / scale : 0, routed: routed.has(e) });
+      cells.push({
+        layer: l.layer,
+        expert: e,
+        count,
+        heat: scale > 0 ? Math.log2(count + 1) / scale : 0,
+        routed: routed.has(e),
+        tier: tiers[e] ?? "unknown",
+      });
     }
   }
   return cells;
+}
+
+/** How many cells each tier has (tiers without cells left out), in legend order. */
+export function tierCounts(cells: readonly ExpertCell[]): [Tier, number][] {
+  const n = new Map<Tier, number>();
+  for (const c of cells) n.set(c.tier, (n.get(c.tier) ?? 0) + 1);
+  return TIERS.filter((t) => n.has(t)).map((t) => [t, n.get(t) ?? 0]);
 }

@@ -83,7 +83,7 @@ export function Profiling({ conn }: { conn: Connection }) {
             <div className="tile"><span className="muted">turns</span><strong data-testid="turn-count">{totals.turns}</strong></div>
             <div className="tile"><span className="muted">last decode</span><strong>{last ? `${last.decode_tok_s.toFixed(1)} tok/s` : "–"}</strong></div>
             <div className="tile"><span className="muted">last prefill</span><strong>{last ? `${last.prefill_tok_s.toFixed(1)} tok/s` : "–"}</strong></div>
-            <div className="tile"><span className="muted">cache hit rate</span><strong>{totals.hitRate === null ? "all resident" : `${(totals.hitRate * 100).toFixed(1)}%`}</strong></div>
+            <div className="tile"><span className="muted">cache hit rate</span><strong data-testid="hit-rate">{totals.hitRate === null ? "all resident" : `${(totals.hitRate * 100).toFixed(1)}%`}</strong></div>
             <div className="tile"><span className="muted">expert bytes read</span><strong>{bytes(totals.bytesRead)}</strong></div>
           </div>
           <div className="card">

@@ -1,5 +1,5 @@
 import { useEffect, useState } from "react";
-import { ServerError, errorText, fetchHealth, fetchInfo, type Connection, type EngineInfo, type Health, type ModelCard } from "../lib/api";
+import { ServerError, errorText, expertBudget, fetchHealth, fetchInfo, type Connection, type EngineInfo, type Health, type ModelCard } from "../lib/api";
 import { usePoll } from "../lib/poll";
 
 const COUNTERS: [keyof Health, string][] = [
@@ -14,6 +14,14 @@ const COUNTERS: [keyof Health, string][] = [
   ["timed_out", "429 queue_timeout answers"],
   ["cancelled", "clients gone while waiting or generating"],
 ];
+
+/** Where the experts live and the RAM they may take (the expert cache's budget). */
+function expertRam(cache: Record<string, unknown> | null): string {
+  if (cache === null) return "all resident in RAM";
+  const b = expertBudget(cache);
+  if (b === null) return "RAM cache over the experts file (see Profiling)";
+  return `RAM cache of ${b.slots} experts (${bytes(b.bytes)}), ${b.pinned} of them pinned; the rest read from disk (see Brain, Profiling)`;
+}
 
 function bytes(n: number): string {
   return n >= 2 ** 20 ? `${(n / 2 ** 20).toFixed(1)} MiB` : n >= 1024 ? `${(n / 1024).toFixed(1)} KiB` : `${n} B`;
@@ -145,7 +153,10 @@ export function System({ conn, models, modelsError }: { conn: Connection; models
                 <tr><th scope="row">kernel</th><td>{info.kernel}{info.kernel_avx_vnni ? " + AVX-VNNI" : ""} (prefetch {info.kernel_prefetch})</td></tr>
                 <tr><th scope="row">threads</th><td>{info.threads}</td></tr>
                 <tr><th scope="row">KV cache</th><td>{info.kv_dtype}, {info.kv_slots} slot(s)</td></tr>
-                <tr><th scope="row">experts</th><td>{info.expert_cache === null ? "all resident in RAM" : "RAM cache over the experts file (see Profiling)"}</td></tr>
+                <tr>
+                  <th scope="row">experts</th>
+                  <td data-testid="expert-ram">{expertRam(info.expert_cache)}</td>
+                </tr>
               </tbody>
             </table>
           )}

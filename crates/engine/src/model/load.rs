@@ -22,7 +22,7 @@ use crate::linear::Linear;
 use crate::ops::Rope;
 use crate::pool::Pool;
 use crate::quant;
-use crate::store::heat::{Heat, HEAT_FILE};
+use crate::store::heat::Heat;
 use crate::store::profile::{Finished, Turn};
 use crate::store::{ExpertOptions, ExpertStore, StoreLayout};
 
@@ -172,8 +172,8 @@ impl Model {
 
     /// Loads a converted model directory; `experts` says how routed experts are held (all in
     /// RAM by default, or an expert cache under a RAM budget, see [`ExpertOptions`]).
-    /// The routing heat is read from `routing-heat.json` in `dir` (if there) and, with
-    /// `pin_bytes`, its hottest experts are loaded into the pinned part of the cache.
+    /// The routing heat is read from `routing-heat.json` where `opts.heat` says (if there) and,
+    /// with `pin_bytes`, its hottest experts are loaded into the pinned part of the cache.
     pub fn load_with(dir: &Path, threads: Option<usize>, opts: &ExpertOptions) -> Result<Model> {
         crate::alloc::tune_once();
         let mpath = dir.join(MANIFEST);
@@ -254,8 +254,8 @@ impl Model {
 
         let hc_head = cfg.hyper.map(|_| HyperHead::load(&t, &cfg)).transpose()?;
         let heat = Heat::new(moe_ids.clone(), cfg.num_experts);
-        let heat_path = dir.join(HEAT_FILE);
-        heat.load(&heat_path);
+        let (heat_read, heat_path) = opts.heat.paths(dir);
+        heat.load(&heat_read);
         let (experts, expert_layout) = match &manifest.experts {
             None => (None, None),
             Some(x) => {

@@ -21,7 +21,7 @@ pub mod registry;
 #[cfg(test)]
 mod tests;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -37,7 +37,7 @@ use crate::pool::Pool;
 use crate::quant::Kernel;
 use crate::store::heat::{Heat, RoutingHeat};
 use crate::store::profile::{Finished, PassTimes, Profile, Turn};
-use crate::store::{ExpertStore, StoreStats};
+use crate::store::{ExpertStore, StoreStats, Tier};
 use layers::Layer;
 
 pub use forward::Seq;
@@ -89,7 +89,8 @@ pub struct Model {
     expert_layout: Option<ExpertLayout>,
     prefetch: bool,
     heat: Heat,
-    heat_path: PathBuf,
+    /// Where the heat is saved (`None`: kept in memory only).
+    heat_path: Option<PathBuf>,
     heat_saved: Mutex<Option<Instant>>,
     /// The turn of passes run without one of their own ([`Model::forward`]).
     own_turn: Mutex<Turn>,
@@ -206,7 +207,7 @@ impl Model {
 
     /// Ends a turn: its profile joins [`Model::profiles`] (the last 30 kept), its routed
     /// experts become [`Model::last_routed_experts`], and the routing heat is saved to
-    /// `routing-heat.json` in the model directory (at most every 10 s; a failed write is
+    /// `routing-heat.json` where it lives ([`HeatHome`](crate::store::heat::HeatHome); at most every 10 s; a failed write is
     /// returned but changes nothing else). A generation's end calls it with its slot's turn;
     /// the turn starts empty again.
     pub fn close_turn(&self, turn: &mut Turn) -> Result<()> {
@@ -255,9 +256,40 @@ impl Model {
         self.heat.snapshot()
     }
 
-    /// Writes the routing heat to `routing-heat.json` in the model directory (crash-safe).
+    /// Writes the routing heat to `routing-heat.json` where it lives ([`HeatHome`](crate::store::heat::HeatHome); crash-safe);
+    /// nothing when it is kept in memory only.
     pub fn save_heat(&self) -> Result<()> {
-        self.heat.save(&self.heat_path)
+        match &self.heat_path {
+            Some(p) => self.heat.save(p),
+            None => Ok(()),
+        }
+    }
+
+    /// The file the routing heat is saved to (`None`: kept in memory only).
+    pub fn heat_file(&self) -> Option<&Path> {
+        self.heat_path.as_deref()
+    }
+
+    /// Where each routed expert is now: per MoE layer (model layer index, ascending, as in
+    /// [`Model::routing_heat`]), one [`Tier`] per expert: all `Resident` without an expert
+    /// cache, else pinned, cached or disk as the store holds them at this moment.
+    pub fn expert_tiers(&self) -> Vec<(usize, Vec<Tier>)> {
+        let Some(x) = &self.manifest.experts else {
+            return Vec::new();
+        };
+        let held = self.expert_store().map(|s| s.tiers());
+        self.heat
+            .layer_ids()
+            .iter()
+            .filter_map(|&layer| {
+                let l = x.layers.iter().find(|l| l.layer == layer)?;
+                let tiers = match &held {
+                    None => vec![Tier::Resident; l.count],
+                    Some(t) => t.get(l.first_record..l.first_record + l.count)?.to_vec(),
+                };
+                Some((layer, tiers))
+            })
+            .collect()
     }
 
     /// The expert cache (`None` when every expert is resident).

@@ -1,6 +1,6 @@
 //! Routing heat: how often each (layer, expert) was routed to, counted by the forward pass,
-//! persisted next to the model (`routing-heat.json` in the model directory), and used at start to
-//! choose the experts of the pinned part of the cache.
+//! persisted as `routing-heat.json` where [`HeatHome`] says (the server: beside its KV slot files),
+//! and used at start to choose the experts of the pinned part of the cache.
 //!
 //! The file is small (one count per expert) and written crash-safely: a temporary file, fsync,
 //! then rename over the old one, so a reader sees the old counts or the new, never half a file.
@@ -8,7 +8,7 @@
 
 use std::fs;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
@@ -17,6 +17,38 @@ use crate::error::{io_err, Result};
 
 pub const HEAT_FILE: &str = "routing-heat.json";
 const HEAT_FORMAT: &str = "colibri-routing-heat";
+
+/// Where the routing heat file is read from at load and saved to.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub enum HeatHome {
+    /// The model directory: read there and saved there (the Rust API's default; examples and
+    /// benchmarks keep their heat between runs this way).
+    #[default]
+    ModelDir,
+    /// A state directory of its own (the server's KV directory): read from there, else (the
+    /// first time) from the model directory, where versions before it saved the heat; saved
+    /// there only, so the model directory is never written.
+    Dir(PathBuf),
+    /// Counted in memory only: read from the model directory when a file is there, never saved.
+    Memory,
+}
+
+impl HeatHome {
+    /// The file to read at load for the model in `model_dir`, and the one to save to (`None`:
+    /// never saved).
+    pub fn paths(&self, model_dir: &Path) -> (PathBuf, Option<PathBuf>) {
+        let in_model = model_dir.join(HEAT_FILE);
+        match self {
+            HeatHome::ModelDir => (in_model.clone(), Some(in_model)),
+            HeatHome::Dir(d) => {
+                let own = d.join(HEAT_FILE);
+                let read = if own.exists() { own.clone() } else { in_model };
+                (read, Some(own))
+            }
+            HeatHome::Memory => (in_model, None),
+        }
+    }
+}
 
 /// Routing counts of one MoE layer.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -77,6 +109,11 @@ impl Heat {
         }
     }
 
+    /// The model layer index of each MoE layer, ascending (the counts' order).
+    pub fn layer_ids(&self) -> &[usize] {
+        &self.layer_ids
+    }
+
     /// Counts one routing of expert `e` in MoE layer ordinal `m`.
     pub fn add(&self, m: usize, e: usize) {
         self.counts[m * self.experts + e].fetch_add(1, Ordering::Relaxed);
@@ -115,9 +152,13 @@ impl Heat {
         v.into_iter().map(|(_, i)| i).collect()
     }
 
-    /// Writes the counts to `path` crash-safely (temp file, fsync, rename).
+    /// Writes the counts to `path` crash-safely (temp file, fsync, rename), making its
+    /// directory if needed.
     pub fn save(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string(&self.snapshot()).expect("plain data serializes");
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            fs::create_dir_all(dir).map_err(io_err(dir))?;
+        }
         let tmp = path.with_extension("json.tmp");
         {
             let mut f = fs::File::create(&tmp).map_err(io_err(&tmp))?;
@@ -158,5 +199,47 @@ mod tests {
         t.load(&p);
         assert!(t.hottest().is_empty());
         fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_heat_lives_where_its_home_says_and_an_old_one_is_taken_from_the_model_dir() {
+        let root = std::env::temp_dir().join(format!("colibri-heat-home-{}", std::process::id()));
+        let (model, state) = (root.join("model"), root.join("kv"));
+        fs::create_dir_all(&model).unwrap();
+        let in_model = model.join(HEAT_FILE);
+        // The model directory's own: read and saved there.
+        assert_eq!(
+            HeatHome::ModelDir.paths(&model),
+            (in_model.clone(), Some(in_model.clone()))
+        );
+        // Memory: read from the model directory, never saved.
+        assert_eq!(HeatHome::Memory.paths(&model), (in_model.clone(), None));
+        // A state directory: no file there yet, so the model directory's (an older version's)
+        // is read once; saves go to the state directory (made if missing) only.
+        let home = HeatHome::Dir(state.clone());
+        let own = state.join(HEAT_FILE);
+        let old = Heat::new(vec![1], 4);
+        old.add(0, 2);
+        old.save(&in_model).unwrap();
+        let (read, save) = home.paths(&model);
+        assert_eq!(
+            (read.clone(), save.clone()),
+            (in_model.clone(), Some(own.clone()))
+        );
+        let h = Heat::new(vec![1], 4);
+        h.load(&read);
+        assert_eq!(h.snapshot(), old.snapshot());
+        h.add(0, 1);
+        h.save(save.as_ref().unwrap()).unwrap();
+        assert!(own.is_file());
+        // The model directory's file is left as it was; from now on the state's is the one read.
+        let untouched = Heat::new(vec![1], 4);
+        untouched.load(&in_model);
+        assert_eq!(untouched.snapshot(), old.snapshot());
+        assert_eq!(home.paths(&model).0, own);
+        let again = Heat::new(vec![1], 4);
+        again.load(&home.paths(&model).0);
+        assert_eq!(again.snapshot(), h.snapshot());
+        fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -52,6 +52,8 @@ pub struct ExpertOptions {
     pub prefetch: bool,
     pub io: IoBackend,
     pub policy: Policy,
+    /// Where the routing heat (`routing-heat.json`) is read from and saved to.
+    pub heat: heat::HeatHome,
 }
 
 impl Default for ExpertOptions {
@@ -63,6 +65,7 @@ impl Default for ExpertOptions {
             prefetch: false,
             io: IoBackend::Auto,
             policy: Policy::GlobalLru,
+            heat: heat::HeatHome::ModelDir,
         }
     }
 }
@@ -173,6 +176,33 @@ pub struct StoreStats {
     pub direct_io: bool,
     /// Fallbacks taken at open (io_uring refused, O_DIRECT unsupported, budget rounded up).
     pub notes: Vec<String>,
+}
+
+/// Where an expert record is now ([`ExpertStore::tiers`], `Model::expert_tiers`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// In RAM for the whole run because the model has no expert cache (every expert read at
+    /// load).
+    Resident,
+    /// In the pinned part of the cache: the hottest by routing heat, read at load, never evicted.
+    Pinned,
+    /// In the cache's LRU part now.
+    Cached,
+    /// Not in RAM (or its read is still in flight): its next use reads the experts file.
+    Disk,
+}
+
+impl Tier {
+    /// One letter per tier (`r`, `p`, `c`, `d`): how the server's routing map spells it.
+    pub fn letter(self) -> char {
+        match self {
+            Tier::Resident => 'r',
+            Tier::Pinned => 'p',
+            Tier::Cached => 'c',
+            Tier::Disk => 'd',
+        }
+    }
 }
 
 /// Where the experts are in the file, per record.
@@ -641,6 +671,20 @@ impl ExpertStore {
             }
         }
         self.reader.submit(reqs);
+    }
+
+    /// Where every record is now, in record order: pinned, cached, or disk (a record whose read
+    /// is in flight counts as disk until it is ready). One look under the lock: a consistent
+    /// picture of that moment.
+    pub fn tiers(&self) -> Vec<Tier> {
+        let s = self.shared.lock();
+        s.at.iter()
+            .map(|&slot| match s.slots.get(slot as usize) {
+                Some(sl) if sl.st == St::Ready && sl.permanent => Tier::Pinned,
+                Some(sl) if sl.st == St::Ready => Tier::Cached,
+                _ => Tier::Disk,
+            })
+            .collect()
     }
 
     /// Whether `rec` is in RAM now (cached or pinned; not counting reads in flight).

@@ -180,6 +180,44 @@ fn pinned_records_stay_and_prefetch_is_counted() {
     fs::remove_dir_all(&d).unwrap();
 }
 
+#[test]
+fn tiers_say_where_every_record_is() {
+    let (d, layout) = synthetic("tiers", 16, 2);
+    // 7 slots, 3 pinned (the hottest by heat: 5, 9, 2), 4 for the LRU part.
+    let mut o = opts(7, IoBackend::Pread, false, Policy::GlobalLru);
+    o.pin_bytes = 3 * 8192;
+    let store = ExpertStore::open(layout, &o, &[5, 9, 2, 7]).unwrap();
+    let at = |t: &[Tier], want: Tier| -> Vec<u32> {
+        (0..16u32).filter(|&r| t[r as usize] == want).collect()
+    };
+    // At load: the pinned part only; everything else on disk.
+    let t = store.tiers();
+    assert_eq!(t.len(), 16);
+    assert_eq!(at(&t, Tier::Pinned), vec![2, 5, 9]);
+    assert_eq!(at(&t, Tier::Cached), Vec::<u32>::new());
+    assert_eq!(at(&t, Tier::Disk).len(), 13);
+    // Seven records asked for, one at a time: the LRU part keeps the last four; a pinned one
+    // asked for stays pinned (and takes no LRU slot).
+    for r in [0, 1, 5, 11, 12, 13, 14] {
+        let mut b = store.request(&[r]);
+        while !b.next_ready().unwrap().is_empty() {}
+    }
+    let t = store.tiers();
+    assert_eq!(at(&t, Tier::Pinned), vec![2, 5, 9]);
+    assert_eq!(at(&t, Tier::Cached), vec![11, 12, 13, 14]);
+    assert_eq!(at(&t, Tier::Disk).len(), 16 - 7);
+    for (r, tier) in t.iter().enumerate() {
+        assert_eq!(
+            store.is_resident(r as u32),
+            *tier != Tier::Disk,
+            "record {r}"
+        );
+    }
+    let letters: String = t.iter().map(|t| t.letter()).collect();
+    assert_eq!(letters, "ddpddpdddpdccccd");
+    fs::remove_dir_all(&d).unwrap();
+}
+
 /// Requests of several sequences whose union overflows the cache are inserted by frequency:
 /// a cyclic pattern of 6 records per layer over 2 layers (12, cache 8: plain LRU evicts each
 /// before its next use) then hits on the records kept hot; the same requests of one sequence
@@ -536,6 +574,115 @@ fn turn_profiles_heat_and_routed_experts() {
     assert_eq!((p.cache_hit_rate, p.bytes_read), (1.0, 0));
     fs::remove_dir_all(&c.dir).unwrap();
     fs::remove_dir_all(&hf).unwrap();
+}
+
+/// The model's tier report: per MoE layer in heat order, every expert's place, agreeing with
+/// the store's counts; all resident without a cache. The heat kept in a state directory of its
+/// own (`HeatHome::Dir`) picks the pinned experts and the model directory is not written.
+#[test]
+fn expert_tiers_per_layer_and_the_heat_in_a_state_directory() {
+    let hf = scratch("tiers-hf");
+    random_olmoe(&hf);
+    let c = convert(&hf, "tiers-model", Quant::Int4);
+    let state = scratch("tiers-state");
+    let resident = Model::load(&c.dir, Some(1)).unwrap();
+    let r = resident.expert_tiers();
+    let layers: Vec<usize> = resident
+        .routing_heat()
+        .layers
+        .iter()
+        .map(|l| l.layer)
+        .collect();
+    assert_eq!(r.iter().map(|l| l.0).collect::<Vec<_>>(), layers);
+    assert!(r.iter().all(
+        |(_, t)| t.len() == resident.cfg.num_experts && t.iter().all(|&t| t == Tier::Resident)
+    ));
+    drop(resident);
+    let _ = fs::remove_file(c.dir.join(heat::HEAT_FILE));
+
+    // A cache of a quarter of the experts, half of it pinned by the heat of a first run.
+    let home = heat::HeatHome::Dir(state.clone());
+    let quarter = (c.experts_bytes / c.record_size / 4) * c.record_size;
+    let first = ExpertOptions {
+        ram_bytes: Some(quarter),
+        heat: home.clone(),
+        ..Default::default()
+    };
+    let m = Model::load_with(&c.dir, Some(2), &first).unwrap();
+    greedy(&m, 5);
+    m.save_heat().unwrap();
+    assert_eq!(m.heat_file(), Some(state.join(heat::HEAT_FILE).as_path()));
+    assert!(state.join(heat::HEAT_FILE).is_file());
+    assert!(
+        !c.dir.join(heat::HEAT_FILE).exists(),
+        "the model directory was written"
+    );
+    let heat = m.routing_heat();
+    drop(m);
+    let o = ExpertOptions {
+        pin_bytes: quarter / 2,
+        ..first
+    };
+    let m = Model::load_with(&c.dir, Some(2), &o).unwrap();
+    assert_eq!(m.routing_heat(), heat);
+    let st = m.store_stats().unwrap();
+    let e = m.cfg.num_experts;
+    // (MoE ordinal * experts + expert) of every expert of `tier`.
+    let of = |tiers: &[(usize, Vec<Tier>)], tier: Tier| -> Vec<usize> {
+        tiers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (_, t))| {
+                t.iter()
+                    .enumerate()
+                    .filter(move |(_, &x)| x == tier)
+                    .map(move |(x, _)| i * e + x)
+            })
+            .collect()
+    };
+    let tiers = m.expert_tiers();
+    assert!(st.pinned > 0);
+    assert_eq!(of(&tiers, Tier::Cached), Vec::<usize>::new());
+    // The pinned experts are the hottest of the saved heat.
+    let mut by_heat: Vec<(u64, usize)> = heat
+        .layers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| {
+            l.counts
+                .iter()
+                .enumerate()
+                .map(move |(x, &n)| (n, i * e + x))
+        })
+        .collect();
+    by_heat.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut want: Vec<usize> = by_heat.iter().take(st.pinned).map(|&(_, i)| i).collect();
+    want.sort();
+    assert_eq!(of(&tiers, Tier::Pinned), want);
+    // After one turn the LRU part holds experts that turn routed to; the rest are on disk.
+    let mut kv = m.new_cache();
+    m.forward(&[3, 5, 7, 11, 13], &mut kv, false).unwrap();
+    m.end_turn().unwrap();
+    let tiers = m.expert_tiers();
+    let routed = m.last_routed_experts();
+    let cached = of(&tiers, Tier::Cached);
+    assert!(
+        !cached.is_empty() && cached.len() <= st.slots - st.pinned,
+        "{cached:?}"
+    );
+    for i in &cached {
+        let (layer, x) = (tiers[i / e].0, (i % e) as u32);
+        assert!(routed[layer].contains(&x), "layer {layer} expert {x}");
+    }
+    assert_eq!(of(&tiers, Tier::Pinned), want);
+    assert_eq!(
+        of(&tiers, Tier::Disk).len() + cached.len() + st.pinned,
+        tiers.len() * e,
+        "every expert has one tier"
+    );
+    fs::remove_dir_all(&c.dir).unwrap();
+    fs::remove_dir_all(&hf).unwrap();
+    fs::remove_dir_all(&state).unwrap();
 }
 
 #[test]
