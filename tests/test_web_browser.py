@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from colibri.demo.builtin import builtin_model_dir
 
 from .server import RunningServer
 from .web_support import CHROMIUM, ROOT, need_chromium
@@ -758,10 +761,19 @@ def test_the_canvas_map_never_overflows_the_page(big, open_page, width):
     no_console_errors(p)
 
 
-def test_a_full_queue_is_said_in_the_servers_words_with_retry_after(open_page):
+def test_a_full_queue_is_said_in_the_servers_words_with_retry_after(open_page, tmp_path):
     """One slot, no queue: while a long generation holds the slot the chat's request is
-    refused with 429, shown as the server put it, Retry-After included."""
-    srv = RunningServer("--no-kv-persist", "--kv-slots", "1", "--max-queue", "0")
+    refused with 429, shown as the server put it, Retry-After included. The holder is the
+    built-in model with a 65,536-token window asked for 20,000 tokens (1,500 in its own window
+    ended before the page asked, under a loaded machine)."""
+    model = tmp_path / "long"
+    shutil.copytree(builtin_model_dir(), model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["config"]["max_position_embeddings"] = 65536
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    srv = RunningServer(
+        "--model", str(model), "--no-kv-persist", "--kv-slots", "1", "--max-queue", "0"
+    )
     holder: dict[str, object] = {}
     try:
         client = httpx.Client(timeout=120)
@@ -769,7 +781,7 @@ def test_a_full_queue_is_said_in_the_servers_words_with_retry_after(open_page):
             "POST",
             srv.base_url + "/chat/completions",
             json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hello"}],
-                  "max_tokens": 1500, "stream": True},
+                  "max_tokens": 20_000, "stream": True},
         )  # fmt: skip
         stream = client.send(req, stream=True)
         holder["stream"] = stream
