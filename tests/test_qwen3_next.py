@@ -46,6 +46,21 @@ def test_only_the_full_attention_layers_keep_kv_per_position(qn, converted):
         assert info["kv_bytes_per_token"] == full * per_layer * width
 
 
+def test_the_state_per_slot_is_reported_and_counted_at_startup(qn, converted):
+    cfg = hf_config(qn.arch)
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    hk, hv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    channels = 2 * nk * hk + nv * hv
+    per_layer = (cfg["linear_conv_kernel_dim"] - 1) * channels + nv * hk * hv
+    linear = cfg["num_hidden_layers"] - full_layers(cfg)
+    info = Engine(converted(qn.arch, "int4"), threads=1).info
+    assert info["state_bytes_per_slot"] == linear * per_layer * 4
+    from colibri import cli
+
+    line = cli.kv_report(2, info)
+    assert f"(2 slot(s) x 5 copies x {info['state_bytes_per_slot']} bytes)" in line
+
+
 def test_prefix_reuse_gives_the_tokens_of_a_cold_run(qn, converted):
     for quant in ["f32", "int4"]:
         engine = Engine(converted(qn.arch, quant), threads=2, slots=2)

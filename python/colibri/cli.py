@@ -69,16 +69,28 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+# Copies of a linear-attention state a slot holds at most: its own and the engine's snapshots
+# (crates/engine/src/kv.rs `MAX_SNAPSHOTS`).
+STATE_COPIES = 1 + 4
+
+
 def kv_report(slots: int, info: dict) -> str:
     """The startup line on the context in use and the KV memory it can take at most."""
     context, own = info["context_length"], info["model_context_length"]
     per_token = info["kv_bytes_per_token"]
     lowered = f" (the model's: {own})" if context < own else ""
-    return (
+    line = (
         f"colibri: context {context} tokens{lowered}; KV memory up to "
         f"{_size(slots * context * per_token)} ({slots} slot(s) x {context} tokens x "
         f"{per_token} bytes per token)"
     )
+    state = info.get("state_bytes_per_slot", 0)
+    if state:
+        line += (
+            f"; linear-attention state up to {_size(slots * state * STATE_COPIES)} "
+            f"({slots} slot(s) x {STATE_COPIES} copies x {state} bytes)"
+        )
+    return line
 
 
 def _kv_dir(args: argparse.Namespace, model_dir: Path) -> Path | None:
@@ -157,7 +169,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     context, per_token = engine.info["context_length"], engine.info["kv_bytes_per_token"]
     try:
-        server.check_kv_memory(args.kv_slots, context, per_token)
+        server.check_kv_memory(
+            args.kv_slots,
+            context,
+            per_token,
+            engine.info.get("state_bytes_per_slot", 0) * STATE_COPIES,
+        )
     except server.StartupRefused as e:
         have = server.available_memory_bytes() or 0
         fit = have // max(1, args.kv_slots * per_token)

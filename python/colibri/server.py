@@ -40,12 +40,13 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_kv_memory(slots: int, context: int, bytes_per_token: int) -> None:
-    """Refuses a slot count whose KV, at full context, would not fit the available memory."""
-    need = slots * context * bytes_per_token
+def check_kv_memory(slots: int, context: int, bytes_per_token: int, state_bytes: int = 0) -> None:
+    """Refuses a slot count whose KV, at full context, would not fit the available memory
+    (with `state_bytes` per slot of linear-attention state, its snapshots included)."""
+    need = slots * (context * bytes_per_token + state_bytes)
     have = available_memory_bytes()
     if have is not None and need > have:
-        fit = max(0, have // max(1, context * bytes_per_token))
+        fit = max(0, have // max(1, context * bytes_per_token + state_bytes))
         raise StartupRefused(
             f"--kv-slots {slots} needs up to {need / 2**30:.1f} GiB of KV memory "
             f"({context} tokens x {bytes_per_token} bytes per token per slot) but only "

@@ -201,7 +201,7 @@ struct StateSnapshot {
 /// Snapshots a cache keeps at most (the oldest goes first): each is a full copy of the states
 /// (Qwen3-Next-80B: ~80 MB), and prefix reuse wants the latest ones (the end of the last
 /// prompt, the end of the last turn).
-const MAX_SNAPSHOTS: usize = 4;
+pub const MAX_SNAPSHOTS: usize = 4;
 
 /// Smallest growth step, in positions.
 const MIN_CAP: usize = 64;
