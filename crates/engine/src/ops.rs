@@ -195,6 +195,29 @@ pub fn swiglu(gate: &mut [f32], up: &[f32], limit: Option<f32>) {
     }
 }
 
+/// `1 / (1 + e^-x)` (libm's exp).
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `ln(1 + e^x)`, `x` itself above 20 (as torch's softplus).
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// Divides `x` by its root mean square (plus `eps`), without a weight.
+pub fn rms_norm_unweighted(x: &mut [f32], eps: f32) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
 #[inline(always)]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))

@@ -327,15 +327,6 @@ impl Compressed {
     }
 }
 
-/// RMS-normalises each `width`-long run of `x` without a weight.
-fn rms_unweighted(x: &mut [f32], width: usize, eps: f32) {
-    for run in x.chunks_exact_mut(width) {
-        let ms = run.iter().map(|v| v * v).sum::<f32>() / width as f32;
-        let inv = 1.0 / (ms + eps).sqrt();
-        run.iter_mut().for_each(|v| *v *= inv);
-    }
-}
-
 impl Model {
     /// Layer `li`'s attention over the normed inputs `hn` of every sequence of the pass;
     /// writes each position's cache row (and the entries of the windows it completes).
@@ -393,7 +384,8 @@ impl Model {
         let mut q = qouts.next().unwrap();
         let mut iq = qouts.next();
         self.per_position(&mut q, heads * hd, |i, row| {
-            rms_unweighted(row, hd, eps);
+            row.chunks_exact_mut(hd)
+                .for_each(|head| ops::rms_norm_unweighted(head, eps));
             w.rope
                 .apply_interleaved_tail(row, hd, &w.rope.angles(pos[i]), false);
         });

@@ -126,14 +126,6 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
 /// Divides `x` by `sqrt(sum x^2 + 1e-6)` (transformers' `l2norm`).
 fn l2norm(x: &mut [f32]) {
     let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
@@ -214,13 +206,13 @@ impl Model {
                 l2norm(head);
             }
         });
-        let beta: Vec<f32> = b.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+        let beta: Vec<f32> = b.iter().map(|&x| ops::sigmoid(x)).collect();
         let decay: Vec<f32> = a
             .iter()
             .enumerate()
             .map(|(t, &x)| {
                 let j = t % nv;
-                (-w.a_log[j].exp() * softplus(x + w.dt_bias[j])).exp()
+                (-w.a_log[j].exp() * ops::softplus(x + w.dt_bias[j])).exp()
             })
             .collect();
         // The recurrence: each value head of each sequence on its own thread, rows in order.

@@ -195,7 +195,7 @@ impl Model {
         let mut att = att;
         if let Some(g) = &gate {
             for (x, &gv) in att.iter_mut().zip(g) {
-                *x *= 1.0 / (1.0 + (-gv).exp());
+                *x *= ops::sigmoid(gv);
             }
         }
         let mut acts = Acts::from_vec(att, n, qd);

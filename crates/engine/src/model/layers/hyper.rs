@@ -16,6 +16,7 @@ use crate::format::DType;
 use crate::linear::{Acts, Linear};
 use crate::model::load::Tensors;
 use crate::model::{fmt_err, Model};
+use crate::ops::sigmoid;
 
 /// One block's hyper-connection weights: `fn` `[(2 + N) * N, N * hidden]`, `base`
 /// `[(2 + N) * N]`, `scale` `[3]`.
@@ -64,10 +65,6 @@ impl HyperHead {
     }
 }
 
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
 /// One position's mixing weights for the way out of a block: `post` (`N`) then `comb`
 /// (`N * N`, `[j][k]`).
 pub(in crate::model) type Mix = Vec<f32>;
@@ -81,9 +78,7 @@ impl Model {
         let mut flat = x.to_vec();
         let eps = self.cfg.rms_norm_eps;
         self.per_position(&mut flat, wide, |_, row| {
-            let ms = row.iter().map(|v| v * v).sum::<f32>() / wide as f32;
-            let inv = 1.0 / (ms + eps).sqrt();
-            row.iter_mut().for_each(|v| *v *= inv);
+            crate::ops::rms_norm_unweighted(row, eps)
         });
         let mut acts = Acts::from_vec(flat, n, wide);
         self.project(&[*proj], &mut acts).remove(0)

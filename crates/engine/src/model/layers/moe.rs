@@ -137,7 +137,7 @@ impl Model {
                 let gates = self.project(&[*g], acts).remove(0);
                 let h = self.cfg.hidden_size;
                 for (row, &gv) in shared.chunks_exact_mut(h).zip(&gates) {
-                    let sg = 1.0 / (1.0 + (-gv).exp());
+                    let sg = ops::sigmoid(gv);
                     row.iter_mut().for_each(|x| *x *= sg);
                 }
             }

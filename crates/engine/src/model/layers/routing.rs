@@ -77,10 +77,7 @@ pub fn route(
 fn sqrt_softplus(logits: &[f32]) -> Vec<f32> {
     logits
         .iter()
-        .map(|&x| {
-            let sp = if x > 20.0 { x } else { x.exp().ln_1p() };
-            sp.sqrt()
-        })
+        .map(|&x| crate::ops::softplus(x).sqrt())
         .collect()
 }
 
