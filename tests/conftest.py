@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +82,19 @@ def run_engine_script(code: str, model: Path, env: dict[str, str]) -> subprocess
         timeout=120,
         check=True,
     )
+
+
+def conversion_refusal(tmp_path: Path, arch: str, field: str, value: object) -> str:
+    """The error converting fixture ``arch`` gives with config field ``field`` set to ``value``
+    (``None``: removed); the conversion must be refused."""
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / arch / "hf", hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    if value is None:
+        del cfg[field]
+    else:
+        cfg[field] = value
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((ValueError, RuntimeError, OSError)) as exc:
+        convert(hf, tmp_path / "out", "f32")
+    return str(exc.value)
