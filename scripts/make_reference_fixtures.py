@@ -10,7 +10,7 @@ dependencies):
 
 It writes, for each architecture in {olmoe, qwen3_moe, glm4_moe, deepseek_v3,
 deepseek_v3_noqlora, glm_moe_dsa, glm_moe_dsa_yarn, glm_moe_dsa_shared, deepseek_v32,
-deepseek_v4, qwen3_next, qwen3_next_ratios}:
+deepseek_v4, qwen3_next, qwen3_next_ratios, kimi_linear, kimi_linear_lora}:
 
     tests/fixtures/<arch>/hf/            HF checkpoint (config.json, *.safetensors,
                                          tokenizer.json, tokenizer_config.json, ...)
@@ -51,6 +51,8 @@ from transformers import (
     Glm4MoeForCausalLM,
     GlmMoeDsaConfig,
     GlmMoeDsaForCausalLM,
+    KimiLinearConfig,
+    KimiLinearForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
     Qwen3MoeConfig,
@@ -691,6 +693,124 @@ SPECS = {
             eos_token_id=EOS,
         ),
     ),
+    # Kimi Linear (transformers' kimi_linear): 5 layers, KDA x2, MLA, KDA, MLA. KDA: 3 heads of
+    # 8, a causal conv of 4 over q, k and v (three conv tensors in the checkpoint), a
+    # per-channel forget gate (low rank 8), the output gated by a low-rank sigmoid gate. MLA with
+    # NoPE: 4 heads, full q_proj, latent 16, 12 plain + 8 "rope" dims (never rotated), v 10.
+    # Layers 0 and 2 dense (mlp_layer_types), the others 8 experts in 2 groups (the best 1
+    # kept), top-3 sigmoid with the correction bias, renormalised, x2.446, one shared expert.
+    # bf16; routers, correction biases and dt_bias f32.
+    "kimi_linear": dict(
+        cls=KimiLinearForCausalLM,
+        cfg_cls=KimiLinearConfig,
+        tok_vocab=409,
+        storage=torch.bfloat16,
+        shards=1,
+        seed=13000,
+        cfg=dict(
+            vocab_size=409,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            layer_types=[
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"],
+            linear_head_dim=8,
+            linear_num_heads=3,
+            linear_conv_kernel_dim=4,
+            moe_intermediate_size=20,
+            num_local_experts=8,
+            num_experts_per_tok=3,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.446,
+            rms_norm_eps=1e-5,
+            model_max_length=256,
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
+    # Kimi Linear with the published checkpoint's config layout (rewritten after saving:
+    # `linear_attn_config` with 1-indexed `full_attn_layers` / `kda_layers`, `head_dim`,
+    # `num_heads`, `short_conv_kernel_size`; `first_k_dense_replace` instead of the per-layer
+    # lists): 4 layers (KDA, KDA, MLA, MLA), KDA 2 heads of 12 with a 2-tap conv, MLA with a
+    # low-rank query (24), 3 heads, latent 12, 8 + 4 dims, v 6; layer 0 dense, 6 experts top-2
+    # in one group, not renormalised, two shared experts. f16; routers f32.
+    "kimi_linear_lora": dict(
+        cls=KimiLinearForCausalLM,
+        cfg_cls=KimiLinearConfig,
+        tok_vocab=389,
+        storage=torch.float16,
+        shards=1,
+        seed=14000,
+        checkpoint_config=dict(
+            drop=("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads",
+                  "linear_conv_kernel_dim"),
+            add=dict(
+                linear_attn_config=dict(
+                    full_attn_layers=[3, 4],
+                    kda_layers=[1, 2],
+                    head_dim=12,
+                    num_heads=2,
+                    short_conv_kernel_size=2,
+                ),
+                first_k_dense_replace=1,
+            ),
+        ),
+        cfg=dict(
+            vocab_size=389,
+            hidden_size=40,
+            intermediate_size=56,
+            num_hidden_layers=4,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            q_lora_rank=24,
+            kv_lora_rank=12,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            layer_types=[
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+                "full_attention",
+            ],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            linear_head_dim=12,
+            linear_num_heads=2,
+            linear_conv_kernel_dim=2,
+            moe_intermediate_size=14,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=2,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+            rms_norm_eps=1e-6,
+            model_max_length=256,
+            tie_word_embeddings=False,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
+    ),
 }
 
 # Parameters that stay float32 in the stored checkpoint regardless of `storage`.
@@ -720,6 +840,8 @@ KEEP_F32 = {
     "deepseek_v4": _ROUTER_F32 + _V4_F32,
     "qwen3_next": ("mlp.gate.weight",),
     "qwen3_next_ratios": ("mlp.gate.weight",),
+    "kimi_linear": _ROUTER_F32 + ("dt_bias",),
+    "kimi_linear_lora": _ROUTER_F32 + ("dt_bias",),
 }
 # Architectures with sigmoid, group-limited routing and a correction bias.
 SIGMOID_ROUTED = (
@@ -730,6 +852,8 @@ SIGMOID_ROUTED = (
     "glm_moe_dsa_yarn",
     "glm_moe_dsa_shared",
     "deepseek_v32",
+    "kimi_linear",
+    "kimi_linear_lora",
 )
 # Architectures with the DSA indexer.
 DSA = ("glm_moe_dsa", "glm_moe_dsa_yarn", "glm_moe_dsa_shared", "deepseek_v32")
@@ -844,6 +968,8 @@ SCALES = {
         "deepseek_v4": 1.5,
         "qwen3_next": 2.5,
         "qwen3_next_ratios": 2.5,
+        "kimi_linear": 1.5,
+        "kimi_linear_lora": 1.5,
     },
     "bias": 0.3,
     "e_score_correction_bias": 0.08,
@@ -873,7 +999,9 @@ def randomize(model: torch.nn.Module, arch: str, seed: int) -> None:
             v = 0.5 + torch.rand(shape, generator=g)
         elif name.endswith("linear_attn.A_log"):  # Qwen3-Next: per-step decay exp(-A softplus)
             v = torch.log(0.05 + 0.95 * torch.rand(shape, generator=g))
-        elif name.endswith("linear_attn.dt_bias"):
+        elif name.endswith("forget_gate.A_log"):  # Kimi Linear: exp(A_log) x softplus(..)
+            v = torch.log(0.05 + 0.95 * torch.rand(shape, generator=g))
+        elif name.endswith(("linear_attn.dt_bias", "forget_gate.dt_bias")):
             v = normal(shape, 0.5)
         elif name.endswith("self_attn.sinks"):
             v = normal(shape, 1.0)
@@ -1179,6 +1307,8 @@ def numpy_forward(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
         return numpy_forward_v4(cfg, v4_module_names(W), ids)
     if arch == "qwen3_next":  # both Qwen3-Next fixtures (the config's model_type)
         return numpy_forward_qwen3_next(cfg, W, ids)
+    if arch == "kimi_linear":
+        return numpy_forward_kimi_linear(cfg, W, ids)
     H = cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or H // nh
@@ -1400,6 +1530,134 @@ def numpy_forward_qwen3_next(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
                     out[t] += we * mlp(h[t : t + 1], f"{m}experts.{e}.")[0]
         shared = mlp(h, m + "shared_expert.") * sigmoid(h @ W[m + "shared_expert_gate.weight"].T)
         x = x + out + shared
+    x = rms(x, W["model.norm.weight"])
+    return x @ W["lm_head.weight"].T
+
+
+def kimi_linear_layout(cfg: dict) -> tuple[list[str], list[str], int, int, int]:
+    """Kimi Linear's layer types, MLP types and KDA (head_dim, num_heads, conv kernel) from
+    either config layout, as transformers' KimiLinearConfig reads them."""
+    lin = cfg.get("linear_attn_config") or {}
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        if "full_attn_layers" in lin and "kda_layers" in lin:
+            types = [None] * n
+            for i in lin["full_attn_layers"]:
+                types[i - 1] = "full_attention"
+            for i in lin["kda_layers"]:
+                types[i - 1] = "linear_attention"
+        else:
+            types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    mlp = cfg.get("mlp_layer_types")
+    if mlp is None:
+        k = cfg.get("first_k_dense_replace", 1)
+        mlp = ["dense" if i < k else "sparse" for i in range(n)]
+    hd = lin.get("head_dim", cfg.get("linear_head_dim", 128))
+    nh = lin.get("num_heads", cfg.get("linear_num_heads", 32))
+    kk = lin.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4))
+    return types, mlp, hd, nh, kk
+
+
+def numpy_forward_kimi_linear(cfg: dict, W: dict, ids: list[int]) -> np.ndarray:
+    """Kimi Linear in float64 (transformers' kimi_linear, no cache) from the checkpoint's own
+    tensor names: KDA in its recurrent form, one position at a time; MLA without positions."""
+    types, mlp_types, hd, nh, K = kimi_linear_layout(cfg)
+    eps, T = cfg["rms_norm_eps"], len(ids)
+    heads = cfg["num_attention_heads"]
+    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    r_kv = cfg["kv_lora_rank"]
+
+    def rms(x, w, e=eps):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + e) * w
+
+    def silu(x):
+        return x / (1.0 + np.exp(-x))
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + np.exp(-x))
+
+    def mlp(h, pre, up="up_proj", gate="gate_proj", down="down_proj"):
+        g, u = h @ W[f"{pre}{gate}.weight"].T, h @ W[f"{pre}{up}.weight"].T
+        return (silu(g) * u) @ W[f"{pre}{down}.weight"].T
+
+    def mla(h, a):
+        if cfg.get("q_lora_rank"):
+            q = rms(h @ W[a + "q_a_proj.weight"].T, W[a + "q_a_layernorm.weight"], 1e-6)
+            q = q @ W[a + "q_b_proj.weight"].T
+        else:
+            q = h @ W[a + "q_proj.weight"].T
+        q = q.reshape(T, heads, nope + rope)
+        ckv = h @ W[a + "kv_a_proj_with_mqa.weight"].T
+        c, k_rot = rms(ckv[:, :r_kv], W[a + "kv_a_layernorm.weight"], 1e-6), ckv[:, r_kv:]
+        kv = (c @ W[a + "kv_b_proj.weight"].T).reshape(T, heads, nope + vd)
+        k = np.concatenate([kv[..., :nope], np.repeat(k_rot[:, None, :], heads, 1)], -1)
+        v = kv[..., nope:]
+        mask = np.triu(np.full((T, T), -np.inf), 1)
+        o = np.zeros((T, heads, vd))
+        for i in range(heads):
+            sc = q[:, i] @ k[:, i].T * (nope + rope) ** -0.5 + mask
+            sc = np.exp(sc - sc.max(-1, keepdims=True))
+            o[:, i] = (sc / sc.sum(-1, keepdims=True)) @ v[:, i]
+        return o.reshape(T, heads * vd) @ W[a + "o_proj.weight"].T
+
+    def kda(h, a):
+        qkv = []
+        for n in "qkv":  # each projection through its own causal conv, SiLU after
+            x = h @ W[f"{a}{n}_proj.weight"].T
+            w = W[f"{a}{n}_conv1d.weight"][:, 0, :]  # [channels, K]
+            padded = np.concatenate([np.zeros((K - 1, x.shape[1])), x])
+            qkv.append(silu(np.stack([(padded[t : t + K] * w.T).sum(0) for t in range(T)])))
+        q, k, v = (x.reshape(T, nh, hd) for x in qkv)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * hd**-0.5
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        f = (h @ W[a + "f_a_proj.weight"].T) @ W[a + "f_b_proj.weight"].T + W[a + "dt_bias"]
+        g = -np.exp(W[a + "A_log"].reshape(nh, 1)) * np.logaddexp(0.0, f.reshape(T, nh, hd))
+        beta = sigmoid(h @ W[a + "b_proj.weight"].T)
+        out = np.zeros((T, nh, hd))
+        for j in range(nh):
+            S = np.zeros((hd, hd))
+            for t in range(T):
+                S = S * np.exp(g[t, j])[:, None]  # each key channel decays at its own rate
+                delta = (v[t, j] - S.T @ k[t, j]) * beta[t, j]
+                S = S + np.outer(k[t, j], delta)
+                out[t, j] = S.T @ q[t, j]
+        gate = ((h @ W[a + "g_a_proj.weight"].T) @ W[a + "g_b_proj.weight"].T).reshape(T, nh, hd)
+        out = rms(out, W[a + "o_norm.weight"]) * sigmoid(gate)
+        return out.reshape(T, nh * hd) @ W[a + "o_proj.weight"].T
+
+    x = W["model.embed_tokens.weight"][ids]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        h = rms(x, W[p + "input_layernorm.weight"])
+        a = p + "self_attn."
+        x = x + (mla(h, a) if types[layer] == "full_attention" else kda(h, a))
+        h = rms(x, W[p + "post_attention_layernorm.weight"])
+        m = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in W else "mlp.")
+        if mlp_types[layer] == "dense":
+            dense = p + "mlp." if p + "mlp.gate_proj.weight" in W else p + "block_sparse_moe."
+            x = x + mlp(h, dense)
+            continue
+        E = W[m + "gate.weight"].shape[0]
+        kk = cfg["num_experts_per_token"]
+        s = sigmoid(h @ W[m + "gate.weight"].T)
+        sc = s + W[m + "gate.e_score_correction_bias"]
+        ng, tg = cfg["num_expert_group"], cfg["topk_group"]
+        gs = np.sort(sc.reshape(T, ng, E // ng), -1)[..., -2:].sum(-1)
+        keep = np.argsort(-gs, -1, kind="stable")[:, :tg]
+        gm = np.zeros((T, ng), bool)
+        np.put_along_axis(gm, keep, True, -1)
+        sc = np.where(np.repeat(gm, E // ng, -1), sc, -np.inf)
+        idx = np.argsort(-sc, -1, kind="stable")[:, :kk]
+        wts = np.take_along_axis(s, idx, -1)
+        if cfg["moe_renormalize"]:
+            wts = wts / (wts.sum(-1, keepdims=True) + 1e-20)
+        wts = wts * cfg["routed_scaling_factor"]
+        out = np.zeros_like(h)
+        for t in range(T):
+            for e, we in zip(idx[t], wts[t], strict=True):
+                out[t] += we * mlp(h[t : t + 1], f"{m}experts.{e}.", "w3", "w1", "w2")[0]
+        x = x + out + mlp(h, m + "shared_experts.")
     x = rms(x, W["model.norm.weight"])
     return x @ W["lm_head.weight"].T
 
@@ -1781,6 +2039,16 @@ def shard_size(model, arch) -> int:
     return total
 
 
+def rewrite_config(path: Path, drop: tuple[str, ...], add: dict) -> None:
+    """Rewrites a saved config.json: the keys `drop` removed, `add` added (the reference is
+    then computed from the model transformers loads from the rewritten file)."""
+    cfg = json.loads(path.read_text())
+    for k in drop:
+        del cfg[k]
+    cfg.update(add)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def make(arch: str) -> dict:
     spec = SPECS[arch]
     out_dir = OUT / arch
@@ -1819,6 +2087,8 @@ def make(arch: str) -> dict:
     if spec["shards"] > 1:
         kwargs["max_shard_size"] = int(shard_size(model, arch) * 0.6)
     model.save_pretrained(str(hf_dir), **kwargs)
+    if "checkpoint_config" in spec:  # the published checkpoint's layout of the same config
+        rewrite_config(hf_dir / "config.json", **spec["checkpoint_config"])
     write_tokenizer(hf_dir, tok)
     shards = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     assert len(shards) == spec["shards"], shards
