@@ -28,6 +28,8 @@ ARCHS = [
     "deepseek_v4",
     "qwen3_next",
     "qwen3_next_ratios",
+    "kimi_linear",
+    "kimi_linear_lora",
 ]
 
 

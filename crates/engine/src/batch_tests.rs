@@ -134,6 +134,7 @@ fn interleaved_generations_equal_each_one_alone() {
         "glm_moe_dsa_yarn",
         "deepseek_v4",
         "qwen3_next",
+        "kimi_linear",
     ];
     for arch in archs {
         for quant in [Quant::Int4, Quant::F32] {

@@ -26,17 +26,38 @@ pub enum AttentionKind {
     /// over a sliding window, plus (per layer, [`ModelConfig::compress_layers`]) compressed
     /// entries of the history, all of them or those an indexer picks.
     Compressed(CompressedDims),
-    /// Qwen3-Next's hybrid: the layers marked in [`ModelConfig::linear_layers`] are gated
-    /// DeltaNet linear attention (`model/layers/delta.rs`: a fixed-size state per sequence, no
-    /// per-position KV), the others grouped-query attention with an output gate.
-    Hybrid(LinearDims),
+    /// A hybrid of linear and full attention: the layers marked in
+    /// [`ModelConfig::linear_layers`] are linear attention (`model/layers/delta.rs`: a
+    /// fixed-size state per sequence, no per-position KV), the others `HybridFull`.
+    Hybrid(LinearDims, HybridFull),
 }
 
-/// The shape of gated DeltaNet linear attention (transformers' `Qwen3NextGatedDeltaNet`):
-/// `key_heads` query/key heads of `key_dim`, each serving `value_heads / key_heads` value heads
-/// of `value_dim`; a causal depthwise convolution of `conv_kernel` over q, k and v.
+/// The full-attention layers of a hybrid.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum HybridFull {
+    /// Grouped-query attention with an output gate (Qwen3-Next).
+    GatedGqa,
+    /// Multi-head latent attention (Kimi Linear: without positions, [`MlaDims::positional`]).
+    Mla(MlaDims),
+}
+
+/// Which linear attention a hybrid's linear layers run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearKind {
+    /// Gated DeltaNet (transformers' `Qwen3NextGatedDeltaNet`): one decay per head and
+    /// position, the output gated by `silu(z)`.
+    GatedDeltaNet,
+    /// Kimi Delta Attention (transformers' `KimiLinearDeltaAttention`): one decay per key
+    /// channel (a low-rank forget gate), the output gated by the sigmoid of a low-rank gate.
+    Kda,
+}
+
+/// The shape of a hybrid's linear attention: `key_heads` query/key heads of `key_dim`, each
+/// serving `value_heads / key_heads` value heads of `value_dim`; a causal depthwise
+/// convolution of `conv_kernel` over q, k and v.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinearDims {
+    pub kind: LinearKind,
     pub key_heads: usize,
     pub value_heads: usize,
     pub key_dim: usize,
@@ -115,6 +136,9 @@ pub struct MlaDims {
     pub rope_interleave: bool,
     /// The softmax scale: `qk_head_dim^-0.5`, times `mscale^2` with YaRN's `mscale_all_dim`.
     pub softmax_scale: f32,
+    /// Whether the rope dims are rotated by position (false: Kimi Linear's MLA, whose
+    /// `qk_rope_head_dim` dims are kept, shared by every head, and never rotated).
+    pub positional: bool,
 }
 
 /// Where the query/key RMSNorm applies, if anywhere.
@@ -187,7 +211,7 @@ pub struct ModelConfig {
     pub indexer_layers: Vec<bool>,
     /// DeepSeek-V4 only (else empty): per layer, what it attends over besides its window.
     pub compress_layers: Vec<CompressKind>,
-    /// Qwen3-Next only (else empty): per layer, whether it is linear attention.
+    /// Hybrids only (else empty): per layer, whether it is linear attention.
     pub linear_layers: Vec<bool>,
     /// DeepSeek-V4 only (else empty): per layer, whether its experts come from a per-token
     /// table (`hash_moe`) rather than the router's choice.
@@ -215,17 +239,27 @@ pub const MAX_LAYERS: usize = 1 << 12;
 /// Typed reads of `config.json` fields, with errors that name the field.
 pub struct Reader<'a> {
     v: &'a Value,
+    /// (field, key): `field` is also read from `key` when the config has no `field` (the
+    /// family's [`Family::config_aliases`](crate::model::registry::Family)).
+    aliases: &'a [(&'a str, &'a str)],
 }
 
 impl<'a> Reader<'a> {
     pub fn get(&self, key: &str) -> Option<&'a Value> {
-        self.v.get(key).filter(|v| !v.is_null())
+        let get = |k: &str| self.v.get(k).filter(|v| !v.is_null());
+        get(key).or_else(|| {
+            self.aliases
+                .iter()
+                .filter(|(field, _)| *field == key)
+                .find_map(|(_, stored)| get(stored))
+        })
     }
-    /// The object under `key`, read with the same rules (none when absent or `null`).
+    /// The object under `key`, read with the same rules (none when absent or `null`; no
+    /// aliases inside it).
     pub fn object(&self, key: &str) -> Result<Option<Reader<'a>>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) if v.is_object() => Ok(Some(Reader { v })),
+            Some(v) if v.is_object() => Ok(Some(Reader { v, aliases: &[] })),
             Some(_) => Err(bad(format!("config.json: `{key}` must be an object"))),
         }
     }
@@ -233,9 +267,13 @@ impl<'a> Reader<'a> {
     pub fn value(&self) -> &'a Value {
         self.v
     }
-    /// Whether the config has `key` at all (`null` included).
+    /// Whether the config has `key` (or an alias of it) at all (`null` included).
     pub fn has(&self, key: &str) -> bool {
         self.v.get(key).is_some()
+            || self
+                .aliases
+                .iter()
+                .any(|(field, stored)| *field == key && self.v.get(stored).is_some())
     }
     pub fn usize_req(&self, key: &str) -> Result<usize> {
         self.get(key)
@@ -336,7 +374,7 @@ pub(crate) fn rope_from(
         if !p.is_object() {
             return Err(bad("config.json: `rope_parameters` must be an object"));
         }
-        let p = Reader { v: p };
+        let p = Reader { v: p, aliases: &[] };
         let kind = p
             .get("rope_type")
             .or_else(|| p.get("type"))
@@ -458,8 +496,7 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
 impl ModelConfig {
     /// Parses a `config.json` value. Refuses unknown architectures and unsupported options.
     pub fn from_hf(v: &Value) -> Result<ModelConfig> {
-        let r = Reader { v };
-        let arch_name = r
+        let arch_name = Reader { v, aliases: &[] }
             .get("architectures")
             .and_then(|a| a.get(0))
             .and_then(Value::as_str)
@@ -470,6 +507,10 @@ impl ModelConfig {
                 registry::hf_names().join(", ")
             ))
         })?;
+        let r = Reader {
+            v,
+            aliases: family.config_aliases,
+        };
         let act = r
             .get("hidden_act")
             .and_then(Value::as_str)

@@ -22,6 +22,7 @@ pub static FAMILY: Family = Family {
     configure,
     plan: glm4_moe::tensor_plan,
     checkpoint_name: None,
+    config_aliases: &[],
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
@@ -141,5 +142,6 @@ pub(super) fn read_mla(
         v_head_dim: v,
         rope_interleave,
         softmax_scale: scale as f32,
+        positional: true,
     })
 }

@@ -42,6 +42,7 @@ pub static FAMILY: Family = Family {
     configure,
     plan: tensor_plan,
     checkpoint_name: Some(module_name),
+    config_aliases: &[],
 };
 
 const SLIDING: &str = "sliding_attention";

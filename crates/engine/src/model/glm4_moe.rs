@@ -20,6 +20,7 @@ pub static FAMILY: Family = Family {
     configure,
     plan: tensor_plan,
     checkpoint_name: None,
+    config_aliases: &[],
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {

@@ -29,6 +29,7 @@ pub static FAMILY: Family = Family {
     configure: |r, c| configure(r, c, &GLM5),
     plan: glm4_moe::tensor_plan,
     checkpoint_name: None,
+    config_aliases: &[],
 };
 
 pub static DEEPSEEK_V32: Family = Family {
@@ -40,6 +41,7 @@ pub static DEEPSEEK_V32: Family = Family {
     configure: |r, c| configure(r, c, &V32),
     plan: glm4_moe::tensor_plan,
     checkpoint_name: None,
+    config_aliases: &[],
 };
 
 /// What tells the two architectures apart: transformers' config defaults for the fields a

@@ -10,6 +10,7 @@ pub mod deepseek_v4;
 mod forward;
 pub mod glm4_moe;
 pub mod glm_moe_dsa;
+pub mod kimi_linear;
 pub mod layers;
 mod load;
 pub mod olmoe;

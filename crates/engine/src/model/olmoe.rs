@@ -17,6 +17,7 @@ pub static FAMILY: Family = Family {
     configure,
     plan: plan::standard,
     checkpoint_name: None,
+    config_aliases: &[],
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {

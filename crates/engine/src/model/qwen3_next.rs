@@ -12,7 +12,8 @@ use super::layers;
 use super::plan::{self, Plan};
 use super::registry::Family;
 use crate::config::{
-    bad, AttentionKind, FfnKind, LinearDims, ModelConfig, QkNorm, Reader, Routing, MAX_DIM,
+    bad, AttentionKind, FfnKind, HybridFull, LinearDims, LinearKind, ModelConfig, QkNorm, Reader,
+    Routing, MAX_DIM,
 };
 use crate::error::Result;
 
@@ -25,6 +26,7 @@ pub static FAMILY: Family = Family {
     configure,
     plan: tensor_plan,
     checkpoint_name: None,
+    config_aliases: &[],
 };
 
 fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
@@ -36,6 +38,7 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
     }
     c.qk_norm = QkNorm::PerHead;
     let d = LinearDims {
+        kind: LinearKind::GatedDeltaNet,
         key_heads: r.size_or("linear_num_key_heads", 16, 1, MAX_DIM)?,
         value_heads: r.size_or("linear_num_value_heads", 32, 1, MAX_DIM)?,
         key_dim: r.size_or("linear_key_head_dim", 128, 1, MAX_DIM)?,
@@ -55,31 +58,9 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
              linear_key_head_dim * linear_value_head_dim) is too large",
         ));
     }
-    c.attention = AttentionKind::Hybrid(d);
-    c.linear_layers = match r.get("layer_types") {
-        Some(v) => {
-            let list = v
-                .as_array()
-                .ok_or_else(|| bad("config.json: `layer_types` must be a list"))?;
-            if list.len() < c.num_layers {
-                return Err(bad(format!(
-                    "config.json: `layer_types` has {} entries for {} layers",
-                    list.len(),
-                    c.num_layers
-                )));
-            }
-            list[..c.num_layers]
-                .iter()
-                .map(|t| match t.as_str() {
-                    Some("linear_attention") => Ok(true),
-                    Some("full_attention") => Ok(false),
-                    _ => Err(bad(format!(
-                        "config.json: `layer_types` entry {t} is not \"linear_attention\" or \
-                         \"full_attention\""
-                    ))),
-                })
-                .collect::<Result<_>>()?
-        }
+    c.attention = AttentionKind::Hybrid(d, HybridFull::GatedGqa);
+    c.linear_layers = match linear_layer_types(r, c.num_layers)? {
+        Some(linear) => linear,
         None => {
             let every = r.size_or("full_attention_interval", 4, 1, MAX_DIM)?;
             (0..c.num_layers).map(|i| (i + 1) % every != 0).collect()
@@ -112,6 +93,35 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
         norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
     };
     Ok(())
+}
+
+/// Per layer, whether `layer_types` makes it linear attention (none: the config has no
+/// `layer_types`).
+pub(super) fn linear_layer_types(r: &Reader, layers: usize) -> Result<Option<Vec<bool>>> {
+    let Some(v) = r.get("layer_types") else {
+        return Ok(None);
+    };
+    let list = v
+        .as_array()
+        .ok_or_else(|| bad("config.json: `layer_types` must be a list"))?;
+    if list.len() < layers {
+        return Err(bad(format!(
+            "config.json: `layer_types` has {} entries for {layers} layers",
+            list.len()
+        )));
+    }
+    list[..layers]
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("linear_attention") => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(bad(format!(
+                "config.json: `layer_types` entry {t} is not \"linear_attention\" or \
+                 \"full_attention\""
+            ))),
+        })
+        .collect::<Result<_>>()
+        .map(Some)
 }
 
 /// Marks the plan's tensor `name` as a zero-centred norm weight (stored as `1 + w`).

@@ -29,6 +29,10 @@ pub struct Family {
     /// How a checkpoint's tensor names map to the names the plan reads, when the family's
     /// checkpoints do not use transformers' module names (DeepSeek-V4).
     pub checkpoint_name: Option<fn(&str) -> String>,
+    /// transformers' `attribute_map` for the family's config: (field the engine reads, key the
+    /// family's configs store it under), each field read from its key when the config has no
+    /// field of that name.
+    pub config_aliases: &'static [(&'static str, &'static str)],
 }
 
 impl fmt::Debug for Family {
@@ -53,6 +57,7 @@ pub static FAMILIES: &[&Family] = &[
     &super::glm_moe_dsa::DEEPSEEK_V32,
     &super::deepseek_v4::FAMILY,
     &super::qwen3_next::FAMILY,
+    &super::kimi_linear::FAMILY,
 ];
 
 pub fn by_hf_name(name: &str) -> Option<&'static Family> {

@@ -54,6 +54,7 @@ fn chunked_prefill_gives_the_same_bits() {
         "glm4_moe",
         "deepseek_v4",
         "qwen3_next",
+        "kimi_linear",
     ] {
         for quant in [Quant::Int4, Quant::F32] {
             let d = convert_fixture(arch, quant, &format!("chunk-{arch}-{quant:?}"));

@@ -1,21 +1,30 @@
-//! Gated DeltaNet linear attention (Qwen3-Next, transformers' `Qwen3NextGatedDeltaNet`).
+//! Linear attention with a delta-rule state: gated DeltaNet (Qwen3-Next, transformers'
+//! `Qwen3NextGatedDeltaNet`) and Kimi Delta Attention (Kimi Linear, transformers'
+//! `KimiLinearDeltaAttention`), [`LinearKind`].
 //!
-//! Per position: q and k (`key_heads` heads of `key_dim`), v and the output gate z
-//! (`value_heads` of `value_dim`), and per value head `b` and `a`. q, k and v go through a
-//! causal depthwise convolution of `conv_kernel` taps (SiLU after); q and k are L2-normalised
-//! per head (q also scaled by `key_dim^-1/2`); `beta = sigmoid(b)`, the decay
-//! `g = -exp(A_log) * softplus(a + dt_bias)`. Each value head `j` keeps a `key_dim x value_dim`
-//! state `S` and reads the key head `j / (value_heads / key_heads)`:
+//! Per position: q and k (`key_heads` heads of `key_dim`), v (`value_heads` of `value_dim`),
+//! `beta` per value head and a decay. q, k and v go through a causal depthwise convolution of
+//! `conv_kernel` taps (SiLU after); q and k are L2-normalised per head (q also scaled by
+//! `key_dim^-1/2`). Each value head `j` keeps a `key_dim x value_dim` state `S` and reads the
+//! key head `j / (value_heads / key_heads)`:
 //! `S *= exp(g); delta = (v - S^T k) * beta; S += k delta^T; o = S^T q` (the recurrent form; the
 //! chunked form transformers uses for a prompt is the same arithmetic regrouped). The output is
-//! RMS-normed per value head, times its weight and `silu(z)`, then `out_proj`.
+//! RMS-normed per value head, times its weight and a gate, then the output projection.
+//!
+//! - DeltaNet: q, k, v, the gate z and `b`, `a` cut out of `in_proj_qkvz` / `in_proj_ba`;
+//!   `beta = sigmoid(b)`, one decay per head `g = -exp(A_log) * softplus(a + dt_bias)`; the
+//!   output gate `silu(z)`.
+//! - KDA (one key head per value head): separate q, k, v projections and convolutions;
+//!   `beta = sigmoid(b_proj(x))`; one decay per key channel,
+//!   `g = -exp(A_log[head]) * softplus(f_b(f_a(x)) + dt_bias)` (a rank-`key_dim` forget gate),
+//!   so each row of `S` decays at its own rate; the output gate `sigmoid(g_b(g_a(x)))`.
 //!
 //! Nothing is kept per position: the layer's state in the cache (`KvCache::state`) is the
 //! convolution's last `conv_kernel - 1` inputs and every head's `S`, rewritten by each position;
 //! prefix reuse goes back to a snapshot of it.
 
 use super::SeqRows;
-use crate::config::{AttentionKind, LinearDims, ModelConfig};
+use crate::config::{AttentionKind, LinearDims, LinearKind, ModelConfig};
 use crate::error::Result;
 use crate::linear::{for_each_chunk_mut, Acts, Linear};
 use crate::model::load::Tensors;
@@ -25,7 +34,7 @@ use crate::ops;
 
 pub(super) fn dims(c: &ModelConfig) -> LinearDims {
     match c.attention {
-        AttentionKind::Hybrid(d) => d,
+        AttentionKind::Hybrid(d, _) => d,
         _ => unreachable!("a DeltaNet block of a non-hybrid config"),
     }
 }
@@ -41,9 +50,45 @@ pub fn state_width(c: &ModelConfig) -> usize {
     (d.conv_kernel - 1) * conv_channels(&d) + d.value_heads * d.key_dim * d.value_dim
 }
 
-/// The tensors of layer `i`'s DeltaNet block: `in_proj_qkvz` and `in_proj_ba` cut per key
-/// head group into q, k, v, z and b, a (transformers' `fix_query_key_value_ordering`).
+/// The tensors of layer `i`'s linear attention block.
 pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
+    match dims(c).kind {
+        LinearKind::GatedDeltaNet => plan_delta_net(p, c, i),
+        LinearKind::Kda => plan_kda(p, c, i),
+    }
+}
+
+/// KDA's tensors, under `self_attn` with the checkpoint's names: q, k, v and their three
+/// convolutions, the forget gate (`f_a_proj`, `f_b_proj`, `dt_bias`, `A_log`), `b_proj`, the
+/// output gate (`g_a_proj`, `g_b_proj`), `o_norm`, `o_proj`.
+fn plan_kda(p: &mut Plan, c: &ModelConfig, i: usize) {
+    let d = dims(c);
+    let (h, heads, hd) = (c.hidden_size, d.value_heads, d.value_dim);
+    let width = heads * hd;
+    let hf = |s: &str| format!("model.layers.{i}.self_attn.{s}");
+    let n = |s: &str| format!("layers.{i}.{s}");
+    for x in ["q", "k", "v"] {
+        p.matrix(n(x), hf(&format!("{x}_proj.weight")), width, h);
+        p.f32_tensor(
+            n(&format!("{x}_conv")),
+            hf(&format!("{x}_conv1d.weight")),
+            vec![width, 1, d.conv_kernel],
+        );
+    }
+    p.matrix(n("f_a"), hf("f_a_proj.weight"), hd, h);
+    p.matrix(n("f_b"), hf("f_b_proj.weight"), width, hd);
+    p.vector(n("dt_bias"), hf("dt_bias"), width);
+    p.f32_tensor(n("a_log"), hf("A_log"), vec![1, 1, heads, 1]);
+    p.matrix(n("b"), hf("b_proj.weight"), heads, h);
+    p.matrix(n("g_a"), hf("g_a_proj.weight"), hd, h);
+    p.matrix(n("g_b"), hf("g_b_proj.weight"), width, hd);
+    p.vector(n("out_norm"), hf("o_norm.weight"), hd);
+    p.matrix(n("out"), hf("o_proj.weight"), h, width);
+}
+
+/// DeltaNet's tensors: `in_proj_qkvz` and `in_proj_ba` cut per key head group into q, k, v, z
+/// and b, a (transformers' `fix_query_key_value_ordering`).
+fn plan_delta_net(p: &mut Plan, c: &ModelConfig, i: usize) {
     let d = dims(c);
     let h = c.hidden_size;
     let r = d.value_heads / d.key_heads;
@@ -84,20 +129,35 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
     p.matrix(n("out"), hf("out_proj.weight"), h, d.value_heads * hv);
 }
 
-/// One layer's DeltaNet weights.
+/// One layer's linear attention weights.
 pub(in crate::model) struct Delta {
     q: Linear,
     k: Linear,
     v: Linear,
-    z: Linear,
-    b: Linear,
-    a: Linear,
-    /// `[channels, conv_kernel]`.
+    /// `[channels, conv_kernel]`: q, k then v.
     conv: Vec<f32>,
+    /// Per value head.
     a_log: Vec<f32>,
+    /// Per decay input: per value head (DeltaNet) or per value head and key channel (KDA).
     dt_bias: Vec<f32>,
     out_norm: Vec<f32>,
     out: Linear,
+    gates: Gates,
+}
+
+/// The projections of a layer's beta, decay and output gate.
+enum Gates {
+    /// `z` (the output gate, per value channel), `b` and `a` (per value head).
+    DeltaNet { z: Linear, b: Linear, a: Linear },
+    /// `b` (per head); the decay input `f_b(f_a(x))` and the output gate `g_b(g_a(x))`, both
+    /// per head and channel.
+    Kda {
+        b: Linear,
+        f_a: Linear,
+        f_b: Linear,
+        g_a: Linear,
+        g_b: Linear,
+    },
 }
 
 impl Delta {
@@ -106,18 +166,41 @@ impl Delta {
         let h = c.hidden_size;
         let n = |s: &str| format!("layers.{i}.{s}");
         let (kd, vd) = (d.key_heads * d.key_dim, d.value_heads * d.value_dim);
+        let (conv, gates, decay_inputs) = match d.kind {
+            LinearKind::GatedDeltaNet => (
+                t.vector(&n("conv"), conv_channels(&d) * d.conv_kernel)?,
+                Gates::DeltaNet {
+                    z: t.linear(&n("z"), vd, h)?,
+                    b: t.linear(&n("b"), d.value_heads, h)?,
+                    a: t.linear(&n("a"), d.value_heads, h)?,
+                },
+                d.value_heads,
+            ),
+            LinearKind::Kda => {
+                let mut conv = t.vector(&n("q_conv"), kd * d.conv_kernel)?;
+                conv.extend(t.vector(&n("k_conv"), kd * d.conv_kernel)?);
+                conv.extend(t.vector(&n("v_conv"), vd * d.conv_kernel)?);
+                let rank = d.key_dim;
+                let gates = Gates::Kda {
+                    b: t.linear(&n("b"), d.value_heads, h)?,
+                    f_a: t.linear(&n("f_a"), rank, h)?,
+                    f_b: t.linear(&n("f_b"), kd, rank)?,
+                    g_a: t.linear(&n("g_a"), rank, h)?,
+                    g_b: t.linear(&n("g_b"), vd, rank)?,
+                };
+                (conv, gates, kd)
+            }
+        };
         Ok(Delta {
             q: t.linear(&n("q"), kd, h)?,
             k: t.linear(&n("k"), kd, h)?,
             v: t.linear(&n("v"), vd, h)?,
-            z: t.linear(&n("z"), vd, h)?,
-            b: t.linear(&n("b"), d.value_heads, h)?,
-            a: t.linear(&n("a"), d.value_heads, h)?,
-            conv: t.vector(&n("conv"), conv_channels(&d) * d.conv_kernel)?,
+            conv,
             a_log: t.vector(&n("a_log"), d.value_heads)?,
-            dt_bias: t.vector(&n("dt_bias"), d.value_heads)?,
+            dt_bias: t.vector(&n("dt_bias"), decay_inputs)?,
             out_norm: t.vector(&n("out_norm"), d.value_dim)?,
             out: t.linear(&n("out"), h, vd)?,
+            gates,
         })
     }
 }
@@ -156,16 +239,36 @@ impl Model {
         let (kd, vd) = (nk * hk, nv * hv);
         let ch = conv_channels(&d);
         let mut acts = Acts::from_vec(hn, n, h);
-        let mut outs = self
-            .project(&[w.q, w.k, w.v, w.z, w.b, w.a], &mut acts)
-            .into_iter();
-        let (q, k, v) = (
-            outs.next().unwrap(),
-            outs.next().unwrap(),
-            outs.next().unwrap(),
-        );
-        let z = outs.next().unwrap();
-        let (b, a) = (outs.next().unwrap(), outs.next().unwrap());
+        // `gate`: the output gate's input per (row, value channel); `a`: the decay's input per
+        // (row, value head, `dw` channels).
+        let (q, k, v, gate, b, a, dw) = match w.gates {
+            Gates::DeltaNet { z, b, a } => {
+                let [q, k, v, z, b, a]: [Vec<f32>; 6] = self
+                    .project(&[w.q, w.k, w.v, z, b, a], &mut acts)
+                    .try_into()
+                    .expect("six projections");
+                (q, k, v, z, b, a, 1)
+            }
+            Gates::Kda {
+                b,
+                f_a,
+                f_b,
+                g_a,
+                g_b,
+            } => {
+                let [q, k, v, b, fa, ga]: [Vec<f32>; 6] = self
+                    .project(&[w.q, w.k, w.v, b, f_a, g_a], &mut acts)
+                    .try_into()
+                    .expect("six projections");
+                let f = self
+                    .project(&[f_b], &mut Acts::from_vec(fa, n, hk))
+                    .remove(0);
+                let g = self
+                    .project(&[g_b], &mut Acts::from_vec(ga, n, hk))
+                    .remove(0);
+                (q, k, v, g, b, f, hk)
+            }
+        };
         // Per row: q | k | v through the causal convolution (in each sequence's order, its
         // window carried in the state), SiLU, then q and k normalised.
         let mut mixed = vec![0.0f32; n * ch];
@@ -211,8 +314,8 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(t, &x)| {
-                let j = t % nv;
-                (-w.a_log[j].exp() * ops::softplus(x + w.dt_bias[j])).exp()
+                let at = t % (nv * dw);
+                (-w.a_log[at / dw].exp() * ops::softplus(x + w.dt_bias[at])).exp()
             })
             .collect();
         // The recurrence: each value head of each sequence on its own thread, rows in order.
@@ -233,8 +336,15 @@ impl Model {
                     let qh = &m[kh * hk..(kh + 1) * hk];
                     let khv = &m[kd + kh * hk..kd + (kh + 1) * hk];
                     let vh = &m[2 * kd + j * hv..2 * kd + (j + 1) * hv];
-                    let g = decay[row * nv + j];
-                    sm.iter_mut().for_each(|x| *x *= g);
+                    let g = &decay[(row * nv + j) * dw..(row * nv + j + 1) * dw];
+                    if let [g] = g {
+                        sm.iter_mut().for_each(|x| *x *= g);
+                    } else {
+                        // KDA: row `c` of S (key channel c) decays by its own g[c].
+                        for (srow, g) in sm.chunks_exact_mut(hv).zip(g) {
+                            srow.iter_mut().for_each(|x| *x *= g);
+                        }
+                    }
                     delta.copy_from_slice(vh);
                     for (ki, srow) in khv.iter().zip(sm.chunks_exact(hv)) {
                         for (dv, sv) in delta.iter_mut().zip(srow) {
@@ -264,13 +374,18 @@ impl Model {
                 }
             }
         }
-        // Gated RMSNorm per value head: rms(o) * weight * silu(z).
+        // Gated RMSNorm per value head: rms(o) * weight * silu(z) (DeltaNet) or
+        // sigmoid(gate) (KDA).
+        let act: fn(f32) -> f32 = match d.kind {
+            LinearKind::GatedDeltaNet => silu,
+            LinearKind::Kda => ops::sigmoid,
+        };
         self.per_position(&mut o, vd, |i, row| {
             for (j, head) in row.chunks_exact_mut(hv).enumerate() {
                 ops::rms_norm(head, &w.out_norm, eps);
-                let zh = &z[i * vd + j * hv..i * vd + (j + 1) * hv];
-                for (x, &g) in head.iter_mut().zip(zh) {
-                    *x *= silu(g);
+                let gh = &gate[i * vd + j * hv..i * vd + (j + 1) * hv];
+                for (x, &g) in head.iter_mut().zip(gh) {
+                    *x *= act(g);
                 }
             }
         });

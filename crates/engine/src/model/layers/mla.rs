@@ -21,12 +21,15 @@
 //! multiplied by that head's own input. Directories converted before the split keep one f32
 //! `kv_b` and are read as before.
 //!
+//! Kimi Linear's MLA has no positions ([`MlaDims::positional`] false): its rope dims are kept
+//! (one shared key run per position, like the others) but never rotated.
+//!
 //! RoPE: with `rope_interleave` transformers reorders the rope dims `(0, 2, 4, .., 1, 3, ..)`
 //! before its rotate-half rotation; the same reordering here, for q and k alike (a dot product
 //! does not see a permutation applied to both sides).
 
 use super::{write_rows, SeqRows, Span};
-use crate::config::{AttentionKind, MlaDims, ModelConfig};
+use crate::config::{AttentionKind, HybridFull, MlaDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
 use crate::kv::{KvCache, KvLayout, LayerKv};
@@ -71,7 +74,9 @@ pub(in crate::model) struct Mla {
 
 pub(super) fn dims(c: &ModelConfig) -> MlaDims {
     match c.attention {
-        AttentionKind::Mla(d) | AttentionKind::Dsa(d, _) => d,
+        AttentionKind::Mla(d)
+        | AttentionKind::Dsa(d, _)
+        | AttentionKind::Hybrid(_, HybridFull::Mla(d)) => d,
         _ => unreachable!("an MLA block of a non-MLA config"),
     }
 }
@@ -281,22 +286,26 @@ impl Model {
         self.per_position(&mut latent, kw, |i, row| {
             let (lat, kr) = row.split_at_mut(r);
             ops::rms_norm(lat, &layer.kv_a_norm, LORA_NORM_EPS);
-            if d.rope_interleave {
-                deinterleave(kr, &mut Vec::with_capacity(rope));
-            }
-            self.rope.apply_angles(kr, rope, &angles[i]);
-        });
-        // Each head's rope query rotated in place.
-        self.per_position(&mut q, heads * qk, |i, row| {
-            let mut tmp = Vec::with_capacity(rope);
-            for head in row.chunks_exact_mut(qk) {
-                let qr = &mut head[nope..];
+            if d.positional {
                 if d.rope_interleave {
-                    deinterleave(qr, &mut tmp);
+                    deinterleave(kr, &mut Vec::with_capacity(rope));
                 }
-                self.rope.apply_angles(qr, rope, &angles[i]);
+                self.rope.apply_angles(kr, rope, &angles[i]);
             }
         });
+        // Each head's rope query rotated in place (unless the model has no positions).
+        if d.positional {
+            self.per_position(&mut q, heads * qk, |i, row| {
+                let mut tmp = Vec::with_capacity(rope);
+                for head in row.chunks_exact_mut(qk) {
+                    let qr = &mut head[nope..];
+                    if d.rope_interleave {
+                        deinterleave(qr, &mut tmp);
+                    }
+                    self.rope.apply_angles(qr, rope, &angles[i]);
+                }
+            });
+        }
         // Absorbed queries, per (position, head): [W_uk^T q_nope | q_rope], `kw` wide.
         let absorbed = match &layer.kv_b {
             KvB::Split { uk_t, .. } => {

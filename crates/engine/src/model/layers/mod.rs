@@ -16,7 +16,7 @@ pub mod topk;
 use std::ops::Range;
 
 use crate::attention::{AttendArgs, HeadRows};
-use crate::config::{AttentionKind, ModelConfig};
+use crate::config::{AttentionKind, HybridFull, ModelConfig};
 use crate::error::Result;
 use crate::kv::{KvCache, KvLayout};
 use crate::model::load::Tensors;
@@ -58,8 +58,9 @@ pub fn plan_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
         AttentionKind::Mla(_) => mla::plan(p, c, i),
         AttentionKind::Dsa(..) => dsa::plan(p, c, i),
         AttentionKind::Compressed(_) => compressed::plan(p, c, i),
-        AttentionKind::Hybrid(_) if c.linear_layers[i] => delta::plan(p, c, i),
-        AttentionKind::Hybrid(_) => gqa::plan_gated(p, c, i),
+        AttentionKind::Hybrid(..) if c.linear_layers[i] => delta::plan(p, c, i),
+        AttentionKind::Hybrid(_, HybridFull::GatedGqa) => gqa::plan_gated(p, c, i),
+        AttentionKind::Hybrid(_, HybridFull::Mla(_)) => mla::plan(p, c, i),
     }
 }
 
@@ -70,28 +71,35 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
         AttentionKind::Mla(_) => mla::kv_layout(c),
         AttentionKind::Dsa(..) => dsa::kv_layout(c),
         AttentionKind::Compressed(_) => compressed::kv_layout(c),
-        AttentionKind::Hybrid(_) => KvLayout {
-            layers: c
-                .linear_layers
-                .iter()
-                .map(|&linear| {
-                    let heads = if linear { 0 } else { c.num_kv_heads };
-                    let dim = if linear { 0 } else { c.head_dim };
-                    crate::kv::LayerKv {
-                        heads,
-                        key_dim: dim,
-                        value_dim: dim,
-                    }
-                })
-                .collect(),
-        },
+        AttentionKind::Hybrid(_, full) => {
+            let full_layer = match full {
+                HybridFull::GatedGqa => crate::kv::LayerKv {
+                    heads: c.num_kv_heads,
+                    key_dim: c.head_dim,
+                    value_dim: c.head_dim,
+                },
+                HybridFull::Mla(_) => mla::kv_layout(c).layers[0],
+            };
+            let none = crate::kv::LayerKv {
+                heads: 0,
+                key_dim: 0,
+                value_dim: 0,
+            };
+            KvLayout {
+                layers: c
+                    .linear_layers
+                    .iter()
+                    .map(|&linear| if linear { none } else { full_layer })
+                    .collect(),
+            }
+        }
     }
 }
 
 /// Per layer, the floats of the fixed-size state it carries (linear attention; 0: none).
 pub fn state_widths(c: &ModelConfig) -> Vec<usize> {
     match c.attention {
-        AttentionKind::Hybrid(_) => c
+        AttentionKind::Hybrid(..) => c
             .linear_layers
             .iter()
             .map(|&linear| if linear { delta::state_width(c) } else { 0 })
@@ -109,10 +117,15 @@ impl Attention {
             AttentionKind::Compressed(_) => {
                 Attention::Compressed(Box::new(compressed::Compressed::load(t, c, i)?))
             }
-            AttentionKind::Hybrid(_) if c.linear_layers[i] => {
+            AttentionKind::Hybrid(..) if c.linear_layers[i] => {
                 Attention::Delta(Box::new(delta::Delta::load(t, c, i)?))
             }
-            AttentionKind::Hybrid(_) => Attention::Gqa(gqa::Gqa::load(t, c, i)?),
+            AttentionKind::Hybrid(_, HybridFull::GatedGqa) => {
+                Attention::Gqa(gqa::Gqa::load(t, c, i)?)
+            }
+            AttentionKind::Hybrid(_, HybridFull::Mla(_)) => {
+                Attention::Mla(mla::Mla::load(t, c, i)?)
+            }
         })
     }
 }
