@@ -35,6 +35,8 @@ SERVED = {
     "deepseek_v4": "deepseek_v32",
     # Qwen3-Next (gated DeltaNet + gated attention) in Qwen3's XML.
     "qwen3_next": "qwen3",
+    # Kimi Linear (Kimi Delta Attention + MLA) in Kimi K2's tool-call sections.
+    "kimi_linear": "kimi_k2",
 }
 
 WEATHER_SCHEMA = {
@@ -175,7 +177,7 @@ def test_anthropic_forced_tool_use_is_valid(served):
             "name": "get_weather",
             # DeepSeek-V4's and Qwen3-Next's random weights, left to choose, open call after
             # call until max_tokens (each one valid): here one call is asked for, and must close.
-            "disable_parallel_tool_use": arch in ("deepseek_v4", "qwen3_next"),
+            "disable_parallel_tool_use": arch in ("deepseek_v4", "qwen3_next", "kimi_linear"),
         },
     )
     assert r.stop_reason == "tool_use", (arch, [b.model_dump() for b in r.content])

@@ -275,14 +275,34 @@ impl<'a> Reader<'a> {
                 .iter()
                 .any(|(field, stored)| *field == key && self.v.get(stored).is_some())
     }
+    /// How errors name `key`: the key the config stores it under, or (absent) `key` with its
+    /// aliases.
+    pub fn name(&self, key: &str) -> String {
+        if self.v.get(key).is_some() {
+            return key.to_string();
+        }
+        let stored: Vec<&str> = self
+            .aliases
+            .iter()
+            .filter(|(field, _)| *field == key)
+            .map(|(_, stored)| *stored)
+            .collect();
+        match stored.iter().find(|s| self.v.get(**s).is_some()) {
+            Some(s) => s.to_string(),
+            None if stored.is_empty() => key.to_string(),
+            None => format!("{key}` (or `{}`)", stored.join("`, `")),
+        }
+    }
     pub fn usize_req(&self, key: &str) -> Result<usize> {
+        let name = || self.name(key);
         self.get(key)
-            .ok_or_else(|| bad(format!("config.json: missing required field `{key}`")))?
+            .ok_or_else(|| bad(format!("config.json: missing required field `{}`", name())))?
             .as_u64()
             .map(|x| x as usize)
             .ok_or_else(|| {
                 bad(format!(
-                    "config.json: `{key}` must be a non-negative integer"
+                    "config.json: `{}` must be a non-negative integer",
+                    name()
                 ))
             })
     }
@@ -294,25 +314,31 @@ impl<'a> Reader<'a> {
     }
     /// A size: an integer in `min..=max`.
     pub fn size_req(&self, key: &str, min: usize, max: usize) -> Result<usize> {
-        check_size(key, self.usize_req(key)?, min, max)
+        check_size(&self.name(key), self.usize_req(key)?, min, max)
     }
     pub fn size_or(&self, key: &str, default: usize, min: usize, max: usize) -> Result<usize> {
-        check_size(key, self.usize_or(key, default)?, min, max)
+        check_size(&self.name(key), self.usize_or(key, default)?, min, max)
     }
     pub fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| bad(format!("config.json: `{key}` must be a number"))),
+            Some(v) => v.as_f64().ok_or_else(|| {
+                bad(format!(
+                    "config.json: `{}` must be a number",
+                    self.name(key)
+                ))
+            }),
         }
     }
     pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| bad(format!("config.json: `{key}` must be true or false"))),
+            Some(v) => v.as_bool().ok_or_else(|| {
+                bad(format!(
+                    "config.json: `{}` must be true or false",
+                    self.name(key)
+                ))
+            }),
         }
     }
 }

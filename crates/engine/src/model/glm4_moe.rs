@@ -64,8 +64,8 @@ pub(super) fn configure_sigmoid_moe(r: &Reader, c: &mut ModelConfig, d: MoeDefau
     let topk_group = r.usize_or("topk_group", d.topk_group)?;
     if n_group == 0 || e % n_group != 0 || topk_group == 0 || topk_group > n_group {
         return Err(bad(format!(
-            "config.json: n_group {n_group} / topk_group {topk_group} do not fit {e} routed \
-             experts"
+            "config.json: {} {n_group} / topk_group {topk_group} do not fit {e} routed experts",
+            r.name("n_group")
         )));
     }
     if e / n_group < 2 && n_group > 1 {

@@ -220,6 +220,49 @@ fn tensor_plan(c: &ModelConfig) -> Plan {
 #[cfg(test)]
 mod tests {
     use super::module_name;
+    use crate::config::{AttentionKind, FfnKind, HybridFull, LinearKind, ModelConfig};
+    use serde_json::json;
+
+    /// A published-checkpoint-style config without layer lists: transformers' defaults.
+    fn bare() -> serde_json::Value {
+        json!({
+            "architectures": ["KimiLinearForCausalLM"],
+            "hidden_size": 64, "num_hidden_layers": 9, "num_attention_heads": 4,
+            "intermediate_size": 96, "moe_intermediate_size": 32, "vocab_size": 100,
+            "num_experts": 8, "num_experts_per_token": 2, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "q_lora_rank": null
+        })
+    }
+
+    #[test]
+    fn transformers_defaults_fill_what_the_config_leaves_out() {
+        let c = ModelConfig::from_hf(&bare()).unwrap();
+        // Every fourth layer full, the first linear; the first layer dense.
+        let full: Vec<usize> = (0..9).filter(|&i| !c.linear_layers[i]).collect();
+        assert_eq!(full, vec![4, 8]);
+        assert_eq!(c.layers[0], FfnKind::Dense);
+        assert!(c.layers[1..].iter().all(|&l| l == FfnKind::Moe));
+        let AttentionKind::Hybrid(d, HybridFull::Mla(m)) = c.attention else {
+            panic!("{:?}", c.attention)
+        };
+        assert_eq!(d.kind, LinearKind::Kda);
+        assert_eq!((d.key_heads, d.key_dim, d.conv_kernel), (32, 128, 4));
+        assert!(!m.positional && m.q_lora_rank.is_none());
+        assert_eq!(c.top_k, 2);
+        assert_eq!(c.num_experts, 8);
+        assert_eq!(c.max_positions, 4096);
+        let mut v = bare();
+        v["model_max_length"] = json!(1048576);
+        v["linear_attn_config"] = json!({"num_heads": 2, "head_dim": 16});
+        v["linear_head_dim"] = json!(64);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        assert_eq!(c.max_positions, 1048576);
+        let AttentionKind::Hybrid(d, _) = c.attention else {
+            unreachable!()
+        };
+        // The sub-dict's fields win over the flat ones.
+        assert_eq!((d.key_heads, d.key_dim), (2, 16));
+    }
 
     #[test]
     fn checkpoint_and_module_names_map_to_the_plans_names() {
