@@ -375,6 +375,7 @@ impl Model {
             kernel: quant::kernel(),
             pool,
             prefill_chunk: super::forward::prefill_chunk_from_env(),
+            delta_chunked_from: layers::delta::delta_chunked_from_env(),
             kv_dtype,
             kv_layout,
             state_widths,

@@ -107,6 +107,9 @@ pub struct Model {
     pool: Pool,
     /// Positions per forward pass at most ([`forward::PREFILL_CHUNK`]).
     prefill_chunk: usize,
+    /// The shortest step of a linear-attention layer that runs the delta rule's chunked form
+    /// (`layers::delta::DELTA_CHUNKED_FROM`; none: always the recurrent form).
+    delta_chunked_from: Option<usize>,
     /// How KV caches of this model store keys and values (`load::kv_dtype`).
     pub kv_dtype: KvDtype,
     kv_layout: KvLayout,
@@ -132,6 +135,12 @@ impl Model {
     /// How many prompt positions one forward pass runs at most.
     pub fn prefill_chunk(&self) -> usize {
         self.prefill_chunk
+    }
+
+    /// Sets the shortest step of a linear-attention layer that runs the delta rule's chunked
+    /// form (none: the recurrent form always).
+    pub fn set_delta_chunked_from(&mut self, positions: Option<usize>) {
+        self.delta_chunked_from = positions;
     }
 
     pub fn threads(&self) -> usize {

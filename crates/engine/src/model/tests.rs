@@ -84,6 +84,43 @@ fn chunked_prefill_gives_the_same_bits() {
     }
 }
 
+/// The delta rule's chunked form, forced for every step, gives the recurrent form's logits
+/// within f32 rounding on both linear-attention families (a prompt in one step, then decode).
+#[test]
+fn the_chunked_delta_rule_gives_the_recurrent_logits() {
+    use super::layers::delta::resolve_delta_chunked;
+    assert_eq!(resolve_delta_chunked(Some("off")), (None, None));
+    assert_eq!(resolve_delta_chunked(Some(" 96 ")), (Some(96), None));
+    assert!(resolve_delta_chunked(Some("0"))
+        .1
+        .unwrap()
+        .contains("COLI_DELTA_CHUNKED=0"));
+    for arch in ["qwen3_next", "kimi_linear"] {
+        let d = convert_fixture(arch, Quant::F32, &format!("delta-form-{arch}"));
+        let mut model = Model::load(&d, Some(2)).unwrap();
+        fs::remove_dir_all(&d).unwrap();
+        let vocab = model.cfg.vocab_size as u32;
+        let prompt: Vec<u32> = (0..150u32).map(|i| (i * 37 + 5) % vocab).collect();
+        let run = |model: &Model| {
+            let mut kv = model.new_cache();
+            let mut all = model.forward(&prompt, &mut kv, true).unwrap();
+            all.extend(model.forward(&[7], &mut kv, false).unwrap());
+            all
+        };
+        model.set_delta_chunked_from(None);
+        let recurrent = run(&model);
+        model.set_delta_chunked_from(Some(1));
+        let chunked = run(&model);
+        let scale = recurrent.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let diff = recurrent
+            .iter()
+            .zip(&chunked)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff / scale < 1e-5, "{arch}: {}", diff / scale);
+        assert_ne!(recurrent, chunked, "{arch}: the chunked form did not run");
+    }
+}
+
 #[test]
 fn prefill_chunk_setting() {
     assert_eq!(resolve_prefill_chunk(None), (PREFILL_CHUNK, None));

@@ -4,6 +4,7 @@
 
 pub mod compressed;
 pub mod delta;
+pub mod delta_rule;
 pub mod dsa;
 pub mod gqa;
 pub mod hyper;
