@@ -187,3 +187,25 @@ def test_anthropic_forced_tool_use_is_valid(served):
     for use in uses:
         assert use.name == "get_weather"
         jsonschema.validate(use.input, WEATHER_SCHEMA)
+
+
+def test_the_state_per_slot_is_in_health_and_metrics(served):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from .test_linear_attention import hf_config, layout
+
+    arch, srv = served
+    health = httpx.get(srv.url + "/health").json()
+    metrics = {
+        (s.name, s.labels.get("model")): s.value
+        for family in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+        for s in family.samples
+    }
+    state = metrics[("colibri_engine_state_bytes_per_slot", srv.model_id)]
+    assert health["state_bytes_per_slot"] == state
+    if arch in ("qwen3_next", "kimi_linear"):  # a linear-attention hybrid: a state per slot
+        lay = layout(hf_config(arch))
+        assert state == lay.linear.count(True) * lay.state_floats * 4 > 0
+    else:
+        assert state == 0

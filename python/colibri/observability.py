@@ -148,6 +148,12 @@ class MetricsHub:
             model,
             registry=r,
         )
+        self.state_bytes_per_slot = Gauge(
+            "colibri_engine_state_bytes_per_slot",
+            "Fixed-size state per KV slot (linear-attention layers; 0 without), one copy",
+            model,
+            registry=r,
+        )
         self.prefill_done = Gauge(
             "colibri_engine_prefill_tokens_done",
             "Prompt tokens with KV so far in the slot's prefill in progress (0: none)",
@@ -186,7 +192,12 @@ class MetricsHub:
             for gauge in (self.kv_tokens, self.prefill_done, self.prefill_total):
                 with contextlib.suppress(KeyError):
                     gauge.remove(model, str(slot))
-        for gauge in (self.prefill_rate, self.decode_rate, self.kv_bytes_per_token):
+        for gauge in (
+            self.prefill_rate,
+            self.decode_rate,
+            self.kv_bytes_per_token,
+            self.state_bytes_per_slot,
+        ):
             with contextlib.suppress(KeyError):
                 gauge.remove(model)
 
@@ -233,6 +244,7 @@ class Metrics:
         self.decode_rate = hub.decode_rate.labels(**bound)
         self.batch_size = hub.batch_size.labels(**bound)
         self.kv_bytes_per_token = hub.kv_bytes_per_token.labels(**bound)
+        self.state_bytes_per_slot = hub.state_bytes_per_slot.labels(**bound)
         self.request_timeouts = hub.request_timeouts.labels(**bound)
         self.kv_tokens = _PerSlot(hub.kv_tokens, model)
         self.prefill_done = _PerSlot(hub.prefill_done, model)

@@ -76,6 +76,7 @@ async def health(request: Request) -> Response:
     body.update(model.scheduler.snapshot())
     body["context_length"] = model.engine.info.get("context_length")
     body["kv_bytes_per_token"] = model.engine.info.get("kv_bytes_per_token")
+    body["state_bytes_per_slot"] = model.engine.info.get("state_bytes_per_slot", 0)
     body["prefill"] = [
         {"slot": slot, "prompt_tokens": total, "prompt_tokens_done": done}
         for slot, done, total in model.generator.prefilling.values()
@@ -127,6 +128,7 @@ _INFO_FIELDS = (
     "model_context_length",
     "kv_dtype",
     "kv_bytes_per_token",
+    "state_bytes_per_slot",
     "kernel",
     "kernel_prefetch",
     "kernel_avx_vnni",

@@ -80,6 +80,7 @@ class ServedModel:
         )
         self.generator = Generator(engine, on_batch=self.metrics.batch_size.observe)
         self.metrics.kv_bytes_per_token.set(float(engine.info.get("kv_bytes_per_token", 0)))
+        self.metrics.state_bytes_per_slot.set(float(engine.info.get("state_bytes_per_slot", 0)))
         self.tracer = make_tracer(span_exporter)
 
     def _released(self, lease: Lease, outcome: str, held_s: float) -> None:
