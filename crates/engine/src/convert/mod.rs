@@ -22,7 +22,7 @@ use crate::model::plan::{self, Plan, MLP_PARTS};
 use crate::quant;
 
 mod fp8;
-use fp8::Fp8Blocks;
+use fp8::Fp8Config;
 
 fn ck(msg: impl Into<String>) -> Error {
     Error::Checkpoint(msg.into())
@@ -35,14 +35,17 @@ struct TensorMeta {
     shape: Vec<usize>,
     /// Byte range of the data inside the shard's map (the header is parsed once, at open).
     data: std::ops::Range<usize>,
+    /// FP4 codes, two per byte (`shape` is the weight's, twice the stored columns for a packed
+    /// integer tensor).
+    fp4: bool,
 }
 
 /// The checkpoint's tensors across all shards, by name.
 struct Checkpoint {
     maps: Vec<Mmap>,
     index: HashMap<String, TensorMeta>,
-    /// The block shape of FP8 weights, when config.json says the checkpoint has them.
-    fp8: Option<Fp8Blocks>,
+    /// How FP8 (and FP4) weights are scaled, when config.json says the checkpoint has them.
+    fp8: Option<Fp8Config>,
     /// Tensors the plan reads as integer tables (I32 / I64 allowed; any other tensor of an
     /// integer dtype is refused).
     int_tables: std::collections::HashSet<String>,
@@ -56,7 +59,7 @@ impl Checkpoint {
         config: &serde_json::Value,
         rename: Option<fn(&str) -> String>,
     ) -> Result<Checkpoint> {
-        let fp8 = Fp8Blocks::from_config(config)?;
+        let fp8 = Fp8Config::from_config(config)?;
         let mut files: Vec<PathBuf> = fs::read_dir(dir)
             .map_err(io_err(dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -67,26 +70,42 @@ impl Checkpoint {
             return Err(ck(format!("no *.safetensors files in {}", dir.display())));
         }
         let mut maps = Vec::new();
-        let mut index = HashMap::new();
-        for (i, f) in files.iter().enumerate() {
+        for f in &files {
             let file = File::open(f).map_err(io_err(f))?;
             // SAFETY: the checkpoint is opened read-only and not modified while converting; a
             // concurrent writer would be a misuse outside this program's control.
-            let map = unsafe { Mmap::map(&file) }.map_err(io_err(f))?;
-            let st = SafeTensors::deserialize(&map).map_err(|e| {
+            maps.push(unsafe { Mmap::map(&file) }.map_err(io_err(f))?);
+        }
+        let mut shards = Vec::new();
+        for (map, f) in maps.iter().zip(&files) {
+            shards.push(SafeTensors::deserialize(map).map_err(|e| {
                 ck(format!(
                     "{}: not a valid safetensors file: {e}",
                     f.display()
                 ))
-            })?;
+            })?);
+        }
+        // Every stored name, for DeepSeek-V4's `X.scale` beside `X.weight`.
+        let stored: std::collections::HashSet<String> = shards
+            .iter()
+            .flat_map(|st| st.names())
+            .map(str::to_string)
+            .collect();
+        let mut index = HashMap::new();
+        for (i, (st, map)) in shards.iter().zip(&maps).enumerate() {
             for (name, t) in st.iter() {
-                let name = rename.map_or_else(|| name.to_string(), |f| f(name));
+                let name = match fp8.and_then(|_| fp8::scale_alias(name, |w| stored.contains(w))) {
+                    Some(alias) => alias,
+                    None => name.to_string(),
+                };
+                let name = rename.map_or_else(|| name.clone(), |f| f(&name));
                 let start = t.data().as_ptr() as usize - map.as_ptr() as usize;
                 let meta = TensorMeta {
                     shard: i,
                     dtype: t.dtype(),
                     shape: t.shape().to_vec(),
                     data: start..start + t.data().len(),
+                    fp4: false,
                 };
                 if index.insert(name.clone(), meta).is_some() {
                     return Err(ck(format!(
@@ -94,7 +113,29 @@ impl Checkpoint {
                     )));
                 }
             }
-            maps.push(map);
+        }
+        drop(shards);
+        // FP4 weights: packed integers (or F4) with a scale, in a checkpoint whose experts are
+        // FP4; a packed tensor's shape becomes the weight's.
+        if fp8.is_some_and(|c| c.fp4_experts) {
+            let scaled: Vec<String> = index
+                .keys()
+                .filter(|n| index.contains_key(&fp8::scale_name(n)))
+                .cloned()
+                .collect();
+            for name in scaled {
+                let m = index.get_mut(&name).expect("listed above");
+                match m.dtype {
+                    Dtype::I8 | Dtype::U8 => {
+                        m.fp4 = true;
+                        if let Some(last) = m.shape.last_mut() {
+                            *last *= 2;
+                        }
+                    }
+                    Dtype::F4 => m.fp4 = true,
+                    _ => {}
+                }
+            }
         }
         Ok(Checkpoint {
             maps,
@@ -151,19 +192,32 @@ impl Checkpoint {
         Ok(m)
     }
 
-    /// A supported dtype: BF16, F16, F32, or FP8 e4m3 as a 2-D weight with its block scales
-    /// (a checkpoint whose config declares FP8 blocks).
+    /// A supported dtype: BF16, F16, F32, or FP8 e4m3 / FP4 as a 2-D weight with its block
+    /// scales (a checkpoint whose config declares FP8 blocks, and FP4 experts for FP4).
     fn check_dtype(&self, name: &str, m: &TensorMeta) -> Result<()> {
-        if m.dtype != Dtype::F8_E4M3 {
+        if m.dtype != Dtype::F8_E4M3 && !m.fp4 {
             if matches!(m.dtype, Dtype::I32 | Dtype::I64) && self.int_tables.contains(name) {
                 return Ok(());
             }
+            let scale = fp8::scale_name(name);
+            if matches!(m.dtype, Dtype::I8 | Dtype::U8 | Dtype::F4) && self.has(&scale) {
+                return Err(ck(format!(
+                    "tensor `{name}` has dtype {:?} with scales `{scale}`: FP4 weights need \
+                     config.json's quantization_config.expert_dtype \"fp4\"",
+                    m.dtype
+                )));
+            }
             return check_dtype(name, m.dtype);
         }
-        let Some(blocks) = self.fp8 else {
+        let Some(config) = self.fp8 else {
             return Err(ck(format!(
                 "tensor `{name}` is FP8 (F8_E4M3) but config.json has no quantization_config                  with quant_method \"fp8\" saying how it is scaled"
             )));
+        };
+        let blocks = if m.fp4 {
+            fp8::FP4_BLOCKS
+        } else {
+            config.blocks
         };
         if m.shape.len() != 2 {
             return Err(ck(format!(
@@ -176,7 +230,7 @@ impl Checkpoint {
             .index
             .get(&scale)
             .ok_or_else(|| ck(format!("tensor `{name}` is FP8 but `{scale}` is missing")))?;
-        check_dtype(&scale, s.dtype)?;
+        self.check_scale_dtype(&scale, s.dtype)?;
         let want = blocks.scale_shape(&m.shape);
         if s.shape != want {
             return Err(ck(format!(
@@ -187,21 +241,61 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Whether `name` is the scale tensor of an FP8 weight (read with the weight).
+    /// A scale's dtype: a float, or UE8M0 bytes (`F8_E8M0`, or `U8` with `scale_fmt: "ue8m0"`).
+    fn check_scale_dtype(&self, scale: &str, dtype: Dtype) -> Result<()> {
+        let ue8m0 = self.fp8.is_some_and(|c| c.ue8m0);
+        if dtype == Dtype::F8_E8M0 || (dtype == Dtype::U8 && ue8m0) {
+            return Ok(());
+        }
+        check_dtype(scale, dtype).map_err(|_| {
+            ck(format!(
+                "tensor `{scale}` has dtype {dtype:?}; scales must be F32, BF16, F16 or F8_E8M0 \
+                 (U8 with quantization_config.scale_fmt \"ue8m0\")"
+            ))
+        })
+    }
+
+    /// A weight's scales as f32 (UE8M0 bytes decoded; their NaN refused).
+    fn read_scales(&self, scale: &str) -> Result<Vec<f32>> {
+        let m = self
+            .index
+            .get(scale)
+            .ok_or_else(|| ck(format!("missing tensor `{scale}`")))?;
+        self.check_scale_dtype(scale, m.dtype)?;
+        if matches!(m.dtype, Dtype::F8_E8M0 | Dtype::U8) {
+            return self.maps[m.shard][m.data.clone()]
+                .iter()
+                .map(|&b| {
+                    fp8::e8m0(b)
+                        .ok_or_else(|| ck(format!("tensor `{scale}` holds a UE8M0 NaN (0xff)")))
+                })
+                .collect();
+        }
+        Ok(self.read_any(scale)?.0)
+    }
+
+    /// Whether `name` is the scale tensor of an FP8 or FP4 weight (read with the weight).
     fn is_fp8_scale(&self, name: &str) -> bool {
+        // Packed-integer weights count too when the config does not say FP4: the weight's own
+        // check then refuses it by name.
         fp8::scaled_weight(name)
             .and_then(|w| self.index.get(w))
-            .is_some_and(|m| m.dtype == Dtype::F8_E4M3)
+            .is_some_and(|m| {
+                m.fp4 || matches!(m.dtype, Dtype::F8_E4M3 | Dtype::I8 | Dtype::U8 | Dtype::F4)
+            })
     }
 
     /// Elements `[first, first + count)` of the flattened tensor, as f32.
     fn read_elements(&self, name: &str, first: usize, count: usize) -> Result<Vec<f32>> {
         let m = self.meta(name)?;
-        if m.dtype == Dtype::F8_E4M3 {
-            let blocks = self.fp8.expect("meta() checked the FP8 config");
-            let (scales, _) = self.read_any(&fp8::scale_name(name))?;
+        if m.dtype == Dtype::F8_E4M3 || m.fp4 {
+            let config = self.fp8.expect("meta() checked the FP8 config");
+            let scales = self.read_scales(&fp8::scale_name(name))?;
             let q = &self.maps[m.shard][m.data.clone()];
-            return fp8::dequantize(name, q, m.shape[1], &scales, blocks, first, count);
+            if m.fp4 {
+                return fp8::dequantize_fp4(name, q, m.shape[1], &scales, first, count);
+            }
+            return fp8::dequantize(name, q, m.shape[1], &scales, config.blocks, first, count);
         }
         let width = match m.dtype {
             Dtype::F32 | Dtype::I32 => 4,
@@ -914,6 +1008,173 @@ mod tests {
         fs::write(dir.join("model.safetensors"), bytes).unwrap();
     }
 
+    /// The nearest e2m1 code to `x`.
+    fn nearest_e2m1(x: f32) -> u8 {
+        (0u8..16)
+            .min_by(|&a, &b| {
+                (fp8::e2m1(a) - x)
+                    .abs()
+                    .total_cmp(&(fp8::e2m1(b) - x).abs())
+            })
+            .unwrap()
+    }
+
+    /// The UE8M0 byte of the smallest power of two at least `max / top` (1.0 for zero blocks).
+    fn e8m0_scale(max: f32, top: f32) -> u8 {
+        if max == 0.0 {
+            return 127;
+        }
+        (127 + (max / top).log2().ceil() as i32).clamp(0, 254) as u8
+    }
+
+    /// DeepSeek-V4 as published: routed experts FP4 (two e2m1 codes per `I8` byte, a UE8M0
+    /// scale per 32 elements of a row), the other projections FP8 e4m3 in 8 x 8 blocks with
+    /// UE8M0 scales, every scale stored as `X.scale` (`F8_E8M0`); it converts to exactly the
+    /// model of an f32 checkpoint holding the dequantized weights (f32 and int4). Then the
+    /// refusals: a UE8M0 NaN, FP4 experts without `expert_dtype`, `U8` scales without
+    /// `scale_fmt: "ue8m0"`.
+    #[test]
+    fn a_deepseek_v4_fp8_fp4_checkpoint_converts_as_its_dequantized_weights() {
+        let src = fixture("deepseek_v4");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        // Raw names (no family renaming), as the files hold them.
+        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
+        let mut names: Vec<&String> = ckpt.index.keys().collect();
+        names.sort();
+        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (mut packed, mut f32s) = (Vec::new(), Vec::new());
+        let (mut n_fp4, mut n_fp8) = (0, 0);
+        for name in names {
+            let m = &ckpt.index[name];
+            if matches!(m.dtype, Dtype::I32 | Dtype::I64) {
+                // Integer tables as they are.
+                let raw = ckpt.maps[m.shard][m.data.clone()].to_vec();
+                packed.push((name.clone(), m.dtype, m.shape.clone(), raw.clone()));
+                f32s.push((name.clone(), m.dtype, m.shape.clone(), raw));
+                continue;
+            }
+            let (w, shape) = ckpt.read_any(name).unwrap();
+            let linear = shape.len() == 2
+                && name.ends_with(".weight")
+                && !name.contains("embed")
+                && !name.starts_with("head")
+                && !name.ends_with("gate.weight");
+            if !linear {
+                packed.push((name.clone(), Dtype::F32, shape.clone(), f32_bytes(&w)));
+                f32s.push((name.clone(), Dtype::F32, shape, f32_bytes(&w)));
+                continue;
+            }
+            let base = name.strip_suffix(".weight").unwrap();
+            let (rows, cols) = (shape[0], shape[1]);
+            let expert = name.contains(".experts.");
+            let (br, bc, top) = if expert { (1, 32, 6.0) } else { (8, 8, 448.0) };
+            let scale_cols = cols.div_ceil(bc);
+            let mut scale_bytes = vec![0u8; rows.div_ceil(br) * scale_cols];
+            let at = |i: usize| (i / cols / br) * scale_cols + (i % cols) / bc;
+            let mut max = vec![0.0f32; scale_bytes.len()];
+            for (i, x) in w.iter().enumerate() {
+                max[at(i)] = max[at(i)].max(x.abs());
+            }
+            for (b, m) in scale_bytes.iter_mut().zip(&max) {
+                *b = e8m0_scale(*m, top);
+            }
+            let scale = |i: usize| fp8::e8m0(scale_bytes[at(i)]).unwrap();
+            let deq: Vec<f32>;
+            if expert {
+                n_fp4 += 1;
+                let codes: Vec<u8> = w
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| nearest_e2m1(x / scale(i)))
+                    .collect();
+                deq = codes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &c)| fp8::e2m1(c) * scale(i))
+                    .collect();
+                let bytes: Vec<u8> = codes.chunks_exact(2).map(|p| p[0] | (p[1] << 4)).collect();
+                packed.push((name.clone(), Dtype::I8, vec![rows, cols / 2], bytes));
+            } else {
+                n_fp8 += 1;
+                let q: Vec<u8> = w
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| nearest_e4m3(x / scale(i)))
+                    .collect();
+                deq = q
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &b)| fp8::e4m3(b).unwrap() * scale(i))
+                    .collect();
+                packed.push((name.clone(), Dtype::F8_E4M3, shape.clone(), q));
+            }
+            let sshape = vec![rows.div_ceil(br), scale_cols];
+            packed.push((format!("{base}.scale"), Dtype::F8_E8M0, sshape, scale_bytes));
+            f32s.push((name.clone(), Dtype::F32, shape, f32_bytes(&deq)));
+        }
+        assert!(
+            n_fp4 >= 40 && n_fp8 >= 10,
+            "{n_fp4} FP4, {n_fp8} FP8 weights"
+        );
+        let (a, b) = (
+            scratch_copy("deepseek_v4", "fp4"),
+            scratch_copy("deepseek_v4", "fp4-deq"),
+        );
+        write_shard(&a, &packed);
+        write_shard(&b, &f32s);
+        let mut v4_cfg = cfg.clone();
+        v4_cfg["quantization_config"] = serde_json::json!({"quant_method": "fp8",
+            "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [8, 8],
+            "scale_fmt": "ue8m0", "expert_dtype": "fp4"});
+        fs::write(a.join("config.json"), v4_cfg.to_string()).unwrap();
+        for quant in [Quant::F32, Quant::Int4] {
+            let (oa, ob) = (a.join("out"), b.join("out"));
+            convert(&a, &oa, quant, &mut quiet()).unwrap();
+            convert(&b, &ob, quant, &mut quiet()).unwrap();
+            for file in [RESIDENT_FILE, EXPERTS_FILE] {
+                assert!(
+                    fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
+                    "{quant:?}: {file} differs"
+                );
+            }
+            fs::remove_dir_all(&oa).unwrap();
+        }
+
+        // A NaN scale byte.
+        let scale_at = packed
+            .iter()
+            .position(|t| t.0.contains(".experts.") && t.0.ends_with(".scale"))
+            .unwrap();
+        let mut nan = packed.clone();
+        nan[scale_at].3[0] = 0xff;
+        write_shard(&a, &nan);
+        let e = convert(&a, &a.join("x"), Quant::F32, &mut quiet()).unwrap_err();
+        assert!(e.to_string().contains("UE8M0 NaN"), "{e}");
+        // FP4 experts in a config that does not say so: integer weights are refused.
+        write_shard(&a, &packed);
+        let mut no_fp4 = v4_cfg.clone();
+        no_fp4["quantization_config"]["expert_dtype"] = serde_json::json!("fp8");
+        fs::write(a.join("config.json"), no_fp4.to_string()).unwrap();
+        let e = convert(&a, &a.join("x"), Quant::F32, &mut quiet()).unwrap_err();
+        assert!(e.to_string().contains("dtype I8 with scales"), "{e}");
+        // U8 scales only with scale_fmt "ue8m0".
+        let mut u8_scales = packed.clone();
+        for t in u8_scales.iter_mut().filter(|t| t.0.ends_with(".scale")) {
+            t.1 = Dtype::U8;
+        }
+        write_shard(&a, &u8_scales);
+        fs::write(a.join("config.json"), v4_cfg.to_string()).unwrap();
+        convert(&a, &a.join("u8"), Quant::F32, &mut quiet()).unwrap();
+        let mut float_fmt = v4_cfg.clone();
+        float_fmt["quantization_config"]["scale_fmt"] = serde_json::json!("float");
+        fs::write(a.join("config.json"), float_fmt.to_string()).unwrap();
+        let e = convert(&a, &a.join("x"), Quant::F32, &mut quiet()).unwrap_err();
+        assert!(e.to_string().contains("scale_fmt"), "{e}");
+        fs::remove_dir_all(&a).unwrap();
+        fs::remove_dir_all(&b).unwrap();
+    }
+
     /// An FP8 block-quantized DeepSeek-V3 checkpoint (every linear projection e4m3 with scales
     /// per 8 x 8 block, partial blocks included) converts to exactly the model of an f32
     /// checkpoint holding the dequantized weights: the same bytes, f32 and int4.
@@ -923,7 +1184,7 @@ mod tests {
         let cfg: serde_json::Value =
             serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
         let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
-        let blocks = Fp8Blocks { rows: 8, cols: 8 };
+        let blocks = fp8::Fp8Blocks { rows: 8, cols: 8 };
         let (mut fp8s, mut f32s) = (Vec::new(), Vec::new());
         let mut names: Vec<&String> = ckpt.index.keys().collect();
         names.sort();
