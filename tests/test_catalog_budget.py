@@ -124,7 +124,7 @@ def test_a_model_bigger_than_the_budget_fails_to_load_with_the_numbers(catalog):
         with pytest.raises(ApiError) as e:
             await models.get(entry(models, "huge"))
         assert e.value.status == 503 and e.value.code == "model_load_failed"
-        assert "needs about 0.000 GB" in e.value.message and "--models-ram-gb" in e.value.message
+        assert "needs about 0.000 GB" in e.value.message and "--ram-gb" in e.value.message
         assert loaded(models) == {"d", "p"}  # nothing was unloaded for it
         await models.get(entry(models, "a"))  # the others still load
         models.close()

@@ -217,7 +217,7 @@ class ModelSet:
             raise ValueError(
                 f"it needs about {need / 1e9:.3f} GB and the models never unloaded (the default "
                 f"and pinned ones) take {kept / 1e9:.3f} GB of the {self.budget_bytes / 1e9:.3f} "
-                "GB of --models-ram-gb"
+                "GB of --ram-gb"
             )
         try:
             while self._used_bytes() + need > self.budget_bytes:
