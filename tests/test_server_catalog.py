@@ -302,8 +302,9 @@ def test_a_model_that_cannot_load_is_503_naming_it_and_the_others_keep_serving(o
     assert r.model == ids["qwen"] and r.usage.completion_tokens >= 1
     health = http.get("/health").json()
     states = {m["id"]: m["state"] for m in health["models"]}
-    assert states[ids["broken"]] == "cold" and states[ids["qwen"]] == "loaded"
-    assert health["status"] == "ok"
+    assert states[ids["broken"]] == "failed" and states[ids["qwen"]] == "loaded"
+    # The server serves the others: degraded, not down (tests/test_server_ram_budget.py).
+    assert health["status"] == "degraded" and http.get("/health").status_code == 200
 
 
 def test_a_stream_names_the_model_it_resolved(oai, ids):
