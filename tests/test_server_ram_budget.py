@@ -164,7 +164,8 @@ def test_the_budget_unloads_the_model_used_longest_ago_and_never_a_generating_on
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory):
     """The demo model (default) and ``fragile``, a copy of the built-in model in tmp, under a
-    budget whose rest after the fixed parts neither holds whole: both get an equal share."""
+    budget whose rest after the fixed parts neither holds whole: both get an equal share. And
+    ``toobig`` (the demo model again), whose fixed part alone is more than that share."""
     root = tmp_path_factory.mktemp("tight")
     fragile = root / "fragile"
     shutil.copytree(builtin_model_dir(), fragile)
@@ -177,7 +178,8 @@ def tight(tmp_path_factory):
         room // 2 < size(demo, "experts.bin") and fixed_f + size(fragile, "experts.bin") > room // 2
     )
     budget = fixed_d + room
-    entries = [{"id": "fragile", "path": str(fragile)}]
+    assert fixed_d > room // 2 + 8
+    entries = [{"id": "fragile", "path": str(fragile)}, {"id": "toobig", "path": str(demo)}]
     srv = serve_catalog(root, entries, gb(budget), "--api-key", KEY)
     yield srv, budget, fragile, room
     srv.stop()
@@ -203,13 +205,15 @@ def test_each_expert_cache_fits_in_what_the_budget_leaves_it(tight):
     # wants more than half); the smaller claimant takes the lower half.
     room = total - fixed_of(demo)
     wants = {"colibri-demo": size(demo, "experts.bin")}
+    # The on-demand share wants both of its models whole.
     wants["fragile"] = fixed_of(fragile) + size(fragile, "experts.bin")
+    wants["fragile"] += fixed_of(demo) + size(demo, "experts.bin")
     low = min(wants, key=wants.__getitem__)
     share = {m: room // 2 if m == low else room - room // 2 for m in wants}
     cache = {"colibri-demo": share["colibri-demo"], "fragile": share["fragile"] - fixed_of(fragile)}
     assert caches["fragile"]["slots"] == 2  # its share less its own fixed part: two records
     assert caches["colibri-demo"]["slots"] == cache["colibri-demo"] // record_of(demo)
-    ram = {m["id"]: m["ram_bytes"] for m in health["models"]}
+    ram = {m["id"]: m["ram_bytes"] for m in health["models"] if m["state"] == "loaded"}
     assert ram == {
         "colibri-demo": fixed_of(demo) + share["colibri-demo"],
         "fragile": share["fragile"],
@@ -233,7 +237,7 @@ def test_an_engine_that_fails_on_another_model_makes_the_server_degraded(tight):
     assert public.status_code == 200
     assert public.json() == {
         "status": "degraded",
-        "models_by_state": {"loaded": 1, "loading": 0, "cold": 0, "failed": 1},
+        "models_by_state": {"loaded": 1, "loading": 0, "cold": 1, "failed": 1},
     }
     with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
         health = http.get("/health").json()
@@ -245,6 +249,25 @@ def test_an_engine_that_fails_on_another_model_makes_the_server_degraded(tight):
         assert r.json()["status"] == "error" and r.json()["error"]
     r = client.completions.create(model="colibri-demo", prompt="Hi", max_tokens=2)
     assert r.usage.completion_tokens >= 1
+
+
+def test_a_model_that_can_never_fit_the_budget_fails_to_load_saying_why(tight):
+    srv = tight[0]
+    client = openai.OpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="toobig", prompt="Hi", max_tokens=1)
+    assert e.value.status_code == 503 and e.value.body["code"] == "model_load_failed"
+    message = e.value.body["message"]
+    assert (
+        message.startswith("The model 'toobig' (")
+        and "failed to load: it needs at least" in message
+    )
+    assert "resident weights" in message and "KV" in message and "--ram-gb" in message
+    assert "beside the models never unloaded (the default and pinned ones)" in message
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+        models = {m["id"]: m for m in http.get("/health").json()["models"]}
+    assert models["toobig"]["state"] == "failed" and models["toobig"]["error"] == message
+    assert models["colibri-demo"]["state"] == "loaded"  # nothing was unloaded for it
 
 
 # --- a model that fails to load is visible in the public /health -----------------------------

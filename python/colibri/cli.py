@@ -262,6 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         state_dir=lambda entry: _entry_kv_dir(args, entry.id),
         budget_bytes=None if budget is None else budget.total,
         footprint=_footprint(args, budget),
+        refusal=None if budget is None else lambda entry: budget.refusal(entry.id),
         request_timeout=_request_timeout(args.request_timeout, several),
     )
     if several:

@@ -68,6 +68,7 @@ class ModelSet:
         budget_bytes: int | None = None,
         footprint: Footprint | None = None,
         request_timeout: float | None = None,
+        refusal: Callable[[CatalogEntry], str | None] | None = None,
     ) -> None:
         """``entries``: the catalog, the default entry first; ``loaded``: the models already
         loaded at startup, by id; ``context``: ``--context`` (what a cold start asks for);
@@ -75,7 +76,9 @@ class ModelSet:
         ``state_dir``: where an entry's load times are kept (its KV directory);
         ``budget_bytes``: the RAM every loaded model may take together (None: no limit), each
         one's ``footprint``; ``request_timeout``: seconds a request that is not streamed may
-        take from its arrival to its answer (None: no limit; api/loading.py)."""
+        take from its arrival to its answer (None: no limit; api/loading.py); ``refusal``: why
+        an entry can never fit the budget, in the budget's words (None: it can; the check by
+        footprints below still applies)."""
         self.entries = tuple(entries)
         self.default = self.entries[0]
         self._loader = loader
@@ -89,6 +92,7 @@ class ModelSet:
         self._delay = _load_delay()
         self.budget_bytes = budget_bytes
         self._footprint = footprint or (lambda entry, model: 0)
+        self._refusal = refusal or (lambda entry: None)
         self._last_used = {entry_id: time.monotonic() for entry_id in self._loaded}
         self._holds: dict[str, int] = {}
         self._reserved: dict[str, int] = {}
@@ -228,6 +232,9 @@ class ModelSet:
         while the only ones that could go are busy. Refuses a model that can never fit."""
         if self.budget_bytes is None:
             return
+        reason = self._refusal(entry)
+        if reason is not None:
+            raise ValueError(reason)
         need = self.footprint(entry)
         kept = sum(self.footprint(e) for e in self.entries if self._kept(e) and e.id != entry.id)
         if kept + need > self.budget_bytes:
