@@ -90,9 +90,10 @@ def test_resident_model_reads_nothing_and_reports_its_turn(model_dir):
 
 
 def test_profile_endpoint_and_serve_flags():
-    # The smallest expert cache: what the budget leaves after the model's resident weights and
-    # KV is less than one record, so the cache holds one.
-    srv = RunningServer("--ram-gb", ram_gb_for(builtin_model_dir(), 1), "--api-key", "k")
+    # The smallest expert cache: the budget leaves one record after the model's resident
+    # weights and KV.
+    record = 4096
+    srv = RunningServer("--ram-gb", ram_gb_for(builtin_model_dir(), record), "--api-key", "k")
     try:
         client = OpenAI(base_url=srv.base_url, api_key="k", max_retries=0)
         r = client.chat.completions.create(
