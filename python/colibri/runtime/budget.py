@@ -20,7 +20,7 @@ fixed part and one record do not fit is refused with the numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,9 +147,6 @@ class RamBudget:
             )
         # What the models loaded on demand share: the budget minus every kept model.
         self.on_demand_room = total - used
-
-    def kept_ids(self) -> Iterable[str]:
-        return self.cache.keys()
 
     def cache_bytes(self, entry_id: str) -> int:
         """The expert cache ``entry_id``'s engine gets: its share (a kept model), or what the
