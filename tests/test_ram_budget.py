@@ -133,3 +133,18 @@ def test_the_memory_plan_of_a_linear_attention_model_counts_its_states(converted
 def test_the_memory_plan_of_a_directory_that_is_not_a_model_is_an_error(tmp_path):
     with pytest.raises((ValueError, RuntimeError)):
         plan_model(tmp_path, 1, None)
+
+
+def test_one_command_takes_ram_gb_for_its_one_model(capsys):
+    """`colibri generate` (as bench and eval-ppl): the budget's rest after the model's fixed
+    part is its expert cache; a budget below the fixed part and one record is exit status 2."""
+    from colibri.cli import main
+
+    path = builtin_model_dir()
+    plan = plan_model(path, 1, None)
+    base = ["generate", "--model", str(path), "--prompt", "Hi", "--max-tokens", "3"]
+    assert main([*base, "--ram-gb", repr((plan.fixed + 2 * plan.record + 8) / 1e9)]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main([*base, "--ram-gb", repr((plan.fixed + plan.record - 100) / 1e9)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("colibri generate: --ram-gb ") and "is too small" in err, err
