@@ -12,6 +12,7 @@ pub mod glm4_moe;
 pub mod glm_moe_dsa;
 pub mod layers;
 mod load;
+#[cfg(feature = "python")]
 pub(crate) use load::kv_dtype;
 pub mod olmoe;
 pub mod plan;
