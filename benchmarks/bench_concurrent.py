@@ -138,10 +138,17 @@ def measure(url: str, n: int, tokens: int, salt: int, extra: dict) -> dict:
 
 
 def colibri_cmd(model: Path, threads: int, ram_gb: float | None) -> list[str]:
+    """The server; ``ram_gb``: its expert cache (the --ram-gb budget is that plus the model's
+    resident weights and KV slots, which come first)."""
     cmd = [sys.executable, "-m", "colibri", "serve", "--model", str(model), "--port", "0",
            "--threads", str(threads), "--kv-slots", str(max(STREAMS)), "--no-kv-persist",
            "--model-id", "m", "--quiet"]  # fmt: skip
-    return cmd + (["--ram-gb", f"{ram_gb:.4f}"] if ram_gb is not None else [])
+    if ram_gb is None:
+        return cmd
+    from colibri.runtime.budget import plan_model
+
+    fixed = plan_model(model, max(STREAMS), None).fixed
+    return cmd + ["--ram-gb", f"{ram_gb + fixed / 1e9:.6f}"]
 
 
 def llama_cmd(exe: Path, gguf: Path, threads: int, n: int, port: int) -> list[str]:

@@ -145,3 +145,15 @@ def routing_heat_json(layer_counts: dict[int, list[int]]) -> str:
     return json.dumps(
         {"format": "colibri-routing-heat", "version": 1, "experts": experts, "layers": layers}
     )
+
+
+def ram_gb_for(
+    model: Path, expert_cache_bytes: float, slots: int = 1, context: int | None = None
+) -> str:
+    """``--ram-gb`` (the server's one RAM budget) that leaves ``expert_cache_bytes`` to the
+    expert cache of ``model`` served alone: its resident weights, ``slots`` KV slots at full
+    context and its states come first (runtime/budget.py)."""
+    from colibri.runtime.budget import plan_model
+
+    fixed = plan_model(model, slots, context).fixed
+    return repr((fixed + expert_cache_bytes) / 1e9)

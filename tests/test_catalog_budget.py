@@ -124,9 +124,17 @@ def test_a_model_bigger_than_the_budget_fails_to_load_with_the_numbers(catalog):
         with pytest.raises(ApiError) as e:
             await models.get(entry(models, "huge"))
         assert e.value.status == 503 and e.value.code == "model_load_failed"
-        assert "needs about 0.000 GB" in e.value.message and "--models-ram-gb" in e.value.message
+        assert "needs about 0.000 GB" in e.value.message and "--ram-gb" in e.value.message
         assert loaded(models) == {"d", "p"}  # nothing was unloaded for it
+        # Failed, with the message its requests got, until a request tries again.
+        assert models.status("huge") == ("failed", e.value.message)
         await models.get(entry(models, "a"))  # the others still load
+        assert models.status("a") == ("loaded", None) and models.state("huge") == "failed"
+        again = models.start(entry(models, "huge"))
+        assert models.status("huge") == ("loading", None)
+        with pytest.raises(ApiError):
+            await again
+        assert models.state("huge") == "failed"
         models.close()
 
     asyncio.run(scenario())

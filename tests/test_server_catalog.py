@@ -302,8 +302,9 @@ def test_a_model_that_cannot_load_is_503_naming_it_and_the_others_keep_serving(o
     assert r.model == ids["qwen"] and r.usage.completion_tokens >= 1
     health = http.get("/health").json()
     states = {m["id"]: m["state"] for m in health["models"]}
-    assert states[ids["broken"]] == "cold" and states[ids["qwen"]] == "loaded"
-    assert health["status"] == "ok"
+    assert states[ids["broken"]] == "failed" and states[ids["qwen"]] == "loaded"
+    # The server serves the others: degraded, not down (tests/test_server_ram_budget.py).
+    assert health["status"] == "degraded" and http.get("/health").status_code == 200
 
 
 def test_a_stream_names_the_model_it_resolved(oai, ids):
@@ -338,8 +339,10 @@ def test_a_bad_catalog_stops_the_server_at_startup_naming_the_problem(tmp_path, 
 
 @pytest.fixture(scope="module")
 def budget_server(tmp_path_factory):
-    """The demo model and the built-in model under three ids, with a --models-ram-gb that holds
-    the demo model and two of the others (each: its files and its KV at full context)."""
+    """The demo model and the built-in model under three ids, with a --ram-gb that holds the
+    demo model and two of the others (each: its files and its KV at full context; the rule of
+    docs/API.md "RAM budget" gives the demo model all its experts, as the on-demand share wants
+    more, and the on-demand share the rest)."""
     from colibri.demo.builtin import default_model_dir
     from colibri.runtime.engine import Engine
 
@@ -353,7 +356,7 @@ def budget_server(tmp_path_factory):
     entries = [{"id": i, "path": str(builtin_model_dir())} for i in ("x", "y", "z")]
     catalog.write_text(json.dumps(entries))
     srv = RunningServer(
-        "--catalog", str(catalog), "--models-ram-gb", str(budget / 1e9), default_model=True
+        "--catalog", str(catalog), "--ram-gb", str(budget / 1e9), default_model=True
     )
     yield srv
     srv.stop()
@@ -384,10 +387,10 @@ def test_the_ram_budget_unloads_the_model_used_longest_ago(budget_server):
     assert {m["id"]: m["state"] for m in health["models"]}["y"] == "cold"
     assert (
         sum(m["ram_bytes"] for m in health["models"] if m["state"] == "loaded")
-        <= health["models_ram_budget_bytes"]
+        <= health["ram_budget_bytes"]
     )
     use("y")  # loads again (its slot files were let go), and x goes
-    assert sources()["x"] == "configured" and health["models_ram_budget_bytes"] > 0
+    assert sources()["x"] == "configured" and health["ram_budget_bytes"] > 0
     # The metrics of an unloaded model: its gauges go, its counters stay, and continue when it
     # loads again.
     series = {

@@ -172,7 +172,12 @@ def test_health_and_the_engine_pages_describe_the_model_named(http):
 
 def test_the_public_health_reads_no_model_name(server):
     r = httpx.get(server.url + "/health", params={"model": "nope"})
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200
+    # How many models are in each state, never which (tests/test_server_ram_budget.py).
+    assert r.json()["status"] == "ok" and set(r.json()) == {"status", "models_by_state"}
+    assert sum(r.json()["models_by_state"].values()) == 3
+    words = {*r.json(), r.json()["status"], *r.json()["models_by_state"]}
+    assert words == {"status", "ok", "models_by_state", "loaded", "loading", "cold", "failed"}
     r = httpx.get(server.url + "/v1/colibri/profile", params={"model": "a"})
     assert r.status_code == 401
 

@@ -16,7 +16,7 @@ from openai import OpenAI
 from colibri.demo.builtin import builtin_model_dir
 from colibri.runtime.engine import Engine
 
-from .server import RunningServer, routing_heat_json
+from .server import RunningServer, ram_gb_for, routing_heat_json
 
 PROFILE_KEYS = {
     "io_wait_s",
@@ -90,7 +90,10 @@ def test_resident_model_reads_nothing_and_reports_its_turn(model_dir):
 
 
 def test_profile_endpoint_and_serve_flags():
-    srv = RunningServer("--ram-gb", "0.0001", "--api-key", "k")
+    # The smallest expert cache: the budget leaves one record after the model's resident
+    # weights and KV.
+    record = 4096
+    srv = RunningServer("--ram-gb", ram_gb_for(builtin_model_dir(), record), "--api-key", "k")
     try:
         client = OpenAI(base_url=srv.base_url, api_key="k", max_retries=0)
         r = client.chat.completions.create(
@@ -208,7 +211,7 @@ def test_the_experts_endpoint_says_where_every_expert_is(tmp_path):
     kv = tmp_path / "kv"
     kv.mkdir()
     (kv / "routing-heat.json").write_text(routing_heat_json({1: [5, 900, 3, 0, 700, 1, 2, 4]}))
-    ram, pin = str(5.5 * record / 1e9), str(2.5 * record / 1e9)
+    ram, pin = ram_gb_for(builtin_model_dir(), 5.5 * record), str(2.5 * record / 1e9)
     srv = RunningServer("--kv-dir", str(kv), "--ram-gb", ram, "--pin-gb", pin)
     try:
         body = httpx.get(srv.url + "/v1/colibri/experts").json()

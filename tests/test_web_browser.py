@@ -19,7 +19,7 @@ import pytest
 
 from colibri.demo.builtin import builtin_model_dir
 
-from .server import RunningServer
+from .server import RunningServer, ram_gb_for
 from .web_support import CHROMIUM, ROOT, need_chromium
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -536,9 +536,8 @@ def tiered(tmp_path_factory) -> Iterator[RunningServer]:
     assert (builtin_model_dir() / "experts.bin").stat().st_size == 8 * 4096
     kv = tmp_path_factory.mktemp("tiered-kv")
     (kv / "routing-heat.json").write_text(routing_heat_json({1: [5, 900, 3, 0, 700, 1, 2, 4]}))
-    srv = RunningServer(
-        "--kv-dir", str(kv), "--ram-gb", str(5.5 * 4096 / 1e9), "--pin-gb", str(2.5 * 4096 / 1e9)
-    )
+    ram = ram_gb_for(builtin_model_dir(), 5.5 * 4096)
+    srv = RunningServer("--kv-dir", str(kv), "--ram-gb", ram, "--pin-gb", str(2.5 * 4096 / 1e9))
     yield srv
     srv.stop()
 
@@ -626,9 +625,8 @@ def big(tmp_path_factory) -> Iterator[RunningServer]:
     write_checkpoint(root / "hf", num_hidden_layers=24, n_routed_experts=64)
     convert(root / "hf", root / "model", "int4")
     size = (root / "model" / "experts.bin").stat().st_size
-    srv = RunningServer(
-        "--model", str(root / "model"), "--no-kv-persist", "--ram-gb", str(size / 4 / 1e9)
-    )
+    ram = ram_gb_for(root / "model", size / 4)
+    srv = RunningServer("--model", str(root / "model"), "--no-kv-persist", "--ram-gb", ram)
     yield srv
     srv.stop()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from colibri.chat.families import FAMILIES
+from colibri.runtime.budget import STATE_COPIES
 
 if TYPE_CHECKING:
     from colibri.runtime.catalog import CatalogEntry
@@ -39,19 +40,26 @@ def _load(
     kv_dir: Path | None = None,
     model_dir: Path | None = None,
     context: int | None = None,
+    expert_gb: float | None = None,
+    sized: bool = False,
 ):
     """The engine of ``model_dir`` (default: ``--model``'s) as the flags say; ``context``:
-    instead of ``--context`` (a catalog entry's, never above its model's)."""
+    instead of ``--context`` (a catalog entry's, never above its model's). With ``sized``, its
+    expert cache is ``expert_gb`` as the server's RAM budget gave it; else ``--ram-gb`` is this
+    one model's budget (its cache: what the budget leaves after its resident weights and KV)."""
     from colibri.runtime.engine import Engine
 
     context = args.context if context is None else context
+    path = model_dir or _model_dir(args.model)
+    if not sized and args.ram_gb is not None:
+        expert_gb = _single_budget(args, path, slots, context).engine_ram_gb("model")
     try:
         return Engine(
-            model_dir or _model_dir(args.model),
+            path,
             threads=args.threads,
             slots=slots,
             kv_dir=kv_dir,
-            ram_gb=args.ram_gb,
+            ram_gb=expert_gb,
             pin_gb=args.pin_gb,
             # Flags only switch on; off means "as COLI_DIRECT_IO / COLI_PREFETCH say".
             direct_io=True if args.direct_io else None,
@@ -65,13 +73,19 @@ def _load(
         raise
 
 
+def _single_budget(args: argparse.Namespace, path: Path, slots: int, context: int | None):
+    """``--ram-gb`` for one model: its expert cache gets what the budget leaves after its
+    resident weights, KV slots and states (UsageError with the numbers when nothing is left)."""
+    from colibri.runtime.budget import BudgetError, RamBudget, plan_model
+
+    try:
+        return RamBudget(int(args.ram_gb * 1e9), {"model": plan_model(path, slots, context)}, {})
+    except BudgetError as e:
+        raise UsageError(str(e)) from None
+
+
 def _size(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-# Copies of a linear-attention state a slot holds at most: its own and the engine's snapshots
-# (crates/engine/src/kv.rs `MAX_SNAPSHOTS`).
-STATE_COPIES = 1 + 4
 
 
 def kv_report(slots: int, info: dict) -> str:
@@ -159,9 +173,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     default = entries[0]
     several = args.models_dir is not None or args.catalog is not None
+    try:
+        budget = _ram_budget(args, entries)
+    except UsageError as e:
+        print(f"colibri serve: {e}", file=sys.stderr)
+        return 2
+
+    def expert_gb(entry: CatalogEntry) -> float | None:
+        return None if budget is None else budget.engine_ram_gb(entry.id)
+
     kv_dir = _entry_kv_dir(args, default.id) if several else _kv_dir(args, model_dir)
     try:
-        engine = _load(args, slots=args.kv_slots, kv_dir=kv_dir)
+        engine = _load(
+            args,
+            slots=args.kv_slots,
+            kv_dir=kv_dir,
+            expert_gb=expert_gb(default),
+            sized=budget is not None,
+        )
     except ValueError as e:
         if kv_dir is None or SLOT_FILE_IN_USE not in str(e):
             raise
@@ -204,11 +233,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = ServedModel(engine, config, default.created, hub=hub)
 
     def load(entry: CatalogEntry) -> ServedModel:
-        """A catalog entry's engine, KV slots (in a directory of its own) and scheduler."""
-        cap = entry.configured_context
-        ctx = min(args.context, cap) if args.context and cap else args.context
+        """A catalog entry's engine (its expert cache as the RAM budget gives it), KV slots (in
+        a directory of its own) and scheduler."""
         entry_engine = _load(
-            args, args.kv_slots, _entry_kv_dir(args, entry.id), entry.path, context=ctx
+            args,
+            args.kv_slots,
+            _entry_kv_dir(args, entry.id),
+            entry.path,
+            context=_entry_context(args, entry),
+            expert_gb=expert_gb(entry),
+            sized=budget is not None,
         )
         own = dataclasses.replace(
             config, model_id=entry.id, aliases=entry.aliases, chat_family=entry.chat_family
@@ -226,8 +260,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         context=args.context,
         ready_timeout=args.ready_timeout,
         state_dir=lambda entry: _entry_kv_dir(args, entry.id),
-        budget_bytes=None if args.models_ram_gb is None else int(args.models_ram_gb * 1e9),
-        footprint=_footprint(args),
+        budget_bytes=None if budget is None else budget.total,
+        footprint=_footprint(args, budget),
+        refusal=None if budget is None else lambda entry: budget.refusal(entry.id),
         request_timeout=_request_timeout(args.request_timeout, several),
     )
     if several:
@@ -261,23 +296,97 @@ def _request_timeout(given: float | None, several: bool) -> float | None:
     return given or None
 
 
-def _footprint(args: argparse.Namespace):
-    """The RAM a catalog model takes: its resident part, its experts (at most --ram-gb's cache)
-    and its KV slots at full context (known once it has been loaded)."""
-    kv_seen: dict[str, int] = {}
+def _entry_context(args: argparse.Namespace, entry: CatalogEntry) -> int | None:
+    """The context a catalog entry runs with: ``--context``, lowered to its model's own."""
+    cap = entry.configured_context
+    return min(args.context, cap) if args.context and cap else args.context
+
+
+def _ram_gb(args: argparse.Namespace) -> float | None:
+    """``--ram-gb``, or the deprecated ``--models-ram-gb`` (a warning; both at once: a
+    UsageError naming the one to keep)."""
+    old = args.models_ram_gb
+    if old is None:
+        return args.ram_gb
+    if args.ram_gb is not None:
+        raise UsageError(
+            "--models-ram-gb is replaced by --ram-gb, the one RAM budget of the whole server "
+            "(every model's resident weights, KV slots and expert cache together); give only "
+            f"--ram-gb (the total: --ram-gb {old:g} to keep the models' limit)"
+        )
+    print(
+        "colibri serve: warning: --models-ram-gb (COLI_MODELS_RAM_GB) is deprecated: it is "
+        f"now --ram-gb (COLI_RAM_GB), the one RAM budget of the whole server; using --ram-gb "
+        f"{old:g}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return old
+
+
+def _ram_budget(args: argparse.Namespace, entries: list[CatalogEntry]):
+    """The server's RAM budget over the catalog (None without ``--ram-gb``), reported on
+    stderr: each model loaded at startup with its expert cache, and what is left for the
+    models loaded on demand. UsageError when the models loaded at startup cannot fit."""
+    from colibri.runtime.budget import BudgetError, RamBudget, gb, plan_model
+
+    total = _ram_gb(args)
+    if total is None:
+        return None
+    kept, on_demand = {}, {}
+    for i, entry in enumerate(entries):
+        slots, ctx = args.kv_slots, _entry_context(args, entry)
+        if i == 0 or entry.pinned:
+            kept[entry.id] = plan_model(entry.path, slots, ctx)
+            continue
+        try:
+            on_demand[entry.id] = plan_model(entry.path, slots, ctx)
+        except (ValueError, RuntimeError, OSError):
+            on_demand[entry.id] = None  # its load reports the problem
+    try:
+        budget = RamBudget(int(total * 1e9), kept, on_demand)
+    except BudgetError as e:
+        raise UsageError(str(e)) from None
+    parts = []
+    for entry_id, m in kept.items():
+        cache = budget.cache_bytes(entry_id)
+        experts = f" + expert cache {gb(cache)} of {gb(m.experts)}" if m.experts else ""
+        parts.append(f"{entry_id} {gb(m.fixed + cache)} ({m.describe()}{experts})")
+    line = f"colibri: RAM budget {gb(budget.total)} (--ram-gb): " + "; ".join(parts)
+    if on_demand:
+        line += f"; {gb(budget.on_demand_room)} left for the models loaded on demand"
+    print(line, file=sys.stderr, flush=True)
+    from colibri.server import available_memory_bytes
+
+    have = available_memory_bytes()
+    if have is not None and budget.total > have:
+        print(
+            f"colibri serve: warning: --ram-gb {total:g} is more than the {gb(have)} of memory "
+            "available now: the system may swap or stop the server before the budget is reached",
+            file=sys.stderr,
+            flush=True,
+        )
+    return budget
+
+
+def _footprint(args: argparse.Namespace, budget):
+    """What a catalog model counts against the RAM budget (health's ``ram_bytes``): its
+    resident weights, KV slots, states and expert cache as the budget sizes them; without a
+    budget, every expert resident (nothing is unloaded then)."""
+    from colibri.runtime.budget import plan_model
+
+    plans: dict[str, int] = {}
 
     def footprint(entry: CatalogEntry, model) -> int:
-        def size(name: str) -> int:
-            path = entry.path / name
-            return path.stat().st_size if path.is_file() else 0
-
-        experts = size("experts.bin")
-        if args.ram_gb is not None:
-            experts = min(experts, int(args.ram_gb * 1e9))
-        if model is not None:
-            info = model.engine.info
-            kv_seen[entry.id] = args.kv_slots * info["context_length"] * info["kv_bytes_per_token"]
-        return size("resident.bin") + experts + kv_seen.get(entry.id, 0)
+        if budget is not None:
+            return budget.need(entry.id)
+        if entry.id not in plans:
+            try:
+                m = plan_model(entry.path, args.kv_slots, _entry_context(args, entry))
+                plans[entry.id] = m.fixed + m.experts
+            except (ValueError, RuntimeError, OSError):
+                plans[entry.id] = 0
+        return plans[entry.id]
 
     return footprint
 
@@ -587,8 +696,7 @@ def serve_args(sp: argparse.ArgumentParser, model_args) -> None:
         type=_positive_float,
         default=_env_number("COLI_MODELS_RAM_GB", float, None),
         metavar="G",
-        help="RAM in GB every loaded catalog model may take together; the models used longest "
-        "ago are unloaded to make room ($COLI_MODELS_RAM_GB; default: no limit)",
+        help="deprecated: the same as --ram-gb, the one RAM budget ($COLI_MODELS_RAM_GB)",
     )
     sp.add_argument(
         "--ready-timeout",
@@ -646,16 +754,19 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument(
             "--ram-gb",
-            type=_non_negative_float,
-            default=None,
-            help="RAM for routed experts in GB: an expert cache over the experts file "
-            "($COLI_RAM_GB; default: every expert resident)",
+            type=_positive_float,
+            default=_env_number("COLI_RAM_GB", float, None),
+            metavar="G",
+            help="the RAM budget in GB: every loaded model's resident weights, KV slots and "
+            "expert cache together; the expert caches get what is left, and a catalog's models "
+            "used longest ago are unloaded to make room (docs/API.md, 'RAM budget') "
+            "($COLI_RAM_GB; default: no limit, every expert resident when it fits)",
         )
         sp.add_argument(
             "--pin-gb",
             type=_non_negative_float,
             default=None,
-            help="part of --ram-gb pinned to the hottest experts ($COLI_PIN_GB)",
+            help="part of each expert cache pinned to the hottest experts ($COLI_PIN_GB)",
         )
         sp.add_argument(
             "--direct-io", action="store_true", help="read experts with O_DIRECT ($COLI_DIRECT_IO)"

@@ -748,6 +748,42 @@ fn show_progress(verb: &str, done: usize, total: usize, what: &str) {
 }
 
 /// Name of the kernel chosen for this CPU (after any `COLI_KERNEL` override).
+/// What the model in `path` takes in RAM, read from its manifest without loading its weights:
+/// `resident_bytes` and `expert_bytes` (its files), `expert_record_bytes` (one expert record,
+/// the expert cache's unit; 0 without routed experts), `kv_bytes_per_token` and
+/// `state_bytes_per_slot` (as `Model.info` gives them once loaded) and `context_length` (the
+/// model's own). The server sizes its RAM budget from it before a load.
+#[pyfunction]
+fn memory_plan<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let manifest = crate::format::read_manifest(&path).map_err(to_py)?;
+    let cfg = crate::config::ModelConfig::from_hf(&manifest.config).map_err(to_py)?;
+    let dtype = crate::model::kv_dtype(manifest.quantization.kind).map_err(to_py)?;
+    let cache = crate::kv::KvCache::new(&crate::model::layers::kv_layout(&cfg), dtype)
+        .with_states(&crate::model::layers::state_widths(&cfg));
+    let size = |name: &str| -> PyResult<u64> {
+        let p = path.join(name);
+        std::fs::metadata(&p)
+            .map(|m| m.len())
+            .map_err(|e| PyValueError::new_err(format!("{}: {e}", p.display())))
+    };
+    let d = PyDict::new(py);
+    d.set_item("resident_bytes", size(&manifest.resident.file)?)?;
+    match &manifest.experts {
+        Some(x) => {
+            d.set_item("expert_bytes", size(&x.file)?)?;
+            d.set_item("expert_record_bytes", x.record_size)?;
+        }
+        None => {
+            d.set_item("expert_bytes", 0)?;
+            d.set_item("expert_record_bytes", 0)?;
+        }
+    }
+    d.set_item("kv_bytes_per_token", cache.bytes_per_token())?;
+    d.set_item("state_bytes_per_slot", cache.state_bytes())?;
+    d.set_item("context_length", cfg.max_positions)?;
+    Ok(d)
+}
+
 #[pyfunction]
 fn default_kernel() -> &'static str {
     crate::quant::kernel().name()
@@ -781,6 +817,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(upgrade_model, m)?)?;
     m.add_function(wrap_pyfunction!(default_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_plan, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(architectures, m)?)?;
     m.add("FORMAT_VERSION", crate::format::FORMAT_VERSION)?;

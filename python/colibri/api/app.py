@@ -60,23 +60,46 @@ def _loaded(request: Request) -> ServedModel:
     return model
 
 
+def _overall(catalog: ModelSet, served: ServedModel) -> str:
+    """The server's status: ``error`` once the default model's engine has failed (nothing is
+    served by default), ``degraded`` while another model is failed (its last load, or its
+    engine; the others are served), else ``ok``."""
+    if served.generator.dead:
+        return "error"
+    failed = any(catalog.status(e.id)[0] == "failed" for e in catalog.entries[1:])
+    return "degraded" if failed else "ok"
+
+
 async def health(request: Request) -> Response:
-    """Public liveness; the scheduler snapshot only for an authenticated caller (or when no key
-    is set), of the model ``?model=`` names (default: the default model). 503 once that
-    model's engine has failed."""
-    if not _authenticated(request):  # the query is not read: no catalog names for anyone
-        dead = request.app.state.served.generator.dead
-        return json_response({"status": "error" if dead else "ok"}, status=503 if dead else 200)
+    """Liveness and each model's state. Public: the server's status and, with a catalog, how
+    many models are in each state (no model names, paths or messages). For an authenticated
+    caller (or when no key is set): the scheduler snapshot of the model ``?model=`` names
+    (default: the default model) and, with a catalog, every model's state with the message of a
+    failed one. 503 once the default model's engine has failed, or the model named has failed."""
     catalog: ModelSet = request.app.state.models
+    served: ServedModel = request.app.state.served
+    overall = _overall(catalog, served)
+    if not _authenticated(request):  # the query is not read: no catalog names for anyone
+        body: dict = {"status": overall}
+        if len(catalog.entries) > 1:
+            body["models_by_state"] = _by_state(catalog)
+        return json_response(body, status=503 if overall == "error" else 200)
     entry, model = _named(request)
+    named = request.query_params.get("model") is not None
     if model is None:  # nothing to report but its state: never figures it does not have
-        return json_response({"status": "ok", "model": entry.id, "state": catalog.state(entry.id)})
+        state, error = catalog.status(entry.id)
+        body = {"status": "error" if error else "ok", "model": entry.id, "state": state}
+        if error:
+            body["error"] = error
+        return json_response(body, status=503 if error else 200)
     dead = model.generator.dead
-    body: dict = {"status": "error" if dead else "ok", "model": model.id, "state": "loaded"}
+    status = "error" if dead else overall if not named or entry is catalog.default else "ok"
+    body = {"status": status, "model": model.id, "state": "failed" if dead else "loaded"}
     body.update(model.scheduler.snapshot())
     body["context_length"] = model.engine.info.get("context_length")
     body["kv_bytes_per_token"] = model.engine.info.get("kv_bytes_per_token")
     body["state_bytes_per_slot"] = model.engine.info.get("state_bytes_per_slot", 0)
+    body["ram_budget_bytes"] = catalog.budget_bytes
     body["prefill"] = [
         {"slot": slot, "prompt_tokens": total, "prompt_tokens_done": done}
         for slot, done, total in model.generator.prefilling.values()
@@ -84,13 +107,27 @@ async def health(request: Request) -> Response:
     if dead:
         body["error"] = dead
     if len(catalog.entries) > 1:
-        body["models"] = [
-            {"id": e.id, "state": catalog.state(e.id), "ram_bytes": catalog.footprint(e)}
-            for e in catalog.entries
-        ]
-        body["models_ram_budget_bytes"] = catalog.budget_bytes
+        body["models"] = [_model_state(catalog, e) for e in catalog.entries]
+        body["models_by_state"] = _by_state(catalog)
+        body["models_ram_budget_bytes"] = catalog.budget_bytes  # its old name (deprecated)
         body["models_unloaded"] = catalog.unloads
     return json_response(body, status=503 if dead else 200)
+
+
+def _by_state(catalog: ModelSet) -> dict[str, int]:
+    """How many catalog models are in each state (what the public /health says of them)."""
+    counts = dict.fromkeys(("loaded", "loading", "cold", "failed"), 0)
+    for e in catalog.entries:
+        counts[catalog.status(e.id)[0]] += 1
+    return counts
+
+
+def _model_state(catalog: ModelSet, entry: CatalogEntry) -> dict:
+    state, error = catalog.status(entry.id)
+    item: dict = {"id": entry.id, "state": state, "ram_bytes": catalog.footprint(entry)}
+    if error:
+        item["error"] = error
+    return item
 
 
 async def metrics(request: Request) -> Response:

@@ -5,12 +5,13 @@ time a request names it; the default entry (and pinned ones) are loaded at start
 runs in a worker thread, so the server keeps answering meanwhile; requests for a model being
 loaded wait for that one load, at most the ready timeout: then 503 ``no_warm_replica`` with
 ``Retry-After`` = the rest of the predicted load time (runtime/loadtime.py), and the load goes
-on. A load that fails is a 503 ``model_load_failed`` naming the problem, and the next request
-tries again; the other models are served as before.
+on. A load that fails is a 503 ``model_load_failed`` naming the problem, and the model is
+``failed`` (with that message) in /health until the next request tries again; the other models
+are served as before.
 
-With a RAM budget (``--models-ram-gb``), a load first makes room: the models used longest ago
-are unloaded until the new one fits, never the default entry, a pinned one, or one that is
-generating or about to (a held slot, a queued request, a request between resolution and
+With the RAM budget (``--ram-gb``, runtime/budget.py), a load first makes room: the models used
+longest ago are unloaded until the new one fits, never the default entry, a pinned one, or one
+that is generating or about to (a held slot, a queued request, a request between resolution and
 admission). While no model can make room the load waits, and a request that times out meanwhile
 gets 503 ``resident_capacity_full``.
 """
@@ -67,6 +68,7 @@ class ModelSet:
         budget_bytes: int | None = None,
         footprint: Footprint | None = None,
         request_timeout: float | None = None,
+        refusal: Callable[[CatalogEntry], str | None] | None = None,
     ) -> None:
         """``entries``: the catalog, the default entry first; ``loaded``: the models already
         loaded at startup, by id; ``context``: ``--context`` (what a cold start asks for);
@@ -74,7 +76,9 @@ class ModelSet:
         ``state_dir``: where an entry's load times are kept (its KV directory);
         ``budget_bytes``: the RAM every loaded model may take together (None: no limit), each
         one's ``footprint``; ``request_timeout``: seconds a request that is not streamed may
-        take from its arrival to its answer (None: no limit; api/loading.py)."""
+        take from its arrival to its answer (None: no limit; api/loading.py); ``refusal``: why
+        an entry can never fit the budget, in the budget's words (None: it can; the check by
+        footprints below still applies)."""
         self.entries = tuple(entries)
         self.default = self.entries[0]
         self._loader = loader
@@ -88,10 +92,13 @@ class ModelSet:
         self._delay = _load_delay()
         self.budget_bytes = budget_bytes
         self._footprint = footprint or (lambda entry, model: 0)
+        self._refusal = refusal or (lambda entry: None)
         self._last_used = {entry_id: time.monotonic() for entry_id in self._loaded}
         self._holds: dict[str, int] = {}
         self._reserved: dict[str, int] = {}
         self._waiting_room: set[str] = set()
+        # The message of each entry's last failed load (cleared when a load starts again).
+        self._failed: dict[str, str] = {}
         self.unloads = 0
 
     def resolve(self, label: str) -> CatalogEntry:
@@ -101,10 +108,23 @@ class ModelSet:
         return self._loaded.get(entry_id)
 
     def state(self, entry_id: str) -> str:
-        """``loaded``, ``loading`` or ``cold``."""
+        """``loaded``, ``loading``, ``failed`` (its last load failed; the next request tries
+        again) or ``cold``."""
         if entry_id in self._loaded:
             return "loaded"
-        return "loading" if entry_id in self._loading else "cold"
+        if entry_id in self._loading:
+            return "loading"
+        return "failed" if entry_id in self._failed else "cold"
+
+    def status(self, entry_id: str) -> tuple[str, str | None]:
+        """What /health says of a model: its ``state``, with ``failed`` also for a loaded model
+        whose engine has failed, and the error message of a failed one."""
+        model = self._loaded.get(entry_id)
+        if model is not None:
+            dead = model.generator.dead
+            return ("failed", f"the engine failed: {dead}") if dead else ("loaded", None)
+        state = self.state(entry_id)
+        return state, self._failed.get(entry_id) if state == "failed" else None
 
     def measured(self, entry_id: str) -> list[float]:
         """The measured load times of ``entry_id``, oldest first (the last few)."""
@@ -137,6 +157,7 @@ class ModelSet:
             loop = asyncio.get_running_loop()
             pending = loop.create_future()
             self._loading[entry.id] = pending
+            self._failed.pop(entry.id, None)
             self._started[entry.id] = time.monotonic()
             loop.create_task(self._load(entry, pending))
         return pending
@@ -211,13 +232,16 @@ class ModelSet:
         while the only ones that could go are busy. Refuses a model that can never fit."""
         if self.budget_bytes is None:
             return
+        reason = self._refusal(entry)
+        if reason is not None:
+            raise ValueError(reason)
         need = self.footprint(entry)
         kept = sum(self.footprint(e) for e in self.entries if self._kept(e) and e.id != entry.id)
         if kept + need > self.budget_bytes:
             raise ValueError(
                 f"it needs about {need / 1e9:.3f} GB and the models never unloaded (the default "
                 f"and pinned ones) take {kept / 1e9:.3f} GB of the {self.budget_bytes / 1e9:.3f} "
-                "GB of --models-ram-gb"
+                "GB of --ram-gb"
             )
         try:
             while self._used_bytes() + need > self.budget_bytes:
@@ -260,13 +284,9 @@ class ModelSet:
             model = await asyncio.to_thread(self._load_now, entry)
         except Exception as e:  # any load failure: the requests get a 503 naming it
             log.warning("model %s failed to load: %s", entry.id, e)
-            done.set_exception(
-                ApiError(
-                    503,
-                    f"The model '{entry.id}' ({entry.path}) failed to load: {e}",
-                    code="model_load_failed",
-                )
-            )
+            message = f"The model '{entry.id}' ({entry.path}) failed to load: {e}"
+            self._failed[entry.id] = message
+            done.set_exception(ApiError(503, message, code="model_load_failed"))
             done.exception()  # retrieved: no "never retrieved" warning when nobody waits
         else:
             self._loaded[entry.id] = model

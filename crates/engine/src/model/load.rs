@@ -30,7 +30,7 @@ use crate::store::{ExpertOptions, ExpertStore, StoreLayout};
 /// models (llama.cpp's default cache: half the memory, and with F16C widening a little faster at
 /// long contexts; its rounding is far below int4's), f32 for f32 models (their logits match the
 /// reference within 1e-4).
-fn kv_dtype(quant: Quant) -> Result<KvDtype> {
+pub(crate) fn kv_dtype(quant: Quant) -> Result<KvDtype> {
     match crate::settings::kv_dtype().as_deref() {
         None | Some("") => Ok(match quant {
             Quant::Int4 => KvDtype::F16,

@@ -13,6 +13,8 @@ pub mod glm_moe_dsa;
 pub mod kimi_linear;
 pub mod layers;
 mod load;
+#[cfg(feature = "python")]
+pub(crate) use load::kv_dtype;
 pub mod olmoe;
 pub mod plan;
 pub mod qwen3_moe;
