@@ -418,8 +418,14 @@ pub fn step_batch(model: &Model, work: &mut [(&mut Generation, &mut Slot)]) -> V
 
 /// Positions of a long prompt between the snapshots of linear-attention states taken while it
 /// prefills (besides the one at its end): a prompt that leaves the history part way through a
-/// long one resumes from the last snapshot before it instead of from the start.
-const SNAPSHOT_EVERY: usize = 4096;
+/// long one resumes from the last snapshot before it instead of from the start, recomputing
+/// fewer than this many positions. Measured: a snapshot is a copy of the state, 0.22 ms for the
+/// benchmark's 4-layer Qwen3-Next shape (6.6 MB) and 11 ms for Qwen3-Next-80B's (79 MB) on the
+/// test machine, against 2.3 s for prefilling 1024 positions of the former (450 tokens/s) and
+/// tens of seconds for the latter: at 1024 the copies cost ~0.1% of the prefill at most, and
+/// four times as many positions as at 4096 are saved on a divergence. Memory does not grow:
+/// a slot keeps at most `kv::MAX_SNAPSHOTS`, the oldest going first.
+const SNAPSHOT_EVERY: usize = 1024;
 
 /// Whether a prefill step from `from` to `to` of a `total`-token prompt ends at a snapshot
 /// point: the prompt's end or the token before it (where the same prompt again resumes), or
