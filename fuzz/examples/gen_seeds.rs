@@ -60,6 +60,14 @@ fn main() {
         b.extend(&x);
         b.extend(&y);
         write("checkpoint", &format!("a{arch}-sharded.bin"), &b);
+        // FP8 projections and FP4 experts with UE8M0 scales, under `FP_QUANT_CONFIG`.
+        let mut b = vec![arch as u8 | 32];
+        b.extend(serialize(&fp_quantized(tiny_tensors(
+            arch,
+            Dtype::F32,
+            false,
+        ))));
+        write("checkpoint", &format!("a{arch}-fp8-fp4.bin"), &b);
         // A config edit (nudge one value) in front of a valid checkpoint.
         let mut b = vec![arch as u8 | 16, 1, 9, 0, 6, 5, 0, 0, 0, 0, 0, 0, 0];
         b.extend(tiny_checkpoint(arch, Dtype::BF16, false));

@@ -20,9 +20,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use colibri_engine::config::ModelConfig;
-use colibri_engine::model::glm4_moe;
 use colibri_engine::convert;
 use colibri_engine::format::{Quant, EXPERTS_FILE, MANIFEST, RESIDENT_FILE};
+use colibri_engine::model::glm4_moe;
 use colibri_engine::model::plan::MLP_PARTS;
 use colibri_engine::model::Model;
 use safetensors::{Dtype, View};
@@ -204,6 +204,97 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
 
 pub fn serialize(tensors: &[(String, Tensor)]) -> Vec<u8> {
     safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None).expect("serializes")
+}
+
+/// The `quantization_config` of a DeepSeek-V4-style checkpoint (FP8 projections in 4 x 4
+/// blocks, FP4 experts, UE8M0 scales) that [`fp_quantized`] tensors go with.
+pub const FP_QUANT_CONFIG: &str = r#"{"quant_method": "fp8", "fmt": "e4m3",
+    "weight_block_size": [4, 4], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}"#;
+
+/// The value of an e4m3 byte (NaN: None), as the converter reads it.
+fn e4m3(b: u8) -> Option<f32> {
+    let (exp, man) = ((b >> 3) & 0x0f, b & 0x07);
+    if exp == 0x0f && man == 0x07 {
+        return None;
+    }
+    let m = if exp == 0 {
+        man as f32 / 8.0 * (-6f32).exp2()
+    } else {
+        (1.0 + man as f32 / 8.0) * (exp as f32 - 7.0).exp2()
+    };
+    Some(if b & 0x80 != 0 { -m } else { m })
+}
+
+/// The nearest code to `x` among `codes` (value, code).
+fn nearest(x: f32, codes: impl Iterator<Item = (f32, u8)>) -> u8 {
+    codes
+        .min_by(|a, b| (a.0 - x).abs().total_cmp(&(b.0 - x).abs()))
+        .expect("codes")
+        .1
+}
+
+/// `tensors` (all f32) as DeepSeek-V4 publishes such weights: routed experts FP4 (two e2m1
+/// codes per `I8` byte, a UE8M0 scale per 32 elements of a row under `X.scale`), the other
+/// projections FP8 e4m3 with UE8M0 scales per 4 x 4 block; every scale 1.0 (byte 127).
+pub fn fp_quantized(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
+    const E2M1: [f32; 16] = [
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    ];
+    let mut out = Vec::new();
+    for (name, t) in tensors {
+        assert_eq!(t.dtype, Dtype::F32);
+        let vals: Vec<f32> = t
+            .data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let two_d = t.shape.len() == 2;
+        let base = name.strip_suffix(".weight").map(str::to_string);
+        let (Some(base), true) = (base, two_d && name.ends_with("_proj.weight")) else {
+            out.push((name, t));
+            continue;
+        };
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let scale = |shape: Vec<usize>| Tensor {
+            dtype: Dtype::F8_E8M0,
+            data: vec![127; shape.iter().product()],
+            shape,
+        };
+        if name.contains(".experts.") && cols % 2 == 0 {
+            let codes: Vec<u8> = vals
+                .iter()
+                .map(|&x| nearest(x, E2M1.iter().copied().zip(0u8..)))
+                .collect();
+            let data = codes.chunks_exact(2).map(|p| p[0] | (p[1] << 4)).collect();
+            let w = Tensor {
+                dtype: Dtype::I8,
+                data,
+                shape: vec![rows, cols / 2],
+            };
+            out.push((name, w));
+            out.push((
+                format!("{base}.scale"),
+                scale(vec![rows, cols.div_ceil(32)]),
+            ));
+        } else {
+            let table: Vec<(f32, u8)> = (0..=255u8).filter_map(|b| Some((e4m3(b)?, b))).collect();
+            let data = vals
+                .iter()
+                .map(|&x| nearest(x, table.iter().copied()))
+                .collect();
+            let w = Tensor {
+                dtype: Dtype::F8_E4M3,
+                data,
+                shape: t.shape.clone(),
+            };
+            out.push((name, w));
+            out.push((
+                format!("{base}.scale"),
+                scale(vec![rows.div_ceil(4), cols.div_ceil(4)]),
+            ));
+        }
+    }
+    out
 }
 
 /// A valid `model.safetensors` for tiny config `arch`.
@@ -482,6 +573,9 @@ pub fn checkpoint(data: &[u8]) {
         config = Some(v.to_string());
         rest = &rest[1 + n..];
     }
+    // Bit 5: the checkpoint says it is FP8 / FP4 (`FP_QUANT_CONFIG`); a valid one must still
+    // convert, load and run.
+    let fp_quant = sel & 32 != 0;
     if sel & 8 != 0 && rest.len() >= 2 {
         let at = u16::from_le_bytes([rest[0], rest[1]]) as usize;
         rest = &rest[2..];
@@ -492,6 +586,13 @@ pub fn checkpoint(data: &[u8]) {
     }
     if let Some(c) = &config {
         fs::write(hf.join("config.json"), c).unwrap();
+    }
+    if fp_quant {
+        let path = hf.join("config.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+        v["quantization_config"] = serde_json::from_str(FP_QUANT_CONFIG).unwrap();
+        fs::write(path, v.to_string()).unwrap();
     }
     if let Ok(summary) = convert::convert(&hf, &out, quant, &mut |_, _, _| {}) {
         if config.is_some() {
