@@ -1032,3 +1032,50 @@ def test_profiling_shows_the_reading_overlapped_with_compute(big, open_page):
     page.screenshot(path=str(SHOTS / "profiling-overlap-1280x800-light.png"))
     no_console_errors(p)
 
+
+def test_the_brio_page_says_a_model_the_server_does_not_know_in_its_words(demo, open_page):
+    """The real server's 404s on the Brio page: a model it does not serve (the page was given
+    the server's own model list with the model renamed, as if it had gone since) is said in the
+    server's words; a server without the /v1/brio route (a request sent to a path this server
+    lacks) gets the page's note that scoring needs a newer colibri."""
+    p = open_page()
+    page = p.page
+
+    def renamed(route) -> None:
+        real = route.fetch()
+        body = real.json()
+        for card in body["data"]:
+            card["id"] = "gone-model"
+        route.fulfill(response=real, json=body)
+
+    page.route("**/v1/models", renamed)
+    page.goto(demo.url + "/#/brio")
+    page.get_by_text("gone-model").first.wait_for()
+    score = page.get_by_role("button", name="Score", exact=True)
+    score.click()
+    error = page.get_by_test_id("brio-error")
+    error.wait_for(timeout=30_000)
+    want = httpx.post(
+        demo.url + "/v1/brio",
+        json={"model": "gone-model", "state": "Maths homework for Monday.",
+              "question": "What is 37 + 48?", "options": ["85", "45", "42"]},
+    )  # fmt: skip
+    assert want.status_code == 404 and want.json()["error"]["code"] == "model_not_found"
+    assert error.inner_text() == f"404 {want.json()['error']['message']}"
+    assert "gone-model" in error.inner_text()
+    assert page.get_by_test_id("brio-absent").count() == 0
+    assert page.get_by_test_id("brio-answer").count() == 0
+    no_horizontal_overflow(page)
+    page.screenshot(path=str(SHOTS / "brio-unknown-model-1280x800-light.png"))
+
+    # The route itself absent: the server's plain 404 for a path it lacks.
+    page.unroute("**/v1/models")
+    page.route("**/v1/brio", lambda route: route.continue_(url=demo.url + "/v1/brio-absent"))
+    page.reload()
+    page.get_by_text("colibri-demo").first.wait_for()
+    page.get_by_role("button", name="Score", exact=True).click()
+    absent = page.get_by_test_id("brio-absent")
+    absent.wait_for(timeout=30_000)
+    assert "no /v1/brio route (it answered 404)" in absent.inner_text()
+    assert page.get_by_test_id("brio-error").count() == 0
+    no_console_errors(p, re.compile(r"Failed to load resource.*404"))
