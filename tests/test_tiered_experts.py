@@ -25,6 +25,7 @@ PROFILE_KEYS = {
     "lm_head_s",
     "other_s",
     "bytes_read",
+    "read_busy_s",
     "cache_hit_rate",
     "prefill_tok_s",
     "decode_tok_s",
@@ -75,6 +76,8 @@ def test_greedy_tokens_never_depend_on_placement(model_dir, budget, prefetch, di
     assert profile["bytes_read"] > 0 and 0 <= profile["cache_hit_rate"] < 1
     stats = tiered.store_stats()
     assert stats is not None and stats["reads"] > 0
+    # Reads took time: the turn's read busy time is some of the store's, never more.
+    assert 0 < profile["read_busy_s"] <= stats["read_busy_s"]
 
 
 def test_resident_model_reads_nothing_and_reports_its_turn(model_dir):
@@ -82,7 +85,7 @@ def test_resident_model_reads_nothing_and_reports_its_turn(model_dir):
     ids = engine.tokenize("Hello world")
     greedy(engine, ids, 10)
     p = engine.last_profile()
-    assert p["bytes_read"] == 0 and p["cache_hit_rate"] == 1.0
+    assert p["bytes_read"] == 0 and p["cache_hit_rate"] == 1.0 and p["read_busy_s"] == 0
     assert p["prefill_tokens"] == len(ids) and p["decode_tokens"] == 9
     assert engine.store_stats() is None
     routed = engine.last_routed_experts()
@@ -107,8 +110,72 @@ def test_profile_endpoint_and_serve_flags():
         assert data["turns"][-1]["bytes_read"] > 0
         assert data["expert_cache"]["reads"] > 0
         assert len(data["last_routed_experts"]) == cold.info["num_layers"]
+        # Read busy time, per turn and the store's since it opened (its pinned load included).
+        turn, cache = data["turns"][-1], data["expert_cache"]
+        assert 0 < turn["read_busy_s"] <= cache["read_busy_s"]
+        assert cache["io_wait_s"] >= 0
+        # /metrics: the store's counters as counters with the model label, read at scrape time
+        # (so never below what the profile said just before).
+        text = httpx.get(srv.url + "/metrics", headers={"x-api-key": "k"}).text
+        busy = metric(text, "colibri_engine_expert_read_busy_seconds_total", "colibri-builtin")
+        wait = metric(text, "colibri_engine_expert_io_wait_seconds_total", "colibri-builtin")
+        assert busy >= cache["read_busy_s"] > 0
+        assert wait >= cache["io_wait_s"]
     finally:
         srv.stop()
+
+
+def metric(text: str, name: str, model: str) -> float:
+    """The value of the series ``name{model=...}`` in a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == {"model": model}:
+                return float(s.value)
+    raise AssertionError(f"no {name}{{model={model!r}}} in /metrics")
+
+
+def test_a_resident_model_reports_zero_read_busy_time_in_metrics():
+    srv = RunningServer("--no-kv-persist")
+    try:
+        r = httpx.post(
+            srv.base_url + "/chat/completions",
+            json={"model": srv.model_id, "messages": [{"role": "user", "content": "Hi"}],
+                  "max_tokens": 4},
+            timeout=60,
+        )  # fmt: skip
+        assert r.status_code == 200
+        text = httpx.get(srv.url + "/metrics").text
+        assert metric(text, "colibri_engine_expert_read_busy_seconds_total", srv.model_id) == 0
+        assert metric(text, "colibri_engine_expert_io_wait_seconds_total", srv.model_id) == 0
+        assert httpx.get(srv.url + "/v1/colibri/profile").json()["turns"][-1]["read_busy_s"] == 0
+    finally:
+        srv.stop()
+
+
+def test_store_counters_in_metrics_go_on_through_an_unload():
+    """The hub reads each engine's counters at scrape time and carries an unloaded engine's,
+    so a model's counter never goes back when it loads again (a new engine starts at 0)."""
+    from colibri.observability import MetricsHub
+    from colibri.runtime.scheduler import Scheduler
+
+    hub = MetricsHub()
+    stats = {"read_busy_s": 1.5, "io_wait_s": 0.25}
+    hub.attach("m", Scheduler(1, 0, 10), lambda: stats)
+    hub.attach("r", Scheduler(1, 0, 10), lambda: None)  # every expert resident
+    text = hub.exposition().decode()
+    assert metric(text, "colibri_engine_expert_read_busy_seconds_total", "m") == 1.5
+    assert metric(text, "colibri_engine_expert_io_wait_seconds_total", "m") == 0.25
+    assert metric(text, "colibri_engine_expert_read_busy_seconds_total", "r") == 0
+    hub.detach("m")
+    stats = {"read_busy_s": 0.5, "io_wait_s": 0.0}  # what the reloaded engine counts
+    text = hub.exposition().decode()
+    assert metric(text, "colibri_engine_expert_read_busy_seconds_total", "m") == 1.5
+    hub.attach("m", Scheduler(1, 0, 10), lambda: stats)
+    text = hub.exposition().decode()
+    assert metric(text, "colibri_engine_expert_read_busy_seconds_total", "m") == 2.0
+    assert metric(text, "colibri_engine_expert_io_wait_seconds_total", "m") == 0.25
 
 
 def test_streams_stepped_together_under_the_smallest_budget_are_exact(model_dir):

@@ -962,3 +962,118 @@ def test_profiling_shows_the_cache_hit_rate_and_the_speed_trend(tiered, open_pag
     assert len(points.split()) == len(turns)
     assert f"last {len(turns)} turns" in page.locator(".trend figcaption").inner_text()
     no_console_errors(p)
+
+
+def secs(s: float) -> str:
+    """The page's duration format (Profiling.tsx ``secs``)."""
+    if 0 < s < 0.001:
+        return f"{s * 1e6:.0f} µs"
+    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+DURATION = r"\d+(?:\.\d+)? (?:µs|ms|s)"
+
+
+def test_profiling_shows_the_reading_overlapped_with_compute(big, open_page):
+    """Experts streamed from disk (a quarter of them in RAM): each turn's reading overlapped
+    with compute, read busy time minus I/O wait as the profile gives them, per turn and over
+    the turns, with its definition in the legend and the tooltips."""
+    r = httpx.post(
+        big.base_url + "/chat/completions",
+        json={"model": big.model_id, "messages": [{"role": "user", "content": "Hello there"}],
+              "max_tokens": 8},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200
+    turns = httpx.get(big.url + "/v1/colibri/profile").json()["turns"]
+    last = turns[-1]
+    # The engine counted the reads' busy time: the turn read experts from disk.
+    assert last["bytes_read"] > 0 and last["read_busy_s"] > 0, last
+    p = open_page()
+    page = p.page
+    page.goto(big.url + "/#/profiling")
+    page.get_by_test_id("turn-count").wait_for()
+    assert page.get_by_test_id("turn-count").inner_text() == str(len(turns))
+    # The newest turn's row: overlapped = read busy - I/O wait (0 when the wait is longer).
+    row = page.get_by_test_id("turns-table").locator("tbody tr").first
+    cell = row.get_by_test_id("turn-overlap")
+    want = max(0.0, last["read_busy_s"] - last["io_wait_s"])
+    assert float(cell.get_attribute("data-overlap-s") or "nan") == pytest.approx(want, abs=1e-12)
+    text = cell.inner_text()
+    assert re.fullmatch(DURATION + r"(?: \(\d+%\))?", text), text
+    assert text.startswith(secs(want)), (text, want)
+    share = re.search(r"\((\d+)%\)", text)
+    assert share and int(share[1]) == pytest.approx(100 * want / last["read_busy_s"], abs=1)
+    title = cell.get_attribute("title") or ""
+    assert title == (
+        f"read busy {secs(last['read_busy_s'])} − I/O wait {secs(last['io_wait_s'])}"
+        f" = {secs(want)} overlapped with compute"
+    ), title
+    # Every turn's row the same way, and the tile sums them.
+    rows = page.get_by_test_id("turns-table").locator("tbody tr")
+    assert rows.count() == len(turns)
+    shown = rows.get_by_test_id("turn-overlap").evaluate_all(
+        "els => els.map(e => Number(e.dataset.overlapS))"
+    )
+    wants = [max(0.0, t["read_busy_s"] - t["io_wait_s"]) for t in reversed(turns)]
+    assert shown == pytest.approx(wants, abs=1e-12)
+    total = page.get_by_test_id("overlap-total").inner_text()
+    m = re.fullmatch(f"({DURATION}) of ({DURATION}) read", total)
+    assert m, total
+    assert m[1] == secs(sum(wants)) and m[2] == secs(sum(t["read_busy_s"] for t in turns))
+    # The definition: in the legend and in the column's and the tile's tooltips.
+    legend = page.get_by_test_id("overlap-legend").inner_text()
+    assert "Overlap = read busy time" in legend and "− I/O wait" in legend
+    header = page.get_by_test_id("turns-table").locator("th", has_text="overlap")
+    assert "read busy time − I/O wait" in (header.get_attribute("title") or "")
+    no_horizontal_overflow(page)
+    page.screenshot(path=str(SHOTS / "profiling-overlap-1280x800-light.png"))
+    no_console_errors(p)
+
+
+def test_the_brio_page_says_a_model_the_server_does_not_know_in_its_words(demo, open_page):
+    """The real server's 404s on the Brio page: a model it does not serve (the page was given
+    the server's own model list with the model renamed, as if it had gone since) is said in the
+    server's words; a server without the /v1/brio route (a request sent to a path this server
+    lacks) gets the page's note that scoring needs a newer colibri."""
+    p = open_page()
+    page = p.page
+
+    def renamed(route) -> None:
+        real = route.fetch()
+        body = real.json()
+        for card in body["data"]:
+            card["id"] = "gone-model"
+        route.fulfill(response=real, json=body)
+
+    page.route("**/v1/models", renamed)
+    page.goto(demo.url + "/#/brio")
+    page.get_by_text("gone-model").first.wait_for()
+    score = page.get_by_role("button", name="Score", exact=True)
+    score.click()
+    error = page.get_by_test_id("brio-error")
+    error.wait_for(timeout=30_000)
+    want = httpx.post(
+        demo.url + "/v1/brio",
+        json={"model": "gone-model", "state": "Maths homework for Monday.",
+              "question": "What is 37 + 48?", "options": ["85", "45", "42"]},
+    )  # fmt: skip
+    assert want.status_code == 404 and want.json()["error"]["code"] == "model_not_found"
+    assert error.inner_text() == f"404 {want.json()['error']['message']}"
+    assert "gone-model" in error.inner_text()
+    assert page.get_by_test_id("brio-absent").count() == 0
+    assert page.get_by_test_id("brio-answer").count() == 0
+    no_horizontal_overflow(page)
+    page.screenshot(path=str(SHOTS / "brio-unknown-model-1280x800-light.png"))
+
+    # The route itself absent: the server's plain 404 for a path it lacks.
+    page.unroute("**/v1/models")
+    page.route("**/v1/brio", lambda route: route.continue_(url=demo.url + "/v1/brio-absent"))
+    page.reload()
+    page.get_by_text("colibri-demo").first.wait_for()
+    page.get_by_role("button", name="Score", exact=True).click()
+    absent = page.get_by_test_id("brio-absent")
+    absent.wait_for(timeout=30_000)
+    assert "no /v1/brio route (it answered 404)" in absent.inner_text()
+    assert page.get_by_test_id("brio-error").count() == 0
+    no_console_errors(p, re.compile(r"Failed to load resource.*404"))

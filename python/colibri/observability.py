@@ -1,8 +1,10 @@
 """Prometheus metrics and OpenTelemetry traces.
 
 Metrics: scheduler gauges and counters are read from the scheduler's own numbers at scrape time
-(collection never touches the engine or a slot); histograms and engine figures are observed as
-requests run. Labels never carry prompts, paths or request ids.
+(collection never touches a slot); the expert store's counters (read busy time, I/O wait) are
+read from the engine at scrape time, one short look under the store's lock; histograms and the
+other engine figures are observed as requests run. Labels never carry prompts, paths or request
+ids.
 
 Traces: one span per request with children for admission, render, prefill and decode, exported
 over OTLP when the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``…_TRACES_ENDPOINT``) is set;
@@ -14,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +53,23 @@ _COUNTERS = {
     "cancelled": "Requests whose client went away, before admission or while generating",
 }
 
+# The expert store's counters (Engine.store_stats()), read at scrape time: metric name ->
+# (field, help). 0 for a model whose experts are all resident (it never reads them).
+_STORE_COUNTERS = {
+    "colibri_engine_expert_read_busy_seconds": (
+        "read_busy_s",
+        "Read busy time: wall-clock seconds during which at least one expert read from disk was "
+        "in flight (overlapping reads count once)",
+    ),
+    "colibri_engine_expert_io_wait_seconds": (
+        "io_wait_s",
+        "Seconds the engine's compute stood blocked waiting for expert reads; read busy time "
+        "minus this is the reading overlapped with compute",
+    ),
+}
+
+StoreStats = Callable[[], Mapping[str, Any] | None]
+
 
 class _SchedulerCollector(Collector):
     """The scheduler figures of every model, read at scrape time: one family per name, one
@@ -81,6 +100,35 @@ class _SchedulerCollector(Collector):
         return iter(())  # nothing to check at registration; collect() is cheap anyway
 
 
+def _store_counters(stats: StoreStats | None) -> dict[str, float]:
+    """The store counters of one engine now (zeros without an expert cache)."""
+    got = (stats() if stats is not None else None) or {}
+    return {name: float(got.get(field, 0.0)) for name, (field, _) in _STORE_COUNTERS.items()}
+
+
+class _StoreCollector(Collector):
+    """The expert store's counters of every model, read from its engine at scrape time (one
+    short look under the store's lock, as /health takes). What an unloaded engine counted is
+    carried, so a model's counters go on through unloads and reloads."""
+
+    def __init__(self, hub: MetricsHub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterator[Any]:
+        now = {m: _store_counters(stats) for m, stats in self._hub.store_sources().items()}
+        carried = self._hub.carried_store()
+        models = [*now, *(m for m in carried if m not in now)]
+        for name, (_, doc) in _STORE_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            for model in models:
+                value = carried.get(model, {}).get(name, 0.0) + now.get(model, {}).get(name, 0.0)
+                family.add_metric([model], value)
+            yield family
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())
+
+
 class MetricsHub:
     """The server's one Prometheus registry. Every metric carries a ``model`` label (the
     model's id), also with a single model, so a family's series always have the same label
@@ -91,7 +139,10 @@ class MetricsHub:
         self.registry = CollectorRegistry(auto_describe=False)
         self._schedulers: dict[str, Scheduler] = {}
         self._carried: dict[str, dict[str, int]] = {}
+        self._stores: dict[str, StoreStats | None] = {}
+        self._carried_store: dict[str, dict[str, float]] = {}
         self.registry.register(_SchedulerCollector(self))
+        self.registry.register(_StoreCollector(self))
         r = self.registry
         model = ["model"]
 
@@ -167,11 +218,16 @@ class MetricsHub:
             registry=r,
         )
 
-    def attach(self, model: str, scheduler: Scheduler) -> Metrics:
-        """The metrics of the model ``model`` (its id) scheduled by ``scheduler``: its series
-        appear now; a model loaded again continues its counters and histograms."""
+    def attach(
+        self, model: str, scheduler: Scheduler, store_stats: StoreStats | None = None
+    ) -> Metrics:
+        """The metrics of the model ``model`` (its id) scheduled by ``scheduler``, whose engine's
+        expert-store counters ``store_stats`` gives (``Engine.store_stats``; None: no engine,
+        zeros): its series appear now; a model loaded again continues its counters and
+        histograms."""
         self.detach(model)
         self._schedulers[model] = scheduler
+        self._stores[model] = store_stats
         view = Metrics(scheduler, model, self)
         for slot in range(scheduler.capacity):
             for gauge in (self.kv_tokens, self.prefill_done, self.prefill_total):
@@ -184,6 +240,9 @@ class MetricsHub:
         scheduler = self._schedulers.pop(model, None)
         if scheduler is None:
             return
+        kept_store = self._carried_store.setdefault(model, {})
+        for name, value in _store_counters(self._stores.pop(model, None)).items():
+            kept_store[name] = kept_store.get(name, 0.0) + value
         snap = scheduler.snapshot()
         kept = self._carried.setdefault(model, {})
         for name in _COUNTERS:
@@ -207,6 +266,12 @@ class MetricsHub:
     def carried(self) -> dict[str, dict[str, int]]:
         return {model: dict(counts) for model, counts in self._carried.items()}
 
+    def store_sources(self) -> dict[str, StoreStats | None]:
+        return dict(self._stores)
+
+    def carried_store(self) -> dict[str, dict[str, float]]:
+        return {model: dict(counts) for model, counts in self._carried_store.items()}
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -225,12 +290,18 @@ class _PerSlot:
 class Metrics:
     """What one served model observes: the hub's metrics with its ``model`` label bound.
     ``hub``: the server's (None: a registry of this model's own, for a server of one model or
-    a test)."""
+    a test, reading the engine's expert-store counters from ``store_stats``)."""
 
-    def __init__(self, scheduler: Scheduler, model: str = "model", hub: MetricsHub | None = None):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model: str = "model",
+        hub: MetricsHub | None = None,
+        store_stats: StoreStats | None = None,
+    ):
         if hub is None:
             hub = MetricsHub()
-            hub.attach(model, scheduler)
+            hub.attach(model, scheduler, store_stats)
         self.hub = hub
         self.model = model
         bound = {"model": model}

@@ -76,7 +76,9 @@ class ServedModel:
             max_active=config.max_active,
         )
         self.metrics = (
-            Metrics(self.scheduler, self.id) if hub is None else hub.attach(self.id, self.scheduler)
+            Metrics(self.scheduler, self.id, store_stats=engine.store_stats)
+            if hub is None
+            else hub.attach(self.id, self.scheduler, engine.store_stats)
         )
         self.generator = Generator(engine, on_batch=self.metrics.batch_size.observe)
         self.metrics.kv_bytes_per_token.set(float(engine.info.get("kv_bytes_per_token", 0)))

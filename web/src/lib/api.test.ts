@@ -177,7 +177,20 @@ describe("profile maths", () => {
     expect(all.hitRate).toBeCloseTo(30 / 80, 12);
     expect(all.decodeTokS).toBeCloseTo(40 / 2, 12);
     expect(profileTotals([{ ...turn, cache_hits: 0, cache_misses: 0 }]).hitRate).toBeNull();
-    expect(profileTotals([])).toMatchObject({ turns: 0, hitRate: null, decodeTokS: null });
+    expect(profileTotals([])).toMatchObject({ turns: 0, hitRate: null, decodeTokS: null, readBusy: null, overlapped: null });
+  });
+  it("takes the reading overlapped with compute as read busy time minus I/O wait", async () => {
+    const { readOverlap, profileTotals } = await import("./api");
+    expect(readOverlap(turn)).toBeNull(); // a server that reports no read busy time
+    const o = readOverlap({ ...turn, read_busy_s: 0.5 });
+    expect(o?.overlapped).toBeCloseTo(0.3, 12);
+    expect(o?.share).toBeCloseTo(0.6, 12);
+    // Waiting longer than reads were in flight (a free slot, or a shared pass): no overlap.
+    expect(readOverlap({ ...turn, read_busy_s: 0.1 })).toEqual({ busy: 0.1, wait: 0.2, overlapped: 0, share: 0 });
+    expect(readOverlap({ ...turn, read_busy_s: 0, io_wait_s: 0 })).toEqual({ busy: 0, wait: 0, overlapped: 0, share: null });
+    const all = profileTotals([{ ...turn, read_busy_s: 0.5 }, { ...turn, read_busy_s: 0.1 }, turn]);
+    expect(all.readBusy).toBeCloseTo(0.6, 12);
+    expect(all.overlapped).toBeCloseTo(0.3, 12);
   });
 });
 

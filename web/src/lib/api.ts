@@ -298,6 +298,9 @@ export interface TurnProfile {
   lm_head_s: number;
   other_s: number;
   bytes_read: number;
+  /** Read busy time: wall seconds of the turn during which at least one expert read was in
+   * flight (overlapping reads count once). Absent from servers before it was counted. */
+  read_busy_s?: number;
   cache_hits: number;
   cache_misses: number;
   cache_hit_rate: number;
@@ -335,6 +338,25 @@ export function phaseShares(t: TurnProfile): { phase: Phase; label: string; seco
   });
 }
 
+/** Expert reading overlapped with compute in a turn: read busy time (wall time with at least one
+ * expert read in flight) minus I/O wait (time the compute stood blocked waiting for reads),
+ * never below 0 (the wait can exceed the busy time when it waited for a free cache slot rather
+ * than a read, or when a pass shared by streams stepped together counts whole in each one's
+ * wait). `share`: overlapped / busy (null with no read). null when the server reports no read
+ * busy time. */
+export function readOverlap(t: Pick<TurnProfile, "read_busy_s" | "io_wait_s">): {
+  busy: number;
+  wait: number;
+  overlapped: number;
+  share: number | null;
+} | null {
+  if (typeof t.read_busy_s !== "number") return null;
+  const busy = Math.max(0, t.read_busy_s);
+  const wait = Math.max(0, t.io_wait_s);
+  const overlapped = Math.max(0, busy - wait);
+  return { busy, wait, overlapped, share: busy > 0 ? overlapped / busy : null };
+}
+
 /** Totals over turns: tokens, seconds, bytes read and the cache hit rate over all lookups. */
 export function profileTotals(turns: TurnProfile[]): {
   turns: number;
@@ -344,9 +366,18 @@ export function profileTotals(turns: TurnProfile[]): {
   bytesRead: number;
   hitRate: number | null;
   decodeTokS: number | null;
+  /** Read busy and overlapped seconds summed over the turns that report them (null: none does). */
+  readBusy: number | null;
+  overlapped: number | null;
 } {
   let prefillTokens = 0, decodeTokens = 0, seconds = 0, decodeSeconds = 0, bytesRead = 0, hits = 0, misses = 0;
+  let readBusy: number | null = null, overlapped: number | null = null;
   for (const t of turns) {
+    const o = readOverlap(t);
+    if (o !== null) {
+      readBusy = (readBusy ?? 0) + o.busy;
+      overlapped = (overlapped ?? 0) + o.overlapped;
+    }
     prefillTokens += t.prefill_tokens;
     decodeTokens += t.decode_tokens;
     seconds += t.prefill_s + t.decode_s;
@@ -363,6 +394,8 @@ export function profileTotals(turns: TurnProfile[]): {
     bytesRead,
     hitRate: hits + misses > 0 ? hits / (hits + misses) : null,
     decodeTokS: decodeSeconds > 0 ? decodeTokens / decodeSeconds : null,
+    readBusy,
+    overlapped,
   };
 }
 

@@ -1,5 +1,5 @@
 import { useState } from "react";
-import { PHASES, errorText, fetchProfile, phaseShares, profileTotals, type Connection, type Profile, type TurnProfile } from "../lib/api";
+import { PHASES, errorText, fetchProfile, phaseShares, profileTotals, readOverlap, type Connection, type Profile, type TurnProfile } from "../lib/api";
 import { usePoll } from "../lib/poll";
 
 function bytes(n: number): string {
@@ -10,7 +10,27 @@ function bytes(n: number): string {
 }
 
 function secs(s: number): string {
+  if (s > 0 && s < 0.001) return `${(s * 1e6).toFixed(0)} µs`;
   return s < 1 ? `${(s * 1000).toFixed(1)} ms` : `${s.toFixed(2)} s`;
+}
+
+/** What the overlap figure means (the column's and the tile's tooltip). */
+const OVERLAP_HELP =
+  "Expert reading overlapped with compute = read busy time − I/O wait. Read busy time: the wall time during which at least one " +
+  "expert read from disk was in flight (overlapping reads count once). I/O wait: the time the compute stood blocked waiting for " +
+  "reads. The difference is reading hidden behind compute; shown as 0 when the wait exceeds it.";
+
+/** One turn's overlap cell: overlapped seconds and their share of the read busy time. */
+function Overlap({ turn }: { turn: TurnProfile }) {
+  const o = readOverlap(turn);
+  if (o === null) return <td className="muted" title="this server does not report read busy time">–</td>;
+  if (o.busy === 0) return <td className="muted" data-testid="turn-overlap" data-overlap-s={0} title="no expert read in flight during this turn">no reads</td>;
+  const title = `read busy ${secs(o.busy)} − I/O wait ${secs(o.wait)} = ${secs(o.overlapped)} overlapped with compute`;
+  return (
+    <td data-testid="turn-overlap" data-overlap-s={o.overlapped} title={title}>
+      {secs(o.overlapped)} {o.share !== null && <span className="muted">({(o.share * 100).toFixed(0)}%)</span>}
+    </td>
+  );
 }
 
 function PhaseBar({ turn }: { turn: TurnProfile }) {
@@ -85,6 +105,16 @@ export function Profiling({ conn }: { conn: Connection }) {
             <div className="tile"><span className="muted">last prefill</span><strong>{last ? `${last.prefill_tok_s.toFixed(1)} tok/s` : "–"}</strong></div>
             <div className="tile"><span className="muted">cache hit rate</span><strong data-testid="hit-rate">{totals.hitRate === null ? "all resident" : `${(totals.hitRate * 100).toFixed(1)}%`}</strong></div>
             <div className="tile"><span className="muted">expert bytes read</span><strong>{bytes(totals.bytesRead)}</strong></div>
+            <div className="tile" title={OVERLAP_HELP}>
+              <span className="muted">read overlapped with compute</span>
+              <strong data-testid="overlap-total">
+                {totals.overlapped === null || totals.readBusy === null
+                  ? "–"
+                  : totals.readBusy === 0
+                    ? "no reads"
+                    : `${secs(totals.overlapped)} of ${secs(totals.readBusy)} read`}
+              </strong>
+            </div>
           </div>
           <div className="card">
             <h2>Where the time went</h2>
@@ -93,9 +123,10 @@ export function Profiling({ conn }: { conn: Connection }) {
                 <span key={phase}><span className={`swatch ph${i}`} aria-hidden="true" /> {label}</span>
               ))}
             </p>
-            <p className="muted small">
-              I/O wait is the time compute stood waiting for expert reads; reads that overlapped compute are in the bytes read, not in
-              the time. Other: the rest of each turn (sampling, norms, bookkeeping).
+            <p className="muted small" data-testid="overlap-legend">
+              I/O wait is the time compute stood waiting for expert reads. Overlap = read busy time (wall time with at least one
+              expert read from disk in flight, overlapping reads counted once) − I/O wait: the reading hidden behind compute, with
+              its share of the read busy time. Other: the rest of each turn (sampling, norms, bookkeeping).
             </p>
             <div className="table-wrap">
               <table className="turns" data-testid="turns-table">
@@ -109,6 +140,7 @@ export function Profiling({ conn }: { conn: Connection }) {
                     <th scope="col" className="wide">phases</th>
                     <th scope="col">hits</th>
                     <th scope="col">read</th>
+                    <th scope="col" title={OVERLAP_HELP}>overlap</th>
                   </tr>
                 </thead>
                 <tbody>
@@ -125,6 +157,7 @@ export function Profiling({ conn }: { conn: Connection }) {
                         <td className="wide"><PhaseBar turn={t} /></td>
                         <td>{`${(t.cache_hit_rate * 100).toFixed(0)}%`}</td>
                         <td>{bytes(t.bytes_read)}</td>
+                        <Overlap turn={t} />
                       </tr>
                     ))}
                 </tbody>

@@ -112,6 +112,13 @@ impl Model {
         for s in seqs.iter() {
             self.check_tokens(s.kv.len, s.tokens)?;
         }
+        // A turn's counters start before its first pass (that pass's reads are the turn's).
+        if seqs.iter().any(|s| s.turn.needs_start()) {
+            let store = self.store_stats().unwrap_or_default();
+            for s in seqs.iter_mut().filter(|s| s.turn.needs_start()) {
+                s.turn.begin(store.clone());
+            }
+        }
         let t0 = Instant::now();
         let mut pass = Pass {
             routed: vec![Vec::new(); seqs.len()],
@@ -166,10 +173,8 @@ impl Model {
             }
         }
         pass.times.total = t0.elapsed();
-        let store = self.store_stats().unwrap_or_default();
         for (s, routed) in seqs.iter_mut().zip(&pass.routed) {
-            s.turn
-                .add_pass(s.tokens.len(), &pass.times, routed, store.clone());
+            s.turn.add_pass(s.tokens.len(), &pass.times, routed);
         }
         r.map(|()| logits)
     }

@@ -10,6 +10,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -126,10 +127,13 @@ pub(crate) struct Reader {
 const PREAD_THREADS: usize = 4;
 
 impl Reader {
+    /// Starts the reader. `slow`: each pread read first sleeps this long (tests only, a disk of
+    /// known speed; zero otherwise).
     pub fn start(
         file: &File,
         backend: IoBackend,
         done: Arc<dyn Complete>,
+        slow: Duration,
     ) -> io::Result<(Reader, Option<String>)> {
         let queue = Arc::new(Queue {
             reqs: Mutex::new((VecDeque::new(), false)),
@@ -163,7 +167,7 @@ impl Reader {
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("colibri-pread-{i}"))
-                    .spawn(move || pread_worker(&f, &q, &*d))?,
+                    .spawn(move || pread_worker(&f, &q, &*d, slow))?,
             );
         }
         Ok((
@@ -212,7 +216,7 @@ impl Drop for Reader {
     }
 }
 
-fn pread_worker(f: &File, q: &Queue, done: &dyn Complete) {
+fn pread_worker(f: &File, q: &Queue, done: &dyn Complete, slow: Duration) {
     loop {
         let req = {
             let mut g = q.reqs.lock().unwrap_or_else(|e| e.into_inner());
@@ -226,6 +230,9 @@ fn pread_worker(f: &File, q: &Queue, done: &dyn Complete) {
                 g = q.cv.wait(g).unwrap_or_else(|e| e.into_inner());
             }
         };
+        if !slow.is_zero() {
+            std::thread::sleep(slow);
+        }
         let r = do_read(f, &req);
         done.complete(req.slot, req.len, r);
     }

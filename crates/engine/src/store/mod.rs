@@ -167,6 +167,12 @@ pub struct StoreStats {
     pub prefetch_used: u64,
     /// Time callers spent blocked waiting for records.
     pub io_wait_s: f64,
+    /// Read busy time: wall-clock seconds during which at least one expert read was in flight
+    /// (the store's `BusyClock`: from the read's slot assignment to its completion). Reads
+    /// that overlap count once; `read_busy_s - io_wait_s` is the read time no caller waited
+    /// for: hidden behind compute.
+    #[serde(default)]
+    pub read_busy_s: f64,
     /// Slots: all of them, and the pinned ones among them.
     pub slots: usize,
     pub pinned: usize,
@@ -256,7 +262,52 @@ struct State {
     /// Records of one layer's request above which a step's requests over every MoE layer
     /// overflow the cache (its unpinned slots / MoE layers).
     overflow_at: usize,
+    /// Reads in flight and since when (feeds `stats.read_busy_s`).
+    busy: BusyClock,
     stats: StoreStats,
+}
+
+/// Wall time during which at least one read is in flight. A read is in flight from the moment
+/// the store gives it a cache slot and queues it for the reader ([`ExpertStore::assign`], the
+/// pinned load at open) until its completion is recorded ([`io::Complete::complete`], success
+/// or error); both ends happen under the state lock, so the count is exact. The clock runs
+/// while the count is above zero: overlapping reads count once, gaps with no read count
+/// nothing. It reads the time only when the count leaves or returns to zero (two
+/// `Instant::now()` per busy period, none per read in between).
+#[derive(Clone, Copy, Debug, Default)]
+struct BusyClock {
+    in_flight: u32,
+    /// When the count last left zero (meaningful while `in_flight > 0`).
+    since: Option<Instant>,
+    /// Closed busy periods.
+    total: Duration,
+}
+
+impl BusyClock {
+    fn start(&mut self, now: impl FnOnce() -> Instant) {
+        if self.in_flight == 0 {
+            self.since = Some(now());
+        }
+        self.in_flight += 1;
+    }
+
+    fn finish(&mut self, now: impl FnOnce() -> Instant) {
+        debug_assert!(self.in_flight > 0, "a read finished that never started");
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if self.in_flight == 0 {
+            if let Some(t) = self.since.take() {
+                self.total += now().saturating_duration_since(t);
+            }
+        }
+    }
+
+    /// Busy time up to `now`, the open period included.
+    fn busy_at(&self, now: Instant) -> Duration {
+        match self.since {
+            Some(t) if self.in_flight > 0 => self.total + now.saturating_duration_since(t),
+            _ => self.total,
+        }
+    }
 }
 
 /// The cache memory: `slots * record_size` bytes of anonymous memory (huge pages advised).
@@ -334,6 +385,7 @@ impl io::Complete for Shared {
                 }
             }
         }
+        s.busy.finish(Instant::now);
         drop(s);
         self.ready.notify_all();
     }
@@ -354,6 +406,17 @@ impl ExpertStore {
     /// Opens the store: sizes the arena from `opts`, starts the reader, and loads `hot` (records,
     /// hottest first) into the pinned part.
     pub(crate) fn open(layout: StoreLayout, opts: &ExpertOptions, hot: &[u32]) -> Result<Self> {
+        Self::open_with(layout, opts, hot, Duration::ZERO)
+    }
+
+    /// [`ExpertStore::open`] whose pread reads each take at least `slow` (tests: a disk of
+    /// known speed; zero in the engine).
+    fn open_with(
+        layout: StoreLayout,
+        opts: &ExpertOptions,
+        hot: &[u32],
+        slow: Duration,
+    ) -> Result<Self> {
         let rs = layout.record_size;
         let records = layout.rec_layer.len();
         let mut notes = Vec::new();
@@ -437,6 +500,7 @@ impl ExpertStore {
             freq_always,
             by_freq_now: freq_always,
             overflow_at: cache / layout.moe_layers.max(1),
+            busy: BusyClock::default(),
             stats: StoreStats {
                 slots,
                 pinned,
@@ -450,7 +514,7 @@ impl ExpertStore {
             ready: Condvar::new(),
             arena,
         });
-        let (reader, note) = Reader::start(&file, opts.io, shared.clone())
+        let (reader, note) = Reader::start(&file, opts.io, shared.clone(), slow)
             .map_err(|e| Error::Input(format!("cannot start expert readers: {e}")))?;
         notes.extend(note);
         {
@@ -489,6 +553,7 @@ impl ExpertStore {
                 s.pins[rec as usize] += 1;
                 reqs.push(self.req(i as u32, rec));
                 s.stats.reads += 1;
+                s.busy.start(Instant::now);
             }
         }
         self.reader.submit(reqs);
@@ -522,8 +587,12 @@ impl ExpertStore {
         self.record_size
     }
 
+    /// The counters now (`read_busy_s` includes a busy period still open).
     pub fn stats(&self) -> StoreStats {
-        self.shared.lock().stats.clone()
+        let s = self.shared.lock();
+        let mut st = s.stats.clone();
+        st.read_busy_s = s.busy.busy_at(Instant::now()).as_secs_f64();
+        st
     }
 
     /// Takes a slot for `rec` (which is in no slot) if one can be evicted; returns its read.
@@ -555,6 +624,7 @@ impl ExpertStore {
             s.lru.touch(v);
         }
         s.stats.reads += 1;
+        s.busy.start(Instant::now);
         if prefetch {
             s.stats.prefetch_reads += 1;
         }

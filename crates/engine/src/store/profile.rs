@@ -38,6 +38,12 @@ pub struct Profile {
     pub other_s: f64,
     /// Bytes read from the experts file (0 when every expert is resident).
     pub bytes_read: u64,
+    /// Read busy time during the turn: wall-clock seconds, from the start of its first pass to
+    /// its end, during which at least one expert read was in flight (overlapping reads count
+    /// once; reads of streams stepped with it count too, as shared passes do). The part of it
+    /// that compute did not wait for, `read_busy_s - io_wait_s`, is the reading overlapped
+    /// with compute. 0 when every expert is resident.
+    pub read_busy_s: f64,
     pub cache_hits: u64,
     pub cache_misses: u64,
     /// `hits / (hits + misses)`; 1.0 when every expert is resident.
@@ -71,7 +77,7 @@ pub struct Turn {
     passes: u64,
     predicted_hit: u64,
     predicted_of: u64,
-    /// The store's counters when the turn's first pass ran (None before it).
+    /// The store's counters when the turn's first pass started (None before it).
     start: Option<StoreStats>,
     /// model layer -> expert -> routed this turn (grown as layers report).
     routed: Vec<Vec<bool>>,
@@ -85,19 +91,22 @@ pub(crate) struct Finished {
 }
 
 impl Turn {
+    /// Whether the turn's counters start is still to be taken ([`Turn::begin`]).
+    pub(crate) fn needs_start(&self) -> bool {
+        self.start.is_none()
+    }
+
+    /// Takes the store's counters `store` as the turn's start (before its first pass runs, so
+    /// that pass's reads count in the turn); later calls change nothing.
+    pub(crate) fn begin(&mut self, store: StoreStats) {
+        self.start.get_or_insert(store);
+    }
+
     /// Adds one forward pass of `n` of this turn's tokens that took `t` (the whole pass's times,
     /// shared with any sequences stepped with it) and routed `routed` ((model layer, experts) of
-    /// this turn's tokens). `store` is the store's counters now, the turn's start if it is the
-    /// first pass.
-    pub(crate) fn add_pass(
-        &mut self,
-        n: usize,
-        t: &PassTimes,
-        routed: &[(usize, Vec<usize>)],
-        store: StoreStats,
-    ) {
+    /// this turn's tokens). The turn's start counters were taken before it ([`Turn::begin`]).
+    pub(crate) fn add_pass(&mut self, n: usize, t: &PassTimes, routed: &[(usize, Vec<usize>)]) {
         let prefill = n > 1 || self.passes == 0;
-        self.start.get_or_insert(store);
         self.passes += 1;
         let c = &mut self.cur;
         if prefill {
@@ -139,12 +148,14 @@ impl Turn {
         layers: usize,
     ) -> Option<(Profile, Vec<Vec<u32>>)> {
         if self.passes == 0 {
+            self.start = None;
             return None;
         }
         let done = std::mem::take(self);
         let mut p = done.cur;
         let s = done.start.unwrap_or_default();
         p.bytes_read = now.bytes_read - s.bytes_read;
+        p.read_busy_s = (now.read_busy_s - s.read_busy_s).max(0.0);
         p.cache_hits = now.hits - s.hits;
         p.cache_misses = now.misses - s.misses;
         p.prefetch_reads = now.prefetch_reads - s.prefetch_reads;

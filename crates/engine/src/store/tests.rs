@@ -539,9 +539,23 @@ fn turn_profiles_heat_and_routed_experts() {
     };
     let m = Model::load_with(&c.dir, Some(2), &o).unwrap();
     assert_eq!(m.last_profile(), profile::Profile::default());
+    let before = m.store_stats().unwrap();
     greedy(&m, 5);
+    let after = m.store_stats().unwrap();
     let ps = m.profiles();
     assert_eq!(ps.len(), 2);
+    // A turn's counters start before its first pass: the two turns hold every read and lookup
+    // (prefetches still in flight at a turn's end aside: none are left by then here).
+    let sum = |f: fn(&profile::Profile) -> u64| ps.iter().map(f).sum::<u64>();
+    let lookups = after.hits + after.misses - before.hits - before.misses;
+    assert_eq!(sum(|p| p.cache_hits + p.cache_misses), lookups);
+    assert!(sum(|p| p.bytes_read) <= after.bytes_read - before.bytes_read);
+    assert!(ps[0].bytes_read > 0);
+    // Read busy time: some when something was read, never more than the turn's span.
+    for p in &ps {
+        assert!(p.read_busy_s > 0.0, "{p:?}");
+        assert!(p.read_busy_s <= after.read_busy_s - before.read_busy_s + 1e-9);
+    }
     let p = m.last_profile();
     assert_eq!((p.prefill_tokens, p.decode_tokens), (7, 5));
     assert!(p.prefill_tok_s > 0.0 && p.decode_tok_s > 0.0);
@@ -571,7 +585,10 @@ fn turn_profiles_heat_and_routed_experts() {
     // A resident model profiles too.
     greedy(&m2, 2);
     let p = m2.last_profile();
-    assert_eq!((p.cache_hit_rate, p.bytes_read), (1.0, 0));
+    assert_eq!(
+        (p.cache_hit_rate, p.bytes_read, p.read_busy_s),
+        (1.0, 0, 0.0)
+    );
     fs::remove_dir_all(&c.dir).unwrap();
     fs::remove_dir_all(&hf).unwrap();
 }
@@ -720,4 +737,70 @@ fn the_default_budget_is_everything_when_it_fits() {
     }
     assert!(fit_ram_bytes(&c.dir.join("missing"), 0).is_err());
     fs::remove_dir_all(&c.dir).unwrap();
+}
+
+/// The busy clock alone, on times it is given: overlapping reads count once, a gap with no read
+/// counts nothing, an open period counts up to the moment asked.
+#[test]
+fn read_busy_time_counts_overlapping_reads_once() {
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let mut c = BusyClock::default();
+    c.start(|| at(0)); // read A 0..30 ms
+    c.start(|| at(10)); // read B 10..50 ms: overlaps A
+    c.finish(|| at(30));
+    assert_eq!(c.busy_at(at(40)), Duration::from_millis(40)); // open period counted
+    c.finish(|| at(50));
+    assert_eq!(c.busy_at(at(100)), Duration::from_millis(50)); // idle 50..100: nothing
+    c.start(|| at(100)); // read C 100..120 ms, alone
+    c.finish(|| at(120));
+    assert_eq!(c.busy_at(at(500)), Duration::from_millis(70));
+    assert_eq!(c.in_flight, 0);
+}
+
+/// Through a real store whose pread reads each take 100 ms: one read counts its time; four
+/// reads at once (four pread threads) count about 100 ms, not 400; a read left to run while
+/// the caller "computes" is busy time the caller did not wait for (read busy - I/O wait).
+#[test]
+fn read_busy_time_of_slow_reads() {
+    let (d, layout) = synthetic("busy", 16, 2);
+    let slow = Duration::from_millis(100);
+    let o = opts(16, IoBackend::Pread, false, Policy::GlobalLru);
+    let store = ExpertStore::open_with(layout, &o, &[], slow).unwrap();
+    assert_eq!(store.stats().read_busy_s, 0.0);
+    let take_all = |recs: &[u32]| {
+        let mut b = store.request(recs);
+        while !b.next_ready().unwrap().is_empty() {}
+    };
+    let busy = |s: &StoreStats| s.read_busy_s;
+    let s0 = store.stats();
+    take_all(&[0]);
+    let s1 = store.stats();
+    let one = busy(&s1) - busy(&s0);
+    assert!((0.1..0.2).contains(&one), "one read: {one}");
+    assert!(s1.io_wait_s - s0.io_wait_s >= 0.09, "{s1:?}");
+    // Four at once: their times overlap and count once.
+    take_all(&[1, 2, 3, 4]);
+    let s2 = store.stats();
+    let four = busy(&s2) - busy(&s1);
+    assert!((0.1..0.3).contains(&four), "four overlapping reads: {four}");
+    // A read in flight: the open period is in the counters already.
+    let mut b = store.request(&[5]);
+    std::thread::sleep(Duration::from_millis(50));
+    let mid = busy(&store.stats()) - busy(&s2);
+    assert!(mid >= 0.05, "open period: {mid}");
+    // ... and the caller computes 250 ms before taking it: it never waits.
+    std::thread::sleep(Duration::from_millis(200));
+    while !b.next_ready().unwrap().is_empty() {}
+    drop(b);
+    let s3 = store.stats();
+    let (read, waited) = (busy(&s3) - busy(&s2), s3.io_wait_s - s2.io_wait_s);
+    assert!((0.1..0.2).contains(&read), "{read}");
+    assert!(waited < 0.01, "{waited}");
+    assert!(read - waited >= 0.09, "overlapped: {}", read - waited);
+    // Cached records read nothing: the clock stands still.
+    take_all(&[0, 1, 5]);
+    assert_eq!(busy(&store.stats()), busy(&s3));
+    drop(store);
+    fs::remove_dir_all(&d).unwrap();
 }
