@@ -350,16 +350,26 @@ def long_section(summary: dict, results: dict) -> str:
     if base and "## Training" in base:
         section = base.split("## Training", 1)[1].split("\n## ", 1)[0].strip("\n")
         section = section.replace("![training loss](loss.png)", "").strip("\n")
+        # A base that was itself fine-tuned: its own base follows (the chain back to scratch).
+        earlier = (
+            base.split("\n## Base model\n", 1)[1].strip("\n") if "\n## Base model\n" in base else ""
+        )
         out += [
             "",
             "## Base model",
             "",
-            f"The weights this run started from (`{init}`) were trained from scratch with the"
-            " recipe above (the copying city names joining later, as that card said); its card's"
-            " Training section:",
+            f"The weights this run started from (`{init}`); the Training section of their card:",
             "",
             section,
         ]
+        if earlier:
+            out += ["", "Its own base:", "", earlier]
+        else:
+            out += [
+                "",
+                "(trained from scratch with the recipe above, the copying city names joining "
+                "later)",
+            ]
     return "\n".join(out) + "\n"
 
 
