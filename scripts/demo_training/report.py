@@ -95,6 +95,12 @@ def card(summary: dict, results: dict, args) -> str:
         else ""
     )
     piece_from = round(float(a.get("piece_names_from", "0")) * 100)
+    late_note = (
+        "a run from scratch must add them late: from the start, the copying never formed, tool "
+        "calls 27%; this fine-tune starts from weights that copy"
+        if a.get("init_from", "None") != "None"
+        else "from the start, the copying never formed: tool calls\n27%"
+    )
     near_miss = float(a.get("near_miss", "0"))
     trailing = a.get("trailing_phrasings") == "True"
     drill = float(a.get("copy_drill", "0"))
@@ -212,9 +218,9 @@ tool while tools are declared, {mix.get("echo", 0)}% a name to say back (a copy 
 Tool calls are trained with thinking on in {round(demo_data.TOOL_THINK_P * 100)}% of the turns.
 Cities in tool calls: from {piece_from}% of the steps on,
 {piece_pct}% are names strung from 1-4 random letter pieces of the tokenizer (a capitalised one
-first), so every piece is copied in training (from the start, the copying never formed: tool calls
-27%){short_note}{near_note}; the rest are 6,000 generated city-like names (some accented, some two
-words), ~90 real cities and the capitals.{drill_note}{trailing_note}
+first), so every piece is copied in training ({late_note}){short_note}{near_note}; the rest are
+6,000 generated city-like names (some accented, some two words), ~90 real cities and the
+capitals.{drill_note}{trailing_note}
 Loss only on the generated tokens: the text after each generation prompt, through the `<|user|>`
 or `<|observation|>` that ends the turn.
 
