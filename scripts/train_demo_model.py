@@ -99,7 +99,7 @@ import time
 from pathlib import Path
 
 from demo_training.batches import encode_conversation
-from demo_training.config import CONFIG, SEED
+from demo_training.config import CONFIG, SEED, rope_yarn
 from demo_training.evaluation import convert_and_eval, f32_sanity
 from demo_training.repo import SHIP_DIR, TEMPLATE_PATH, chat_template, demo_data
 from demo_training.report import card, plot_loss
@@ -209,7 +209,26 @@ def main() -> None:
         "--context",
         type=int,
         default=CONFIG["max_position_embeddings"],
-        help="max_position_embeddings of the model (RoPE as it is: the engine has no scaling)",
+        help="max_position_embeddings of the model",
+    )
+    ap.add_argument(
+        "--rope-yarn",
+        type=float,
+        default=0.0,
+        help="YaRN RoPE scaling by this factor over --rope-original positions (transformers' "
+        "rope_type yarn, which the engine computes the same way); 0: plain RoPE",
+    )
+    ap.add_argument(
+        "--rope-original",
+        type=int,
+        default=2048,
+        help="original_max_position_embeddings of --rope-yarn (the context RoPE was trained at)",
+    )
+    ap.add_argument(
+        "--rope-attention-factor",
+        type=float,
+        default=None,
+        help="attention_factor of --rope-yarn (default: YaRN's 0.1 ln(factor) + 1)",
     )
     ap.add_argument(
         "--long-share",
@@ -253,7 +272,13 @@ def main() -> None:
         default=0,
         help="also evaluate this many prompts per task after a long agent preamble",
     )
-    ap.add_argument("--long-eval-tokens", type=int, default=12000)
+    ap.add_argument(
+        "--long-eval-tokens",
+        type=int,
+        nargs="+",
+        default=[12000],
+        help="preamble lengths of the long evaluation (each --long-eval-n prompts per task)",
+    )
     ap.add_argument(
         "--out-model",
         type=Path,
@@ -279,6 +304,10 @@ def main() -> None:
 
     random.seed(SEED)
     CONFIG["max_position_embeddings"] = args.context
+    if args.rope_yarn:
+        CONFIG["rope_parameters"] = rope_yarn(
+            args.rope_yarn, args.rope_original, args.rope_attention_factor
+        )
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -309,6 +338,9 @@ def main() -> None:
         summary["args"] = {k: str(v) for k, v in vars(args).items()}
         summary["vocab_size"] = tok.get_vocab_size()
         summary["argv"] = sys.argv[1:]
+        if args.init_from and (args.init_from / "CARD.md").exists():
+            # The card of the weights this run started from: the new card keeps its story.
+            summary["base_card"] = (args.init_from / "CARD.md").read_text(encoding="utf-8")
         (work / "train.json").write_text(json.dumps(summary))
         plot_loss(res["log"], work / "loss.png")
         print(f"trained in {res['train_time']:.0f}s", flush=True)

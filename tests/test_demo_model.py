@@ -4,6 +4,7 @@ what a user of a fresh install sees (issue 5's end-to-end checks)."""
 from __future__ import annotations
 
 import json
+import random
 
 import anthropic
 import pytest
@@ -11,6 +12,7 @@ from openai import OpenAI
 
 from colibri.demo.builtin import demo_model_dir
 from colibri.demo.data import TOOLS
+from colibri.demo.preamble import agent_preamble
 
 from .server import RunningServer
 
@@ -85,6 +87,35 @@ def test_a_tool_call_parsed_in_both_modes(client):
     assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_tool_call_and_a_sum_at_the_end_of_a_12k_token_agent_preamble(client):
+    """An agent's first turn: a ~12k-token system prompt and tool catalog (a synthetic coding
+    agent's, ``colibri.demo.preamble``, the weather tool among ~30 others), then the question.
+    The model (fine-tuned on such preambles, its CARD.md) calls the tool with the city, and
+    sums."""
+    pre = agent_preamble(random.Random("test-demo-12k"), 24000, [WEATHER])
+    system = {"role": "system", "content": pre["system"]}
+    r = client.chat.completions.create(
+        model="colibri-demo",
+        messages=[system, {"role": "user", "content": "What's the weather in Lisbon?"}],
+        tools=pre["tools"],
+        max_tokens=80,
+    )
+    assert r.usage.prompt_tokens > 11000
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Lisbon"}
+    r = client.chat.completions.create(
+        model="colibri-demo",
+        messages=[system, {"role": "user", "content": "What is 37 + 48?"}],
+        tools=pre["tools"],
+        max_tokens=80,
+        extra_body={"enable_thinking": True},
+    )
+    assert r.choices[0].message.content.strip() == "85"
 
 
 def test_anthropic_tool_use(server):

@@ -1,7 +1,8 @@
 """RoPE-scaled variants of the demo model (``colibri.demo.rope_sweep``): only the config changes,
-the engine runs them at the larger context, and the measured behaviour holds (YaRN keeps the
-short-prompt answers and carries them to a 2.5k-token preamble, past the 1,024 tokens the model
-was trained on, where the model as shipped fails)."""
+and the engine runs them at the larger context. The sweep measured that scaling alone carries
+the short-context model no further than ~3k tokens (docs/PERFORMANCE.md); the shipped model is
+that model fine-tuned on agent preambles with YaRN x16 (its CARD.md), and the sweep scores it
+past the base's 2,048-token context."""
 
 from __future__ import annotations
 
@@ -36,20 +37,17 @@ def test_a_variant_changes_only_the_context_and_rope_of_the_config(tmp_path):
     assert Engine(d).info["context_length"] == 4096
 
 
-def test_yarn_answers_past_the_trained_length_where_the_shipped_model_does_not(tmp_path):
-    rows = rope_sweep.sweep(tmp_path, ["orig", "yarn16"], [0, 1500], n=4, tasks=["arith"])
+def test_the_shipped_model_answers_past_its_base_context(tmp_path):
+    rows = rope_sweep.sweep(tmp_path, ["orig"], [0, 3000], n=4, tasks=["arith"])
     got = {(r["variant"], r["preamble"]): r for r in rows}
-    # Short prompts: both answer (measured 30/30 and 28/30 at n=30).
+    # Short prompts and the end of a ~3k-token agent preamble, past the 2,048 positions of
+    # the model it was fine-tuned from (which answered nothing after 1.4k tokens).
     assert got[("orig", 0)]["correct"] >= 3
-    assert got[("yarn16", 0)]["correct"] >= 3
-    # At the end of a ~1.4k-token agent preamble the model as shipped (trained on 1,024
-    # tokens at most) answers nothing, YaRN x16 answers (measured 0/10 and 10/10).
-    assert got[("orig", 1500)]["preamble_tokens"] > 1024
-    assert got[("orig", 1500)]["correct"] <= 1
-    assert got[("yarn16", 1500)]["correct"] >= 3
+    assert got[("orig", 3000)]["preamble_tokens"] > 2048
+    assert got[("orig", 3000)]["correct"] >= 3
     table = rope_sweep.format_table(rows)
     assert table.splitlines()[0].startswith("| variant | short | ")
-    assert "| yarn16 | " in table
+    assert "| orig | " in table
 
 
 def test_the_command_line_prints_the_table(tmp_path, capsys):

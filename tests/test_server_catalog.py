@@ -141,7 +141,7 @@ def test_the_catalog_is_listed_default_first_with_seed_003s_fields(oai, ids, ser
         listed[i] for i in ("colibri-demo", BUILTIN, ids["qwen"], SCORER)
     )
     assert demo["name"] == "colibri-demo" and demo["max_model_len_source"] == "resident"
-    assert demo["max_model_len"] == 2048 and demo["tool_calling_configured"] is True
+    assert demo["max_model_len"] == 32768 and demo["tool_calling_configured"] is True
     assert (builtin["name"], qwen["name"], scorer["name"]) == ("shared", "shared", "scorer")
     assert listed[ids["olmoe"]]["name"] == "olmoe-small"
     assert scorer["task_type"] == "scoring" and builtin["task_type"] == "text-generation"

@@ -279,7 +279,7 @@ def test_the_system_page_shows_health_and_the_model(demo, open_page):
     for field in ("capacity", "admitted", "completed", "cancelled", "queued"):
         assert field in table
     model = page.get_by_test_id("model-table").inner_text()
-    assert "colibri-demo" in model and "2048 tokens" in model
+    assert "colibri-demo" in model and "32768 tokens" in model
     info = httpx.get(demo.url + "/v1/colibri/info").json()
     engine = page.get_by_test_id("engine-table").inner_text()
     assert info["architecture"] in engine and info["kernel"] in engine
@@ -407,11 +407,11 @@ def test_the_brio_page_scores_a_question_and_says_how_sure(demo, open_page):
     assert page.get_by_test_id("brio-question").count() == 1
 
     # The server's refusal in its own words: a document longer than the context.
-    page.get_by_label("Document").fill("word " * 3000)
+    page.get_by_label("Document").fill("word " * 20000)  # ~40k tokens
     page.get_by_role("button", name="Score", exact=True).click()
     error = page.get_by_test_id("brio-error")
     error.wait_for(timeout=30_000)
-    assert error.inner_text().startswith("400 This model's maximum context length is 2048 tokens")
+    assert error.inner_text().startswith("400 This model's maximum context length is 32768 tokens")
     assert page.get_by_test_id("brio-answer").count() == 0
     no_horizontal_overflow(page)
     no_console_errors(p, re.compile(r"Failed to load resource.*400"))

@@ -1,6 +1,6 @@
 """The demo model's fixed recipe: the seed, the tokenizer's size, special tokens and
 pre-tokenization, and the ``Glm4MoeForCausalLM`` config (``max_position_embeddings`` is set
-from ``--context`` at start)."""
+from ``--context`` at start, ``rope_parameters`` from ``--rope-yarn``)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,17 @@ CONFIG = {
     "initializer_range": 0.02,
     "num_mtp_layers": 0,
 }
+
+
+def rope_yarn(factor: float, original: int, attention_factor: float | None = None) -> dict:
+    """The config's ``rope_parameters`` for YaRN scaling by ``factor`` over ``original``
+    positions (the recipe's theta and partial rotary factor kept)."""
+    out = {
+        **CONFIG["rope_parameters"],
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+    }
+    if attention_factor is not None:
+        out["attention_factor"] = float(attention_factor)
+    return out

@@ -46,11 +46,15 @@ def f32_sanity(model, tok, template) -> None:
 
 
 def convert_and_eval(
-    work: Path, n_per_task: int, eval_seed: int, long_n: int = 0, long_tokens: int = 12000
+    work: Path,
+    n_per_task: int,
+    eval_seed: int,
+    long_n: int = 0,
+    long_tokens: list[int] | None = None,
 ) -> dict:
     """Converts WORK/hf to f32 and int4 and evaluates both (``results[quant]``); with
-    ``long_n``, also ``long_n`` prompts per task at the end of a ~``long_tokens``-token agent
-    preamble (``results["long"][quant]``)."""
+    ``long_n``, also ``long_n`` prompts per task at the end of an agent preamble of about each
+    of ``long_tokens`` tokens (``results["long"][str(tokens)][quant]``)."""
     results: dict = {}
     for quant in ("f32", "int4"):
         out = work / f"model-{quant}"
@@ -59,43 +63,20 @@ def convert_and_eval(
         subprocess.run(
             [str(COLIBRI), "convert", str(work / "hf"), str(out), "--quant", quant], check=True
         )
-        res = subprocess.run(
-            [
-                str(VENV_PY),
-                "-m",
-                "colibri.demo.eval",
-                "--model",
-                str(out),
-                "--n",
-                str(n_per_task),
-                "--seed",
-                str(eval_seed),
-                "--json",
-                str(work / f"eval-{quant}.json"),
-            ],
+        evaluate = [str(VENV_PY), "-m", "colibri.demo.eval", "--model", str(out)]
+        evaluate += ["--seed", str(eval_seed)]
+        subprocess.run(
+            [*evaluate, "--n", str(n_per_task), "--json", str(work / f"eval-{quant}.json")],
             check=True,
         )
-        del res
         results[quant] = json.loads((work / f"eval-{quant}.json").read_text())
-        if long_n > 0:
+        for tokens in (long_tokens or []) if long_n > 0 else []:
+            path = work / f"eval-long{tokens}-{quant}.json"
             subprocess.run(
-                [
-                    str(VENV_PY),
-                    "-m",
-                    "colibri.demo.eval",
-                    "--model",
-                    str(out),
-                    "--n",
-                    str(long_n),
-                    "--seed",
-                    str(eval_seed),
-                    "--preamble-tokens",
-                    str(long_tokens),
-                    "--json",
-                    str(work / f"eval-long-{quant}.json"),
-                ],
+                [*evaluate, "--n", str(long_n), "--preamble-tokens", str(tokens)]
+                + ["--json", str(path)],
                 check=True,
             )
-            long = json.loads((work / f"eval-long-{quant}.json").read_text())
-            results.setdefault("long", {})[quant] = long
+            long = json.loads(path.read_text())
+            results.setdefault("long", {}).setdefault(str(tokens), {})[quant] = long
     return results

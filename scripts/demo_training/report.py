@@ -44,6 +44,17 @@ def card(summary: dict, results: dict, args) -> str:
     cfg = dict(CONFIG)
     a = summary["args"]
     cfg["max_position_embeddings"] = int(a.get("context", cfg["max_position_embeddings"]))
+    yarn = float(a.get("rope_yarn", "0"))
+    rope_note = (
+        f", YaRN x{yarn:g} over {a.get('rope_original')} positions"
+        + (
+            f" with attention factor {float(a['rope_attention_factor']):g}"
+            if a.get("rope_attention_factor", "None") != "None"
+            else ""
+        )
+        if yarn
+        else ""
+    )
     tie = a.get("tie_embeddings") == "True"
     tied = "tied (input and output share one matrix)" if tie else "untied"
     n_eval = results["int4"]["tasks"]["arith"]["n"]
@@ -61,7 +72,7 @@ def card(summary: dict, results: dict, args) -> str:
         f"{cfg['num_hidden_layers']} layers (layer 0 dense SwiGLU "
         f"{cfg['intermediate_size']}, layers 1-{cfg['num_hidden_layers'] - 1} MoE), hidden "
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} query heads / "
-        f"{cfg['num_key_value_heads']} KV heads of {cfg['head_dim']} (RoPE on half, "
+        f"{cfg['num_key_value_heads']} KV heads of {cfg['head_dim']} (RoPE on half{rope_note}, "
         f"q/k/v biases), {cfg['n_routed_experts']} routed experts of "
         f"{cfg['moe_intermediate_size']} (top-{cfg['num_experts_per_tok']}, sigmoid "
         f"routing with correction bias, normalised) + {cfg['n_shared_experts']} shared, "
@@ -84,6 +95,12 @@ def card(summary: dict, results: dict, args) -> str:
         else ""
     )
     piece_from = round(float(a.get("piece_names_from", "0")) * 100)
+    late_note = (
+        "a run from scratch must add them late: from the start, the copying never formed, tool "
+        "calls 27%; this fine-tune starts from weights that copy"
+        if a.get("init_from", "None") != "None"
+        else "from the start, the copying never formed: tool calls\n27%"
+    )
     near_miss = float(a.get("near_miss", "0"))
     trailing = a.get("trailing_phrasings") == "True"
     drill = float(a.get("copy_drill", "0"))
@@ -148,9 +165,27 @@ def card(summary: dict, results: dict, args) -> str:
             "This run was bound by the budget (the CPU was shared with other jobs), so its step"
             " count and learning rates depend on that load."
         )
+    if summary.get("argv"):
+        # The run's own command line (the card written by --only-convert / --card-only is the
+        # training run's).
+        command = "python scripts/train_demo_model.py " + " ".join(summary["argv"])
+    else:
+        command = (
+            f"python scripts/train_demo_model.py --seed {a.get('seed', SEED)} --steps "
+            f"{a['steps']}\n  --time-budget-min {a['time_budget_min']} --piece-names-from "
+            f"{a.get('piece_names_from', '0')}\n  --piece-share {piece_share} --short-pieces "
+            f"{a.get('short_pieces', '0')} --warmup {warmup}\n  --lr {a['lr']} --near-miss "
+            f"{near_miss} --copy-drill {drill}{tie_flag}{trailing_flag}\n  {later_flags}--ship"
+        )
+    origin = (
+        "from scratch, then fine-tuned for agent-length prompts (see Long prompts; the run it"
+        " started from is under Base model),"
+        if summary.get("base_card")
+        else "from scratch"
+    )
     return f"""# colibri demo model
 
-A tiny GLM-4.5-format Mixture-of-Experts (`Glm4MoeForCausalLM`) trained from scratch by
+A tiny GLM-4.5-format Mixture-of-Experts (`Glm4MoeForCausalLM`) trained {origin} by
 `scripts/train_demo_model.py` on synthetic conversations (`colibri/demo/data.py`), converted to
 colibri int4. It is the model `colibri serve` runs when no model is given. It knows exactly what it
 was trained on and nothing else.
@@ -183,9 +218,9 @@ tool while tools are declared, {mix.get("echo", 0)}% a name to say back (a copy 
 Tool calls are trained with thinking on in {round(demo_data.TOOL_THINK_P * 100)}% of the turns.
 Cities in tool calls: from {piece_from}% of the steps on,
 {piece_pct}% are names strung from 1-4 random letter pieces of the tokenizer (a capitalised one
-first), so every piece is copied in training (from the start, the copying never formed: tool calls
-27%){short_note}{near_note}; the rest are 6,000 generated city-like names (some accented, some two
-words), ~90 real cities and the capitals.{drill_note}{trailing_note}
+first), so every piece is copied in training ({late_note}){short_note}{near_note}; the rest are
+6,000 generated city-like names (some accented, some two words), ~90 real cities and the
+capitals.{drill_note}{trailing_note}
 Loss only on the generated tokens: the text after each generation prompt, through the `<|user|>`
 or `<|observation|>` that ends the turn.
 
@@ -221,11 +256,7 @@ evaluation cities (60 real ones and freshly generated names), a few tool phrasin
 - CPU, 2 threads (torch {_torch_version()}, transformers {_tf_version()}):
   {summary["train_time"] / 60:.1f} minutes. Final loss (mean of the last 100 steps):
   {final_loss:.4f}.
-- Command: `python scripts/train_demo_model.py --seed {a.get("seed", SEED)} --steps {a["steps"]}
-  --time-budget-min {a["time_budget_min"]} --piece-names-from {a.get("piece_names_from", "0")}
-  --piece-share {piece_share} --short-pieces {a.get("short_pieces", "0")} --warmup {warmup}
-  --lr {a["lr"]} --near-miss {near_miss} --copy-drill {drill}{tie_flag}{trailing_flag}
-  {later_flags}--ship`
+- Command: `{command}`
   (torch, transformers and matplotlib needed).
 
 ![training loss](loss.png)
@@ -263,13 +294,28 @@ def long_section(summary: dict, results: dict) -> str:
     out = ["", "## Long prompts (agent preambles)", ""]
     init = a.get("init_from", "None")
     if init != "None":
+        yarn = float(a.get("rope_yarn", "0"))
+        rope = (
+            f"YaRN RoPE scaling x{yarn:g} over {a.get('rope_original')} positions (transformers'"
+            " `rope_type: yarn`, which the engine computes the same way"
+            + (
+                f", attention factor {float(a['rope_attention_factor']):g}"
+                if a.get("rope_attention_factor", "None") != "None"
+                else ""
+            )
+            + "), in training and in the shipped config"
+            if yarn
+            else "RoPE as it was (theta 10000, the default type, no scaling)"
+        )
         out.append(
             f"Fine-tuned from `{init}` (its weights, dequantized when it is a colibri model "
-            f"directory) with `max_position_embeddings` {a.get('context')} and RoPE as it was "
-            "(theta 10000, the default type, no scaling: RoPE scaling alone does not carry the "
-            "short-context model past ~3k tokens, see docs/PERFORMANCE.md)."
+            f"directory) with `max_position_embeddings` {a.get('context')} and {rope}. RoPE "
+            "scaling alone, without training, does not carry the short-context model past ~3k "
+            "tokens (`python -m colibri.demo.rope_sweep`, docs/PERFORMANCE.md)."
         )
     if share:
+        if init != "None":
+            out.append("")
         n_long = summary.get("long_steps", 0)
         log = summary["log"]
         long_len = [r["len"] for r in log if r.get("long")]
@@ -285,31 +331,51 @@ def long_section(summary: dict, results: dict) -> str:
             f"above; those sequences were {mean_len:.0f} tokens on average (longest "
             f"{max(long_len, default=0)}). The other steps are the recipe above."
         )
-        if summary.get("argv"):
-            out.append("")
-            out.append(
-                "Command: `python scripts/train_demo_model.py " + " ".join(summary["argv"]) + "`"
-            )
-    if long:
-        r0 = long["int4"]
+        out.append("")
+        out.append("The command is under Training.")
+    for tokens, by_quant in (long or {}).items():
+        r0 = by_quant["int4"]
         out += [
             "",
             f"Evaluation: `python -m colibri.demo.eval --model DIR --n {r0['tasks']['arith']['n']} "
-            f"--preamble-tokens {a.get('long_eval_tokens')}`: the held-out prompts above, each "
-            "after an agent preamble "
-            f"of {r0['preamble_tokens']:.0f} tokens on average (longest prompt "
+            f"--preamble-tokens {tokens}`: the held-out prompts above, each after an agent "
+            f"preamble of {r0['preamble_tokens']:.0f} tokens on average (longest prompt "
             f"{r0['prompt_tokens_max']} tokens) declaring the three demo tools among "
             "the agent's (so every task is asked with tools declared).",
             "",
             "| task | f32 % | int4 % | prompts |",
             "|---|---|---|---|",
         ]
-        for t in long["f32"]["tasks"]:
-            out.append(
-                f"| {t} | {long['f32']['tasks'][t]['accuracy'] * 100:.1f} | "
-                f"{long['int4']['tasks'][t]['accuracy'] * 100:.1f} | "
-                f"{long['int4']['tasks'][t]['n']} |"
-            )
+        for t in r0["tasks"]:
+            cells = [
+                f"{by_quant[q]['tasks'][t]['accuracy'] * 100:.1f}" if q in by_quant else "-"
+                for q in ("f32", "int4")
+            ]
+            out.append(f"| {t} | {cells[0]} | {cells[1]} | {r0['tasks'][t]['n']} |")
+    base = summary.get("base_card")
+    if base and "## Training" in base:
+        section = base.split("## Training", 1)[1].split("\n## ", 1)[0].strip("\n")
+        section = section.replace("![training loss](loss.png)", "").strip("\n")
+        # A base that was itself fine-tuned: its own base follows (the chain back to scratch).
+        earlier = (
+            base.split("\n## Base model\n", 1)[1].strip("\n") if "\n## Base model\n" in base else ""
+        )
+        out += [
+            "",
+            "## Base model",
+            "",
+            f"The weights this run started from (`{init}`); the Training section of their card:",
+            "",
+            section,
+        ]
+        if earlier:
+            out += ["", "Its own base:", "", earlier]
+        else:
+            out += [
+                "",
+                "(trained from scratch with the recipe above, the copying city names joining "
+                "later)",
+            ]
     return "\n".join(out) + "\n"
 
 

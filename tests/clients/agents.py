@@ -102,6 +102,8 @@ def _go_install(prefix: Path, spec: str) -> None:
 
 
 # --- each client -------------------------------------------------------------------------------
+# The demo model's context (its CARD.md): every config below tells the client this window.
+FULL_CONTEXT = 32768
 
 
 def _claude(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
@@ -125,7 +127,7 @@ def _claude(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
     }
-    # --bare, no tools and a one-line system prompt: the request fits a 2k-token context.
+    # --bare, no tools and a one-line system prompt: a short first request (a quick prefill).
     argv = [str(exe), "-p", "--bare", "--tools", "", "--system-prompt", "Be brief.", task]
     return Run(argv, env)
 
@@ -140,7 +142,7 @@ def _opencode(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
                 "options": {"baseURL": url + "/v1", "apiKey": "local"},
                 "models": {
                     model: {"name": model, "tool_call": True,
-                            "limit": {"context": 2048, "output": 512}},
+                            "limit": {"context": FULL_CONTEXT, "output": 512}},
                 },
             }
         },
@@ -148,7 +150,7 @@ def _opencode(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
         "small_model": f"colibri/{model}",
         "autoupdate": False,
         "share": "disabled",
-        # A short agent prompt and the read tool only: the requests fit a 2k-token context.
+        # A short agent prompt and the read tool only: short requests (a quick prefill).
         "agent": {"build": {"prompt": "Be brief."}},
         "tools": {t: False for t in ("bash", "edit", "glob", "grep", "skill", "task",
                                      "todowrite", "webfetch", "write")},
@@ -175,7 +177,9 @@ def _pi(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
                 "baseUrl": url + "/v1",
                 "api": "openai-completions",
                 "apiKey": "local",
-                "models": [{"id": model, "name": model, "contextWindow": 2048, "maxTokens": 512}],
+                "models": [
+                    {"id": model, "name": model, "contextWindow": FULL_CONTEXT, "maxTokens": 512}
+                ],
             }
         }
     }
@@ -201,7 +205,8 @@ def _pi(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
 def _aider(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
     metadata = {
         f"openai/{model}": {
-            "max_input_tokens": 2048, "max_output_tokens": 512, "max_tokens": 2048,
+            "max_input_tokens": FULL_CONTEXT, "max_output_tokens": 512,
+            "max_tokens": FULL_CONTEXT,
             "input_cost_per_token": 0, "output_cost_per_token": 0,
             "litellm_provider": "openai", "mode": "chat",
         }
@@ -223,7 +228,7 @@ def _aider(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
 def _codex(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
     config = f"""model = "{model}"
 model_provider = "colibri"
-model_context_window = 2048
+model_context_window = {FULL_CONTEXT}
 
 [model_providers.colibri]
 name = "colibri"
@@ -247,7 +252,7 @@ def _crush(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
                 # crush's own advice: "openai-compat" for a server that is not OpenAI.
                 "name": "colibri", "type": "openai-compat", "base_url": url + "/v1",
                 "api_key": "local",
-                "models": [{"id": model, "name": model, "context_window": 2048,
+                "models": [{"id": model, "name": model, "context_window": FULL_CONTEXT,
                             "default_max_tokens": 512}],
             }
         },
@@ -272,11 +277,9 @@ def _crush(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
 
 
 # --- each client as shipped (its default preamble and tools) ------------------------------------
-# The runs above trim each client to fit the demo model's 2,048 tokens; these keep everything
-# the client sends by default (Claude Code ~28k tokens on the demo tokenizer, codex ~21.7k,
-# opencode ~17.5k) and only point it at the server, for a model with a 32k context.
-
-FULL_CONTEXT = 32768
+# The runs above trim each client to a short request (a quick test); these keep everything the
+# client sends by default (Claude Code ~28k tokens on the demo tokenizer, codex ~21.7k,
+# opencode ~17.5k) and only point it at the server.
 
 
 def _claude_full(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
@@ -287,22 +290,14 @@ def _opencode_full(exe: Path, url: str, model: str, home: Path, task: str) -> Ru
     spec = _opencode(exe, url, model, home, task)
     config = json.loads(spec.files["opencode.json"])
     del config["agent"], config["tools"]
-    config["provider"]["colibri"]["models"][model]["limit"]["context"] = FULL_CONTEXT
     return Run(spec.argv, spec.env, {"opencode.json": json.dumps(config, indent=2)})
-
-
-def _codex_full(exe: Path, url: str, model: str, home: Path, task: str) -> Run:
-    spec = _codex(exe, url, model, home, task)
-    config = spec.files["~/.codex/config.toml"].replace(
-        "model_context_window = 2048", f"model_context_window = {FULL_CONTEXT}"
-    )
-    return Run(spec.argv, spec.env, {"~/.codex/config.toml": config})
 
 
 FULL_RUNS: dict[str, Callable[[Path, str, str, Path, str], Run]] = {
     "claude": _claude_full,
     "opencode": _opencode_full,
-    "codex": _codex_full,
+    # codex's setup is its default one already (its fixed preamble and tools, ~21.7k tokens).
+    "codex": _codex,
 }
 
 

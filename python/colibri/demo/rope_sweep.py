@@ -11,10 +11,11 @@ larger context). The weights are the same bytes. Each variant is then scored by
 the asked lengths (``colibri.demo.preamble``), and the table printed: overall accuracy over the
 seven tasks, and per task.
 
-The demo model was trained on conversations of at most 1,024 tokens (``--max-len`` of
-``scripts/train_demo_model.py``); the findings (2026-12-06, docs/PERFORMANCE.md) are that no
-variant answers at the end of a 4.5k-token preamble, so an agent's 12k-28k-token first request
-needs training at long context.
+The findings (2026-12-06, docs/PERFORMANCE.md) were measured on the short-context demo model
+(context 2048, trained on conversations of at most 1,024 tokens; the model shipped until commit
+d7e091a): no variant answered at the end of a 4.5k-token preamble, so an agent's 12k-28k-token
+first request needed training at long context. The shipped model is that model fine-tuned on
+agent preambles with YaRN x16 (its CARD.md); its "orig" row here is that model as shipped.
 """
 
 from __future__ import annotations
