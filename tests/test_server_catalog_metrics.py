@@ -109,8 +109,15 @@ def test_every_series_has_a_model_label_and_each_family_one_label_set(http, oai)
         assert len(label_sets) <= 1, (family.name, label_sets)
         for s in family.samples:
             assert "model" in s.labels, (family.name, s)
-    models = {s.labels["model"] for f in families.values() for s in f.samples if s.labels}
-    assert models == {"colibri-demo", "a"}  # b is not loaded: no series of its own yet
+    engine = [f for f in families.values() if not f.name.startswith("colibri_model_")]
+    models = {s.labels["model"] for f in engine for s in f.samples if s.labels}
+    assert models == {"colibri-demo", "a"}  # b is not loaded: no engine series of its own yet
+    # ... but the catalog's series describe it: its state (one of four set), its RAM.
+    for model, now in (("colibri-demo", "loaded"), ("a", "loaded"), ("b", "cold")):
+        for state in ("loaded", "loading", "cold", "failed"):
+            got = value(families, "colibri_model_state", model=model, state=state)
+            assert got == (1.0 if state == now else 0.0), (model, state, got)
+        assert value(families, "colibri_model_ram_bytes", model=model) > 0
     assert value(families, "colibri_scheduler_capacity", model="a") == 2
     assert value(families, "colibri_engine_kv_tokens", model="a", slot="1") == 0
 

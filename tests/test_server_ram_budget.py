@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from colibri.demo.builtin import builtin_model_dir, default_model_dir
 from colibri.runtime.engine import Engine
@@ -156,6 +157,17 @@ def test_the_budget_unloads_the_model_used_longest_ago_and_never_a_generating_on
         assert ram["y"] == ram["z"] == whole  # each whole: its fixed part and every expert
         loaded = [m["ram_bytes"] for m in health["models"] if m["state"] == "loaded"]
         assert sum(loaded) <= health["ram_budget_bytes"]
+        # /metrics says the same of every model (a scrape, while nothing changes).
+        metrics = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(http.get("/metrics").text)
+            for s in f.samples
+        }
+        for m in health["models"]:
+            key = ("colibri_model_state", (("model", m["id"]), ("state", m["state"])))
+            assert metrics[key] == 1.0, m
+            assert metrics[("colibri_model_ram_bytes", (("model", m["id"]),))] == m["ram_bytes"]
+        assert sum(v for (name, _), v in metrics.items() if name == "colibri_model_state") == 4
 
 
 # --- the expert caches get what the budget leaves them ------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +69,10 @@ _STORE_COUNTERS = {
 }
 
 StoreStats = Callable[[], Mapping[str, Any] | None]
+
+# Every catalog model now: (id, state, RAM bytes), as /health's `models` says them.
+ModelStates = Callable[[], Iterable[tuple[str, str, int]]]
+MODEL_STATES = ("loaded", "loading", "cold", "failed")
 
 
 class _SchedulerCollector(Collector):
@@ -129,6 +133,41 @@ class _StoreCollector(Collector):
         return iter(())
 
 
+class _ModelCollector(Collector):
+    """Each catalog model's state and RAM, read at scrape time from what /health reads: a
+    series for every model of the catalog (cold ones too), also while it is not loaded."""
+
+    def __init__(self, hub: MetricsHub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterator[Any]:
+        source = self._hub.model_states
+        if source is None:
+            return
+        rows = list(source())
+        state = GaugeMetricFamily(
+            "colibri_model_state",
+            "1 for the model's state, 0 for the three others (loaded, loading, cold, or failed: "
+            "its last load or its engine failed)",
+            labels=["model", "state"],
+        )
+        ram = GaugeMetricFamily(
+            "colibri_model_ram_bytes",
+            "What the model counts against --ram-gb while loaded (its fixed part and expert "
+            "cache), as /health's ram_bytes",
+            labels=["model"],
+        )
+        for model, now, ram_bytes in rows:
+            for name in MODEL_STATES:
+                state.add_metric([model, name], 1.0 if name == now else 0.0)
+            ram.add_metric([model], float(ram_bytes))
+        yield state
+        yield ram
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())
+
+
 class MetricsHub:
     """The server's one Prometheus registry. Every metric carries a ``model`` label (the
     model's id), also with a single model, so a family's series always have the same label
@@ -143,6 +182,9 @@ class MetricsHub:
         self._carried_store: dict[str, dict[str, float]] = {}
         self.registry.register(_SchedulerCollector(self))
         self.registry.register(_StoreCollector(self))
+        self.registry.register(_ModelCollector(self))
+        # Set by the app (`watch_models`): the catalog's states for colibri_model_*.
+        self.model_states: ModelStates | None = None
         r = self.registry
         model = ["model"]
 

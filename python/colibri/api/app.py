@@ -122,6 +122,11 @@ def _by_state(catalog: ModelSet) -> dict[str, int]:
     return counts
 
 
+def _model_rows(catalog: ModelSet) -> list[tuple[str, str, int]]:
+    """Each model's id, state and RAM bytes, as /health says them (for /metrics)."""
+    return [(e.id, catalog.status(e.id)[0], catalog.footprint(e)) for e in catalog.entries]
+
+
 def _model_state(catalog: ModelSet, entry: CatalogEntry) -> dict:
     state, error = catalog.status(entry.id)
     item: dict = {"id": entry.id, "state": state, "ram_bytes": catalog.footprint(entry)}
@@ -312,6 +317,7 @@ def create_app(served: ServedModel, models: ModelSet | None = None) -> ASGIApp:
 
 def _starlette_app(served: ServedModel, models: ModelSet) -> Starlette:
     config = served.config
+    served.metrics.hub.model_states = lambda: _model_rows(models)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
