@@ -424,7 +424,7 @@ pub fn step_batch(model: &Model, work: &mut [(&mut Generation, &mut Slot)]) -> V
 /// test machine, against 2.3 s for prefilling 1024 positions of the former (450 tokens/s) and
 /// tens of seconds for the latter: at 1024 the copies cost ~0.1% of the prefill at most, and
 /// four times as many positions as at 4096 are saved on a divergence. Memory does not grow:
-/// a slot keeps at most `kv::MAX_SNAPSHOTS`, the oldest going first.
+/// a slot keeps at most `kv::MAX_SNAPSHOTS`, spread over the history (`kv::evicted`).
 const SNAPSHOT_EVERY: usize = 1024;
 
 /// Whether a prefill step from `from` to `to` of a `total`-token prompt ends at a snapshot

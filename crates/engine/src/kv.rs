@@ -198,10 +198,30 @@ struct StateSnapshot {
     states: Vec<Vec<f32>>,
 }
 
-/// Snapshots a cache keeps at most (the oldest goes first): each is a full copy of the states
-/// (Qwen3-Next-80B: ~80 MB), and prefix reuse wants the latest ones (the end of the last
-/// prompt, the end of the last turn).
+/// Snapshots a cache keeps at most: each is a full copy of the states (Qwen3-Next-80B: ~80 MB).
+/// Which go when there are more: [`evicted`].
 pub const MAX_SNAPSHOTS: usize = 4;
+
+/// The newest snapshots never evicted: the end of the last prompt or turn and the one before
+/// it (the token before a prompt's end, where the same prompt asked again resumes).
+const KEPT_NEWEST: usize = 2;
+
+/// Which of the snapshots at `lens` (ascending, more than [`MAX_SNAPSHOTS`]) goes: of all but
+/// the newest [`KEPT_NEWEST`], the one whose removal leaves the shortest stretch without a
+/// snapshot (from the one before it, or the start, to the one after it), the later of equals.
+/// So the kept ones spread over the history instead of all following its end: a new prompt
+/// that leaves a long shared prefix part way (another session of the same agent, after its
+/// preamble) resumes within about a third of the history, where dropping the oldest would have
+/// dropped every snapshot before the divergence after a few turns.
+fn evicted(lens: &[usize]) -> usize {
+    debug_assert!(lens.len() > KEPT_NEWEST);
+    (0..lens.len() - KEPT_NEWEST)
+        .min_by_key(|&i| {
+            let before = if i == 0 { 0 } else { lens[i - 1] };
+            (lens[i + 1] - before, std::cmp::Reverse(i))
+        })
+        .expect("at least one snapshot may go")
+}
 
 /// Smallest growth step, in positions.
 const MIN_CAP: usize = 64;
@@ -273,15 +293,23 @@ impl KvCache {
     }
 
     /// Keeps a copy of every layer's state at the current position, for a later
-    /// [`KvCache::truncate`] to go back to (at most [`MAX_SNAPSHOTS`]; the oldest goes). Does
-    /// nothing for a cache without states.
+    /// [`KvCache::truncate`] to go back to (at most [`MAX_SNAPSHOTS`]; which go: [`evicted`]).
+    /// Does nothing for a cache without states.
     pub fn snapshot(&mut self) {
         if !self.has_states() {
             return;
         }
         self.snapshots.retain(|s| s.len != self.len);
-        if self.snapshots.len() >= MAX_SNAPSHOTS {
-            self.snapshots.remove(0);
+        let mut lens: Vec<usize> = self.snapshots.iter().map(|s| s.len).collect();
+        lens.push(self.len);
+        lens.sort_unstable();
+        if lens.len() > MAX_SNAPSHOTS {
+            // Chosen before the copy, so no more than MAX_SNAPSHOTS copies ever exist.
+            let gone = lens[evicted(&lens)];
+            if gone == self.len {
+                return;
+            }
+            self.snapshots.retain(|s| s.len != gone);
         }
         self.snapshots.push(StateSnapshot {
             len: self.len,
@@ -592,6 +620,63 @@ mod tests {
             HeadRows::F32(x) => x.to_vec(),
             HeadRows::F16(x) => x.iter().map(|v| v.to_f32()).collect(),
         }
+    }
+
+    /// A cache of one state layer whose state is its length (so a truncation shows which
+    /// snapshot it went back to).
+    fn stateful() -> KvCache {
+        KvCache::new(&KvLayout::uniform(1, 1, 2), KvDtype::F32).with_states(&[1])
+    }
+
+    fn advance(kv: &mut KvCache, to: usize) {
+        kv.reserve(to - kv.len);
+        kv.len = to;
+        kv.state_mut(0)[0] = to as f32;
+    }
+
+    #[test]
+    fn snapshots_spread_over_a_long_history_and_keep_the_newest_two() {
+        let mut kv = stateful();
+        // An agent's first prompt: 17,500 tokens, a snapshot every 1024 and at its end and the
+        // token before; then eight turns of 300 tokens, each ending in a snapshot.
+        for at in (1024..17_499).step_by(1024).chain([17_499, 17_500]) {
+            advance(&mut kv, at);
+            kv.snapshot();
+            assert!(kv.snapshot_positions().len() <= MAX_SNAPSHOTS);
+        }
+        let lens = kv.snapshot_positions();
+        assert_eq!(lens[2..], [17_499, 17_500], "{lens:?}");
+        for turn in 1..=8 {
+            advance(&mut kv, 17_500 + 300 * turn);
+            kv.snapshot();
+        }
+        let lens = kv.snapshot_positions();
+        assert_eq!(lens.len(), MAX_SNAPSHOTS);
+        assert_eq!(lens[2..], [19_600, 19_900], "{lens:?}");
+        // Every stretch between snapshots is at most about a third of the history...
+        let mut prev = 0;
+        for &l in &lens {
+            assert!(l - prev <= 19_900 / 2, "{lens:?}");
+            prev = l;
+        }
+        // ... so another session leaving the shared preamble at 17,000 resumes from a snapshot
+        // within it (dropping the oldest would have left only the last four turns: from 0).
+        kv.truncate(17_000);
+        assert_eq!(kv.len, 16_384, "{lens:?}");
+        assert_eq!(kv.state(0)[0], kv.len as f32);
+    }
+
+    #[test]
+    fn the_evicted_snapshot_leaves_the_shortest_gap_and_never_one_of_the_newest_two() {
+        assert_eq!(
+            evicted(&[1, 2, 3, 4, 5]),
+            2,
+            "equal gaps: the later of the candidates"
+        );
+        assert_eq!(evicted(&[1000, 8000, 9000, 9001, 9002]), 2);
+        assert_eq!(evicted(&[5, 10, 7000, 9001, 9002]), 0);
+        assert_eq!(evicted(&[4000, 4100, 5000, 9001, 9002]), 1);
+        assert_eq!(evicted(&[3000, 6000, 9000, 9100, 9101]), 2);
     }
 
     #[test]
