@@ -216,7 +216,7 @@ fn greedy_on_every_kernel(dir: &Path) -> Vec<Vec<u32>> {
 /// loads and decodes greedily to the same tokens on every kernel.
 #[test]
 fn directories_without_8_bit_matrices_still_load() {
-    let d = convert_to("qwen3_moe", "pure", Quant::Int4, &Precisions::pure());
+    let d = convert_to("qwen3_moe", "old-layout", Quant::Int4, &Precisions::pure());
     let m = read_manifest(&d).unwrap();
     assert_eq!(m.version, 3);
     assert!(m
