@@ -288,6 +288,47 @@ def test_the_system_page_shows_health_and_the_model(demo, open_page):
     no_console_errors(p)
 
 
+def test_the_system_page_shows_each_catalog_models_state_and_the_budget(open_page, tmp_path):
+    """With a catalog under one RAM budget: each model's state and RAM (the demo model loaded,
+    a second one cold until asked for), the budget and what the loaded ones take, as /health
+    says them; the default model's KV figures under its own name only."""
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(json.dumps([{"id": "spare", "path": str(builtin_model_dir())}]))
+    srv = RunningServer(
+        "--no-kv-persist", "--catalog", str(catalog), "--ram-gb", "4", default_model=True
+    )
+    try:
+        p = open_page()
+        page = p.page
+        page.goto(srv.url + "/#/system")
+        states = page.get_by_test_id("model-state")
+        states.nth(1).wait_for()
+        health = httpx.get(srv.url + "/health").json()
+        ram = {m["id"]: m["ram_bytes"] for m in health["models"]}
+        tables = page.get_by_test_id("model-table")
+        demo_text, spare_text = tables.nth(0).inner_text(), tables.nth(1).inner_text()
+        assert "colibri-demo" in demo_text and "loaded" in demo_text
+        assert "KV per token" in demo_text
+        assert "spare" in spare_text and "cold" in spare_text and "KV per token" not in spare_text
+        assert page.get_by_test_id("ram-budget").inner_text() == (
+            f"RAM budget {4e9 / 2**30:.2f} GiB, loaded models take "
+            f"{ram['colibri-demo'] / 2**20:.1f} MiB"
+        )
+        # Asked for, the second model loads, and the page says so at its next poll (5 s).
+        r = httpx.post(srv.url + "/v1/completions",
+                       json={"model": "spare", "prompt": "Hi", "max_tokens": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        page.wait_for_function(
+            "() => document.querySelectorAll('[data-testid=model-state]')[1]"
+            ".innerText.startsWith('loaded')",
+            timeout=15_000,
+        )
+        no_horizontal_overflow(page)
+        no_console_errors(p)
+    finally:
+        srv.stop()
+
+
 def test_the_profiling_page_shows_the_last_turn(demo, open_page):
     p = open_page()
     page = p.page

@@ -250,3 +250,19 @@ describe("expertBudget", () => {
     expect(expertBudget({ slots: 5, pinned: 2 })).toBeNull();
   });
 });
+
+describe("loadedRam", () => {
+  it("sums the RAM of the loaded models only (cold, loading and failed ones take none of the budget)", async () => {
+    const { loadedRam } = await import("./api");
+    expect(
+      loadedRam([
+        { id: "a", state: "loaded", ram_bytes: 100 },
+        { id: "b", state: "cold", ram_bytes: 40 },
+        { id: "c", state: "loaded", ram_bytes: 7 },
+        { id: "d", state: "loading", ram_bytes: 9 },
+        { id: "e", state: "failed", ram_bytes: 3, error: "x" },
+      ]),
+    ).toBe(107);
+    expect(loadedRam([])).toBe(0);
+  });
+});

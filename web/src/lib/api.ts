@@ -210,6 +210,22 @@ export interface Health {
   kv_bytes_per_token?: number;
   prefill?: { slot: number | null; prompt_tokens: number; prompt_tokens_done: number }[];
   error?: string;
+  /** `--ram-gb` in bytes (null: no budget). */
+  ram_budget_bytes?: number | null;
+  /** With a catalog of several models: each one's state and the RAM it counts. */
+  models?: ModelState[];
+}
+
+export interface ModelState {
+  id: string;
+  state: "loaded" | "loading" | "cold" | "failed";
+  ram_bytes: number;
+  error?: string;
+}
+
+/** RAM the loaded models count against the budget (/health's `models`). */
+export function loadedRam(models: ModelState[]): number {
+  return models.filter((m) => m.state === "loaded").reduce((sum, m) => sum + m.ram_bytes, 0);
 }
 
 export interface ModelCard {

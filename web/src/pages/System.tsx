@@ -1,5 +1,5 @@
 import { useEffect, useState } from "react";
-import { ServerError, errorText, expertBudget, fetchHealth, fetchInfo, type Connection, type EngineInfo, type Health, type ModelCard } from "../lib/api";
+import { ServerError, errorText, expertBudget, fetchHealth, fetchInfo, type Connection, type EngineInfo, loadedRam, type Health, type ModelCard } from "../lib/api";
 import { usePoll } from "../lib/poll";
 
 const COUNTERS: [keyof Health, string][] = [
@@ -24,6 +24,7 @@ function expertRam(cache: Record<string, unknown> | null): string {
 }
 
 function bytes(n: number): string {
+  if (n >= 2 ** 30) return `${(n / 2 ** 30).toFixed(2)} GiB`;
   return n >= 2 ** 20 ? `${(n / 2 ** 20).toFixed(1)} MiB` : n >= 1024 ? `${(n / 1024).toFixed(1)} KiB` : `${n} B`;
 }
 
@@ -113,27 +114,49 @@ export function System({ conn, models, modelsError }: { conn: Connection; models
         <div className="card">
           <h2>Model</h2>
           {modelsError !== null && <p className="error">{modelsError}</p>}
-          {models.map((m) => (
-            <table className="kv" key={m.id} data-testid="model-table">
-              <tbody>
-                <tr><th scope="row">id</th><td>{m.id}</td></tr>
-                <tr><th scope="row">context</th><td>{m.max_model_len ?? health?.context_length ?? "–"} tokens</td></tr>
-                {health?.kv_bytes_per_token !== undefined && (
-                  <tr>
-                    <th scope="row">KV per token</th>
-                    <td>{bytes(health.kv_bytes_per_token)}</td>
-                  </tr>
-                )}
-                {health?.kv_bytes_per_token !== undefined && health.context_length !== undefined && health.capacity !== undefined && (
-                  <tr>
-                    <th scope="row">KV at most</th>
-                    <td>{bytes(health.kv_bytes_per_token * health.context_length * health.capacity)}</td>
-                  </tr>
-                )}
-                <tr><th scope="row">model files</th><td>{new Date(m.created * 1000).toLocaleString()}</td></tr>
-              </tbody>
-            </table>
-          ))}
+          {health?.ram_budget_bytes != null && (
+            <p data-testid="ram-budget">
+              RAM budget {bytes(health.ram_budget_bytes)}
+              {health.models && <>, loaded models take {bytes(loadedRam(health.models))}</>}
+            </p>
+          )}
+          {models.map((m) => {
+            // /health's figures are the default model's (the one it names); the others get
+            // their state and RAM from its catalog list.
+            const own = health?.model === m.id ? health : null;
+            const state = health?.models?.find((s) => s.id === m.id);
+            return (
+              <table className="kv" key={m.id} data-testid="model-table">
+                <tbody>
+                  <tr><th scope="row">id</th><td>{m.id}</td></tr>
+                  {state && (
+                    <tr>
+                      <th scope="row">state</th>
+                      <td data-testid="model-state">
+                        <span className={state.state === "failed" ? "bad" : state.state === "loaded" ? "ok" : ""}>{state.state}</span>
+                        {state.ram_bytes > 0 && `, ${bytes(state.ram_bytes)} of RAM`}
+                        {state.error && <div className="error">{state.error}</div>}
+                      </td>
+                    </tr>
+                  )}
+                  <tr><th scope="row">context</th><td>{m.max_model_len ?? own?.context_length ?? "–"} tokens</td></tr>
+                  {own?.kv_bytes_per_token !== undefined && (
+                    <tr>
+                      <th scope="row">KV per token</th>
+                      <td>{bytes(own.kv_bytes_per_token)}</td>
+                    </tr>
+                  )}
+                  {own?.kv_bytes_per_token !== undefined && own.context_length !== undefined && own.capacity !== undefined && (
+                    <tr>
+                      <th scope="row">KV at most</th>
+                      <td>{bytes(own.kv_bytes_per_token * own.context_length * own.capacity)}</td>
+                    </tr>
+                  )}
+                  <tr><th scope="row">model files</th><td>{new Date(m.created * 1000).toLocaleString()}</td></tr>
+                </tbody>
+              </table>
+            );
+          })}
         </div>
         <div className="card">
           <h2>Engine</h2>
