@@ -59,9 +59,22 @@ def demo() -> Iterator[RunningServer]:
     srv.stop()
 
 
+def long_window_builtin(where: Path) -> Path:
+    """A copy of the built-in model (random: its replies never end) with a 65,536-token window,
+    so a reply runs long enough for a loaded machine to act during it (its own 2,048 tokens
+    ran out in a few seconds: before the page's Stop, once, under the full suite)."""
+    model = where / "long"
+    shutil.copytree(builtin_model_dir(), model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["config"]["max_position_embeddings"] = 65536
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    return model
+
+
 @pytest.fixture(scope="module")
-def endless() -> Iterator[RunningServer]:
-    srv = RunningServer("--no-kv-persist", "--api-key", KEY)
+def endless(tmp_path_factory) -> Iterator[RunningServer]:
+    model = long_window_builtin(tmp_path_factory.mktemp("endless"))
+    srv = RunningServer("--model", str(model), "--no-kv-persist", "--api-key", KEY)
     yield srv
     srv.stop()
 
@@ -805,11 +818,7 @@ def test_a_full_queue_is_said_in_the_servers_words_with_retry_after(open_page, t
     refused with 429, shown as the server put it, Retry-After included. The holder is the
     built-in model with a 65,536-token window asked for 20,000 tokens (1,500 in its own window
     ended before the page asked, under a loaded machine)."""
-    model = tmp_path / "long"
-    shutil.copytree(builtin_model_dir(), model)
-    manifest = json.loads((model / "manifest.json").read_text())
-    manifest["config"]["max_position_embeddings"] = 65536
-    (model / "manifest.json").write_text(json.dumps(manifest))
+    model = long_window_builtin(tmp_path)
     srv = RunningServer(
         "--model", str(model), "--no-kv-persist", "--kv-slots", "1", "--max-queue", "0"
     )
