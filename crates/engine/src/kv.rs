@@ -3,18 +3,21 @@
 //! Laid out from the model's [`KvLayout`]: what each layer keeps per position (`heads` runs of
 //! keys `key_dim` wide and of values `value_dim` wide; GQA: the kv heads, both `head_dim`; MLA:
 //! one run of the compressed keys and none of values; DSA: MLA's run and the indexer's keys as
-//! the second run; a layer without per-position KV: none).
-//! Stored head-major: per layer and head, one contiguous run of `cap` rows, so a query head's
-//! attention streams one block of memory front to back (position-major rows put a head's 512
-//! bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow poorly). Every
-//! layer's keys and values live in one buffer, so even a short history is big enough for huge
-//! pages (a buffer per layer was 0.4 MB for a 96-position OLMoE-1B-7B cache: 4 KiB pages, and
+//! the second run; a layer without per-position KV: none; DeepSeek-V4's compressed layers: one
+//! row per window of `every` positions, the window's entries).
+//! Stored head-major: per layer and head, one contiguous run of `cap` rows (`cap / every`), so a
+//! query head's attention streams one block of memory front to back (position-major rows put a
+//! head's 512 bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow poorly).
+//! Every layer's keys and values live in one buffer, so even a short history is big enough for
+//! huge pages (a buffer per layer was 0.4 MB for a 96-position OLMoE-1B-7B cache: 4 KiB pages, and
 //! decode attention 3% slower). Values are f32, or f16 ([`KvDtype`]: half the bytes each decode
 //! step streams, as llama.cpp's default cache). Grows on demand (doubling, with headroom past a
 //! long request) up to the model's context length, so a short chat does not reserve the full
 //! context up front.
-//! Slot files keep position-major f32 rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert
-//! (exactly, both ways).
+//! Slot files keep row-major f32 rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert
+//! (exactly, both ways). Beside the rows, a layer may carry a fixed-size state (linear
+//! attention's recurrent state, DeepSeek-V4's window of keys and pending compressor inputs)
+//! with snapshots to truncate back to.
 
 use std::ops::Range;
 

@@ -20,9 +20,10 @@
 //! entry after it), in the cache; and a fixed-size state: a ring of the last `sliding_window -
 //! 1` keys and rings of the compressor's (and indexer's) per-position values and gates, as many
 //! as the window being filled (and, for CSA's overlap, the previous one) can still read. The
-//! state cannot go back, so truncation returns to a snapshot ([`KvCache::truncate`]), as
-//! linear attention's does. Keys and compressor inputs pass through the cache's dtype on their
-//! way into the state (an f16 cache rounds them as it would store them).
+//! state cannot go back, so truncation returns to a snapshot
+//! ([`crate::kv::KvCache::truncate`]), as linear attention's does. Keys and compressor inputs
+//! pass through the cache's dtype on their way into the state (an f16 cache rounds them as it
+//! would store them).
 
 use std::ops::Range;
 
