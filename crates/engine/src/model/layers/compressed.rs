@@ -87,7 +87,9 @@ struct StateLayout {
 fn state_layout(c: &ModelConfig, kind: CompressKind) -> StateLayout {
     let d = dims(c);
     let hd = c.head_dim;
-    let keys = Ring::after(0, d.sliding_window.saturating_sub(1), hd);
+    // A window past the context holds at most the context (a config's window is not bounded).
+    let window = d.sliding_window.min(c.max_positions.max(1));
+    let keys = Ring::after(0, window - 1, hd);
     let (comp_in, pending) = match kind {
         CompressKind::Sliding => (0, 0),
         CompressKind::Heavy => (hd, d.hca_rate - 1),
@@ -823,5 +825,17 @@ mod tests {
         let floats = 43 * 127 * 512 + 20 * 127 * 1024 + 21 * 7 * (2048 + 512);
         assert_eq!(kv.state_bytes(), floats * 4);
         assert_eq!(kv.state_bytes(), 23_093_248);
+    }
+
+    #[test]
+    fn a_window_past_the_context_keeps_the_context_at_most() {
+        let mut c = flash();
+        let AttentionKind::Compressed(ref mut d) = c.attention else {
+            panic!()
+        };
+        d.sliding_window = 1 << 40;
+        c.max_positions = 1000;
+        let st = state_layout(&c, CompressKind::Sliding);
+        assert_eq!((st.keys.slots, st.width), (999, 999 * 512));
     }
 }
