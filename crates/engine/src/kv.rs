@@ -613,6 +613,23 @@ impl KvCache {
             self.len = len;
             return;
         }
+        self.restore(len);
+    }
+
+    /// After a failed pass that started at `len` positions: drops what it wrote. Without
+    /// states, [`KvCache::truncate`]; with them, the pass may have advanced some layers' states
+    /// before it failed (while `len` did not move), so the cache goes back to the latest
+    /// snapshot at or before `len` even when no position was added.
+    pub fn rewind(&mut self, len: usize) {
+        if self.has_states() {
+            self.restore(len.min(self.len));
+        } else {
+            self.truncate(len);
+        }
+    }
+
+    /// The states and length of the latest snapshot at or before `len` (or the start).
+    fn restore(&mut self, len: usize) {
         match self.snapshots.iter().rev().find(|s| s.len <= len) {
             Some(s) => {
                 self.len = s.len;
@@ -834,6 +851,32 @@ mod tests {
                 LayerKv::per_position(2, 4, 4),
             ],
         }
+    }
+
+    #[test]
+    fn a_failed_pass_rewinds_states_it_advanced_without_adding_positions() {
+        let layout = KvLayout::uniform(1, 1, 2);
+        let mut kv = KvCache::new(&layout, KvDtype::F32).with_states(&[3]);
+        kv.reserve(8);
+        kv.len = 5;
+        kv.state_mut(0).copy_from_slice(&[1.0, 2.0, 3.0]);
+        kv.snapshot();
+        // A pass advanced the state, then failed before its positions counted.
+        kv.state_mut(0).fill(9.0);
+        kv.truncate(5);
+        assert_eq!(
+            kv.state(0),
+            [9.0; 3],
+            "truncate keeps what it cannot know about"
+        );
+        kv.rewind(5);
+        assert_eq!((kv.len, kv.state(0)), (5, &[1.0, 2.0, 3.0][..]));
+        // Without states, a rewind is a truncation.
+        let mut plain = KvCache::new(&layout, KvDtype::F32);
+        plain.reserve(8);
+        plain.len = 6;
+        plain.rewind(4);
+        assert_eq!(plain.len, 4);
     }
 
     /// A layer of a row per position, one of a row per 3 positions (compressed entries), one
