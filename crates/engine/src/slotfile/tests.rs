@@ -1504,6 +1504,22 @@ fn versions_are_not_mixed_between_rows_per_position_and_per_several() {
         why.contains("version 2") && why.contains("version 3"),
         "{why}"
     );
+    // A version-1 file (DeepSeek-V4's files before: a row per position, no states).
+    {
+        let _ = fs::remove_file(s.file());
+        let (mut f, _) = SlotFile::open_layout(&s.file(), FP, &mixed_small()).unwrap();
+        let plain = stateful(6, 2.0);
+        f.commit_kv(0, &tokens, &plain).unwrap();
+        f.sync_kv(&tokens, &plain).unwrap();
+    }
+    let (_, opened) = open_sparse(&s.file());
+    let Opened::Refused(why) = opened else {
+        panic!("a version-1 file must not load as version 3")
+    };
+    assert!(
+        why.contains("version 1") && why.contains("version 3"),
+        "{why}"
+    );
     // Another row rate under the same widths: another layout digest.
     let mut other = sparse_rows();
     other.layers[1].every = 4;
