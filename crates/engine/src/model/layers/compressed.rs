@@ -47,7 +47,7 @@ pub(super) fn dims(c: &ModelConfig) -> CompressedDims {
 
 /// A ring of `slots` rows of `width` floats at `at` in a layer's state: position `p`'s row sits
 /// in slot `p % slots`, so the ring holds the last `slots` positions.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 struct Ring {
     at: usize,
     slots: usize,
@@ -55,7 +55,7 @@ struct Ring {
 }
 
 impl Ring {
-    fn after(at: usize, slots: usize, width: usize) -> Ring {
+    fn new(at: usize, slots: usize, width: usize) -> Ring {
         Ring { at, slots, width }
     }
 
@@ -89,16 +89,16 @@ fn state_layout(c: &ModelConfig, kind: CompressKind) -> StateLayout {
     let hd = c.head_dim;
     // A window past the context holds at most the context (a config's window is not bounded).
     let window = d.sliding_window.min(c.max_positions.max(1));
-    let keys = Ring::after(0, window - 1, hd);
+    let keys = Ring::new(0, window - 1, hd);
     let (comp_in, pending) = match kind {
         CompressKind::Sliding => (0, 0),
         CompressKind::Heavy => (hd, d.hca_rate - 1),
         CompressKind::Sparse => (2 * hd, 2 * d.csa_rate - 1),
     };
-    let comp = Ring::after(keys.end(), pending, 2 * comp_in);
+    let comp = Ring::new(keys.end(), pending, 2 * comp_in);
     let idx = match kind {
-        CompressKind::Sparse => Ring::after(comp.end(), pending, 4 * d.index_head_dim),
-        _ => Ring::after(comp.end(), 0, 0),
+        CompressKind::Sparse => Ring::new(comp.end(), pending, 4 * d.index_head_dim),
+        _ => Ring::new(comp.end(), 0, 0),
     };
     StateLayout {
         keys,
