@@ -5,6 +5,7 @@ by name. (Parity with transformers: tests/test_reference.py runs the fixture lik
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 from pathlib import Path
@@ -30,24 +31,38 @@ def hf_config() -> dict:
     return json.loads((FIXTURES / ARCH / "hf" / "config.json").read_text())
 
 
-def row_width(cfg: dict, kind: str) -> int:
-    """Floats one layer keeps per position: the rotated key; a compressor's values and gates
-    (twice as wide for CSA's overlapping windows) and its window entry; CSA's indexer the same
-    at index_head_dim."""
-    hd, ihd = cfg["head_dim"], cfg["index_head_dim"]
+def entry_width(cfg: dict, kind: str) -> tuple[int, int]:
+    """(floats, positions) of the row a layer keeps per compressor window: the entry, and CSA's
+    indexer entry after it; a sliding layer keeps none."""
+    hd, ihd, rates = cfg["head_dim"], cfg["index_head_dim"], cfg["compress_rates"]
     if kind == "sliding_attention":
-        return hd
+        return 0, 1
     if kind == "heavily_compressed_attention":
-        return hd + 2 * hd + hd
-    return hd + 2 * (2 * hd) + hd + 2 * (2 * ihd) + ihd
+        return hd, rates[kind]
+    return hd + ihd, rates[kind]
 
 
-def test_the_cache_keeps_one_row_per_position_and_layer(converted):
+def state_width(cfg: dict, kind: str) -> int:
+    """Floats of a layer's state: the last sliding_window - 1 keys, and the compressor inputs
+    (values and gates) later entries can still read: rate - 1 positions (HCA), 2 * rate - 1
+    with the previous window (CSA, its indexer's too)."""
+    hd, ihd, rates = cfg["head_dim"], cfg["index_head_dim"], cfg["compress_rates"]
+    keys = (cfg["sliding_window"] - 1) * hd
+    if kind == "sliding_attention":
+        return keys
+    if kind == "heavily_compressed_attention":
+        return keys + (rates[kind] - 1) * 2 * hd
+    return keys + (2 * rates[kind] - 1) * (2 * 2 * hd + 2 * 2 * ihd)
+
+
+def test_the_cache_keeps_entries_per_window_and_the_window_per_slot(converted):
     cfg = hf_config()
-    floats = sum(row_width(cfg, k) for k in cfg["layer_types"])
+    per_position = sum(w / every for w, every in (entry_width(cfg, k) for k in cfg["layer_types"]))
+    state = sum(state_width(cfg, k) for k in cfg["layer_types"])
     for quant, width in [("f32", 4), ("int4", 2)]:
         info = Engine(converted(ARCH, quant), threads=1).info
-        assert info["kv_bytes_per_token"] == floats * width
+        assert info["kv_bytes_per_token"] == math.ceil(per_position * width)
+        assert info["state_bytes_per_slot"] == state * 4
 
 
 def test_the_fixture_spans_compressor_windows_and_indexer_selection(v4):
@@ -72,10 +87,15 @@ def test_prefix_reuse_gives_the_tokens_of_a_cold_run(v4, converted):
         got = list(warm)
         assert warm.reused_tokens == len(history)
         assert got == list(engine.generate(longer, 8)), quant
-        # Leaving the history inside a compressor window (5: CSA windows of 4, HCA of 8).
+        # The same prompt again goes back inside the window (and the compressor windows) to
+        # the snapshot taken before its last token.
+        same = engine.generate(longer, 8, slot=1)
+        assert list(same) == got and same.reused_tokens == len(longer) - 1
+        # Leaving the history inside a compressor window (5: CSA windows of 4, HCA of 8), where
+        # no snapshot was taken: the slot goes back to the last one before it (the start).
         branch = history[:5] + v4.prompts[0] + v4.prompts[2][3:14]
         again = engine.generate(branch, 5, slot=1)
-        assert list(again) == list(engine.generate(branch, 5)) and again.reused_tokens == 5
+        assert list(again) == list(engine.generate(branch, 5)) and again.reused_tokens < 5
 
 
 def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(v4, converted, tmp_path):
@@ -89,6 +109,10 @@ def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(v4, converted, tmp_p
     history = engine.slot_info(0)["tokens"]
     assert history == prompt + out[:-1]
     del stream, engine
+    # Version 3: records of entries per window, state records of the windows.
+    raw = (kv / "slot-0.kv").read_bytes()
+    assert raw[:8] == b"CLBKVSLT" and struct.unpack("<I", raw[8:12])[0] == 3
+    assert b"KVST" in raw
     restarted = Engine(model, threads=1, kv_dir=kv)
     assert restarted.slot_info(0)["tokens"] == history
     longer = history + v4.prompts[1][1:9]

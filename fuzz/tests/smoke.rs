@@ -198,22 +198,35 @@ const SLOT_FP: [u8; 32] = [0xa5; 32];
 /// 4-float state.
 const SLOT_STATES: [usize; SLOT_LAYERS] = [4, 0];
 
+/// The layout of the version-2 (bit 1) and version-3 (bit 2: the second layer keeps a row per
+/// 2 positions, as DeepSeek-V4's entries) files: two layers of 3 keys and 3 values.
+fn slot_layout(mode: u8) -> colibri_engine::kv::KvLayout {
+    let mut layout = colibri_engine::kv::KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM);
+    if mode & 4 == 4 {
+        layout.layers[1].every = 2;
+    }
+    layout
+}
+
 /// Byte 0 odd: recompute every checksum first (`reseal`), so mutated fields reach the replay.
-/// Bit 1 set: read the rest as a version-2 file with [`SLOT_STATES`].
+/// Bit 1 set: read the rest as a version-2 file with [`SLOT_STATES`]; bit 2 set: as a
+/// version-3 file of [`slot_layout`] with them.
 fn slot_file(data: &[u8]) {
     use colibri_engine::slotfile::{load_bytes, load_bytes_states, reseal, reseal_layout_states};
     let Some((&mode, rest)) = data.split_first() else {
         return;
     };
     let mut bytes = rest.to_vec();
-    if mode & 2 == 2 {
-        let layout = colibri_engine::kv::KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM);
+    if mode & 6 != 0 {
+        let layout = slot_layout(mode);
         if mode & 1 == 1 {
             reseal_layout_states(&mut bytes, &layout, &SLOT_STATES);
         }
         if let Ok(Some(s)) = load_bytes_states(&bytes, SLOT_FP, &layout, &SLOT_STATES) {
-            for v in s.keys.iter().chain(&s.values) {
-                assert_eq!(v.len(), s.tokens.len() * SLOT_KV_DIM);
+            for (l, layer) in layout.layers.iter().enumerate() {
+                let rows = layer.rows(s.tokens.len());
+                assert_eq!(s.keys[l].len(), rows * SLOT_KV_DIM);
+                assert_eq!(s.values[l].len(), rows * SLOT_KV_DIM);
             }
             let widths: Vec<usize> = s.states.iter().map(Vec::len).collect();
             assert_eq!(widths, SLOT_STATES);
@@ -270,18 +283,20 @@ fn slot_file_bases() -> Vec<(String, Vec<u8>)> {
     commit(&mut sf, 1, 0); // truncation only
     snap(&mut out, "truncated", 0);
     drop(sf);
-    // A version-2 file: positions, a state record at each sync, a truncation, more positions.
-    {
-        use colibri_engine::kv::{KvCache, KvDtype, KvLayout};
+    // A version-2 file (and a version-3 one, its second layer a row per 2 positions):
+    // positions, a state record at each sync, a truncation, more positions.
+    for (mode, prefix) in [(2u8, "state"), (4, "rows")] {
+        use colibri_engine::kv::{KvCache, KvDtype};
         let _ = std::fs::remove_file(&path);
-        let layout = KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM);
+        let layout = slot_layout(mode);
         let (mut sf, _) =
             SlotFile::open_layout_states(&path, SLOT_FP, &layout, &SLOT_STATES).unwrap();
         let cache = |n: usize, seed: f32| {
             let mut kv = KvCache::new(&layout, KvDtype::F32).with_states(&SLOT_STATES);
             kv.reserve(n);
-            for li in 0..SLOT_LAYERS {
-                let rows: Vec<f32> = (0..n * SLOT_KV_DIM).map(|i| seed + i as f32).collect();
+            for (li, layer) in layout.layers.iter().enumerate() {
+                let floats = layer.rows(n) * SLOT_KV_DIM;
+                let rows: Vec<f32> = (0..floats).map(|i| seed + i as f32).collect();
                 kv.write(li, 0, &rows, &rows);
             }
             kv.len = n;
@@ -292,13 +307,13 @@ fn slot_file_bases() -> Vec<(String, Vec<u8>)> {
         let kv = cache(5, 1.0);
         sf.commit_kv(0, &tokens[..5], &kv).unwrap();
         sf.sync_kv(&tokens[..5], &kv).unwrap();
-        snap(&mut out, "state-one", 2);
+        snap(&mut out, &format!("{prefix}-one"), mode);
         let kv = cache(8, 2.0);
         sf.commit_kv(3, &tokens[3..8], &kv).unwrap();
-        snap(&mut out, "state-tail", 2);
+        snap(&mut out, &format!("{prefix}-tail"), mode);
         sf.sync_kv(&tokens[..8], &kv).unwrap();
-        snap(&mut out, "state-two", 2);
-        snap(&mut out, "state-two-resealed", 3);
+        snap(&mut out, &format!("{prefix}-two"), mode);
+        snap(&mut out, &format!("{prefix}-two-resealed"), mode | 1);
     }
     // Each header copy torn in turn: the loader falls back to another one (or refuses).
     let log = out.iter().find(|(n, _)| n == "log").unwrap().1.clone();
@@ -316,11 +331,11 @@ fn slot_file_survives_mutations() {
     let mut base = seeds("slot_file");
     for s in &base {
         if s.len() > 1 && s[0] & 1 == 0 {
-            let r = if s[0] & 2 == 2 {
+            let r = if s[0] & 6 != 0 {
                 colibri_engine::slotfile::load_bytes_states(
                     &s[1..],
                     SLOT_FP,
-                    &colibri_engine::kv::KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM),
+                    &slot_layout(s[0]),
                     &SLOT_STATES,
                 )
             } else {
@@ -342,8 +357,9 @@ fn slot_file_survives_mutations() {
         if b.len() <= 1 {
             continue;
         }
-        // Keep a base's kind (bit 1: a state file); choose raw or resealed.
-        b[0] = (b[0] & 2) | rng.below(2) as u8;
+        // Keep a base's kind (bit 1: a state file, bit 2: rows per 2 positions); choose raw or
+        // resealed.
+        b[0] = (b[0] & 6) | rng.below(2) as u8;
         for _ in 0..1 + rng.below(3) {
             let at = if rng.below(2) == 0 || b.len() <= 1 + 3 * 4096 {
                 1 + rng.below(3) * 4096 + rng.below(104)

@@ -101,7 +101,8 @@ def kv_report(slots: int, info: dict) -> str:
     state = info.get("state_bytes_per_slot", 0)
     if state:
         line += (
-            f"; linear-attention state up to {_size(slots * state * STATE_COPIES)} "
+            f"; per-slot state (linear attention, DeepSeek-V4's windows) up to "
+            f"{_size(slots * state * STATE_COPIES)} "
             f"({slots} slot(s) x {STATE_COPIES} copies x {state} bytes)"
         )
     return line

@@ -243,7 +243,8 @@ class MetricsHub:
         )
         self.state_bytes_per_slot = Gauge(
             "colibri_engine_state_bytes_per_slot",
-            "Fixed-size state per KV slot (linear-attention layers; 0 without), one copy",
+            "Fixed-size state per KV slot (linear attention, DeepSeek-V4's windows; 0 without), "
+            "one copy",
             model,
             registry=r,
         )

@@ -42,7 +42,7 @@ def available_memory_bytes() -> int | None:
 
 def check_kv_memory(slots: int, context: int, bytes_per_token: int, state_bytes: int = 0) -> None:
     """Refuses a slot count whose KV, at full context, would not fit the available memory
-    (with `state_bytes` per slot of linear-attention state, its snapshots included)."""
+    (with `state_bytes` per slot of fixed-size state, its snapshots included)."""
     need = slots * (context * bytes_per_token + state_bytes)
     have = available_memory_bytes()
     if have is not None and need > have:

@@ -3,18 +3,21 @@
 //! Laid out from the model's [`KvLayout`]: what each layer keeps per position (`heads` runs of
 //! keys `key_dim` wide and of values `value_dim` wide; GQA: the kv heads, both `head_dim`; MLA:
 //! one run of the compressed keys and none of values; DSA: MLA's run and the indexer's keys as
-//! the second run; a layer without per-position KV: none).
-//! Stored head-major: per layer and head, one contiguous run of `cap` rows, so a query head's
-//! attention streams one block of memory front to back (position-major rows put a head's 512
-//! bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow poorly). Every
-//! layer's keys and values live in one buffer, so even a short history is big enough for huge
-//! pages (a buffer per layer was 0.4 MB for a 96-position OLMoE-1B-7B cache: 4 KiB pages, and
+//! the second run; a layer without per-position KV: none; DeepSeek-V4's compressed layers: one
+//! row per window of `every` positions, the window's entries).
+//! Stored head-major: per layer and head, one contiguous run of `cap` rows (`cap / every`), so a
+//! query head's attention streams one block of memory front to back (position-major rows put a
+//! head's 512 bytes every `kv_dim * 4` bytes, a stride the hardware prefetchers follow poorly).
+//! Every layer's keys and values live in one buffer, so even a short history is big enough for
+//! huge pages (a buffer per layer was 0.4 MB for a 96-position OLMoE-1B-7B cache: 4 KiB pages, and
 //! decode attention 3% slower). Values are f32, or f16 ([`KvDtype`]: half the bytes each decode
 //! step streams, as llama.cpp's default cache). Grows on demand (doubling, with headroom past a
 //! long request) up to the model's context length, so a short chat does not reserve the full
 //! context up front.
-//! Slot files keep position-major f32 rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert
-//! (exactly, both ways).
+//! Slot files keep row-major f32 rows: [`KvCache::rows`] and [`KvCache::from_rows`] convert
+//! (exactly, both ways). Beside the rows, a layer may carry a fixed-size state (linear
+//! attention's recurrent state, DeepSeek-V4's window of keys and pending compressor inputs)
+//! with snapshots to truncate back to.
 
 use std::ops::Range;
 
@@ -43,6 +46,17 @@ impl KvDtype {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
+        }
+    }
+
+    /// `v` as the cache stores and reads it back (f16: rounded to half precision by the same
+    /// conversions as [`KvCache::write`] and the reads), for values kept beside the cache in
+    /// f32 (a layer's state) that must equal what a cache row would give.
+    pub fn round(self, v: &mut [f32]) {
+        if self == KvDtype::F16 {
+            let mut half = vec![f16::ZERO; v.len()];
+            crate::ops::narrow_to_f16(v, &mut half);
+            half.convert_to_f32_slice(v);
         }
     }
 }
@@ -114,14 +128,39 @@ impl Block {
     }
 }
 
-/// What one layer keeps per position: `heads` runs of keys `key_dim` wide and of values
-/// `value_dim` wide (GQA: the kv heads, both `head_dim`). A family's attention block says what
-/// its layers keep ([`crate::model`]); the cache and slot files are laid out from it.
+/// What one layer keeps: `heads` runs of keys `key_dim` wide and of values `value_dim` wide
+/// (GQA: the kv heads, both `head_dim`), one row per position, or one row per `every`
+/// positions (a compressed history: row `r` is written by position `(r + 1) * every - 1`, so
+/// `len / every` rows follow `len` positions). A family's attention block says what its layers
+/// keep ([`crate::model`]); the cache and slot files are laid out from it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerKv {
     pub heads: usize,
     pub key_dim: usize,
     pub value_dim: usize,
+    pub every: usize,
+}
+
+impl LayerKv {
+    /// A row per position of `heads` runs of `key_dim` keys and `value_dim` values.
+    pub const fn per_position(heads: usize, key_dim: usize, value_dim: usize) -> LayerKv {
+        LayerKv {
+            heads,
+            key_dim,
+            value_dim,
+            every: 1,
+        }
+    }
+
+    /// Rows the layer holds after `positions` positions.
+    pub fn rows(&self, positions: usize) -> usize {
+        positions / self.every
+    }
+
+    /// The rows positions `r` write: `r.start / every .. r.end / every`.
+    pub fn row_range(&self, r: Range<usize>) -> Range<usize> {
+        self.rows(r.start)..self.rows(r.end)
+    }
 }
 
 /// The KV state of a model: what each layer keeps per position.
@@ -134,57 +173,44 @@ impl KvLayout {
     /// Every layer alike: `heads` kv heads of `head_dim` keys and values (GQA).
     pub fn uniform(num_layers: usize, heads: usize, head_dim: usize) -> KvLayout {
         KvLayout {
-            layers: vec![
-                LayerKv {
-                    heads,
-                    key_dim: head_dim,
-                    value_dim: head_dim,
-                };
-                num_layers
-            ],
+            layers: vec![LayerKv::per_position(heads, head_dim, head_dim); num_layers],
         }
     }
 }
 
-/// Where one layer's runs sit in the buffer, in floats per position of capacity (so a layer's
-/// keys start at `cap * keys` and its values at `cap * values`), with the layer's shape.
-#[derive(Clone, Copy, Debug)]
-struct Span {
-    heads: usize,
-    key_dim: usize,
-    value_dim: usize,
-    keys: usize,
-    values: usize,
-}
-
-impl Span {
-    /// The start (per position of capacity) and row width of one head's key or value run.
-    #[inline]
-    fn run(&self, values: bool) -> (usize, usize) {
-        if values {
-            (self.values, self.value_dim)
-        } else {
-            (self.keys, self.key_dim)
-        }
+/// Where each layer's runs start in a buffer of `cap` positions, and the buffer's floats: per
+/// layer `heads` key runs then `heads` value runs of `cap / every` rows each.
+fn starts(layout: &KvLayout, cap: usize) -> (Vec<usize>, usize) {
+    let mut at = 0usize;
+    let mut out = Vec::with_capacity(layout.layers.len());
+    for l in &layout.layers {
+        out.push(at);
+        let floats = l
+            .heads
+            .checked_mul(l.key_dim + l.value_dim)
+            .and_then(|w| w.checked_mul(l.rows(cap)))
+            .expect("KV cache size overflows");
+        at = at.checked_add(floats).expect("KV cache size overflows");
     }
+    (out, at)
 }
 
 pub struct KvCache {
     data: Block,
     layout: KvLayout,
-    /// Per layer, from the layout's prefix sums (fixed; the capacity scales them).
-    spans: Vec<Span>,
-    /// Floats per position of capacity over all layers: the buffer holds `cap * stride`.
-    stride: usize,
+    /// Per layer, where its runs start in `data` for the capacity `cap` ([`starts`]).
+    starts: Vec<usize>,
     dtype: KvDtype,
-    /// Positions each head run has room for.
+    /// Positions the buffer has room for (a layer of one row per `every` positions: `cap /
+    /// every` rows).
     cap: usize,
     /// Most positions the cache will ever hold (the model's context): growth stops there.
     limit: usize,
     /// Positions stored (the same in every layer once a forward pass completes).
     pub len: usize,
-    /// Per layer, the fixed-size state a linear-attention layer carries from position to
-    /// position (empty for the others): f32, rewritten by every position's step.
+    /// Per layer, the fixed-size state a layer carries from position to position (linear
+    /// attention's recurrent state; DeepSeek-V4's window of keys and pending compressor
+    /// inputs; empty for the others): f32, rewritten by every position's step.
     states: Vec<Vec<f32>>,
     /// Copies of every layer's state after `len` positions, newest last: what a truncation
     /// can go back to ([`KvCache::truncate`]).
@@ -231,32 +257,25 @@ impl KvCache {
     /// (see [`KvCache::head`]).
     ///
     /// # Panics
-    /// If the layout's floats per position overflow `usize`.
+    /// If a layer's `every` is 0, or its floats per row overflow `usize`.
     pub fn new(layout: &KvLayout, dtype: KvDtype) -> KvCache {
-        let mut spans = Vec::with_capacity(layout.layers.len());
-        let mut at = 0usize;
-        let width = |heads: usize, dim: usize| heads.checked_mul(dim).expect("KV layout too large");
         for l in &layout.layers {
-            let keys = at;
-            let values = keys
-                .checked_add(width(l.heads, l.key_dim))
+            assert!(
+                l.every > 0,
+                "a layer keeps a row per `every` >= 1 positions"
+            );
+            l.heads
+                .checked_mul(
+                    l.key_dim
+                        .checked_add(l.value_dim)
+                        .expect("KV layout too large"),
+                )
                 .expect("KV layout too large");
-            at = values
-                .checked_add(width(l.heads, l.value_dim))
-                .expect("KV layout too large");
-            spans.push(Span {
-                heads: l.heads,
-                key_dim: l.key_dim,
-                value_dim: l.value_dim,
-                keys,
-                values,
-            });
         }
         KvCache {
             data: Block::new(dtype, 0),
             layout: layout.clone(),
-            spans,
-            stride: at,
+            starts: vec![0; layout.layers.len()],
             dtype,
             cap: 0,
             limit: usize::MAX,
@@ -267,12 +286,12 @@ impl KvCache {
     }
 
     /// The same cache with a fixed-size state of `widths[li]` floats in each layer that has
-    /// one (linear attention; 0: none), zero at the start.
+    /// one (0: none), zero at the start.
     ///
     /// # Panics
     /// If `widths` does not have one entry per layer.
     pub fn with_states(mut self, widths: &[usize]) -> KvCache {
-        assert_eq!(widths.len(), self.spans.len(), "one state width per layer");
+        assert_eq!(widths.len(), self.num_layers(), "one state width per layer");
         self.states = widths.iter().map(|&w| vec![0.0; w]).collect();
         self.snapshots.clear();
         self
@@ -342,9 +361,9 @@ impl KvCache {
         self
     }
 
-    /// A cache holding `keys`/`values` given per layer as position-major f32 rows
-    /// (`positions * key_width(li)` and `positions * value_width(li)` floats, as a slot file
-    /// stores them; longer vectors are cut to that).
+    /// A cache holding `keys`/`values` given per layer as row-major f32 rows (the rows of
+    /// `positions` positions: `layout.layers[li].rows(positions)` rows of `key_width(li)` and
+    /// `value_width(li)` floats, as a slot file stores them; longer vectors are cut to that).
     ///
     /// # Panics
     /// If `keys`/`values` do not have one entry per layer of `layout`, or one is too short.
@@ -360,14 +379,15 @@ impl KvCache {
         kv.reserve(positions);
         for (li, (k, v)) in keys.iter().zip(values).enumerate() {
             let (kw, vw) = (kv.key_width(li), kv.value_width(li));
-            kv.write(li, 0, &k[..positions * kw], &v[..positions * vw]);
+            let rows = layout.layers[li].rows(positions);
+            kv.write(li, 0, &k[..rows * kw], &v[..rows * vw]);
         }
         kv.len = positions;
         kv
     }
 
     pub fn num_layers(&self) -> usize {
-        self.spans.len()
+        self.layout.layers.len()
     }
 
     /// What each layer keeps per position.
@@ -375,25 +395,48 @@ impl KvCache {
         &self.layout
     }
 
-    /// Where position `pos` of head `head` starts in the keys (`values` false) or the values
-    /// of layer `li`, for a capacity of `cap` positions. For a uniform (GQA) layout this is
-    /// `(((li * 2 + values) * kv_heads + head) * cap + pos) * head_dim`.
-    #[cfg(test)]
-    fn at(&self, cap: usize, li: usize, values: bool, head: usize, pos: usize) -> usize {
-        let (base, dim) = self.spans[li].run(values);
-        cap * base + (head * cap + pos) * dim
+    /// The start and row width of layer `li`'s `values` (or key) run of `head`, and the rows
+    /// each run has room for.
+    #[inline]
+    fn run(&self, li: usize, values: bool, head: usize) -> (usize, usize, usize) {
+        let l = &self.layout.layers[li];
+        let rows = l.rows(self.cap);
+        let (before, dim) = if values {
+            (l.heads * l.key_dim, l.value_dim)
+        } else {
+            (0, l.key_dim)
+        };
+        (
+            self.starts[li] + rows * before + head * rows * dim,
+            dim,
+            rows,
+        )
     }
 
-    /// Floats of keys per position in layer `li` (all its heads).
+    /// Where position `pos` of head `head` starts in the keys (`values` false) or the values
+    /// of layer `li`. For a uniform (GQA) layout this is
+    /// `(((li * 2 + values) * kv_heads + head) * cap + pos) * head_dim`.
+    #[cfg(test)]
+    fn at(&self, li: usize, values: bool, head: usize, pos: usize) -> usize {
+        let (at, dim, _) = self.run(li, values, head);
+        at + pos * dim
+    }
+
+    /// Floats of keys per row in layer `li` (all its heads).
     pub fn key_width(&self, li: usize) -> usize {
-        let s = &self.spans[li];
+        let s = &self.layout.layers[li];
         s.heads * s.key_dim
     }
 
-    /// Floats of values per position in layer `li` (0 when values are read from the keys).
+    /// Floats of values per row in layer `li` (0 when values are read from the keys).
     pub fn value_width(&self, li: usize) -> usize {
-        let s = &self.spans[li];
+        let s = &self.layout.layers[li];
         s.heads * s.value_dim
+    }
+
+    /// Rows layer `li` holds (its positions' rows, [`LayerKv::rows`]).
+    pub fn rows_held(&self, li: usize) -> usize {
+        self.layout.layers[li].rows(self.len)
     }
 
     pub fn dtype(&self) -> KvDtype {
@@ -410,35 +453,32 @@ impl KvCache {
         // the first decoded token after a 1k-token prompt would copy the whole history.
         let wanted = (self.cap * 2).max(need + need / 2).max(MIN_CAP);
         let cap = need.max(wanted.min(self.limit));
-        let old_cap = self.cap;
-        let size = cap
-            .checked_mul(self.stride)
-            .expect("KV cache size overflows");
+        let (old_starts, old_size) = starts(&self.layout, self.cap);
+        let (new_starts, size) = starts(&self.layout, cap);
         let mut grown = Block::new(self.dtype, size);
-        for li in 0..self.spans.len() {
-            self.copy_layer(li, &mut grown, cap);
+        for li in 0..self.num_layers() {
+            self.copy_layer(li, &mut grown, new_starts[li], cap);
             // The old copy of this layer is done with: the peak stays one layer above the
             // grown cache rather than the old and the new caches whole.
-            let end = self.spans.get(li + 1).map_or(self.stride, |n| n.keys);
-            self.data
-                .release(old_cap * self.spans[li].keys..old_cap * end);
+            let end = old_starts.get(li + 1).copied().unwrap_or(old_size);
+            self.data.release(old_starts[li]..end);
         }
         self.data = grown;
         self.cap = cap;
+        self.starts = new_starts;
     }
 
-    /// Copies layer `li`'s stored positions (every head's key and value runs) into `to`, laid
-    /// out for a capacity of `cap` positions.
-    fn copy_layer(&self, li: usize, to: &mut Block, cap: usize) {
-        let s = &self.spans[li];
+    /// Copies layer `li`'s stored rows (every head's key and value runs) into `to`, whose
+    /// layer starts at `start` for a capacity of `cap` positions.
+    fn copy_layer(&self, li: usize, to: &mut Block, start: usize, cap: usize) {
+        let l = &self.layout.layers[li];
+        let (rows, held) = (l.rows(cap), self.rows_held(li));
         for values in [false, true] {
-            let (base, dim) = s.run(values);
-            for h in 0..s.heads {
-                let (at, from) = (
-                    cap * base + h * cap * dim,
-                    self.cap * base + h * self.cap * dim,
-                );
-                to.copy_from(at, &self.data, from, self.len * dim);
+            for h in 0..l.heads {
+                let (from, dim, _) = self.run(li, values, h);
+                let before = if values { l.heads * l.key_dim } else { 0 };
+                let at = start + rows * before + h * rows * dim;
+                to.copy_from(at, &self.data, from, held * dim);
             }
         }
     }
@@ -449,18 +489,15 @@ impl KvCache {
         let cap = (self.len + extra)
             .max(MIN_CAP)
             .min(self.limit.max(self.len + extra));
-        let size = cap
-            .checked_mul(self.stride)
-            .expect("KV cache size overflows");
+        let (starts, size) = starts(&self.layout, cap);
         let mut data = Block::new_small_pages(self.dtype, size);
-        for li in 0..self.spans.len() {
-            self.copy_layer(li, &mut data, cap);
+        for (li, start) in starts.iter().enumerate() {
+            self.copy_layer(li, &mut data, *start, cap);
         }
         KvCache {
             data,
             layout: self.layout.clone(),
-            spans: self.spans.clone(),
-            stride: self.stride,
+            starts,
             dtype: self.dtype,
             cap,
             limit: self.limit,
@@ -470,61 +507,66 @@ impl KvCache {
         }
     }
 
-    /// Stores position-major f32 rows `k`/`v` (`n * key_width(li)` and `n * value_width(li)`
-    /// floats) of layer `li` at positions `start .. start + n`; room for them must have been
-    /// reserved. (A layer with neither keys nor values stores nothing.)
+    /// Stores row-major f32 rows `k`/`v` (`n * key_width(li)` and `n * value_width(li)`
+    /// floats) of layer `li` as its rows `start .. start + n` (positions, for a layer of a row
+    /// per position); room for them must have been reserved. (A layer with neither keys nor
+    /// values stores nothing.)
     pub fn write(&mut self, li: usize, start: usize, k: &[f32], v: &[f32]) {
-        let (s, cap) = (self.spans[li], self.cap);
-        let (kw, vw) = (s.heads * s.key_dim, s.heads * s.value_dim);
+        let (kw, vw) = (self.key_width(li), self.value_width(li));
+        let heads = self.layout.layers[li].heads;
         // The rows' count, from whichever of keys and values the layer keeps.
         let n = k
             .len()
             .checked_div(kw)
             .or(v.len().checked_div(vw))
             .unwrap_or(0);
-        assert!(start + n <= cap && k.len() == n * kw && v.len() == n * vw);
+        let cap_rows = self.layout.layers[li].rows(self.cap);
+        assert!(start + n <= cap_rows || n == 0);
+        assert!(k.len() == n * kw && v.len() == n * vw);
         for (rows, values) in [(k, false), (v, true)] {
-            let (base, dim) = s.run(values);
-            if dim == 0 || s.heads == 0 {
+            let l = &self.layout.layers[li];
+            let dim = if values { l.value_dim } else { l.key_dim };
+            if dim == 0 || heads == 0 {
                 continue;
             }
-            for (p, row) in rows.chunks_exact(s.heads * dim).enumerate() {
+            for (p, row) in rows.chunks_exact(heads * dim).enumerate() {
                 for (h, src) in row.chunks_exact(dim).enumerate() {
-                    let at = cap * base + (h * cap + start + p) * dim;
-                    self.data.store(at, src);
+                    let (at, _, _) = self.run(li, values, h);
+                    self.data.store(at + (start + p) * dim, src);
                 }
             }
         }
     }
 
-    /// Keys and values of head `head` in layer `li`: `positions` rows of `key_dim` and of
-    /// `value_dim` each (an empty values slice for a layer whose values are read from the
-    /// keys).
-    pub fn head(&self, li: usize, head: usize, positions: usize) -> (HeadRows<'_>, HeadRows<'_>) {
-        let (s, cap) = (&self.spans[li], self.cap);
-        debug_assert!(head < s.heads && positions <= cap);
+    /// Keys and values of head `head` in layer `li`: its first `rows` rows (positions, for a
+    /// layer of a row per position) of `key_dim` and of `value_dim` each (an empty values
+    /// slice for a layer whose values are read from the keys).
+    pub fn head(&self, li: usize, head: usize, rows: usize) -> (HeadRows<'_>, HeadRows<'_>) {
         let run = |values: bool| {
-            let (base, dim) = s.run(values);
-            let at = cap * base + head * cap * dim;
-            self.data.slice(at..at + positions * dim)
+            let (at, dim, cap_rows) = self.run(li, values, head);
+            debug_assert!(head < self.layout.layers[li].heads && rows <= cap_rows);
+            self.data.slice(at..at + rows * dim)
         };
         (run(false), run(true))
     }
 
-    /// Position-major f32 keys and values of layer `li` at `positions` (what a slot file
-    /// stores): `positions.len() * key_width(li)` and `* value_width(li)` floats.
+    /// Row-major f32 keys and values of layer `li` written by `positions` (what a slot file
+    /// stores): the layer's rows [`LayerKv::row_range`] of them, `key_width(li)` and
+    /// `value_width(li)` floats each.
     pub fn rows(&self, li: usize, positions: Range<usize>) -> (Vec<f32>, Vec<f32>) {
-        let (s, cap) = (&self.spans[li], self.cap);
+        let l = self.layout.layers[li];
+        let rows = l.row_range(positions);
         let gather = |values: bool| {
-            let (base, dim) = s.run(values);
-            let width = s.heads * dim;
-            let mut out = vec![0.0f32; positions.len() * width];
+            let dim = if values { l.value_dim } else { l.key_dim };
+            let width = l.heads * dim;
+            let mut out = vec![0.0f32; rows.len() * width];
             if width == 0 {
                 return out;
             }
-            for (row, p) in out.chunks_exact_mut(width).zip(positions.clone()) {
+            for (row, r) in out.chunks_exact_mut(width).zip(rows.clone()) {
                 for (h, dst) in row.chunks_exact_mut(dim).enumerate() {
-                    self.data.load(cap * base + (h * cap + p) * dim, dst);
+                    let (at, _, _) = self.run(li, values, h);
+                    self.data.load(at + r * dim, dst);
                 }
             }
             out
@@ -532,34 +574,23 @@ impl KvCache {
         (gather(false), gather(true))
     }
 
-    /// Writes `src` into the key row of position `pos` of layer `li`, at column `offset`, for
-    /// a layer with one key run (a row of several parts, DeepSeek-V4's compressed layers). The
-    /// position must be within the reserved capacity.
-    pub fn write_key_part(&mut self, li: usize, pos: usize, offset: usize, src: &[f32]) {
-        let (s, cap) = (self.spans[li], self.cap);
-        assert!(s.heads == 1 && pos < cap && offset + src.len() <= s.key_dim);
-        self.data
-            .store(cap * s.keys + pos * s.key_dim + offset, src);
-    }
-
-    /// Columns `cols` of the key rows at `positions` of layer `li` (one key run), as f32 rows
-    /// of `cols.len()` one after another.
+    /// Columns `cols` of the key rows `rows` of layer `li` (one key run), as f32 rows of
+    /// `cols.len()` one after another.
     pub fn key_columns(
         &self,
         li: usize,
-        positions: impl Iterator<Item = usize>,
+        rows: impl Iterator<Item = usize>,
         cols: Range<usize>,
     ) -> Vec<f32> {
-        let (s, cap) = (&self.spans[li], self.cap);
-        assert!(s.heads == 1 && cols.end <= s.key_dim);
+        let (at, dim, cap_rows) = self.run(li, false, 0);
+        assert!(self.layout.layers[li].heads == 1 && cols.end <= dim);
         let w = cols.len();
         let mut out = Vec::new();
-        for p in positions {
-            debug_assert!(p < cap);
-            let at = out.len();
-            out.resize(at + w, 0.0);
-            self.data
-                .load(cap * s.keys + p * s.key_dim + cols.start, &mut out[at..]);
+        for r in rows {
+            debug_assert!(r < cap_rows);
+            let o = out.len();
+            out.resize(o + w, 0.0);
+            self.data.load(at + r * dim + cols.start, &mut out[o..]);
         }
         out
     }
@@ -582,6 +613,23 @@ impl KvCache {
             self.len = len;
             return;
         }
+        self.restore(len);
+    }
+
+    /// After a failed pass that started at `len` positions: drops what it wrote. Without
+    /// states, [`KvCache::truncate`]; with them, the pass may have advanced some layers' states
+    /// before it failed (while `len` did not move), so the cache goes back to the latest
+    /// snapshot at or before `len` even when no position was added.
+    pub fn rewind(&mut self, len: usize) {
+        if self.has_states() {
+            self.restore(len.min(self.len));
+        } else {
+            self.truncate(len);
+        }
+    }
+
+    /// The states and length of the latest snapshot at or before `len` (or the start).
+    fn restore(&mut self, len: usize) {
         match self.snapshots.iter().rev().find(|s| s.len <= len) {
             Some(s) => {
                 self.len = s.len;
@@ -596,9 +644,23 @@ impl KvCache {
         self.snapshots.retain(|s| s.len <= kept);
     }
 
-    /// Bytes of KV memory per cached token (keys and values over all layers).
+    /// Bytes of KV memory per cached token (keys and values over all layers; a layer of a row
+    /// per `every` positions counts `1 / every` of its row, rounded up over the whole).
     pub fn bytes_per_token(&self) -> usize {
-        self.stride * self.dtype.bytes()
+        let mut per_every: Vec<(usize, usize)> = Vec::new();
+        for l in &self.layout.layers {
+            let w = l.heads * (l.key_dim + l.value_dim);
+            match per_every.iter_mut().find(|(e, _)| *e == l.every) {
+                Some((_, sum)) => *sum += w,
+                None => per_every.push((l.every, w)),
+            }
+        }
+        let bytes = self.dtype.bytes() as f64;
+        per_every
+            .iter()
+            .map(|&(e, w)| w as f64 * bytes / e as f64)
+            .sum::<f64>()
+            .ceil() as usize
     }
 }
 
@@ -766,12 +828,12 @@ mod tests {
                     for pos in [0, 1, 37, cap - 1] {
                         let old =
                             (((li * 2 + usize::from(values)) * heads + head) * cap + pos) * hd;
-                        assert_eq!(kv.at(cap, li, values, head, pos), old);
+                        assert_eq!(kv.at(li, values, head, pos), old);
                     }
                 }
             }
         }
-        assert_eq!(kv.stride * cap, layers * 2 * heads * cap * hd);
+        assert_eq!(starts(&kv.layout, cap).1, layers * 2 * heads * cap * hd);
         assert_eq!(kv.bytes_per_token(), layers * heads * hd * 2 * 4);
         assert_eq!(
             (kv.key_width(2), kv.value_width(2)),
@@ -784,22 +846,111 @@ mod tests {
     fn mixed() -> KvLayout {
         KvLayout {
             layers: vec![
+                LayerKv::per_position(1, 576, 0),
+                LayerKv::per_position(0, 0, 0),
+                LayerKv::per_position(2, 4, 4),
+            ],
+        }
+    }
+
+    #[test]
+    fn a_failed_pass_rewinds_states_it_advanced_without_adding_positions() {
+        let layout = KvLayout::uniform(1, 1, 2);
+        let mut kv = KvCache::new(&layout, KvDtype::F32).with_states(&[3]);
+        kv.reserve(8);
+        kv.len = 5;
+        kv.state_mut(0).copy_from_slice(&[1.0, 2.0, 3.0]);
+        kv.snapshot();
+        // A pass advanced the state, then failed before its positions counted.
+        kv.state_mut(0).fill(9.0);
+        kv.truncate(5);
+        assert_eq!(
+            kv.state(0),
+            [9.0; 3],
+            "truncate keeps what it cannot know about"
+        );
+        kv.rewind(5);
+        assert_eq!((kv.len, kv.state(0)), (5, &[1.0, 2.0, 3.0][..]));
+        // Without states, a rewind is a truncation.
+        let mut plain = KvCache::new(&layout, KvDtype::F32);
+        plain.reserve(8);
+        plain.len = 6;
+        plain.rewind(4);
+        assert_eq!(plain.len, 4);
+    }
+
+    /// A layer of a row per position, one of a row per 3 positions (compressed entries), one
+    /// of a row per 8 with values.
+    fn sparse() -> KvLayout {
+        KvLayout {
+            layers: vec![
+                LayerKv::per_position(1, 4, 0),
                 LayerKv {
-                    heads: 1,
-                    key_dim: 576,
-                    value_dim: 0,
+                    every: 3,
+                    ..LayerKv::per_position(1, 5, 0)
                 },
                 LayerKv {
-                    heads: 0,
-                    key_dim: 0,
-                    value_dim: 0,
-                },
-                LayerKv {
-                    heads: 2,
-                    key_dim: 4,
-                    value_dim: 4,
+                    every: 8,
+                    ..LayerKv::per_position(2, 2, 1)
                 },
             ],
+        }
+    }
+
+    #[test]
+    fn a_layer_of_a_row_per_several_positions_keeps_only_its_rows() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let layout = sparse();
+            let mut kv = KvCache::new(&layout, dtype);
+            // 4 + 5/3 + 6/8 floats per position, rounded up over the whole.
+            let want = ((4.0 + 5.0 / 3.0 + 6.0 / 8.0) * dtype.bytes() as f64).ceil() as usize;
+            assert_eq!(kv.bytes_per_token(), want);
+            // Positions written pass by pass; a layer gets the rows its positions complete.
+            let mut truth: Vec<(Vec<f32>, Vec<f32>)> = vec![Default::default(); 3];
+            for (pass, n) in [5usize, 1, 1, 70, 2].into_iter().enumerate() {
+                kv.reserve(n);
+                let (p0, end) = (kv.len, kv.len + n);
+                for (li, l) in layout.layers.iter().enumerate() {
+                    let r = l.row_range(p0..end);
+                    let (kw, vw) = (kv.key_width(li), kv.value_width(li));
+                    let k = rows(r.len(), kw, (pass * 10 + li) as f32);
+                    let v = rows(r.len(), vw, (500 + pass) as f32);
+                    kv.write(li, r.start, &k, &v);
+                    truth[li].0.extend(k);
+                    truth[li].1.extend(v);
+                }
+                kv.len = end;
+            }
+            assert_eq!(kv.len, 79);
+            assert_eq!(
+                (kv.rows_held(0), kv.rows_held(1), kv.rows_held(2)),
+                (79, 26, 9)
+            );
+            for (li, t) in truth.iter().enumerate() {
+                assert_eq!(&kv.rows(li, 0..79), t, "layer {li}");
+            }
+            // Positions 7..25 write rows 2..8 of the layer of a row per 3.
+            assert_eq!(kv.rows(1, 7..25).0, truth[1].0[2 * 5..8 * 5]);
+            assert_eq!(kv.key_columns(1, [4, 0].into_iter(), 1..3), {
+                let k = &truth[1].0;
+                [&k[21..23], &k[1..3]].concat()
+            });
+            let fork = kv.fork(10);
+            let back = KvCache::from_rows(
+                &layout,
+                dtype,
+                79,
+                &truth.iter().map(|t| t.0.clone()).collect::<Vec<_>>(),
+                &truth.iter().map(|t| t.1.clone()).collect::<Vec<_>>(),
+            );
+            for (li, t) in truth.iter().enumerate() {
+                assert_eq!(&fork.rows(li, 0..79), t);
+                assert_eq!(&back.rows(li, 0..79), t);
+            }
+            // Truncation keeps the rows of the positions kept.
+            kv.truncate(17);
+            assert_eq!((kv.rows_held(1), kv.rows_held(2)), (5, 2));
+            assert_eq!(kv.rows(1, 0..17).0, truth[1].0[..5 * 5]);
         }
     }
 

@@ -192,7 +192,8 @@ impl Model {
         d.set_item("tokenizer", m.manifest.tokenizer.clone())?;
         d.set_item("tokenizer_config", m.manifest.tokenizer_config.clone())?;
         d.set_item("kv_bytes_per_token", m.new_cache().bytes_per_token())?;
-        // Linear-attention layers' fixed-size state per slot (one copy; 0 without such layers).
+        // The fixed-size state per slot (one copy): linear-attention layers', DeepSeek-V4's
+        // windows; 0 without.
         d.set_item("state_bytes_per_slot", m.new_cache().state_bytes())?;
         d.set_item("kv_dtype", m.kv_dtype.name())?;
         Ok(d)

@@ -17,29 +17,35 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, LayerKv};
 use crate::slotfile::{KvRows, SlotFile};
 use crate::slots::SlotStore;
 
 /// Commits queued at most before a commit waits for the writer (each holds one step's rows).
 const QUEUE: usize = 2;
 
-/// The rows of positions `start .. end` of every layer, position-major (what a commit appends).
+/// The rows positions `start .. end` write in every layer, row-major (what a commit appends).
 struct Tail {
     start: usize,
     end: usize,
-    widths: Vec<(usize, usize)>,
+    /// Per layer: what it keeps (its rows' widths, positions per row).
+    layers: Vec<LayerKv>,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
 }
 
 impl KvRows for Tail {
     fn num_layers(&self) -> usize {
-        self.widths.len()
+        self.layers.len()
     }
 
     fn widths(&self, layer: usize) -> (usize, usize) {
-        self.widths[layer]
+        let l = &self.layers[layer];
+        (l.heads * l.key_dim, l.heads * l.value_dim)
+    }
+
+    fn every(&self, layer: usize) -> usize {
+        self.layers[layer].every
     }
 
     fn positions(&self) -> usize {
@@ -53,11 +59,13 @@ impl KvRows for Tail {
         layer: usize,
         positions: Range<usize>,
     ) -> (Cow<'a, [f32]>, Cow<'a, [f32]>) {
-        let (kw, vw) = self.widths[layer];
+        let (kw, vw) = self.widths(layer);
         if positions.start < self.start {
             return (Cow::Borrowed(&[]), Cow::Borrowed(&[]));
         }
-        let r = positions.start - self.start..positions.end - self.start;
+        let e = self.every(layer);
+        let first = self.start / e;
+        let r = positions.start / e - first..positions.end / e - first;
         // Borrowed: the writer encodes straight from the rows the commit copied out.
         let slice =
             |v: &'a [f32], w: usize| -> &'a [f32] { v.get(r.start * w..r.end * w).unwrap_or(&[]) };
@@ -157,9 +165,7 @@ impl SlotStore for BackgroundFile {
         let rows = Tail {
             start,
             end,
-            widths: (0..layers)
-                .map(|l| (kv.key_width(l), kv.value_width(l)))
-                .collect(),
+            layers: kv.layout().layers.clone(),
             keys,
             values,
         };

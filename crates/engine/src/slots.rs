@@ -219,6 +219,10 @@ impl crate::slotfile::KvRows for KvCache {
         (self.key_width(layer), self.value_width(layer))
     }
 
+    fn every(&self, layer: usize) -> usize {
+        self.layout().layers[layer].every
+    }
+
     fn positions(&self) -> usize {
         self.len
     }
@@ -282,7 +286,10 @@ fn layout_text(layout: &KvLayout) -> String {
     }
     let runs: Vec<String> = runs
         .iter()
-        .map(|(c, l)| format!("{c}*{}x{}/{}", l.heads, l.key_dim, l.value_dim))
+        .map(|(c, l)| match l.every {
+            1 => format!("{c}*{}x{}/{}", l.heads, l.key_dim, l.value_dim),
+            e => format!("{c}*{}x{}/{}@{e}", l.heads, l.key_dim, l.value_dim),
+        })
         .collect();
     format!(
         "|slotfile v{v}|layers {}|kv {}|f32",
@@ -362,21 +369,9 @@ mod tests {
 
     #[test]
     fn other_layouts_are_spelled_out_layer_by_layer() {
-        let mla = LayerKv {
-            heads: 1,
-            key_dim: 576,
-            value_dim: 0,
-        };
-        let none = LayerKv {
-            heads: 0,
-            key_dim: 0,
-            value_dim: 0,
-        };
-        let gqa = LayerKv {
-            heads: 2,
-            key_dim: 4,
-            value_dim: 4,
-        };
+        let mla = LayerKv::per_position(1, 576, 0);
+        let none = LayerKv::per_position(0, 0, 0);
+        let gqa = LayerKv::per_position(2, 4, 4);
         let layout = KvLayout {
             layers: vec![mla, mla, none, gqa, mla],
         };
@@ -398,6 +393,18 @@ mod tests {
         assert_eq!(
             layout_text(&uniform_mla),
             "|slotfile v1|layers 3|kv 3*1x576/0|f32"
+        );
+        // A layer of a row per several positions says how many (DeepSeek-V4's entries).
+        let entries = LayerKv {
+            every: 4,
+            ..LayerKv::per_position(1, 28, 0)
+        };
+        let v4 = KvLayout {
+            layers: vec![none, entries, entries],
+        };
+        assert_eq!(
+            layout_text(&v4),
+            "|slotfile v1|layers 3|kv 1*0x0/0,2*1x28/0@4|f32"
         );
     }
 }

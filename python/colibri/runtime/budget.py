@@ -2,8 +2,9 @@
 each engine's expert cache gets.
 
 A loaded model takes a **fixed part** (its resident weights, ``resident.bin``; its KV slots at
-full context; its linear-attention states with their snapshots) and an **expert cache** (at most
-its whole ``experts.bin``). Every loaded model's fixed part and cache count against the budget.
+full context; its fixed-size states (linear attention, DeepSeek-V4's windows) with their
+snapshots) and an **expert cache** (at most its whole ``experts.bin``). Every loaded model's
+fixed part and cache count against the budget.
 
 The rule (docs/API.md, "RAM budget"): the fixed parts come first; what the budget leaves is
 shared equally between the models loaded at startup (the default model and pinned entries) and,
@@ -24,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# Copies of a linear-attention state a slot holds at most: its own and the engine's snapshots
-# (crates/engine/src/kv.rs `MAX_SNAPSHOTS`).
+# Copies of a slot's fixed-size state (linear attention, DeepSeek-V4's windows) it holds at
+# most: its own and the engine's snapshots (crates/engine/src/kv.rs `MAX_SNAPSHOTS`).
 STATE_COPIES = 1 + 4
 
 GB = 1e9
@@ -71,7 +72,7 @@ class ModelMemory:
 
     def describe(self) -> str:
         return f"resident weights {gb(self.resident)} + KV {gb(self.kv)}" + (
-            f" + linear-attention state {gb(self.state)}" if self.state else ""
+            f" + per-slot state {gb(self.state)}" if self.state else ""
         )
 
 

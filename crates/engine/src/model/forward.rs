@@ -167,9 +167,10 @@ impl Model {
             }
         }
         if r.is_err() {
-            // A failed read leaves this pass's positions half written: drop them.
+            // A failed read leaves this pass's positions half written (and states that some
+            // layers advanced): drop them.
             for (s, &len) in seqs.iter_mut().zip(&len0) {
-                s.kv.truncate(len);
+                s.kv.rewind(len);
             }
         }
         pass.times.total = t0.elapsed();

@@ -11,6 +11,14 @@ pub const SLOT_FILE_VERSION: u32 = 1;
 /// The version of a model whose layers carry fixed-size states: the log also holds state
 /// records ([`STATE_MAGIC`]). Builds that read only version 1 refuse these files by version.
 pub const STATE_SLOT_FILE_VERSION: u32 = 2;
+/// The version of a model with a layer that keeps one row per several positions (DeepSeek-V4's
+/// compressed entries): a record holds, per layer, the rows its positions complete, so its size
+/// depends on its `start` too; state records as in version 2. Builds that read only versions 1
+/// and 2 refuse these files by version.
+pub const ROWS_SLOT_FILE_VERSION: u32 = 3;
+
+/// Every version this build reads, for a message.
+pub(super) const VERSIONS: &str = "1, 2 and 3";
 
 /// First 8 bytes of every header copy.
 pub const SLOT_FILE_MAGIC: [u8; 8] = *b"CLBKVSLT";
@@ -39,7 +47,8 @@ pub(super) const RECORD_TAIL: u64 = 8;
 /// One header copy (the decoded fields; magic and version are implied).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Header {
-    /// [`SLOT_FILE_VERSION`], or [`STATE_SLOT_FILE_VERSION`] for a model with states.
+    /// [`SLOT_FILE_VERSION`], [`STATE_SLOT_FILE_VERSION`] for a model with states, or
+    /// [`ROWS_SLOT_FILE_VERSION`] for one with a layer of a row per several positions.
     pub(super) version: u32,
     pub(super) fingerprint: [u8; 32],
     pub(super) num_layers: u64,
@@ -103,7 +112,13 @@ pub(super) fn parse_block(b: &[u8]) -> Block {
     // The version sits at a fixed offset in every version; it is read before the checksum,
     // whose scheme another version may change.
     let version = le_u32(b, 8);
-    if version != SLOT_FILE_VERSION && version != STATE_SLOT_FILE_VERSION {
+    if ![
+        SLOT_FILE_VERSION,
+        STATE_SLOT_FILE_VERSION,
+        ROWS_SLOT_FILE_VERSION,
+    ]
+    .contains(&version)
+    {
         return Block::Version(version);
     }
     if le_u64(b, 96) != xxh3_64(&b[..HEADER_SUMMED]) || le_u32(b, 12) != 0 {
@@ -145,12 +160,16 @@ pub(super) const MIXED_WIDTHS: u64 = 1 << 63;
 /// heads, the header's `kv_dim` field that stands for them, and a token's bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Shape {
-    /// Per layer: (key floats, value floats) per position.
+    /// Per layer: (key floats, value floats) per row.
     pub(super) widths: Vec<(usize, usize)>,
+    /// Per layer: positions per row (1: a row per position; `e`: positions `0 .. len` hold
+    /// `len / e` rows, [`crate::kv::LayerKv::rows`]).
+    pub(super) every: Vec<usize>,
     /// The header's `kv_dim` field: `w` when every layer keeps `w` keys and `w` values per
     /// position, else [`MIXED_WIDTHS`] with a digest of `widths`.
     pub(super) kv_dim: u64,
-    /// [`token_bytes`]: 4 + 4 * (all the widths).
+    /// Bytes a position takes in a record: its id, then 4 * the widths of the layers of a row
+    /// per position ([`token_bytes`] for a uniform layout); see [`Shape::record_len`].
     pub(super) per_token: u64,
     /// Per layer: floats of its fixed-size state (linear attention; 0: none). Any state makes
     /// the file version [`STATE_SLOT_FILE_VERSION`], with state records in its log.
@@ -169,6 +188,7 @@ impl Shape {
             .map_err(|_| too_large())?;
         widths.resize(num_layers, (kv_dim, kv_dim));
         Ok(Shape {
+            every: vec![1; num_layers],
             widths,
             kv_dim: kv_dim as u64,
             per_token,
@@ -177,20 +197,28 @@ impl Shape {
     }
 
     /// The records of `layout`: per layer `heads * key_dim` keys and `heads * value_dim`
-    /// values per position.
+    /// values per row (a row per position, or per `every` positions).
     pub(super) fn of(layout: &KvLayout) -> Result<Shape, String> {
         let too_large = || format!("KV layout of {} layers is too large", layout.layers.len());
         let mut widths = Vec::with_capacity(layout.layers.len());
+        let mut every = Vec::with_capacity(layout.layers.len());
         let mut floats = 0u64;
+        let mut all = 0u64;
         for l in &layout.layers {
+            if l.every == 0 {
+                return Err("a KV layer keeps a row per 0 positions".into());
+            }
             let k = l.heads.checked_mul(l.key_dim).ok_or_else(too_large)?;
             let v = l.heads.checked_mul(l.value_dim).ok_or_else(too_large)?;
-            floats = floats
-                .checked_add(k as u64)
-                .and_then(|f| f.checked_add(v as u64))
-                .ok_or_else(too_large)?;
+            let kv = (k as u64).checked_add(v as u64).ok_or_else(too_large)?;
+            all = all.checked_add(kv).ok_or_else(too_large)?;
+            if l.every == 1 {
+                floats += kv;
+            }
             widths.push((k, v));
+            every.push(l.every);
         }
+        all.checked_mul(4).ok_or_else(too_large)?;
         let per_token = floats
             .checked_mul(4)
             .and_then(|b| b.checked_add(4))
@@ -199,16 +227,22 @@ impl Shape {
             None => 0,
             Some(&(w, _)) if widths.iter().all(|&p| p == (w, w)) => w as u64,
             Some(_) => {
-                let bytes: Vec<u8> = widths
+                let mut bytes: Vec<u8> = widths
                     .iter()
                     .flat_map(|&(k, v)| [(k as u64).to_le_bytes(), (v as u64).to_le_bytes()])
                     .flatten()
                     .collect();
+                // The positions per row join the digest only when some layer has more than
+                // one (the layouts of before keep their digest).
+                if every.iter().any(|&e| e != 1) {
+                    bytes.extend(every.iter().flat_map(|&e| (e as u64).to_le_bytes()));
+                }
                 MIXED_WIDTHS | xxh3_64(&bytes)
             }
         };
         let states = vec![0; widths.len()];
         Ok(Shape {
+            every,
             widths,
             kv_dim,
             per_token,
@@ -243,9 +277,37 @@ impl Shape {
         self.state_floats() > 0
     }
 
+    /// Whether a layer keeps a row per several positions.
+    pub(super) fn has_sparse_rows(&self) -> bool {
+        self.every.iter().any(|&e| e > 1)
+    }
+
+    /// Rows of layer `l` written by positions `start .. start + n`: `(start + n) / every -
+    /// start / every` (None when `start + n` overflows).
+    pub(super) fn rows_in(&self, l: usize, start: u64, n: u64) -> Option<u64> {
+        let e = self.every[l] as u64;
+        Some(start.checked_add(n)? / e - start / e)
+    }
+
+    /// Bytes of a record of positions `start .. start + n` (None on overflow).
+    pub(super) fn record_len(&self, start: u64, n: u64) -> Option<u64> {
+        let mut len = record_len(n, self.per_token)?;
+        for (l, &(kw, vw)) in self.widths.iter().enumerate() {
+            if self.every[l] > 1 {
+                let floats = self
+                    .rows_in(l, start, n)?
+                    .checked_mul(kw as u64 + vw as u64)?;
+                len = len.checked_add(floats.checked_mul(4)?)?;
+            }
+        }
+        Some(len)
+    }
+
     /// The version of this shape's files.
     pub(super) fn version(&self) -> u32 {
-        if self.has_states() {
+        if self.has_sparse_rows() {
+            ROWS_SLOT_FILE_VERSION
+        } else if self.has_states() {
             STATE_SLOT_FILE_VERSION
         } else {
             SLOT_FILE_VERSION
@@ -284,8 +346,8 @@ pub(super) fn record_len(n: u64, per_token: u64) -> Option<u64> {
 /// position ([`reseal_layout`]: any layout). Never panics; O(len).
 #[doc(hidden)]
 pub fn reseal(bytes: &mut [u8], num_layers: usize, kv_dim: usize) {
-    if let Some(per_token) = token_bytes(num_layers, kv_dim) {
-        reseal_records(bytes, per_token, 0);
+    if let Ok(shape) = Shape::uniform(num_layers, kv_dim) {
+        reseal_records(bytes, &shape);
     }
 }
 
@@ -293,20 +355,21 @@ pub fn reseal(bytes: &mut [u8], num_layers: usize, kv_dim: usize) {
 #[doc(hidden)]
 pub fn reseal_layout(bytes: &mut [u8], layout: &KvLayout) {
     if let Ok(shape) = Shape::of(layout) {
-        reseal_records(bytes, shape.per_token, 0);
+        reseal_records(bytes, &shape);
     }
 }
 
-/// [`reseal`] for the (version-2) slot files of `layout` with `states[li]` floats of state per
-/// layer: state records are resealed too.
+/// [`reseal`] for the (version-2 or 3) slot files of `layout` with `states[li]` floats of state
+/// per layer: state records are resealed too.
 #[doc(hidden)]
 pub fn reseal_layout_states(bytes: &mut [u8], layout: &KvLayout, states: &[usize]) {
     if let Ok(shape) = Shape::of(layout).and_then(|s| s.with_states(states)) {
-        reseal_records(bytes, shape.per_token, shape.state_floats());
+        reseal_records(bytes, &shape);
     }
 }
 
-fn reseal_records(bytes: &mut [u8], per_token: u64, state_floats: u64) {
+fn reseal_records(bytes: &mut [u8], shape: &Shape) {
+    let state_floats = shape.state_floats();
     let size = bytes.len() as u64;
     let mut ends = vec![(LOG_START, 0u64)];
     let (mut pos, mut chain) = (LOG_START, 0u64);
@@ -328,11 +391,11 @@ fn reseal_records(bytes: &mut [u8], per_token: u64, state_floats: u64) {
         if bytes[at..at + 4] != RECORD_MAGIC {
             break;
         }
-        let n = le_u64(bytes, at + 16);
-        if n > (size - pos - RECORD_HEAD - RECORD_TAIL) / per_token {
+        let (start, n) = (le_u64(bytes, at + 8), le_u64(bytes, at + 16));
+        let Some(len) = shape.record_len(start, n).filter(|&l| l <= size - pos) else {
             break;
-        }
-        let body_end = (pos + RECORD_HEAD + n * per_token) as usize;
+        };
+        let body_end = (pos + len - RECORD_TAIL) as usize;
         let sum = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[at..body_end], chain);
         bytes[body_end..body_end + 8].copy_from_slice(&sum.to_le_bytes());
         chain = sum;

@@ -30,7 +30,8 @@ use crate::kv::KvLayout;
 
 pub use format::{
     reseal, reseal_layout, reseal_layout_states, HEADER_BLOCK, HEADER_COPIES, LOG_START,
-    RECORD_MAGIC, SLOT_FILE_MAGIC, SLOT_FILE_VERSION, STATE_MAGIC, STATE_SLOT_FILE_VERSION,
+    RECORD_MAGIC, ROWS_SLOT_FILE_VERSION, SLOT_FILE_MAGIC, SLOT_FILE_VERSION, STATE_MAGIC,
+    STATE_SLOT_FILE_VERSION,
 };
 pub use lock::IN_USE;
 pub use replay::{load_bytes, load_bytes_layout, load_bytes_states};
@@ -40,15 +41,16 @@ use lock::open_locked;
 use replay::{load_from, Found, LoadError};
 use writer::{tmp_path, Io, RealIo, Tuning};
 
-/// A loaded slot: the tokens and, per layer, `tokens.len() * key width` keys and
-/// `tokens.len() * value width` values (position-major f32 rows).
+/// A loaded slot: the tokens and, per layer, its rows of them (`tokens.len()` rows, or
+/// `tokens.len() / every` for a layer of a row per `every` positions) of `key width` keys and
+/// `value width` values (row-major f32).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadedSlot {
     pub tokens: Vec<u32>,
     pub keys: Vec<Vec<f32>>,
     pub values: Vec<Vec<f32>>,
-    /// Per layer, its state after the tokens (a version-2 file; empty for a layer without, and
-    /// for every layer of a version-1 file).
+    /// Per layer, its state after the tokens (a version-2 or 3 file; empty for a layer
+    /// without, and for every layer of a version-1 file).
     pub states: Vec<Vec<f32>>,
 }
 
@@ -75,15 +77,18 @@ pub enum Opened {
     Refused(String),
 }
 
-/// The KV state a slot file persists, read as position-major rows per layer (the engine keeps
+/// The KV state a slot file persists, read as row-major rows per layer (the engine keeps
 /// its cache head-major and converts only the rows a record holds).
 pub trait KvRows {
     fn num_layers(&self) -> usize;
-    /// Floats per position of `layer`'s keys and of its values (all heads).
+    /// Floats per row of `layer`'s keys and of its values (all heads).
     fn widths(&self, layer: usize) -> (usize, usize);
+    /// Positions per row of `layer` (1: a row per position).
+    fn every(&self, layer: usize) -> usize;
     /// Positions every layer holds rows for.
     fn positions(&self) -> usize;
-    /// Keys and values of `layer` at `positions` (within [`KvRows::positions`]), row by row.
+    /// Keys and values of `layer` written by `positions` (within [`KvRows::positions`]): its
+    /// rows `positions.start / every .. positions.end / every`, row by row.
     fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>);
     /// Per layer, its fixed-size state after [`KvRows::positions`] positions (empty for a
     /// layer without one).
@@ -92,13 +97,15 @@ pub trait KvRows {
     }
 }
 
-/// Per-layer position-major vectors (`keys[layer][pos * widths[layer].0 ..]`, values with
+/// Per-layer row-major vectors (`keys[layer][row * widths[layer].0 ..]`, values with
 /// `widths[layer].1`), as [`LoadedSlot`] holds.
 pub struct PositionMajor<'a> {
     pub keys: &'a [Vec<f32>],
     pub values: &'a [Vec<f32>],
-    /// Per layer: (key floats, value floats) per position.
+    /// Per layer: (key floats, value floats) per row.
     pub widths: &'a [(usize, usize)],
+    /// Per layer: positions per row.
+    pub every: &'a [usize],
 }
 
 impl KvRows for PositionMajor<'_> {
@@ -114,21 +121,31 @@ impl KvRows for PositionMajor<'_> {
         self.widths[layer]
     }
 
+    fn every(&self, layer: usize) -> usize {
+        self.every[layer]
+    }
+
     fn positions(&self) -> usize {
-        // A layer without keys (or values) holds rows for any number of positions.
-        let fit = |v: &Vec<f32>, w: usize| v.len().checked_div(w).unwrap_or(usize::MAX);
+        // A layer without keys (or values) holds rows for any number of positions; one of `r`
+        // rows of a row per `e` positions, for up to `(r + 1) * e - 1`.
+        let fit = |v: &Vec<f32>, w: usize, e: usize| {
+            v.len().checked_div(w).map_or(usize::MAX, |r| {
+                (r.saturating_add(1)).saturating_mul(e).saturating_sub(1)
+            })
+        };
         self.keys
             .iter()
             .zip(self.values)
-            .zip(self.widths)
-            .map(|((k, v), &(kw, vw))| fit(k, kw).min(fit(v, vw)))
+            .zip(self.widths.iter().zip(self.every))
+            .map(|((k, v), (&(kw, vw), &e))| fit(k, kw, e).min(fit(v, vw, e)))
             .min()
             .unwrap_or(usize::MAX)
     }
 
     fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
         let (kw, vw) = self.widths[layer];
-        let (a, b) = (positions.start, positions.end);
+        let e = self.every[layer];
+        let (a, b) = (positions.start / e, positions.end / e);
         (
             Cow::Borrowed(&self.keys[layer][a * kw..b * kw]),
             Cow::Borrowed(&self.values[layer][a * vw..b * vw]),
@@ -212,8 +229,9 @@ impl SlotFile {
     }
 
     /// [`SlotFile::open_layout`] for a model whose layers also carry fixed-size states of
-    /// `states[li]` floats (linear attention): a version-2 file whose log holds state records
-    /// beside the position records; it loads at the last position a state was written for.
+    /// `states[li]` floats (linear attention, DeepSeek-V4's windows): a version-2 (or, with a
+    /// layer of a row per several positions, 3) file whose log holds state records beside the
+    /// position records; it loads at the last position a state was written for.
     pub fn open_layout_states(
         path: &Path,
         fingerprint: [u8; 32],
@@ -272,11 +290,12 @@ impl SlotFile {
             tuning,
         };
         let empty = LoadedSlot::empty(num_layers);
-        let widths = sf.shape.widths.clone();
+        let (widths, every) = (sf.shape.widths.clone(), sf.shape.every.clone());
         let empty_kv = PositionMajor {
             keys: &empty.keys,
             values: &empty.values,
             widths: &widths,
+            every: &every,
         };
         let found = match sf.file.metadata() {
             Ok(m) if m.len() == 0 => Ok(None),

@@ -9,8 +9,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use super::format::{
     hex, le_u32, le_u64, parse_block, Block, Header, Shape, HEADER_BLOCK, HEADER_COPIES, LOG_START,
-    RECORD_HEAD, RECORD_MAGIC, RECORD_TAIL, SLOT_FILE_MAGIC, SLOT_FILE_VERSION, STATE_HEAD,
-    STATE_MAGIC, STATE_SLOT_FILE_VERSION,
+    RECORD_HEAD, RECORD_MAGIC, RECORD_TAIL, SLOT_FILE_MAGIC, STATE_HEAD, STATE_MAGIC, VERSIONS,
 };
 use super::LoadedSlot;
 use crate::kv::KvLayout;
@@ -101,8 +100,7 @@ pub(super) fn load_from<S: Source + ?Sized>(
             _ => None,
         }) {
             return Err(LoadError::Invalid(format!(
-                "slot file version {v}, this build reads versions {SLOT_FILE_VERSION} and \
-                 {STATE_SLOT_FILE_VERSION}"
+                "slot file version {v}, this build reads versions {VERSIONS}"
             )));
         }
         if size < LOG_START {
@@ -199,7 +197,6 @@ fn replay<S: Source + ?Sized>(
     h: &Header,
     shape: &Shape,
 ) -> std::result::Result<LoadedSlot, LoadError> {
-    let per_token = shape.per_token;
     let bad = |s: String| Err(LoadError::Invalid(s));
     if h.end < LOG_START {
         return bad(format!("committed end {} inside the header region", h.end));
@@ -270,9 +267,9 @@ fn replay<S: Source + ?Sized>(
                 st.tokens.len()
             ));
         }
-        // n * per_token <= avail - head - tail, without overflow: bounds every allocation
-        // below by bytes that exist.
-        if n > (avail - RECORD_HEAD - RECORD_TAIL) / per_token {
+        // The record's size <= avail, without overflow: bounds every allocation below by
+        // bytes that exist.
+        if shape.record_len(start, n).is_none_or(|len| len > avail) {
             return bad(format!(
                 "record at byte {pos}: {n} tokens overrun the committed end"
             ));
@@ -299,11 +296,14 @@ fn replay<S: Source + ?Sized>(
         }
         at += 4 * n as u64;
         for (l, &(kw, vw)) in shape.widths.iter().enumerate() {
-            // n * (kw + vw) * 4 <= n * per_token <= the record's bytes (checked above).
+            // rows * (kw + vw) * 4 <= the record's bytes (checked above).
+            // (start + n cannot overflow: `record_len` computed it.)
+            let before = start / shape.every[l];
+            let rows = (start + n) / shape.every[l] - before;
             for (v, w) in [(&mut st.keys[l], kw), (&mut st.values[l], vw)] {
-                v.truncate(start * w);
-                read_f32s(src, v, n * w, at, &mut hash)?;
-                at += 4 * (n * w) as u64;
+                v.truncate(before * w);
+                read_f32s(src, v, rows * w, at, &mut hash)?;
+                at += 4 * (rows * w) as u64;
             }
         }
         let mut tail = [0u8; 8];
@@ -331,8 +331,9 @@ fn replay<S: Source + ?Sized>(
         let (n, data) = state.unwrap_or((0, Vec::new()));
         st.tokens.truncate(n);
         for (l, &(kw, vw)) in shape.widths.iter().enumerate() {
-            st.keys[l].truncate(n * kw);
-            st.values[l].truncate(n * vw);
+            let rows = n / shape.every[l];
+            st.keys[l].truncate(rows * kw);
+            st.values[l].truncate(rows * vw);
         }
         let mut at = 0;
         for (l, &w) in shape.states.iter().enumerate() {
@@ -377,7 +378,7 @@ pub fn load_bytes_layout(
     load_shape(bytes, fingerprint, &Shape::of(layout)?)
 }
 
-/// [`load_bytes_layout`] for the (version-2) slot files of a model whose layers also carry
+/// [`load_bytes_layout`] for the (version-2 or 3) slot files of a model whose layers also carry
 /// `states[li]` floats of state: the loaded slot ends at the last state record's position and
 /// holds that state.
 pub fn load_bytes_states(

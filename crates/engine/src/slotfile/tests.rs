@@ -827,11 +827,7 @@ fn bad_arguments_are_errors_not_panics() {
 use crate::kv::{KvCache, KvDtype, KvLayout, LayerKv};
 
 fn layer(heads: usize, key_dim: usize, value_dim: usize) -> LayerKv {
-    LayerKv {
-        heads,
-        key_dim,
-        value_dim,
-    }
+    LayerKv::per_position(heads, key_dim, value_dim)
 }
 
 /// MLA-like (one 576-wide run of keys, values read from them), a layer without per-position KV
@@ -1362,6 +1358,261 @@ fn damage_to_a_state_file_loads_a_committed_state_or_refuses() {
             assert_eq!(
                 s.states.iter().map(Vec::len).collect::<Vec<_>>(),
                 [0, 5, 0],
+                "case {i}"
+            );
+        }
+    }
+}
+
+// -----------------------------------------------------------------------------------------
+// Version 3: layers of a row per several positions (DeepSeek-V4's compressed entries)
+
+/// A layer of a row per position, a layer of a row per 3 positions (with a 4-float state, as a
+/// DeepSeek-V4 layer keeps its window), a layer of a row per 2 with values.
+fn sparse_rows() -> KvLayout {
+    KvLayout {
+        layers: vec![
+            layer(1, 2, 0),
+            LayerKv {
+                every: 3,
+                ..layer(1, 3, 0)
+            },
+            LayerKv {
+                every: 2,
+                ..layer(1, 1, 1)
+            },
+        ],
+    }
+}
+
+const SPARSE_STATES: [usize; 3] = [0, 4, 0];
+
+/// A cache of [`sparse_rows`] holding `n` positions (each layer the rows they complete), its
+/// state set from `seed`.
+fn sparse_cache(n: usize, seed: f32) -> KvCache {
+    let layout = sparse_rows();
+    let mut kv = KvCache::new(&layout, KvDtype::F32).with_states(&SPARSE_STATES);
+    kv.reserve(n);
+    for (li, l) in layout.layers.iter().enumerate() {
+        let rows = l.rows(n);
+        let (kw, vw) = (kv.key_width(li), kv.value_width(li));
+        let k: Vec<f32> = (0..rows * kw).map(|i| seed + i as f32).collect();
+        let v: Vec<f32> = (0..rows * vw).map(|i| seed - i as f32).collect();
+        kv.write(li, 0, &k, &v);
+    }
+    kv.len = n;
+    for (i, x) in kv.state_mut(1).iter_mut().enumerate() {
+        *x = seed * 10.0 + i as f32;
+    }
+    kv
+}
+
+fn open_sparse(path: &Path) -> (SlotFile, Opened) {
+    SlotFile::open_layout_states(path, FP, &sparse_rows(), &SPARSE_STATES).unwrap()
+}
+
+#[test]
+fn a_file_of_rows_per_several_positions_is_version_3_and_restores_rows_and_state() {
+    let s = Scratch::new("rows-roundtrip");
+    let tokens: Vec<u32> = (0..20).collect();
+    let full = sparse_cache(20, 1.0);
+    {
+        let (mut f, opened) = open_sparse(&s.file());
+        assert!(matches!(opened, Opened::Fresh));
+        // Records that start and end inside windows (7: mid-window of 3 and of 2), and one
+        // going back inside a window.
+        f.commit_kv(0, &tokens[..7], &full).unwrap();
+        f.commit_kv(7, &tokens[7..8], &full).unwrap();
+        f.commit_kv(8, &tokens[8..13], &full).unwrap();
+        f.commit_kv(4, &tokens[4..20], &full).unwrap();
+        f.sync_kv(&tokens, &full).unwrap();
+    }
+    let raw = fs::read(s.file()).unwrap();
+    assert_eq!(le_u32_at(&raw, 8), ROWS_SLOT_FILE_VERSION);
+    let (_, opened) = open_sparse(&s.file());
+    let Opened::Loaded(got) = opened else {
+        panic!("expected the slot back: {opened:?}")
+    };
+    assert_eq!(got.tokens, tokens);
+    for li in 0..3 {
+        let (k, v) = full.rows(li, 0..20);
+        assert_eq!((&got.keys[li], &got.values[li]), (&k, &v), "layer {li}");
+    }
+    assert_eq!(
+        got.keys[1].len(),
+        6 * 3,
+        "20 positions complete 6 rows of 3"
+    );
+    assert_eq!(got.states[1], full.state(1));
+    // The slot comes back as the cache it was.
+    let back = KvCache::from_rows(&sparse_rows(), KvDtype::F32, 20, &got.keys, &got.values);
+    for li in 0..3 {
+        assert_eq!(back.rows(li, 0..20), full.rows(li, 0..20));
+    }
+    // Compaction keeps it all.
+    {
+        let (mut f, _) = open_sparse(&s.file());
+        f.tuning.compact_slack = 0;
+        for _ in 0..3 {
+            f.commit_kv(5, &tokens[5..20], &full).unwrap();
+            f.sync_kv(&tokens, &full).unwrap();
+        }
+    }
+    let (_, opened) = open_sparse(&s.file());
+    let Opened::Loaded(again) = opened else {
+        panic!("expected the slot back")
+    };
+    assert!(same(&again, &got) && again.states == got.states);
+}
+
+#[test]
+fn versions_are_not_mixed_between_rows_per_position_and_per_several() {
+    let s = Scratch::new("rows-versions");
+    let tokens: Vec<u32> = (0..6).collect();
+    let kv = sparse_cache(6, 2.0);
+    {
+        let (mut f, _) = open_sparse(&s.file());
+        f.commit_kv(0, &tokens, &kv).unwrap();
+        f.sync_kv(&tokens, &kv).unwrap();
+    }
+    // The same widths a row per position (a version-2 model): refused by version.
+    let mut per_position = sparse_rows();
+    for l in &mut per_position.layers {
+        l.every = 1;
+    }
+    let (_, opened) =
+        SlotFile::open_layout_states(&s.file(), FP, &per_position, &SPARSE_STATES).unwrap();
+    let Opened::Refused(why) = opened else {
+        panic!("a version-3 file must not load as version 2")
+    };
+    assert!(
+        why.contains("version 3") && why.contains("version 2"),
+        "{why}"
+    );
+    // And a version-2 file under the version-3 layout.
+    let flat = stateful(6, 2.0);
+    {
+        let (mut f, _) = open_states(&s.file());
+        f.commit_kv(0, &tokens, &flat).unwrap();
+        f.sync_kv(&tokens, &flat).unwrap();
+    }
+    let (_, opened) = open_sparse(&s.file());
+    let Opened::Refused(why) = opened else {
+        panic!("a version-2 file must not load as version 3")
+    };
+    assert!(
+        why.contains("version 2") && why.contains("version 3"),
+        "{why}"
+    );
+    // A version-1 file (DeepSeek-V4's files before: a row per position, no states).
+    {
+        let _ = fs::remove_file(s.file());
+        let (mut f, _) = SlotFile::open_layout(&s.file(), FP, &mixed_small()).unwrap();
+        let plain = stateful(6, 2.0);
+        f.commit_kv(0, &tokens, &plain).unwrap();
+        f.sync_kv(&tokens, &plain).unwrap();
+    }
+    let (_, opened) = open_sparse(&s.file());
+    let Opened::Refused(why) = opened else {
+        panic!("a version-1 file must not load as version 3")
+    };
+    assert!(
+        why.contains("version 1") && why.contains("version 3"),
+        "{why}"
+    );
+    // Another row rate under the same widths: another layout digest.
+    let mut other = sparse_rows();
+    other.layers[1].every = 4;
+    assert_ne!(
+        Shape::of(&other).unwrap().kv_dim,
+        Shape::of(&sparse_rows()).unwrap().kv_dim
+    );
+    // KV of another row rate is refused by a commit.
+    let (mut f, _) = open_sparse(&s.file());
+    let odd = KvCache::new(&other, KvDtype::F32).with_states(&SPARSE_STATES);
+    let err = f.commit_kv(0, &[], &odd).unwrap_err().to_string();
+    assert!(err.contains("a row per 4 positions"), "{err}");
+}
+
+/// A version-3 file written through commits (mid-window starts), syncs, a truncation and a
+/// compaction; with every state a load of the file could give at some point.
+fn scripted_sparse() -> (Vec<u8>, Vec<LoadedSlot>) {
+    let s = Scratch::new("rows-damage");
+    let layout = sparse_rows();
+    let load = |path: &Path| {
+        load_bytes_states(&fs::read(path).unwrap(), FP, &layout, &SPARSE_STATES)
+            .unwrap()
+            .unwrap_or_else(|| LoadedSlot::empty(3))
+    };
+    let (mut f, _) = open_sparse(&s.file());
+    let mut seen = vec![load(&s.file())];
+    let tokens: Vec<u32> = (0..11).map(|t| 100 + t).collect();
+    for (seed, start, end, sync) in [
+        (1.0, 0, 4, true),
+        (2.0, 4, 7, false),
+        (3.0, 2, 8, true),
+        (4.0, 1, 2, false),
+        (5.0, 2, 11, true),
+    ] {
+        let kv = sparse_cache(end, seed);
+        f.commit_kv(start, &tokens[start..end], &kv).unwrap();
+        seen.push(load(&s.file()));
+        if sync {
+            f.sync_kv(&tokens[..end], &kv).unwrap();
+            seen.push(load(&s.file()));
+        }
+    }
+    (fs::read(s.file()).unwrap(), seen)
+}
+
+#[test]
+fn damage_to_a_version_3_file_loads_a_committed_state_or_refuses() {
+    let layout = sparse_rows();
+    let (bytes, seen) = scripted_sparse();
+    assert!(seen
+        .iter()
+        .any(|s| s.tokens.len() == 11 && s.keys[1].len() == 3 * 3));
+    let check = |b: &[u8], what: &str| match load_bytes_states(b, FP, &layout, &SPARSE_STATES) {
+        Ok(Some(s)) => assert!(
+            s.tokens.is_empty() || seen.iter().any(|t| same(t, &s) && t.states == s.states),
+            "{what}"
+        ),
+        Ok(None) => assert!(b.is_empty(), "{what}"),
+        Err(_) => {}
+    };
+    for cut in 0..bytes.len() {
+        check(&bytes[..cut], &format!("cut at {cut}"));
+    }
+    for at in LOG_START as usize..bytes.len() {
+        let mut b = bytes.clone();
+        b[at] ^= 0x41;
+        check(&b, &format!("flip at {at}"));
+    }
+    // Resealed mutations reach the replay: whatever loads has the layout's shape.
+    let mut rng = Rng::new(13);
+    let w = widths(&layout);
+    for i in 0..3000 {
+        let mut b = bytes.clone();
+        for _ in 0..1 + rng.below(3) {
+            let at = LOG_START as usize + rng.below(b.len() - LOG_START as usize);
+            match rng.below(3) {
+                0 => b[at] = rng.next() as u8,
+                1 if at + 8 <= b.len() => {
+                    b[at..at + 8].copy_from_slice(&(rng.below(14) as u64).to_le_bytes())
+                }
+                _ => b[at] ^= 1 << rng.below(8),
+            }
+        }
+        reseal_layout_states(&mut b, &layout, &SPARSE_STATES);
+        if let Ok(Some(s)) = load_bytes_states(&b, FP, &layout, &SPARSE_STATES) {
+            for (l, &(kw, vw)) in w.iter().enumerate() {
+                let rows = layout.layers[l].rows(s.tokens.len());
+                assert_eq!(s.keys[l].len(), rows * kw, "case {i}");
+                assert_eq!(s.values[l].len(), rows * vw, "case {i}");
+            }
+            assert_eq!(
+                s.states.iter().map(Vec::len).collect::<Vec<_>>(),
+                SPARSE_STATES,
                 "case {i}"
             );
         }

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::format::{
-    record_len, state_record_len, Header, Shape, HEADER_BLOCK, HEADER_COPIES, HEADER_LEN,
-    LOG_START, RECORD_HEAD, RECORD_MAGIC, STATE_HEAD, STATE_MAGIC,
+    state_record_len, Header, Shape, HEADER_BLOCK, HEADER_COPIES, HEADER_LEN, LOG_START,
+    RECORD_HEAD, RECORD_MAGIC, STATE_HEAD, STATE_MAGIC,
 };
 use super::lock::lock;
 use super::{KvRows, PositionMajor, SlotFile};
@@ -145,7 +145,8 @@ fn write_record(
     chunk: usize,
 ) -> io::Result<(u64, u64)> {
     let n = rec.tokens.len();
-    let len = record_len(n as u64, shape.per_token)
+    let len = shape
+        .record_len(rec.start as u64, n as u64)
         .ok_or_else(|| io::Error::other("record size overflows u64"))?;
     let mut w = Writer {
         io,
@@ -165,10 +166,12 @@ fn write_record(
         // In bounds: `check_state` saw this layer count and widths, and at least start + n
         // positions in every layer.
         let (k, v) = rec.kv.rows(layer, rec.start..rec.start + n);
-        if k.len() != n * kw || v.len() != n * vw {
+        let e = shape.every[layer];
+        let rows = (rec.start + n) / e - rec.start / e;
+        if k.len() != rows * kw || v.len() != rows * vw {
             // A `KvRows` that breaks its word: the record is never referenced by a header.
             return Err(io::Error::other(format!(
-                "layer {layer}: {} + {} KV floats for {n} positions of {kw} + {vw}",
+                "layer {layer}: {} + {} KV floats for {rows} rows of {kw} + {vw}",
                 k.len(),
                 v.len()
             )));
@@ -263,6 +266,13 @@ impl SlotFile {
                     got.0, got.1, want.0, want.1
                 )));
             }
+            let (got, want) = (kv.every(layer), self.shape.every[layer]);
+            if got != want {
+                return Err(Error::Input(format!(
+                    "slot file {what}: layer {layer} keeps a row per {got} positions, the \
+                     file's per {want}"
+                )));
+            }
         }
         if kv.positions() < upto {
             return Err(Error::Input(format!(
@@ -286,11 +296,12 @@ impl SlotFile {
         keys: &[Vec<f32>],
         values: &[Vec<f32>],
     ) -> Result<()> {
-        let widths = self.shape.widths.clone();
+        let (widths, every) = (self.shape.widths.clone(), self.shape.every.clone());
         let kv = PositionMajor {
             keys,
             values,
             widths: &widths,
+            every: &every,
         };
         self.commit_kv(start, tokens, &kv)
     }
@@ -386,7 +397,8 @@ impl SlotFile {
         let live = if self.tokens.is_empty() {
             0
         } else {
-            record_len(self.tokens.len() as u64, self.shape.per_token)
+            self.shape
+                .record_len(0, self.tokens.len() as u64)
                 .and_then(|r| r.checked_add(state_record_len(self.shape.state_floats())?))
                 .unwrap_or(u64::MAX)
         };
@@ -403,11 +415,12 @@ impl SlotFile {
     /// After `Ok`, the persisted state survives a power loss. Compaction rewrites the state into
     /// `<path>.tmp` (fsynced), renames it over the file and fsyncs the directory.
     pub fn sync(&mut self, tokens: &[u32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Result<()> {
-        let widths = self.shape.widths.clone();
+        let (widths, every) = (self.shape.widths.clone(), self.shape.every.clone());
         let kv = PositionMajor {
             keys,
             values,
             widths: &widths,
+            every: &every,
         };
         self.sync_kv(tokens, &kv)
     }

@@ -15,18 +15,23 @@
 //! window's first half of a two-part projection) and an indexer with its own compressor scores
 //! the entries per query (`sum_h w_h * relu(q_h . k)`), the `index_topk` best attended.
 //!
-//! The cache keeps, per position and layer, one row: the rotated key, and for the compressed
-//! layers the compressor's per-position values and gates (the inputs of later entries) and, at
-//! the last position of each window, the window's entry ([`row_layout`]). So the history of a
-//! position never depends on later ones, and prefix reuse, forks and slot files work on it as
-//! on any other layer. (Every position's key stays, though the window needs only the last
-//! ones: memory to take back when long contexts need it.)
+//! What a later position can read is all a layer keeps ([`kv_layout`], [`state_widths`]): the
+//! entries, one row per window (`every` = the rate: the compressor's entry, and CSA's indexer
+//! entry after it), in the cache; and a fixed-size state: a ring of the last `sliding_window -
+//! 1` keys and rings of the compressor's (and indexer's) per-position values and gates, as many
+//! as the window being filled (and, for CSA's overlap, the previous one) can still read. The
+//! state cannot go back, so truncation returns to a snapshot
+//! ([`crate::kv::KvCache::truncate`]), as linear attention's does. Keys and compressor inputs
+//! pass through the cache's dtype on their way into the state (an f16 cache rounds them as it
+//! would store them).
 
-use super::{write_rows, SeqRows};
+use std::ops::Range;
+
+use super::SeqRows;
 use crate::config::{AttentionKind, CompressKind, CompressedDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
-use crate::kv::{KvCache, KvLayout, LayerKv};
+use crate::kv::{KvDtype, KvLayout, LayerKv};
 use crate::linear::{Acts, Linear};
 use crate::model::load::Tensors;
 use crate::model::plan::Plan;
@@ -40,64 +45,100 @@ pub(super) fn dims(c: &ModelConfig) -> CompressedDims {
     }
 }
 
-/// Where each part sits in a layer's cache row (floats from the row's start).
+/// A ring of `slots` rows of `width` floats at `at` in a layer's state: position `p`'s row sits
+/// in slot `p % slots`, so the ring holds the last `slots` positions.
 #[derive(Clone, Copy, Debug)]
-struct RowLayout {
-    /// Compressor values, gates (each `comp_in` wide) and the entry (`head_dim`).
-    comp_kv: usize,
-    comp_gate: usize,
-    comp_entry: usize,
-    comp_in: usize,
-    /// The indexer's (`2 * index_head_dim` wide, and its entry `index_head_dim`).
-    idx_kv: usize,
-    idx_gate: usize,
-    idx_entry: usize,
+struct Ring {
+    at: usize,
+    slots: usize,
     width: usize,
 }
 
-fn row_layout(c: &ModelConfig, kind: CompressKind) -> RowLayout {
-    let d = dims(c);
-    let hd = c.head_dim;
-    let mut at = hd;
-    let comp_in = match kind {
-        CompressKind::Sliding => 0,
-        CompressKind::Heavy => hd,
-        CompressKind::Sparse => 2 * hd,
-    };
-    let (comp_kv, comp_gate, comp_entry) = (at, at + comp_in, at + 2 * comp_in);
-    if kind != CompressKind::Sliding {
-        at += 2 * comp_in + hd;
+impl Ring {
+    fn new(at: usize, slots: usize, width: usize) -> Ring {
+        Ring { at, slots, width }
     }
-    let iin = 2 * d.index_head_dim;
-    let (idx_kv, idx_gate, idx_entry) = (at, at + iin, at + 2 * iin);
-    if kind == CompressKind::Sparse {
-        at += 2 * iin + d.index_head_dim;
+
+    fn end(&self) -> usize {
+        self.at + self.slots * self.width
     }
-    RowLayout {
-        comp_kv,
-        comp_gate,
-        comp_entry,
-        comp_in,
-        idx_kv,
-        idx_gate,
-        idx_entry,
-        width: at,
+
+    /// Where position `p`'s row sits (the ring must have slots).
+    fn row(&self, p: usize) -> Range<usize> {
+        let s = self.at + (p % self.slots) * self.width;
+        s..s + self.width
     }
 }
 
-/// What every layer keeps per position: one row ([`row_layout`]).
+/// A layer's state: the keys a later position's window can still read (`sliding_window - 1`,
+/// `head_dim` each), then the compressor's inputs (`[values | gates]` per position, `2 *
+/// comp_in` wide) and the indexer's (`2 * 2 * index_head_dim`) that a later entry can still
+/// read: `rate - 1` positions of the window being filled (HCA), `2 * rate - 1` with the previous
+/// window (CSA's overlap).
+#[derive(Clone, Copy, Debug)]
+struct StateLayout {
+    keys: Ring,
+    comp: Ring,
+    idx: Ring,
+    comp_in: usize,
+    width: usize,
+}
+
+fn state_layout(c: &ModelConfig, kind: CompressKind) -> StateLayout {
+    let d = dims(c);
+    let hd = c.head_dim;
+    // A window past the context holds at most the context (a config's window is not bounded).
+    let window = d.sliding_window.min(c.max_positions.max(1));
+    let keys = Ring::new(0, window - 1, hd);
+    let (comp_in, pending) = match kind {
+        CompressKind::Sliding => (0, 0),
+        CompressKind::Heavy => (hd, d.hca_rate - 1),
+        CompressKind::Sparse => (2 * hd, 2 * d.csa_rate - 1),
+    };
+    let comp = Ring::new(keys.end(), pending, 2 * comp_in);
+    let idx = match kind {
+        CompressKind::Sparse => Ring::new(comp.end(), pending, 4 * d.index_head_dim),
+        _ => Ring::new(comp.end(), 0, 0),
+    };
+    StateLayout {
+        keys,
+        comp,
+        idx,
+        comp_in,
+        width: idx.end(),
+    }
+}
+
+/// What every layer keeps in the cache: a row per window of its compressor (`every` = the
+/// rate): the entry (`head_dim`), then for CSA the indexer's entry (`index_head_dim`); a sliding
+/// layer none.
 pub fn kv_layout(c: &ModelConfig) -> KvLayout {
+    let d = dims(c);
     KvLayout {
         layers: c
             .compress_layers
             .iter()
-            .map(|&k| LayerKv {
-                heads: 1,
-                key_dim: row_layout(c, k).width,
-                value_dim: 0,
+            .map(|&k| match k {
+                CompressKind::Sliding => LayerKv::per_position(0, 0, 0),
+                CompressKind::Heavy => LayerKv {
+                    every: d.hca_rate,
+                    ..LayerKv::per_position(1, c.head_dim, 0)
+                },
+                CompressKind::Sparse => LayerKv {
+                    every: d.csa_rate,
+                    ..LayerKv::per_position(1, c.head_dim + d.index_head_dim, 0)
+                },
             })
             .collect(),
     }
+}
+
+/// Per layer, the floats of its state ([`StateLayout`]).
+pub fn state_widths(c: &ModelConfig) -> Vec<usize> {
+    c.compress_layers
+        .iter()
+        .map(|&k| state_layout(c, k).width)
+        .collect()
 }
 
 /// The tensors of layer `i`'s attention block.
@@ -127,9 +168,8 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
     p.vector(n("sinks"), hf("sinks"), heads);
     let kind = c.compress_layers[i];
     let rate = rate(&d, kind);
-    let lay = row_layout(c, kind);
     if kind != CompressKind::Sliding {
-        let cin = lay.comp_in;
+        let cin = state_layout(c, kind).comp_in;
         p.matrix(n("comp.kv"), hf("compressor.kv_proj.weight"), cin, h);
         p.matrix(n("comp.gate"), hf("compressor.gate_proj.weight"), cin, h);
         p.f32_matrix(n("comp.ape"), hf("compressor.position_bias"), rate, cin);
@@ -227,7 +267,7 @@ impl Compressor {
     }
 
     /// The positions whose rows [`Compressor::entry`] reads for window `w`.
-    fn source(&self, w: usize) -> std::ops::Range<usize> {
+    fn source(&self, w: usize) -> Range<usize> {
         let m = self.rate;
         if self.overlap && w > 0 {
             (w - 1) * m..(w + 1) * m
@@ -261,7 +301,7 @@ pub(in crate::model) struct Compressed {
     /// indexer's (`compress`).
     rope: Rope,
     comp_rope: Rope,
-    row: RowLayout,
+    state: StateLayout,
 }
 
 impl Compressed {
@@ -322,14 +362,45 @@ impl Compressed {
             indexer,
             rope,
             comp_rope,
-            row: row_layout(c, kind),
+            state: state_layout(c, kind),
         })
     }
 }
 
+/// One sequence's view of a pass for a layer: its rows of the pass at positions `p0 ..`, and
+/// its state before the pass (the positions before `p0` that a later one can read).
+struct History<'a> {
+    p0: usize,
+    row0: usize,
+    state: &'a [f32],
+}
+
+impl History<'_> {
+    /// Position `p`'s row of `width` floats: from the pass's rows (`pass`, row-major) from
+    /// `p0` on, else from the state's `ring`.
+    fn row<'b>(&'b self, p: usize, ring: &Ring, pass: &'b [f32]) -> &'b [f32] {
+        if p >= self.p0 {
+            let at = (self.row0 + p - self.p0) * ring.width;
+            &pass[at..at + ring.width]
+        } else {
+            &self.state[ring.row(p)]
+        }
+    }
+}
+
+/// Per sequence: the keys the pass's rows may see (from the first row's window to the last
+/// row), and the entries (and index keys) complete by the last row.
+struct Seen {
+    first: usize,
+    keys: Vec<f32>,
+    entries: Vec<f32>,
+    index_keys: Vec<f32>,
+}
+
 impl Model {
     /// Layer `li`'s attention over the normed inputs `hn` of every sequence of the pass;
-    /// writes each position's cache row (and the entries of the windows it completes).
+    /// writes the entries of the windows the pass completes and moves each sequence's state
+    /// past the pass.
     pub(in crate::model) fn compressed_attention(
         &self,
         li: usize,
@@ -342,7 +413,6 @@ impl Model {
         let (h, heads, hd) = (c.hidden_size, c.num_heads, c.head_dim);
         let eps = c.rms_norm_eps;
         let n = hn.len() / h;
-        let lay = w.row;
         // Each row's position in its sequence.
         let mut pos = vec![0usize; n];
         for s in seqs.iter() {
@@ -402,30 +472,38 @@ impl Model {
             });
         }
 
-        // The cache rows: the key, and each compressor's values and gates (entries follow).
-        let mut rows = vec![0.0f32; n * lay.width];
-        for (i, row) in rows.chunks_exact_mut(lay.width).enumerate() {
-            row[..hd].copy_from_slice(&kv[i * hd..(i + 1) * hd]);
-            if let Some((ckv, cg)) = &comp_in {
-                let ci = lay.comp_in;
-                row[lay.comp_kv..lay.comp_kv + ci].copy_from_slice(&ckv[i * ci..(i + 1) * ci]);
-                row[lay.comp_gate..lay.comp_gate + ci].copy_from_slice(&cg[i * ci..(i + 1) * ci]);
+        // What the state keeps, as the cache's dtype stores it: the keys, and each
+        // compressor's `[values | gates]` rows.
+        let dtype = seqs.first().map_or(KvDtype::F32, |s| s.kv.dtype());
+        dtype.round(&mut kv);
+        let inputs_rows = |(values, gates): (&Vec<f32>, &Vec<f32>), width: usize| {
+            let mut rows = Vec::with_capacity(2 * n * width);
+            for i in 0..n {
+                rows.extend_from_slice(&values[i * width..(i + 1) * width]);
+                rows.extend_from_slice(&gates[i * width..(i + 1) * width]);
             }
-            if let Some((ikv, ig, _)) = &idx_in {
-                let ii = 2 * d.index_head_dim;
-                row[lay.idx_kv..lay.idx_kv + ii].copy_from_slice(&ikv[i * ii..(i + 1) * ii]);
-                row[lay.idx_gate..lay.idx_gate + ii].copy_from_slice(&ig[i * ii..(i + 1) * ii]);
-            }
-        }
-        let spans = write_rows(seqs, li, &rows, lay.width, &[], 0);
-        self.write_entries(li, w, &spans, seqs);
+            dtype.round(&mut rows);
+            rows
+        };
+        let comp_rows = comp_in
+            .as_ref()
+            .map(|(v, g)| inputs_rows((v, g), w.state.comp_in))
+            .unwrap_or_default();
+        let idx_rows = idx_in
+            .as_ref()
+            .map(|(v, g, _)| inputs_rows((v, g), 2 * d.index_head_dim))
+            .unwrap_or_default();
 
-        let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
+        self.write_entries(li, w, seqs, &comp_rows, &idx_rows);
+        let seen = self.seen(li, w, seqs, &kv);
+        self.advance_states(li, w, seqs, &kv, &comp_rows, &idx_rows);
+
+        let spans: Vec<(usize, usize)> =
+            seqs.iter().map(|s| (s.rows.start, s.rows.len())).collect();
         let att = self.attend_compressed(
-            li,
             w,
             &spans,
-            &kvs,
+            &seen,
             &q,
             iq.as_deref(),
             idx_in.as_ref().map(|x| x.2.as_slice()),
@@ -456,106 +534,92 @@ impl Model {
         self.project(&[w.o_b], &mut mid).remove(0)
     }
 
-    /// The entries of the windows the pass's positions complete, written at each window's last
-    /// position (the values and gates they read are in the cache already).
+    /// The entries of the windows the pass's positions complete, each written as its window's
+    /// row of the cache (the compressor's entry, then the indexer's). Their inputs are the
+    /// pass's rows and, before it, the state's.
     fn write_entries(
         &self,
         li: usize,
         w: &Compressed,
-        spans: &[super::Span],
         seqs: &mut [SeqRows],
+        comp_rows: &[f32],
+        idx_rows: &[f32],
     ) {
-        let lay = w.row;
+        let Some(comp) = &w.comp else { return };
         let eps = self.cfg.rms_norm_eps;
-        // (sequence, window, indexer?) of every completed window.
-        let mut tasks: Vec<(usize, usize, bool)> = Vec::new();
-        for (s, sp) in spans.iter().enumerate() {
-            for (comp, idx) in [
-                (w.comp.as_ref(), false),
-                (w.indexer.as_ref().map(|x| &x.comp), true),
-            ] {
-                let Some(cp) = comp else { continue };
-                for p in sp.p0..sp.p0 + sp.n {
-                    if (p + 1).is_multiple_of(cp.rate) {
-                        tasks.push((s, (p + 1) / cp.rate - 1, idx));
-                    }
+        let rate = comp.rate;
+        // (sequence, window) of every completed window.
+        let mut tasks: Vec<(usize, usize)> = Vec::new();
+        for (s, sq) in seqs.iter().enumerate() {
+            let p0 = sq.kv.len;
+            for p in p0..p0 + sq.rows.len() {
+                if (p + 1).is_multiple_of(rate) {
+                    tasks.push((s, (p + 1) / rate - 1));
                 }
             }
         }
         if tasks.is_empty() {
             return;
         }
-        let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
-        let entries = self.pool.map(tasks.len(), |t| {
-            let (s, win, idx) = tasks[t];
-            let (cp, start) = if idx {
-                (&w.indexer.as_ref().unwrap().comp, lay.idx_kv)
-            } else {
-                (w.comp.as_ref().unwrap(), lay.comp_kv)
-            };
-            let inputs = if cp.overlap { 2 * cp.width } else { cp.width };
-            let rows = kvs[s].key_columns(li, cp.source(win), start..start + 2 * inputs);
+        let hist: Vec<History> = seqs
+            .iter()
+            .map(|s| History {
+                p0: s.kv.len,
+                row0: s.rows.start,
+                state: s.kv.state(li),
+            })
+            .collect();
+        let entry = |cp: &Compressor, hs: &History, win: usize, ring: &Ring, pass: &[f32]| {
+            let mut rows = Vec::with_capacity(cp.source(win).len() * ring.width);
+            for p in cp.source(win) {
+                rows.extend_from_slice(hs.row(p, ring, pass));
+            }
             let mut e = cp.entry(win, &rows);
             ops::rms_norm(&mut e, &cp.norm, eps);
             let angles = w.comp_rope.angles(win * cp.rate);
             w.comp_rope
                 .apply_interleaved_tail(&mut e, cp.width, &angles, false);
             e
+        };
+        let rows = self.pool.map(tasks.len(), |t| {
+            let (s, win) = tasks[t];
+            let mut row = entry(comp, &hist[s], win, &w.state.comp, comp_rows);
+            if let Some(ix) = &w.indexer {
+                row.extend(entry(&ix.comp, &hist[s], win, &w.state.idx, idx_rows));
+            }
+            row
         });
-        drop(kvs);
-        for (&(s, win, idx), e) in tasks.iter().zip(entries) {
-            let (rate, at) = if idx {
-                (w.indexer.as_ref().unwrap().comp.rate, lay.idx_entry)
-            } else {
-                (w.comp.as_ref().unwrap().rate, lay.comp_entry)
-            };
-            seqs[s].kv.write_key_part(li, (win + 1) * rate - 1, at, &e);
+        drop(hist);
+        for (&(s, win), row) in tasks.iter().zip(rows) {
+            seqs[s].kv.write(li, win, &row, &[]);
         }
     }
 
-    /// Every row's attention output (`heads * head_dim`, rotated back), row-major.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_compressed(
-        &self,
-        li: usize,
-        w: &Compressed,
-        spans: &[super::Span],
-        kvs: &[&KvCache],
-        q: &[f32],
-        iq: Option<&[f32]>,
-        iw: Option<&[f32]>,
-        pos: &[usize],
-    ) -> Vec<f32> {
-        let c = &self.cfg;
-        let d = dims(c);
-        let (heads, hd) = (c.num_heads, c.head_dim);
-        let lay = w.row;
-        let win = d.sliding_window;
-        let scale = 1.0 / (hd as f32).sqrt();
-        // Per sequence: the keys the pass's rows may see (from the first row's window to the
-        // last row) and the entries complete by the last row.
-        struct Seen {
-            first: usize,
-            keys: Vec<f32>,
-            entries: Vec<f32>,
-            index_keys: Vec<f32>,
-        }
-        let seen: Vec<Seen> = spans
-            .iter()
-            .enumerate()
-            .map(|(s, sp)| {
-                let first = (sp.p0 + 1).saturating_sub(win);
-                let end = sp.p0 + sp.n;
-                let keys = kvs[s].key_columns(li, first..end, 0..hd);
+    /// Each sequence's [`Seen`]: its keys from the state and the pass (`kv`), its entries from
+    /// the cache (this pass's included).
+    fn seen(&self, li: usize, w: &Compressed, seqs: &[SeqRows], kv: &[f32]) -> Vec<Seen> {
+        let d = dims(&self.cfg);
+        let hd = self.cfg.head_dim;
+        seqs.iter()
+            .map(|s| {
+                let hs = History {
+                    p0: s.kv.len,
+                    row0: s.rows.start,
+                    state: s.kv.state(li),
+                };
+                let first = (hs.p0 + 1).saturating_sub(d.sliding_window);
+                let end = hs.p0 + s.rows.len();
+                let mut keys = Vec::with_capacity((end - first) * hd);
+                for p in first..end {
+                    keys.extend_from_slice(hs.row(p, &w.state.keys, kv));
+                }
                 let (mut entries, mut index_keys) = (Vec::new(), Vec::new());
                 if let Some(cp) = &w.comp {
-                    let last = (0..end / cp.rate).map(|e| (e + 1) * cp.rate - 1);
-                    entries = kvs[s].key_columns(li, last, lay.comp_entry..lay.comp_entry + hd);
+                    entries = s.kv.key_columns(li, 0..end / cp.rate, 0..hd);
                 }
                 if let Some(ix) = &w.indexer {
                     let ihd = ix.comp.width;
-                    let last = (0..end / ix.comp.rate).map(|e| (e + 1) * ix.comp.rate - 1);
-                    index_keys = kvs[s].key_columns(li, last, lay.idx_entry..lay.idx_entry + ihd);
+                    index_keys = s.kv.key_columns(li, 0..end / ix.comp.rate, hd..hd + ihd);
                 }
                 Seen {
                     first,
@@ -564,11 +628,57 @@ impl Model {
                     index_keys,
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    /// Moves each sequence's state past the pass: the last positions of each ring from the
+    /// pass's rows (the older ones it keeps are still in their slots).
+    fn advance_states(
+        &self,
+        li: usize,
+        w: &Compressed,
+        seqs: &mut [SeqRows],
+        kv: &[f32],
+        comp_rows: &[f32],
+        idx_rows: &[f32],
+    ) {
+        let st = &w.state;
+        for s in seqs.iter_mut() {
+            let (p0, row0, end) = (s.kv.len, s.rows.start, s.kv.len + s.rows.len());
+            let state = s.kv.state_mut(li);
+            for (ring, pass) in [(&st.keys, kv), (&st.comp, comp_rows), (&st.idx, idx_rows)] {
+                if ring.slots == 0 {
+                    continue;
+                }
+                for p in end.saturating_sub(ring.slots).max(p0)..end {
+                    let at = (row0 + p - p0) * ring.width;
+                    state[ring.row(p)].copy_from_slice(&pass[at..at + ring.width]);
+                }
+            }
+        }
+    }
+
+    /// Every row's attention output (`heads * head_dim`, rotated back), row-major.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_compressed(
+        &self,
+        w: &Compressed,
+        spans: &[(usize, usize)],
+        seen: &[Seen],
+        q: &[f32],
+        iq: Option<&[f32]>,
+        iw: Option<&[f32]>,
+        pos: &[usize],
+    ) -> Vec<f32> {
+        let c = &self.cfg;
+        let d = dims(c);
+        let (heads, hd) = (c.num_heads, c.head_dim);
+        let win = d.sliding_window;
+        let scale = 1.0 / (hd as f32).sqrt();
         let row_span: Vec<usize> = {
             let mut v = vec![0; q.len() / (heads * hd)];
-            for (s, sp) in spans.iter().enumerate() {
-                v[sp.row0..sp.row0 + sp.n].fill(s);
+            for (s, &(row0, n)) in spans.iter().enumerate() {
+                v[row0..row0 + n].fill(s);
             }
             v
         };
@@ -660,4 +770,72 @@ fn attend_with_sink(q: &[f32], keys: &[&[f32]], sink: f32, scale: f32) -> Vec<f3
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{KvCache, KvDtype};
+    use serde_json::json;
+
+    /// DeepSeek-V4-Flash's published config.json (the fields that shape its attention): 43
+    /// layers, two sliding, then CSA (rate 4) and HCA (rate 128) alternating, the last entry of
+    /// `compress_ratios` its MTP layer's.
+    fn flash() -> ModelConfig {
+        let mut ratios = vec![0, 0];
+        ratios.extend((0..41).map(|i| if i % 2 == 0 { 4 } else { 128 }));
+        ratios.push(0);
+        let v = json!({
+            "architectures": ["DeepseekV4ForCausalLM"],
+            "model_type": "deepseek_v4",
+            "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
+            "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+            "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+            "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512,
+            "sliding_window": 128, "compress_ratios": ratios,
+            "compress_rope_theta": 160000, "rope_theta": 10000,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16,
+                             "original_max_position_embeddings": 65536, "type": "yarn"},
+            "max_position_embeddings": 1048576, "vocab_size": 129280,
+            "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+            "num_experts_per_tok": 6, "num_hash_layers": 3, "hc_mult": 4,
+            "rms_norm_eps": 1e-6, "scoring_func": "sqrtsoftplus", "swiglu_limit": 10.0,
+        });
+        ModelConfig::from_hf(&v).unwrap()
+    }
+
+    #[test]
+    fn flash_keeps_its_entries_per_position_and_its_windows_per_slot() {
+        let c = flash();
+        let kinds = |k: CompressKind| c.compress_layers.iter().filter(|&&x| x == k).count();
+        assert_eq!(
+            (
+                kinds(CompressKind::Sliding),
+                kinds(CompressKind::Sparse),
+                kinds(CompressKind::Heavy)
+            ),
+            (2, 21, 20)
+        );
+        let kv = KvCache::new(&kv_layout(&c), KvDtype::F16).with_states(&state_widths(&c));
+        // Per position: CSA (512 + 128) / 4, HCA 512 / 128 floats (the layout before kept
+        // 119,936: every position's key, compressor inputs and a row for each entry).
+        assert_eq!(kv.bytes_per_token(), (21 * 160 + 20 * 4) * 2);
+        // Per slot: 127 keys per layer, 127 HCA inputs of 2 x 512, 7 CSA inputs of 2 x 1024
+        // and of 2 x 256 (f32).
+        let floats = 43 * 127 * 512 + 20 * 127 * 1024 + 21 * 7 * (2048 + 512);
+        assert_eq!(kv.state_bytes(), floats * 4);
+        assert_eq!(kv.state_bytes(), 23_093_248);
+    }
+
+    #[test]
+    fn a_window_past_the_context_keeps_the_context_at_most() {
+        let mut c = flash();
+        let AttentionKind::Compressed(ref mut d) = c.attention else {
+            panic!()
+        };
+        d.sliding_window = 1 << 40;
+        c.max_positions = 1000;
+        let st = state_layout(&c, CompressKind::Sliding);
+        assert_eq!((st.keys.slots, st.width), (999, 999 * 512));
+    }
 }

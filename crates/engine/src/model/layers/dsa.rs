@@ -87,10 +87,9 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
     let x = indexer_dims(c);
     KvLayout {
         layers: (0..c.num_layers)
-            .map(|i| LayerKv {
-                heads: 1,
-                key_dim: d.kv_lora_rank + d.qk_rope_head_dim,
-                value_dim: if has_indexer(c, i) { x.head_dim } else { 0 },
+            .map(|i| {
+                let indexer = if has_indexer(c, i) { x.head_dim } else { 0 };
+                LayerKv::per_position(1, d.kv_lora_rank + d.qk_rope_head_dim, indexer)
             })
             .collect(),
     }

@@ -86,11 +86,7 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
     let d = dims(c);
     KvLayout {
         layers: vec![
-            LayerKv {
-                heads: 1,
-                key_dim: d.kv_lora_rank + d.qk_rope_head_dim,
-                value_dim: 0,
-            };
+            LayerKv::per_position(1, d.kv_lora_rank + d.qk_rope_head_dim, 0);
             c.num_layers
         ],
     }

@@ -74,18 +74,12 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
         AttentionKind::Compressed(_) => compressed::kv_layout(c),
         AttentionKind::Hybrid(_, full) => {
             let full_layer = match full {
-                HybridFull::GatedGqa => crate::kv::LayerKv {
-                    heads: c.num_kv_heads,
-                    key_dim: c.head_dim,
-                    value_dim: c.head_dim,
-                },
+                HybridFull::GatedGqa => {
+                    crate::kv::LayerKv::per_position(c.num_kv_heads, c.head_dim, c.head_dim)
+                }
                 HybridFull::Mla(_) => mla::kv_layout(c).layers[0],
             };
-            let none = crate::kv::LayerKv {
-                heads: 0,
-                key_dim: 0,
-                value_dim: 0,
-            };
+            let none = crate::kv::LayerKv::per_position(0, 0, 0);
             KvLayout {
                 layers: c
                     .linear_layers
@@ -97,9 +91,11 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
     }
 }
 
-/// Per layer, the floats of the fixed-size state it carries (linear attention; 0: none).
+/// Per layer, the floats of the fixed-size state it carries (linear attention, DeepSeek-V4's
+/// window and pending compressor inputs; 0: none).
 pub fn state_widths(c: &ModelConfig) -> Vec<usize> {
     match c.attention {
+        AttentionKind::Compressed(_) => compressed::state_widths(c),
         AttentionKind::Hybrid(..) => c
             .linear_layers
             .iter()
