@@ -7,8 +7,11 @@ int4 (attention v/o at 8 bits), each without and with `--calibration CAL`; then 
 eval-ppl` of every int4 directory against the f32 one on EVAL. The calibration and evaluation
 texts are distinct. Default texts: the repository's docs/*.md split file by file, every other
 file (from the first) the calibration text and the rest with README.md the evaluation text
-(same kind of text, no shared passage). The fixtures are tiny random models: their perplexity
-means nothing, the KL from their f32 model is the quantization's error all the same.
+(same kind of text, no shared passage). `--demo-texts N`: instead, N conversations of the demo
+model's training recipe rendered with its chat template, seed 11 for the calibration text and
+seed 12 for the evaluation text (for the demo model and models trained like it). The fixtures
+are tiny random models: their perplexity means nothing, the KL from their f32 model is the
+quantization's error all the same.
 
 Writes benchmarks/results/calibration-latest.md (and .json). Run by hand (never in tests):
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -55,6 +59,29 @@ def default_texts(work: Path) -> tuple[Path, Path]:
         "\n\n".join(p.read_text(encoding="utf-8") for p in [REPO / "README.md", *docs[1::2]])
     )
     return cal, ev
+
+
+def demo_texts(work: Path, n: int) -> tuple[Path, Path]:
+    from colibri.chat.template import ChatTemplate, special_tokens_of
+    from colibri.demo import data as demo_data
+
+    cfg_path = REPO / "python" / "colibri" / "demo" / "model" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    template = ChatTemplate(cfg["chat_template"], special_tokens_of(cfg))
+    out = []
+    for name, seed in (("calibration-demo.txt", 11), ("eval-demo.txt", 12)):
+        rng = random.Random(seed)
+        convs = [demo_data.train_conversation(rng) for _ in range(n)]
+        p = work / name
+        p.write_text(
+            "".join(
+                template.render(c["messages"], add_generation_prompt=False, tools=c["tools"])
+                for c in convs
+            ),
+            encoding="utf-8",
+        )
+        out.append(p)
+    return out[0], out[1]
 
 
 def measure(name: str, hf: Path, work: Path, cal: Path, ev: Path, a) -> list[dict]:
@@ -111,6 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--archs", nargs="*", default=ARCHS)
     ap.add_argument("--calibration-text", type=Path)
     ap.add_argument("--eval-text", type=Path)
+    ap.add_argument("--demo-texts", type=int, metavar="N", help="demo conversations as texts")
+    ap.add_argument(
+        "--calibration-chars",
+        type=int,
+        default=50_000,
+        help="cut the calibration text to this many characters (the f32 model runs all of it, "
+        "twice per checkpoint)",
+    )
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
@@ -119,8 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     work = a.work or Path(tempfile.mkdtemp(prefix="colibri-calib-"))
     work.mkdir(parents=True, exist_ok=True)
-    cal, ev = default_texts(work)
+    cal, ev = demo_texts(work, a.demo_texts) if a.demo_texts else default_texts(work)
     cal, ev = a.calibration_text or cal, a.eval_text or ev
+    text = cal.read_text(encoding="utf-8")
+    if len(text) > a.calibration_chars:
+        cal = work / f"{cal.stem}-{a.calibration_chars}.txt"
+        cal.write_text(text[: a.calibration_chars], encoding="utf-8")
     models = [] if a.no_fixtures else [(x, FIXTURES / x / "hf") for x in a.archs]
     models += [(p.name, p) for p in a.hf]
     rows = [r for name, hf in models for r in measure(name, hf, work, cal, ev, a)]

@@ -306,3 +306,14 @@ def test_mla_row_blocks_keep_statistics_per_head(tmp_path, converted):
     assert [(f, r) for f, r, _ in segs] == [(h * rank, rank) for h in range(heads)]
     assert len({tuple(s) for _, _, s in segs}) == heads  # each head its own inputs
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v4", "kimi_linear", "glm_moe_dsa"])
+def test_every_layer_kind_converts_with_a_calibration(arch, tmp_path):
+    # Gated shared experts and linear attention (Qwen3-Next, Kimi Linear), hyper-connections
+    # and the grouped output projection's row blocks (DeepSeek-V4), the DSA indexer.
+    out = tmp_path / "m"
+    summary = convert(FIXTURES / arch / "hf", out, "int4", calibration=_calibration_text(tmp_path))
+    assert summary["calibration"]["tokens"] > 0
+    engine = Engine(out)
+    assert np.isfinite(engine.logits(engine.tokenize("The weather in Lisbon"))).all()

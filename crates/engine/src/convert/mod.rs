@@ -698,9 +698,11 @@ impl Calibration {
                 "the importance statistics do not fit this checkpoint: {what}"
             )))
         };
+        // Statistics of products that stay f32 (routers, gates) are kept and not used.
         for (name, segs) in &self.importance.resident {
-            let Some(spec) = plan.resident.iter().find(|t| &t.name == name && t.matrix) else {
-                return misfit(format!("it has no weight matrix `{name}`"));
+            let spec = plan.resident.iter().find(|t| &t.name == name);
+            let Some(spec) = spec.filter(|t| t.shape.len() == 2) else {
+                return misfit(format!("it has no matrix `{name}`"));
             };
             if segs
                 .iter()
