@@ -84,17 +84,19 @@ def demo_texts(work: Path, n: int) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
+def context_of(model: Path) -> int:
+    """The model's own context length, from its manifest."""
+    from colibri import _engine
+
+    return int(_engine.memory_plan(str(model))["context_length"])
+
+
 def measure(name: str, hf: Path, work: Path, cal: Path, ev: Path, a) -> list[dict]:
     d = work / name
     f32 = d / "f32"
     if not (f32 / "manifest.json").exists():
         colibri("convert", hf, f32, "--quant", "f32")
-    ctx = min(
-        a.ctx,
-        json.loads((f32 / "manifest.json").read_text())["config"].get(
-            "max_position_embeddings", a.ctx
-        ),
-    )
+    ctx = min(a.ctx, context_of(f32))
     rows = []
     for label, args, calibrated in VARIANTS:
         out = d / label.replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
@@ -177,12 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--text",
                 ev,
                 "--ctx",
-                min(
-                    a.ctx,
-                    json.loads((work / name / "f32" / "manifest.json").read_text())["config"].get(
-                        "max_position_embeddings", a.ctx
-                    ),
-                ),
+                min(a.ctx, context_of(work / name / "f32")),
                 "--chunks",
                 a.chunks,
                 "--threads",

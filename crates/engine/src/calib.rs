@@ -9,7 +9,8 @@
 //! experts (the same input space) and, for down (its own hidden space), none: the plain error.
 //! Matrices used in row blocks with different inputs (MLA's per-head products, DeepSeek-V4's
 //! grouped output projection) keep one set of statistics per block. The embedding has no input
-//! product and is quantized as without calibration.
+//! product and is quantized as without calibration, unless it is tied to the LM head (one
+//! matrix): then it takes the LM head's statistics.
 //!
 //! Recording costs one relaxed atomic load per product when off; it is for conversion only.
 
