@@ -9,7 +9,11 @@ texts are distinct. Default texts: the repository's docs/*.md split file by file
 file (from the first) the calibration text and the rest with README.md the evaluation text
 (same kind of text, no shared passage). `--demo-texts N`: instead, N conversations of the demo
 model's training recipe rendered with its chat template, seed 11 for the calibration text and
-seed 12 for the evaluation text (for the demo model and models trained like it). The fixtures
+seed 12 for the evaluation text (for the demo model and models trained like it); such a model
+was trained on its answers only (the loss is taken on the text after each generation prompt),
+so its prompts' tokens are noise to it and dominate a whole-text perplexity: `--demo-answers M`
+also scores M fresh conversations (seed 13) on the answer tokens alone (the training's mask:
+the KL and NLL of each position predicting a generated token). The fixtures
 are tiny random models: their perplexity means nothing, the KL from their f32 model is the
 quantization's error all the same.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import subprocess
@@ -84,11 +89,62 @@ def demo_texts(work: Path, n: int) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def context_of(model: Path) -> int:
     """The model's own context length, from its manifest."""
     from colibri import _engine
 
     return int(_engine.memory_plan(str(model))["context_length"])
+
+
+def answer_sets(n: int) -> list[tuple[list[int], list[int]]]:
+    """`n` demo conversations (seed 13) as token ids and the training's mask of answer tokens."""
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from demo_training.batches import encode_conversation
+    from demo_training.repo import TEMPLATE_PATH, chat_template, demo_data
+
+    model = REPO / "python" / "colibri" / "demo" / "model"
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    template = chat_template.ChatTemplate(TEMPLATE_PATH.read_text(encoding="utf-8"))
+    rng = random.Random(13)
+    return [encode_conversation(tok, template, demo_data.train_conversation(rng)) for _ in range(n)]
+
+
+def answer_quality(f32: Path, model: Path, sets, threads: int) -> dict:
+    """KL(f32 || model), NLL and same-top rate at the positions predicting answer tokens."""
+    import numpy as np
+
+    from colibri import Engine
+    from colibri.quality import kl_divergence, log_softmax
+
+    ref, m = Engine(f32, threads=threads), Engine(model, threads=threads)
+    kls, nlls, same = [], [], 0
+    for ids, mask in sets:
+        pos = np.array([t for t in range(len(ids) - 1) if mask[t + 1] > 0])
+        lr, lm = log_softmax(ref.logits(ids)[pos]), log_softmax(m.logits(ids)[pos])
+        target = np.asarray(ids)[pos + 1]
+        kls.append(kl_divergence(lr, lm))
+        nlls.append(-lm[np.arange(len(pos)), target])
+        same += int((lr.argmax(-1) == lm.argmax(-1)).sum())
+    kl, nll = np.concatenate(kls), np.concatenate(nlls)
+    return {
+        "answer_tokens": len(kl),
+        "answer_kl_mean": float(kl.mean()),
+        "answer_kl_err": float(kl.std(ddof=1) / np.sqrt(len(kl))),
+        "answer_ppl": float(np.exp(nll.mean())),
+        "answer_same_top": same / len(kl),
+    }
 
 
 def measure(name: str, hf: Path, work: Path, cal: Path, ev: Path, a) -> list[dict]:
@@ -124,6 +180,14 @@ def measure(name: str, hf: Path, work: Path, cal: Path, ev: Path, a) -> list[dic
             )
         )
         r.update(model=name, variant=label, convert_s=conv_s)
+        if a.answer_sets:
+            r.update(answer_quality(f32, out, a.answer_sets, a.threads))
+            print(
+                f"{name:12s} {label:34s} answers: KL {r['answer_kl_mean']:.6f} +/- "
+                f"{r['answer_kl_err']:.6f} PPL {r['answer_ppl']:.4f} same-top "
+                f"{100 * r['answer_same_top']:.2f}% ({r['answer_tokens']} tokens)",
+                flush=True,
+            )
         print(
             f"{name:12s} {label:34s} KL {r['kl_mean']:.6f} +/- {r['kl_err']:.6f} "
             f"PPL {r['ppl']:.4f} same-top {100 * r['same_top']:.2f}%",
@@ -142,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-text", type=Path)
     ap.add_argument("--demo-texts", type=int, metavar="N", help="demo conversations as texts")
     ap.add_argument(
+        "--demo-answers", type=int, metavar="M", help="score M demo conversations' answers"
+    )
+    ap.add_argument(
         "--calibration-chars",
         type=int,
         default=50_000,
@@ -157,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     work = a.work or Path(tempfile.mkdtemp(prefix="colibri-calib-"))
     work.mkdir(parents=True, exist_ok=True)
     cal, ev = demo_texts(work, a.demo_texts) if a.demo_texts else default_texts(work)
+    a.answer_sets = answer_sets(a.demo_answers) if a.demo_answers else None
     cal, ev = a.calibration_text or cal, a.eval_text or ev
     text = cal.read_text(encoding="utf-8")
     if len(text) > a.calibration_chars:
@@ -193,6 +261,20 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['kl_p99']:.5f} | {100 * r['same_top']:.2f}% | {r['ppl']:.4f} "
             f"({f32_ppl[r['model']]:.4f}) |"
         )
+    if a.answer_sets:
+        table += [
+            "",
+            "On the answer tokens alone (`--demo-answers`):",
+            "",
+            "| model | int4 variant | answer tokens | mean KL from f32 | same top | PPL |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            table.append(
+                f"| {r['model']} | {r['variant']} | {r['answer_tokens']} | "
+                f"{r['answer_kl_mean']:.6f} ± {r['answer_kl_err']:.6f} | "
+                f"{100 * r['answer_same_top']:.2f}% | {r['answer_ppl']:.4f} |"
+            )
     ratios = []
     for name, _ in models:
         by = {r["variant"]: r["kl_mean"] for r in rows if r["model"] == name}
@@ -205,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             "## Importance-weighted int4 (`bench_calibration.py`)",
             "",
-            f"Machine: {platform.processor() or platform.machine()}, {a.threads} threads. "
+            f"Machine: {cpu_name()}, {os.cpu_count()} cores, {a.threads} threads. "
             f"Calibration text {cal.name} ({cal.stat().st_size:,} bytes), evaluation text "
             f"{ev.name} ({ev.stat().st_size:,} bytes); at most {a.chunks} chunks of "
             f"min({a.ctx}, the model's context) tokens, the second half of each scored.",
