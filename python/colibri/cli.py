@@ -480,7 +480,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     q8 = [] if args.pure else (args.q8 or None)
     summary = convert(
-        src, dst, args.quant, progress=sys.stderr.isatty(), keep_f32=args.keep_f32, q8=q8
+        src,
+        dst,
+        args.quant,
+        progress=sys.stderr.isatty(),
+        keep_f32=args.keep_f32,
+        q8=q8,
+        calibration=args.calibration,
+        threads=args.threads,
     )
     dt = time.perf_counter() - t0
     mb = (summary["resident_bytes"] + summary["expert_bytes"]) / 1e6
@@ -490,6 +497,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"{summary['expert_bytes'] / 1e6:.1f} MB experts), "
         f"{summary['skipped_tensors']} tensors skipped, {dt:.1f} s"
     )
+    if cal := summary.get("calibration"):
+        print(
+            f"int4 error weighted by {args.calibration}: {cal['tokens']} tokens in chunks of "
+            f"{cal['ctx']}, sha256 {cal['sha256']}"
+        )
     return 0
 
 
@@ -826,6 +838,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--pure",
         action="store_true",
         help="every resident weight matrix at --quant: no 8-bit matrices by default",
+    )
+    c.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="a UTF-8 text: run the f32 model over it and weight each int4 matrix's error per "
+        "input column by the mean squared activation there (AWQ/imatrix style; int4 only)",
+    )
+    c.add_argument(
+        "--threads", type=_positive_int, default=None, help="threads of the calibration run"
     )
     c.set_defaults(func=cmd_convert)
 

@@ -37,7 +37,9 @@ def build_model(
 def _colibri_tensor(buf: bytes, spec: dict, base: int = 0):
     """One tensor of a colibri model file as an f32 torch tensor: ``f32`` as stored, ``q4``
     dequantized (layout in ``crates/engine/src/quant/mod.rs``: each row its f16 scales, then its
-    nibbles in blocks of 16 groups interleaved by dword; weight ``(q - 8) * scale``)."""
+    nibbles in blocks of 16 groups interleaved by dword; weight ``(q - 8) * scale``), ``q8``
+    dequantized (``quant/q8w.rs``: each row its f16 scales, then its int8 values in blocks of 16
+    groups; weight ``q * scale``)."""
     import numpy as np
     import torch
 
@@ -45,6 +47,8 @@ def _colibri_tensor(buf: bytes, spec: dict, base: int = 0):
     raw = np.frombuffer(buf, dtype=np.uint8, count=spec["nbytes"], offset=off)
     if spec["dtype"] == "f32":
         return torch.from_numpy(raw.view("<f4").reshape(shape).copy())
+    if spec["dtype"] == "q8":
+        return torch.from_numpy(_q8_values(raw, *shape))
     if spec["dtype"] != "q4":
         raise ValueError(f"cannot read a {spec['dtype']} tensor")
     rows, cols = shape
@@ -63,6 +67,27 @@ def _colibri_tensor(buf: bytes, spec: dict, base: int = 0):
     q = np.concatenate([by & 15, by >> 4], axis=-1).astype(np.float32) - 8.0  # [rows, g, 32]
     w = (q * scales[:, :, None]).reshape(rows, groups * 32)[:, :cols]
     return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _q8_values(raw, rows: int, cols: int):
+    """The f32 values of a ``q8`` matrix's bytes: value ``j`` (0..32) of group ``g`` sits at
+    ``b * 512 + v(j) * 4m + 4 (g % 16) + j % 4`` of the row's values, ``v(j) = (j % 16 // 4) * 2
+    + j // 16``, ``b = g // 16``, ``m`` the groups of that block."""
+    import numpy as np
+
+    groups = -(-cols // 32)
+    rowb = raw.reshape(rows, groups * 34)
+    scales = rowb[:, : groups * 2].copy().view("<f2").astype(np.float32)
+    vals = rowb[:, groups * 2 :].copy().view(np.int8)
+    offs = np.empty((groups, 32), dtype=np.int64)
+    for g in range(groups):
+        b = g // 16
+        m = min(groups - b * 16, 16)
+        for j in range(32):
+            v = (j % 16 // 4) * 2 + j // 16
+            offs[g, j] = b * 512 + v * 4 * m + (g % 16) * 4 + j % 4
+    w = (vals[:, offs].astype(np.float32) * scales[:, :, None]).reshape(rows, groups * 32)
+    return np.ascontiguousarray(w[:, :cols])
 
 
 def load_colibri_weights(model, src: Path) -> None:

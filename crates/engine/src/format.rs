@@ -89,6 +89,21 @@ pub struct QuantInfo {
     pub kind: Quant,
     /// Weights per scale (int4 only).
     pub group_size: Option<usize>,
+    /// The calibration text the int4 matrices were quantized by (`colibri convert
+    /// --calibration`); absent without one, so such manifests are as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<CalibrationInfo>,
+}
+
+/// Which calibration text an importance-weighted conversion used (see `calib`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationInfo {
+    /// SHA-256 of the text file's bytes, hex.
+    pub sha256: String,
+    /// Tokens of the text the f32 model ran.
+    pub tokens: usize,
+    /// Tokens per forward pass (each chunk from an empty context).
+    pub ctx: usize,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -2,7 +2,7 @@
 //! directory, with the PyO3 surface (`colibri._engine`) behind the `python` feature.
 //!
 //! Layout: `config` (HF config.json -> [`config::ModelConfig`]), `format` (the model directory),
-//! `convert` (checkpoint -> model directory), `quant` (int4 and its kernels), `linear` (weights
+//! `convert` (checkpoint -> model directory), `calib` (importance statistics for it), `quant` (int4 and its kernels), `linear` (weights
 //! and parallel matmul), `ops` (norms, rope, softmax), `attention` (over a KV history), `model`
 //! (load + forward per family), `kv` (KV history), `sampler`, `grammar` (token masks from
 //! a grammar), `engine` (generation), `python`
@@ -10,6 +10,7 @@
 
 pub mod alloc;
 pub mod attention;
+pub mod calib;
 pub mod config;
 pub mod convert;
 pub mod engine;

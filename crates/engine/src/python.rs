@@ -211,6 +211,19 @@ impl Model {
         Ok(PyBytes::new(py, bytemuck::cast_slice(&out)))
     }
 
+    /// Importance statistics for `convert_checkpoint(importance=...)`: the model (an f32
+    /// conversion) runs each chunk of token ids from an empty context, recording the mean
+    /// squared input of every weight matrix's columns (see `calib.rs`).
+    fn collect_importance(&self, py: Python<'_>, chunks: Vec<Vec<u32>>) -> PyResult<Importance> {
+        let m = self.inner.clone();
+        let imp = py
+            .detach(move || m.collect_importance(&chunks))
+            .map_err(to_py)?;
+        Ok(Importance {
+            inner: Arc::new(imp),
+        })
+    }
+
     /// Compiles a grammar (`kind`: `json_schema`, `lark` or `regex`) against the model's
     /// tokenizer without generating: ValueError with llguidance's message when it is refused.
     fn check_grammar(&self, py: Python<'_>, kind: &str, source: &str) -> PyResult<()> {
@@ -673,11 +686,46 @@ impl Drop for ScoreStream {
     }
 }
 
+/// A model's importance statistics (`Model.collect_importance`), opaque to Python.
+#[pyclass(frozen, module = "colibri._engine")]
+struct Importance {
+    inner: Arc<crate::calib::Importance>,
+}
+
+#[pymethods]
+impl Importance {
+    /// Calibration tokens the statistics come from.
+    #[getter]
+    fn tokens(&self) -> usize {
+        self.inner.tokens
+    }
+
+    /// The resident matrix `name`'s row segments: `(first row, rows, weight per column)`.
+    fn resident(&self, name: &str) -> Vec<(usize, usize, Vec<f32>)> {
+        self.inner.resident.get(name).map_or_else(Vec::new, |segs| {
+            segs.iter()
+                .map(|s| (s.first_row, s.rows, s.weights.clone()))
+                .collect()
+        })
+    }
+
+    /// Part `part` (0 gate, 1 up, 2 down) of routed expert `expert` of model layer `layer`.
+    fn expert(&self, layer: usize, expert: usize, part: usize) -> Option<Vec<f32>> {
+        (part < 3)
+            .then(|| self.inner.expert(layer, expert, part).map(<[f32]>::to_vec))
+            .flatten()
+    }
+}
+
 /// Converts a Hugging Face checkpoint directory; returns a summary dict.
 /// `keep_f32`: resident matrices kept at f32; `q8`: resident matrices stored at 8 bits (`None`:
 /// the default, attention `v` and `o` in an int4 conversion; an empty list: none).
+/// `importance`: statistics of this checkpoint (`Model.collect_importance` on its f32
+/// conversion) to weight the int4 error by, recorded in the manifest with the calibration
+/// text's `calibration_sha256` and the chunk length `calibration_ctx`.
 #[pyfunction]
-#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new(), q8=None))]
+#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new(), q8=None, importance=None, calibration_sha256=String::new(), calibration_ctx=0))]
+#[allow(clippy::too_many_arguments)]
 fn convert_checkpoint<'py>(
     py: Python<'py>,
     hf_dir: PathBuf,
@@ -686,10 +734,21 @@ fn convert_checkpoint<'py>(
     progress: bool,
     keep_f32: Vec<String>,
     q8: Option<Vec<String>>,
+    importance: Option<PyRef<'py, Importance>>,
+    calibration_sha256: String,
+    calibration_ctx: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let q = Quant::parse(quant).ok_or_else(|| {
         PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)"))
     })?;
+    let calib = importance.map(|i| convert::Calibration {
+        importance: (*i.inner).clone(),
+        info: crate::format::CalibrationInfo {
+            sha256: calibration_sha256,
+            tokens: i.inner.tokens,
+            ctx: calibration_ctx,
+        },
+    });
     let summary = py
         .detach(|| {
             let mut report = |done: usize, total: usize, what: &str| {
@@ -698,7 +757,7 @@ fn convert_checkpoint<'py>(
                 }
             };
             let prec = convert::Precisions { keep_f32, q8 };
-            convert::convert_with(&hf_dir, &out_dir, q, &prec, &mut report)
+            convert::convert_calibrated(&hf_dir, &out_dir, q, &prec, calib.as_ref(), &mut report)
         })
         .map_err(to_py)?;
     let d = PyDict::new(py);
@@ -708,6 +767,62 @@ fn convert_checkpoint<'py>(
     d.set_item("tensors", summary.tensors)?;
     d.set_item("skipped_tensors", summary.skipped)?;
     Ok(d)
+}
+
+/// The int4 bytes of `data` (`rows x cols` little-endian f32), for tests and benchmarks: with
+/// `weights` (`cols` f32: the same for every row) the error weighted per column; with `rtn`,
+/// Q4_0's max-abs round-to-nearest instead of the search.
+#[pyfunction]
+#[pyo3(signature = (data, rows, cols, weights=None, rtn=false))]
+fn quantize_q4<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    weights: Option<&[u8]>,
+    rtn: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let floats = |b: &[u8], n: usize, what: &str| -> PyResult<Vec<f32>> {
+        if Some(b.len()) != n.checked_mul(4) {
+            return Err(PyValueError::new_err(format!(
+                "{what}: {} bytes, expected {n} f32",
+                b.len()
+            )));
+        }
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    };
+    let w = floats(data, rows.saturating_mul(cols), "data")?;
+    let wt = weights.map(|b| floats(b, cols, "weights")).transpose()?;
+    if wt
+        .as_ref()
+        .is_some_and(|v| v.iter().any(|x| !x.is_finite() || *x < 0.0))
+    {
+        return Err(PyValueError::new_err("weights must be finite and >= 0"));
+    }
+    let out = match (&wt, rtn) {
+        (_, true) => crate::quant::quantize_q4_0_rtn(&w, rows, cols),
+        (None, false) => crate::quant::quantize_q4(&w, rows, cols),
+        (Some(v), false) => {
+            let f = |_: usize| Some(v.as_slice());
+            crate::quant::quantize_q4_weighted(&w, rows, cols, &f)
+        }
+    };
+    Ok(PyBytes::new(py, &out))
+}
+
+/// The `rows x cols` f32 values (little-endian bytes) of the int4 matrix `data`.
+#[pyfunction]
+fn dequantize_q4<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let m = crate::quant::Q4Matrix::new(data, rows, cols)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(PyBytes::new(py, bytemuck::cast_slice(&m.dequantize())))
 }
 
 /// Re-encodes the format-v2 model directory `src` as v3 into the new directory `dst`
@@ -815,7 +930,10 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Model>()?;
     m.add_class::<TokenStream>()?;
     m.add_class::<ScoreStream>()?;
+    m.add_class::<Importance>()?;
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_q4, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_q4, m)?)?;
     m.add_function(wrap_pyfunction!(upgrade_model, m)?)?;
     m.add_function(wrap_pyfunction!(default_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(memory_plan, m)?)?;

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
+import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,6 +346,11 @@ class _Scoring(_Stepped):
         return self.scores
 
 
+#: Tokens per forward pass of a calibration run (llama.cpp's imatrix default), or the model's
+#: context when shorter.
+CALIBRATION_CTX = 512
+
+
 def convert(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -350,13 +358,36 @@ def convert(
     progress: bool = False,
     keep_f32: Iterable[str] = (),
     q8: Iterable[str] | None = None,
+    calibration: str | Path | None = None,
+    threads: int | None = None,
 ) -> dict:
     """Converts a Hugging Face checkpoint directory to a colibri model directory; resident
     weight matrices whose names match a ``keep_f32`` pattern (``*`` = any run of characters)
     stay f32, those matching a ``q8`` pattern are stored at 8 bits. ``q8=None`` is the default:
     attention ``v`` and ``o`` at 8 bits in an int4 conversion; ``q8=()`` stores every resident
-    matrix at ``quant`` (``colibri convert --pure``)."""
-    return dict(
+    matrix at ``quant`` (``colibri convert --pure``).
+
+    ``calibration``: a UTF-8 text file. The checkpoint is first converted to f32 (in a
+    temporary directory beside ``out_dir``, removed after), that model runs over the text in
+    chunks of :data:`CALIBRATION_CTX` tokens on ``threads`` threads, recording each weight
+    matrix's mean squared input per column (routed experts: of the tokens routed to them), and
+    the int4 quantization minimises the squared error weighted by those statistics (AWQ /
+    imatrix style). The manifest records the text's SHA-256 and token count; the summary has
+    them under ``"calibration"``. A missing, empty or non-UTF-8 file raises ``ValueError``
+    before anything is written."""
+    importance, record = None, None
+    if calibration is not None:
+        if quant != "int4":
+            raise ValueError(
+                f"a calibration weights the int4 quantization; a {quant} conversion has none"
+            )
+        raw = read_calibration(calibration)
+        importance, ctx = _collect_importance(
+            Path(hf_dir), Path(out_dir), raw.decode("utf-8"), progress, threads
+        )
+        record = {"sha256": hashlib.sha256(raw).hexdigest(), "tokens": importance.tokens}
+        record["ctx"] = ctx
+    summary = dict(
         _engine.convert_checkpoint(
             str(hf_dir),
             str(out_dir),
@@ -364,8 +395,56 @@ def convert(
             progress,
             list(keep_f32),
             None if q8 is None else list(q8),
+            importance,
+            record["sha256"] if record else "",
+            record["ctx"] if record else 0,
         )
     )
+    if record:
+        summary["calibration"] = record
+    return summary
+
+
+def read_calibration(path: str | Path) -> bytes:
+    """The bytes of a calibration text file: ``ValueError`` naming the file when it is missing,
+    unreadable, empty (or only whitespace) or not UTF-8."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"calibration file {p} not found") from None
+    except OSError as e:
+        raise ValueError(f"calibration file {p}: {e.strerror or e}") from None
+    if not raw.strip():
+        raise ValueError(f"calibration file {p} is empty: give it text like the model's use")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"calibration file {p} is not UTF-8 text (byte {e.start}: {e.reason})"
+        ) from None
+    return raw
+
+
+def _collect_importance(
+    hf_dir: Path, out_dir: Path, text: str, progress: bool, threads: int | None
+) -> tuple[Any, int]:
+    """The checkpoint's importance statistics on ``text`` (see :func:`convert`) and the chunk
+    length used."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(
+        prefix=f".{out_dir.name}.calibration-f32-", dir=out_dir.parent
+    ) as tmp:
+        _engine.convert_checkpoint(str(hf_dir), tmp, "f32", progress, [], None)
+        engine = Engine(tmp, threads=threads)
+        ids = engine.tokenize(text, add_special_tokens=True)
+        ctx = min(CALIBRATION_CTX, int(engine.info["context_length"]))
+        chunks = [ids[i : i + ctx] for i in range(0, len(ids), ctx)]
+        if progress:
+            print(f"calibrating on {len(ids)} tokens ({len(chunks)} chunks)", file=sys.stderr)
+        importance = engine._model.collect_importance(chunks)
+        del engine  # its maps of the temporary files go before the directory does
+    return importance, ctx
 
 
 def upgrade(src: str | Path, dst: str | Path, progress: bool = False) -> dict:

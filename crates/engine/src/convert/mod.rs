@@ -15,6 +15,7 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::calib::Importance;
 use crate::config::ModelConfig;
 use crate::error::{io_err, Error, Result};
 use crate::format::*;
@@ -362,12 +363,19 @@ fn int_values(name: &str, values: impl Iterator<Item = i64>) -> Result<Vec<f32>>
         .collect()
 }
 
-/// Encodes a tensor for storage.
-fn encode(data: &[f32], shape: &[usize], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::Q4 => quant::quantize_q4(data, shape[0], shape[1]),
-        DType::Q8 => quant::quantize_q8(data, shape[0], shape[1]),
+/// Encodes a tensor for storage; an int4 matrix with `weights` minimises the error weighted
+/// by them (the 8-bit format rounds to nearest and has no search to weight).
+fn encode(
+    data: &[f32],
+    shape: &[usize],
+    dtype: DType,
+    weights: Option<quant::RowWeights>,
+) -> Vec<u8> {
+    match (dtype, weights) {
+        (DType::F32, _) => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        (DType::Q4, None) => quant::quantize_q4(data, shape[0], shape[1]),
+        (DType::Q4, Some(w)) => quant::quantize_q4_weighted(data, shape[0], shape[1], w),
+        (DType::Q8, _) => quant::quantize_q8(data, shape[0], shape[1]),
     }
 }
 
@@ -671,6 +679,69 @@ pub fn convert_with(
     prec: &Precisions,
     progress: Progress,
 ) -> Result<Summary> {
+    convert_calibrated(hf_dir, out_dir, quant, prec, None, progress)
+}
+
+/// Importance statistics of a checkpoint ([`crate::model::Model::collect_importance`] on its
+/// f32 conversion) and the calibration text's record for the manifest.
+#[derive(Clone, Debug)]
+pub struct Calibration {
+    pub importance: Importance,
+    pub info: CalibrationInfo,
+}
+
+impl Calibration {
+    /// Refuses statistics whose shapes are not this plan's (another model's, say).
+    fn check(&self, plan: &Plan, cfg: &ModelConfig) -> Result<()> {
+        let misfit = |what: String| {
+            Err(Error::Input(format!(
+                "the importance statistics do not fit this checkpoint: {what}"
+            )))
+        };
+        // Statistics of products that stay f32 (routers, gates) are kept and not used.
+        for (name, segs) in &self.importance.resident {
+            let spec = plan.resident.iter().find(|t| &t.name == name);
+            let Some(spec) = spec.filter(|t| t.shape.len() == 2) else {
+                return misfit(format!("it has no matrix `{name}`"));
+            };
+            if segs
+                .iter()
+                .any(|s| s.weights.len() != spec.shape[1] || s.first_row + s.rows > spec.shape[0])
+            {
+                return misfit(format!("`{name}` is {:?}", spec.shape));
+            }
+        }
+        for ((layer, e), parts) in &self.importance.experts {
+            if *e >= cfg.num_experts || !plan.expert_layers.iter().any(|(l, _)| l == layer) {
+                return misfit(format!("it has no routed expert {e} in layer {layer}"));
+            }
+            for (part, w) in MLP_PARTS.iter().zip(parts) {
+                let cols = expert_shape(cfg, part)[1];
+                if w.as_ref().is_some_and(|w| w.len() != cols) {
+                    return misfit(format!("an expert's {part} has {cols} columns"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// [`convert_with`], quantizing int4 matrices by the importance weights of `calib` when given
+/// (int4 conversions only; recorded in the manifest's `quantization.calibration`).
+pub fn convert_calibrated(
+    hf_dir: &Path,
+    out_dir: &Path,
+    quant: Quant,
+    prec: &Precisions,
+    calib: Option<&Calibration>,
+    progress: Progress,
+) -> Result<Summary> {
+    if calib.is_some() && quant != Quant::Int4 {
+        return Err(Error::Input(format!(
+            "a calibration weights the int4 quantization; a {} conversion has none to weight",
+            quant.name()
+        )));
+    }
     let cfg_path = hf_dir.join("config.json");
     let cfg_text = fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
     let cfg_json: serde_json::Value = serde_json::from_str(&cfg_text)
@@ -726,6 +797,10 @@ pub fn convert_with(
 
     check_plan(&ckpt, &plan, &cfg)?;
     prec.check(&plan)?;
+    if let Some(c) = calib {
+        c.check(&plan, &cfg)?;
+    }
+    let imp = calib.map(|c| &c.importance);
     let q8 = prec.q8_patterns(quant);
 
     fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
@@ -756,7 +831,9 @@ pub fn convert_with(
             data.iter_mut().for_each(|v| *v += 1.0);
         }
         let dtype = prec.dtype(&spec.name, spec.matrix, quant, &q8);
-        let bytes = encode(&data, &spec.shape, dtype);
+        let rows = |r: usize| imp.and_then(|i| i.resident_row(&spec.name, r));
+        let weighted = imp.is_some_and(|i| i.resident.contains_key(&spec.name));
+        let bytes = encode(&data, &spec.shape, dtype, weighted.then_some(&rows as _));
         let offset = rw.write_aligned(&bytes, TENSOR_ALIGN)?;
         tensors.insert(
             spec.name.clone(),
@@ -807,7 +884,7 @@ pub fn convert_with(
                 .into_par_iter()
                 .map(|e| {
                     let mut buf = vec![0u8; record_size];
-                    for part in MLP_PARTS {
+                    for (p, part) in MLP_PARTS.into_iter().enumerate() {
                         let entry = &parts[part];
                         let data = read_expert_part(
                             &ckpt,
@@ -817,7 +894,14 @@ pub fn convert_with(
                             &entry.shape,
                             cfg.num_experts,
                         )?;
-                        let bytes = encode(&data, &entry.shape, dtype);
+                        let weights = imp.and_then(|i| i.expert(*layer, e, p));
+                        let rows = |_: usize| weights;
+                        let bytes = encode(
+                            &data,
+                            &entry.shape,
+                            dtype,
+                            weights.is_some().then_some(&rows as _),
+                        );
                         buf[entry.offset..entry.offset + bytes.len()].copy_from_slice(&bytes);
                     }
                     Ok(buf)
@@ -882,6 +966,7 @@ pub fn convert_with(
         quantization: QuantInfo {
             kind: quant,
             group_size: (quant == Quant::Int4).then_some(quant::GROUP),
+            calibration: calib.map(|c| c.info.clone()),
         },
         resident: ResidentInfo {
             file: RESIDENT_FILE.into(),

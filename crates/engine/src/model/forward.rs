@@ -328,6 +328,9 @@ impl Model {
 
     /// `W x` for each weight in `ws` (same input), in one parallel region.
     pub(in crate::model) fn project(&self, ws: &[Linear], x: &mut Acts) -> Vec<Vec<f32>> {
+        for w in ws {
+            self.calib.resident(w.offset, w.rows, &x.x, x.cols);
+        }
         x.prepare(ws.iter().any(|w| w.dtype.takes_q8_acts()));
         let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; w.rows * x.n]).collect();
         let x = &*x;

@@ -379,6 +379,7 @@ impl Model {
             kv_dtype,
             kv_layout,
             state_widths,
+            calib: Default::default(),
         })
     }
 }

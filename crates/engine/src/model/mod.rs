@@ -116,6 +116,8 @@ pub struct Model {
     pub kv_dtype: KvDtype,
     kv_layout: KvLayout,
     state_widths: Vec<usize>,
+    /// Importance statistics, recorded only inside [`Model::collect_importance`].
+    calib: crate::calib::Recorder,
 }
 
 impl Model {
@@ -184,6 +186,40 @@ impl Model {
     /// What every layer keeps per position (the cache's and slot files' layout).
     pub fn kv_layout(&self) -> &KvLayout {
         &self.kv_layout
+    }
+
+    /// Runs the model over each of `chunks` (each from an empty context, every position's
+    /// logits computed so the LM head sees every position) and returns the importance
+    /// statistics of its weight matrices (see [`crate::calib`]). The model must be an f32
+    /// conversion: the statistics are of the unquantized model, and they are placed by its
+    /// f32 tensors. Chunks must fit the context. Not for a model that is serving: the
+    /// recording sees every pass that runs meanwhile.
+    pub fn collect_importance(&self, chunks: &[Vec<u32>]) -> Result<crate::calib::Importance> {
+        let quantized = self
+            .manifest
+            .resident
+            .tensors
+            .iter()
+            .find(|(_, t)| t.dtype != DType::F32);
+        if self.manifest.quantization.kind != Quant::F32 || quantized.is_some() {
+            return Err(Error::Input(format!(
+                "importance statistics need an f32 conversion of the model (`colibri convert                  --quant f32`); this one is {}{}",
+                self.manifest.quantization.kind.name(),
+                quantized.map_or(String::new(), |(n, _)| format!(" (`{n}` is quantized)"))
+            )));
+        }
+        let tokens: usize = chunks.iter().map(Vec::len).sum();
+        if tokens == 0 {
+            return Err(Error::Input("no calibration tokens to run".into()));
+        }
+        self.calib.start();
+        let run = chunks.iter().filter(|c| !c.is_empty()).try_for_each(|c| {
+            let mut kv = self.new_cache();
+            self.forward(c, &mut kv, true).map(drop)
+        });
+        self.calib.stop();
+        run?;
+        Ok(self.calib.importance(&self.manifest, tokens))
     }
 
     pub(super) fn w(&self, l: &Linear) -> WeightRef<'_> {

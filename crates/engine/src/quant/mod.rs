@@ -80,7 +80,8 @@ pub(crate) use q4::v2_nibbles_to_v3;
 #[cfg(test)]
 pub(crate) use q4::v3_nibbles_to_v2;
 pub use q4::{
-    q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn, Q4Matrix, GROUP,
+    q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn,
+    quantize_q4_weighted, Q4Matrix, RowWeights, GROUP,
 };
 pub use q8::Q8Acts;
 pub use q8w::{q8_byte_len, q8_row_bytes, quantize_q8, Q8Matrix};

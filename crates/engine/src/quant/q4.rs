@@ -34,22 +34,28 @@ fn checked_layout(rows: usize, cols: usize) -> Option<(usize, usize)> {
     Some((row, rows.checked_mul(row)?))
 }
 
+/// Column weights of a group under the plain squared error. Every weighted sum below multiplies
+/// by the weight first (`(w * a) * b`), and a product with 1.0 is exact, so with these weights
+/// the sums, and hence the bytes, are those of the unweighted quantizer.
+const ONES: [f32; GROUP] = [1.0; GROUP];
+
+/// The group's weighted squared error `sum w (x - (q-8) d)^2`.
 #[inline(always)]
-fn group_err(x: &[f32; GROUP], q: &[u8; GROUP], d: f32) -> f32 {
+fn group_err(x: &[f32; GROUP], q: &[u8; GROUP], d: f32, wt: &[f32; GROUP]) -> f32 {
     let mut e = [0.0f32; 8];
     for k in 0..GROUP / 8 {
         for l in 0..8 {
             let r = x[k * 8 + l] - (q[k * 8 + l] as f32 - 8.0) * d;
-            e[l] += r * r;
+            e[l] += wt[k * 8 + l] * (r * r);
         }
     }
     e.iter().sum()
 }
 
 /// Quantizes with inverse scale `is` (round half up, clamp to 0..=15) and returns
-/// `(sum x*(q-8), sum (q-8)^2)`. Written to auto-vectorize (8 lanes of partial sums).
+/// `(sum w*x*(q-8), sum w*(q-8)^2)`. Written to auto-vectorize (8 lanes of partial sums).
 #[inline(always)]
-fn quant_sums(x: &[f32; GROUP], is: f32, q: &mut [u8; GROUP]) -> (f32, f32) {
+fn quant_sums(x: &[f32; GROUP], wt: &[f32; GROUP], is: f32, q: &mut [u8; GROUP]) -> (f32, f32) {
     let mut sxq = [0.0f32; 8];
     let mut sqq = [0.0f32; 8];
     for k in 0..GROUP / 8 {
@@ -65,8 +71,9 @@ fn quant_sums(x: &[f32; GROUP], is: f32, q: &mut [u8; GROUP]) -> (f32, f32) {
         for l in 0..8 {
             q[k * 8 + l] = qi[l] as u8;
             let c = qi[l] as f32 - 8.0;
-            sxq[l] += x[k * 8 + l] * c;
-            sqq[l] += c * c;
+            let w = wt[k * 8 + l];
+            sxq[l] += (w * x[k * 8 + l]) * c;
+            sqq[l] += (w * c) * c;
         }
     }
     (sxq.iter().sum(), sqq.iter().sum())
@@ -106,11 +113,12 @@ struct Cand {
     q: [u8; GROUP],
 }
 
-/// Rounds with inverse scale `is`, refits the scale and keeps the result if it beats `best`.
+/// Rounds with inverse scale `is`, refits the scale and keeps the result if it beats `best`
+/// (errors weighted by `wt`; `sxx` is `sum w x^2`).
 #[inline(always)]
-fn consider(x: &[f32; GROUP], sxx: f64, is: f32, best: &mut Option<Cand>) {
+fn consider(x: &[f32; GROUP], wt: &[f32; GROUP], sxx: f64, is: f32, best: &mut Option<Cand>) {
     let mut q = [0u8; GROUP];
-    let (sxq, sqq) = quant_sums(x, is, &mut q);
+    let (sxq, sqq) = quant_sums(x, wt, is, &mut q);
     if sqq > 0.0 {
         let d = f16::from_f32(sxq / sqq);
         let df = d.to_f32() as f64;
@@ -122,13 +130,14 @@ fn consider(x: &[f32; GROUP], sxx: f64, is: f32, best: &mut Option<Cand>) {
     }
 }
 
-/// Quantizes one group, minimising the squared error over a small set of scales: for each
-/// candidate step the nibbles are rounded, the scale refit by least squares (in f16), and the
-/// error evaluated in closed form; two rounds of re-rounding with the best scale follow. The
-/// winner is checked against Q4_0 round-to-nearest by direct error, so a group is never worse
-/// than RTN.
+/// Quantizes one group, minimising the squared error weighted per column by `wt` (non-negative;
+/// [`ONES`]: the plain error) over a small set of scales: for each candidate step the nibbles
+/// are rounded, the scale refit by weighted least squares (in f16), and the error evaluated in
+/// closed form; two rounds of re-rounding with the best scale follow. The winner is checked
+/// against Q4_0 round-to-nearest by direct weighted error, so a group is never worse than RTN
+/// under the same weights.
 #[inline(always)]
-fn quantize_group(x: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
+fn quantize_group(x: &[f32; GROUP], wt: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
     let (mut amax, mut m) = (0.0f32, 0.0f32);
     for &v in x {
         if v.abs() > amax {
@@ -141,10 +150,14 @@ fn quantize_group(x: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
         q.fill(8);
         return f16::ZERO;
     }
-    let sxx: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let sxx: f64 = x
+        .iter()
+        .zip(wt)
+        .map(|(&v, &w)| (w as f64) * ((v as f64) * (v as f64)))
+        .sum();
     let mut best: Option<Cand> = None;
     for c in CANDIDATES {
-        consider(x, sxx, c / m, &mut best);
+        consider(x, wt, sxx, c / m, &mut best);
     }
     // Two rounds of alternating refinement: re-round with the best scale, refit the scale.
     for _ in 0..2 {
@@ -152,12 +165,12 @@ fn quantize_group(x: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
         if d == 0.0 || !d.is_finite() {
             break;
         }
-        consider(x, sxx, 1.0 / d, &mut best);
+        consider(x, wt, sxx, 1.0 / d, &mut best);
     }
     let rtn_d = rtn_group(x, q);
-    let rtn_e = group_err(x, q, rtn_d.to_f32());
+    let rtn_e = group_err(x, q, rtn_d.to_f32(), wt);
     match best {
-        Some(b) if group_err(x, &b.q, b.d.to_f32()) < rtn_e => {
+        Some(b) if group_err(x, &b.q, b.d.to_f32(), wt) < rtn_e => {
             *q = b.q;
             b.d
         }
@@ -290,12 +303,14 @@ fn pack_group(q: &[u8; GROUP], groups: usize, g: usize, nrow: &mut [u8]) {
     }
 }
 
-/// Quantizes one row (`wrow`: `cols` floats) into its bytes (`out`: scales, then nibbles).
+/// Quantizes one row (`wrow`: `cols` floats) into its bytes (`out`: scales, then nibbles);
+/// with `weights` (`cols` floats) the search minimises the error weighted by them.
 #[inline(always)]
-fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool) {
+fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool, weights: Option<&[f32]>) {
     let cols = wrow.len();
     let (srow, nrow) = out.split_at_mut(out.len() / 9);
     let mut x = [0.0f32; GROUP];
+    let mut wt = ONES;
     let mut q = [0u8; GROUP];
     let groups = srow.len() / 2;
     for g in 0..groups {
@@ -303,8 +318,13 @@ fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool) {
         let hi = (lo + GROUP).min(cols);
         x.fill(0.0);
         x[..hi - lo].copy_from_slice(&wrow[lo..hi]);
+        if let Some(w) = weights {
+            // Padding columns hold zeros, which every scale represents exactly.
+            wt.fill(0.0);
+            wt[..hi - lo].copy_from_slice(&w[lo..hi]);
+        }
         let d = if search {
-            quantize_group(&x, &mut q)
+            quantize_group(&x, &wt, &mut q)
         } else {
             rtn_group(&x, &mut q)
         };
@@ -317,11 +337,21 @@ fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool) {
 /// never contracts or reorders float operations, so only the instruction selection differs.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn quantize_row_avx2(wrow: &[f32], out: &mut [u8], search: bool) {
-    quantize_row(wrow, out, search)
+fn quantize_row_avx2(wrow: &[f32], out: &mut [u8], search: bool, weights: Option<&[f32]>) {
+    quantize_row(wrow, out, search, weights)
 }
 
-fn quantize_with(w: &[f32], rows: usize, cols: usize, search: bool) -> Vec<u8> {
+/// Per-column weights of each row of a matrix being quantized: `f(r)` is row `r`'s (`cols`
+/// non-negative finite floats), or `None` for the plain squared error.
+pub type RowWeights<'a> = &'a (dyn Fn(usize) -> Option<&'a [f32]> + Sync);
+
+fn quantize_with(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    search: bool,
+    weights: Option<RowWeights>,
+) -> Vec<u8> {
     assert_eq!(
         w.len(),
         rows * cols,
@@ -337,14 +367,25 @@ fn quantize_with(w: &[f32], rows: usize, cols: usize, search: bool) -> Vec<u8> {
     let avx2 = is_x86_feature_detected!("avx2");
     out.par_chunks_mut(row)
         .zip(w.par_chunks(cols))
-        .for_each(|(orow, wrow)| {
+        .enumerate()
+        .for_each(|(r, (orow, wrow))| {
+            let wr = weights.and_then(|f| f(r));
+            if let Some(wr) = wr {
+                assert_eq!(
+                    wr.len(),
+                    cols,
+                    "quantize_q4: row {r} has {} weights",
+                    wr.len()
+                );
+                debug_assert!(wr.iter().all(|v| v.is_finite() && *v >= 0.0));
+            }
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU has AVX2 (detected above).
-                unsafe { quantize_row_avx2(wrow, orow, search) };
+                unsafe { quantize_row_avx2(wrow, orow, search, wr) };
                 return;
             }
-            quantize_row(wrow, orow, search);
+            quantize_row(wrow, orow, search, wr);
         });
     out
 }
@@ -352,12 +393,20 @@ fn quantize_with(w: &[f32], rows: usize, cols: usize, search: bool) -> Vec<u8> {
 /// Quantizes `w` (`rows x cols`, row-major) to the int4 layout, choosing each group's scale to
 /// minimise the squared error (never worse than Q4_0 round-to-nearest). Parallel over rows.
 pub fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Vec<u8> {
-    quantize_with(w, rows, cols, true)
+    quantize_with(w, rows, cols, true, None)
+}
+
+/// [`quantize_q4`] minimising, for each row `r` that `weights(r)` gives weights for, the
+/// squared error weighted per column (`sum_j w_j (x_j - q_j d)^2`: importance statistics,
+/// `colibri convert --calibration`); never worse than Q4_0 round-to-nearest under the same
+/// weights. Rows without weights come out as [`quantize_q4`] makes them.
+pub fn quantize_q4_weighted(w: &[f32], rows: usize, cols: usize, weights: RowWeights) -> Vec<u8> {
+    quantize_with(w, rows, cols, true, Some(weights))
 }
 
 /// Plain llama.cpp Q4_0 round-to-nearest into the same layout (a baseline for comparisons).
 pub fn quantize_q4_0_rtn(w: &[f32], rows: usize, cols: usize) -> Vec<u8> {
-    quantize_with(w, rows, cols, false)
+    quantize_with(w, rows, cols, false, None)
 }
 
 /// An int4 matrix borrowed from a byte buffer (any alignment).
@@ -602,6 +651,72 @@ mod tests {
             tot.0, tot.1
         );
         assert!(tot.0 < tot.1 * 0.97, "search should measurably beat RTN");
+    }
+
+    /// Weights of all ones are the plain squared error, byte for byte (the unweighted
+    /// quantizer runs the same code with [`ONES`]).
+    #[test]
+    fn weights_of_ones_are_the_plain_quantizer() {
+        for &(rows, cols) in &[(3, 72), (17, 40), (8, 1024)] {
+            let w = gauss(rows * cols, (rows + cols) as u64);
+            let ones = vec![1.0f32; cols];
+            let f = |_: usize| Some(ones.as_slice());
+            assert_eq!(
+                quantize_q4_weighted(&w, rows, cols, &f),
+                quantize_q4(&w, rows, cols)
+            );
+            let none = |_: usize| None;
+            assert_eq!(
+                quantize_q4_weighted(&w, rows, cols, &none),
+                quantize_q4(&w, rows, cols)
+            );
+        }
+    }
+
+    /// Under any non-negative column weights the weighted search is never worse than Q4_0's
+    /// max-abs rounding by the same weighted error, on groups of every kind: Gaussian, all
+    /// zero, constant, one outlier, subnormal; weights with zeros and wide ranges.
+    #[test]
+    fn weighted_never_worse_than_max_abs_under_the_same_weights() {
+        let groups = 400;
+        let cols = groups * GROUP;
+        let mut w = gauss(cols, 9);
+        let u = gauss(cols, 10);
+        for g in 0..groups {
+            let x = &mut w[g * GROUP..(g + 1) * GROUP];
+            match g % 5 {
+                1 => x.fill(0.0),
+                2 => x.fill(u[g] * 3.0),
+                3 => x[(g * 7) % GROUP] = 40.0 * u[g].signum(),
+                4 => x.iter_mut().for_each(|v| *v *= 1e-39),
+                _ => {}
+            }
+        }
+        let wt: Vec<f32> = u
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| if i % 7 == 0 { 0.0 } else { (3.0 * v).exp() })
+            .collect();
+        let f = |_: usize| Some(wt.as_slice());
+        let ours = Q4Matrix::new(&quantize_q4_weighted(&w, 1, cols, &f), 1, cols)
+            .unwrap()
+            .dequantize();
+        let rtn = Q4Matrix::new(&quantize_q4_0_rtn(&w, 1, cols), 1, cols)
+            .unwrap()
+            .dequantize();
+        let err = |d: &[f32], g: usize| -> f64 {
+            (g * GROUP..(g + 1) * GROUP)
+                .map(|i| wt[i] as f64 * ((w[i] - d[i]) as f64).powi(2))
+                .sum()
+        };
+        let (mut tot_o, mut tot_r) = (0.0, 0.0);
+        for g in 0..groups {
+            let (eo, er) = (err(&ours, g), err(&rtn, g));
+            assert!(eo <= er * (1.0 + 1e-5) + 1e-37, "group {g}: {eo} > {er}");
+            tot_o += eo;
+            tot_r += er;
+        }
+        assert!(tot_o < 0.95 * tot_r, "{tot_o} vs {tot_r}");
     }
 
     #[test]

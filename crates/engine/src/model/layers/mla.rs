@@ -393,10 +393,14 @@ impl Model {
             .iter()
             .zip(outs.iter_mut())
             .enumerate()
-            .map(|(head, (x, out))| Job {
-                w: self.w(&w.row_block(head * rows, rows)),
-                x,
-                out,
+            .map(|(head, (x, out))| {
+                let block = w.row_block(head * rows, rows);
+                self.calib.resident(block.offset, rows, &x.x, x.cols);
+                Job {
+                    w: self.w(&block),
+                    x,
+                    out,
+                }
             })
             .collect();
         matmul_many(&self.pool, self.kernel, &mut jobs);

@@ -263,6 +263,19 @@ impl Model {
                 self.heat.add(at.moe_idx, *ex);
             }
         }
+        if self.calib.is_on() {
+            self.calib.layer_input(at.first_record, &x.x, h);
+            for (ex, toks) in &experts {
+                let rows: Vec<f32> = toks
+                    .iter()
+                    .flat_map(|&(t, _)| &x.x[t * h..(t + 1) * h])
+                    .copied()
+                    .collect();
+                for part in [0, 1] {
+                    self.calib.expert(at.first_record + ex, part, &rows, h);
+                }
+            }
+        }
         let ids: Vec<usize> = experts.iter().map(|(ex, _)| *ex).collect();
         if let Some((layer, predicted)) = pass.predicted.take() {
             if layer == at.li {
@@ -322,7 +335,7 @@ impl Model {
                         (i, self.expert_parts(map, base))
                     })
                     .collect();
-                self.expert_group(&group, &experts, &inputs, x, &mut downs);
+                self.expert_group(&group, &experts, at.first_record, &inputs, x, &mut downs);
                 pass.times.expert += t.elapsed();
             }
             Experts::Store(store) => {
@@ -351,7 +364,7 @@ impl Model {
                         .iter()
                         .map(|(i, r)| (*i, self.expert_parts(r.bytes(), 0)))
                         .collect();
-                    self.expert_group(&group, &experts, &inputs, x, &mut downs);
+                    self.expert_group(&group, &experts, at.first_record, &inputs, x, &mut downs);
                     pass.times.expert += t.elapsed();
                 }
                 pass.times.io_wait += batch.io_wait();
@@ -392,6 +405,7 @@ impl Model {
         &self,
         group: &[(usize, [WeightRef; 3])],
         experts: &[(usize, Vec<(usize, f32)>)],
+        first_record: usize,
         inputs: &[Option<Acts>],
         x: &Acts,
         downs: &mut [Vec<f32>],
@@ -415,6 +429,8 @@ impl Model {
                 matmul_whole(self.kernel, w[1], xin, &mut u);
                 ops::swiglu(&mut g, &u, self.cfg.swiglu_limit);
                 let mut hid = Acts::from_vec(g, n, mi);
+                self.calib
+                    .expert(first_record + experts[*i].0, 2, &hid.x, mi);
                 hid.prepare(q4);
                 let mut out = vec![0.0; n * h];
                 matmul_whole(self.kernel, w[2], &hid, &mut out);
@@ -451,6 +467,8 @@ impl Model {
             let (g, u) = gu.split_at_mut(1);
             ops::swiglu(&mut g[0], &u[0], self.cfg.swiglu_limit);
             let mut a = Acts::from_vec(std::mem::take(&mut g[0]), toks(group[j].0), mi);
+            self.calib
+                .expert(first_record + experts[group[j].0].0, 2, &a.x, mi);
             a.prepare(q4);
             a
         });
