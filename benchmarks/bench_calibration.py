@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -38,6 +37,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from vs_llamacpp.machine import cpu_name  # noqa: E402
+
 FIXTURES = REPO / "tests" / "fixtures"
 ARCHS = ["olmoe", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_next", "kimi_linear"]
 VARIANTS = [
@@ -87,16 +90,6 @@ def demo_texts(work: Path, n: int) -> tuple[Path, Path]:
         )
         out.append(p)
     return out[0], out[1]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def context_of(model: Path) -> int:
