@@ -101,7 +101,7 @@ pub(super) fn configure_sigmoid_moe(r: &Reader, c: &mut ModelConfig, d: MoeDefau
     Ok(())
 }
 
-/// The tensors of a decoder with sigmoid-routed MoE layers (GLM-4.5, DeepSeek-V3): each layer's
+/// The tensors of a decoder with sigmoid-routed MoE layers (GLM-4.5, DeepSeek-V3, Kimi Linear): each layer's
 /// norms, its attention block (whichever kind the config chose) and its feed-forward block.
 pub(super) fn tensor_plan(c: &ModelConfig) -> Plan {
     let mut p = Plan::default();

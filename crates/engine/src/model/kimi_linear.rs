@@ -16,8 +16,6 @@
 //! `self_attn`); transformers' module names (`mlp`, `forget_gate.`) are read too.
 
 use super::glm4_moe;
-use super::layers;
-use super::plan::{self, Plan};
 use super::qwen3_next::linear_layer_types;
 use super::registry::Family;
 use crate::config::{
@@ -32,7 +30,8 @@ pub static FAMILY: Family = Family {
     default_rotary_fraction: 1.0,
     default_rms_norm_eps: 1e-5,
     configure,
-    plan: tensor_plan,
+    // The sigmoid-routed MoE decoder's tensors; the attention block plans its own kind.
+    plan: glm4_moe::tensor_plan,
     checkpoint_name: Some(module_name),
     config_aliases: &[
         ("max_position_embeddings", "model_max_length"),
@@ -203,18 +202,6 @@ pub fn module_name(name: &str) -> String {
         s = s.replace(from, to);
     }
     s
-}
-
-fn tensor_plan(c: &ModelConfig) -> Plan {
-    let mut p = Plan::default();
-    plan::add_embeddings(&mut p, c);
-    for i in 0..c.num_layers {
-        plan::add_layer_norms(&mut p, c, i);
-        layers::plan_attention(&mut p, c, i);
-        plan::add_ffn(&mut p, c, i);
-        glm4_moe::plan_sigmoid_moe(&mut p, c, i);
-    }
-    p
 }
 
 #[cfg(test)]
