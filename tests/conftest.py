@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,32 @@ def conversion_refusal(tmp_path: Path, arch: str, field: str, value: object) -> 
     with pytest.raises((ValueError, RuntimeError, OSError)) as exc:
         convert(hf, tmp_path / "out", "f32")
     return str(exc.value)
+
+
+def assert_a_slot_file_restart_is_cold(
+    model: Path, kv: Path, prompt: list[int], follow: list[int], version: int | None = None
+) -> None:
+    """Generates after ``prompt`` in slot 0 with its slot file in ``kv``, starts the engine again
+    from the file, and checks that the slot's history came back and that continuing it with
+    ``follow`` reuses all of it and gives the tokens of a cold run. ``version``: the file's
+    format version, which then also holds state records (``KVST``)."""
+    from colibri.runtime.engine import Engine
+
+    engine = Engine(model, threads=2, kv_dir=kv)
+    stream = engine.generate(prompt, 7, slot=0)
+    out = list(stream)
+    stream.close()
+    history = engine.slot_info(0)["tokens"]
+    assert history == prompt + out[:-1]
+    del stream, engine
+    if version is not None:
+        raw = (kv / "slot-0.kv").read_bytes()
+        assert raw[:8] == b"CLBKVSLT" and struct.unpack("<I", raw[8:12])[0] == version
+        assert b"KVST" in raw
+    restarted = Engine(model, threads=1, kv_dir=kv)
+    assert restarted.slot_info(0)["tokens"] == history
+    longer = history + follow
+    warm = restarted.generate(longer, 6, slot=0)
+    got = list(warm)
+    assert warm.reused_tokens == len(history)
+    assert got == list(Engine(model, threads=1).generate(longer, 6))

@@ -17,7 +17,7 @@ from colibri import convert
 from colibri._engine import architectures
 from colibri.runtime.engine import Engine
 
-from .conftest import FIXTURES, Reference, conversion_refusal
+from .conftest import FIXTURES, Reference, assert_a_slot_file_restart_is_cold, conversion_refusal
 
 ARCH = "deepseek_v4"
 
@@ -99,27 +99,10 @@ def test_prefix_reuse_gives_the_tokens_of_a_cold_run(v4, converted):
 
 
 def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(v4, converted, tmp_path):
-    model = converted(ARCH, "int4")
-    kv = tmp_path / "kv"
-    engine = Engine(model, threads=2, kv_dir=kv)
-    prompt = v4.prompts[2]
-    stream = engine.generate(prompt, 7, slot=0)
-    out = list(stream)
-    stream.close()
-    history = engine.slot_info(0)["tokens"]
-    assert history == prompt + out[:-1]
-    del stream, engine
     # Version 3: records of entries per window, state records of the windows.
-    raw = (kv / "slot-0.kv").read_bytes()
-    assert raw[:8] == b"CLBKVSLT" and struct.unpack("<I", raw[8:12])[0] == 3
-    assert b"KVST" in raw
-    restarted = Engine(model, threads=1, kv_dir=kv)
-    assert restarted.slot_info(0)["tokens"] == history
-    longer = history + v4.prompts[1][1:9]
-    warm = restarted.generate(longer, 6, slot=0)
-    got = list(warm)
-    assert warm.reused_tokens == len(history)
-    assert got == list(Engine(model, threads=1).generate(longer, 6))
+    assert_a_slot_file_restart_is_cold(
+        converted(ARCH, "int4"), tmp_path / "kv", v4.prompts[2], v4.prompts[1][1:9], version=3
+    )
 
 
 def read_safetensors(path: Path) -> tuple[dict, bytes]:

@@ -7,7 +7,6 @@ with transformers: tests/test_reference.py.)"""
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from colibri._engine import architectures
 from colibri.runtime.engine import Engine
 
-from .conftest import FIXTURES, Reference, conversion_refusal
+from .conftest import FIXTURES, Reference, assert_a_slot_file_restart_is_cold, conversion_refusal
 
 HYBRIDS = ["qwen3_next", "qwen3_next_ratios", "kimi_linear", "kimi_linear_lora"]
 
@@ -113,27 +112,10 @@ def test_prefix_reuse_gives_the_tokens_of_a_cold_run(qn, converted):
 
 
 def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(qn, converted, tmp_path):
-    model = converted(qn.arch, "int4")
-    kv = tmp_path / "kv"
-    engine = Engine(model, threads=2, kv_dir=kv)
-    prompt = qn.prompts[2]
-    stream = engine.generate(prompt, 7, slot=0)
-    out = list(stream)
-    stream.close()
-    history = engine.slot_info(0)["tokens"]
-    assert history == prompt + out[:-1]
-    del stream, engine
     # The file is version 2 (state records beside the position records).
-    raw = (kv / "slot-0.kv").read_bytes()
-    assert raw[:8] == b"CLBKVSLT" and struct.unpack("<I", raw[8:12])[0] == 2
-    assert b"KVST" in raw
-    restarted = Engine(model, threads=1, kv_dir=kv)
-    assert restarted.slot_info(0)["tokens"] == history
-    longer = history + qn.prompts[1][1:6]
-    warm = restarted.generate(longer, 6, slot=0)
-    got = list(warm)
-    assert warm.reused_tokens == len(history)
-    assert got == list(Engine(model, threads=1).generate(longer, 6))
+    assert_a_slot_file_restart_is_cold(
+        converted(qn.arch, "int4"), tmp_path / "kv", qn.prompts[2], qn.prompts[1][1:6], version=2
+    )
 
 
 @pytest.mark.parametrize(

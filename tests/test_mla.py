@@ -13,7 +13,7 @@ import pytest
 from colibri import convert
 from colibri.runtime.engine import Engine
 
-from .conftest import FIXTURES, Reference
+from .conftest import FIXTURES, Reference, assert_a_slot_file_restart_is_cold
 
 MLA_ARCHS = ["deepseek_v3", "deepseek_v3_noqlora"]
 
@@ -61,23 +61,9 @@ def test_prefix_reuse_gives_the_tokens_of_a_cold_run(mla, converted):
 
 
 def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(mla, converted, tmp_path):
-    model = converted(mla.arch, "int4")
-    kv = tmp_path / "kv"
-    engine = Engine(model, threads=2, kv_dir=kv)
-    prompt = mla.prompts[2]
-    stream = engine.generate(prompt, 7, slot=0)
-    out = list(stream)
-    stream.close()
-    history = engine.slot_info(0)["tokens"]
-    assert history == prompt + out[:-1]
-    del stream, engine
-    restarted = Engine(model, threads=1, kv_dir=kv)
-    assert restarted.slot_info(0)["tokens"] == history
-    longer = history + mla.prompts[1][1:6]
-    warm = restarted.generate(longer, 6, slot=0)
-    got = list(warm)
-    assert warm.reused_tokens == len(history)
-    assert got == list(Engine(model, threads=1).generate(longer, 6))
+    assert_a_slot_file_restart_is_cold(
+        converted(mla.arch, "int4"), tmp_path / "kv", mla.prompts[2], mla.prompts[1][1:6]
+    )
 
 
 @pytest.mark.parametrize(
