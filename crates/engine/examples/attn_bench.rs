@@ -45,6 +45,7 @@ fn main() {
                 keys: HeadRows::F16(keys[r.clone()].reinterpret_cast()),
                 values: HeadRows::F16(values[r].reinterpret_cast()),
                 n0: ctx + 1 - block,
+                share: 1,
                 scale: 0.088,
             };
             attend(&qs, &a, &mut out);

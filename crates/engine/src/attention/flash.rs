@@ -66,6 +66,13 @@ struct Running {
     total: f32,
 }
 
+/// How many positions each query of a block sees: query `j` the first `n0 + j / share`.
+#[derive(Clone, Copy)]
+struct Sees {
+    n0: usize,
+    share: usize,
+}
+
 /// Dimensions of one call: key (and query) and value sizes, the score scale.
 #[derive(Clone, Copy)]
 struct Dims {
@@ -75,7 +82,7 @@ struct Dims {
 }
 
 /// `out[j * vd..]` = softmax-weighted sum of the values query `qs[j]` sees (the first
-/// `a.n0 + j` positions). See the module comment for the arithmetic.
+/// `a.n0 + j / a.share` positions). See the module comment for the arithmetic.
 ///
 /// # Safety
 /// The CPU has `L`'s features.
@@ -89,7 +96,8 @@ pub(super) unsafe fn attend_tiles<L: Lanes>(qs: &[&[f32]], a: &AttendArgs, out: 
         scale: a.scale,
     };
     let (kd, vd) = (dims.kd, dims.vd);
-    let last = a.n0 + b - 1;
+    assert!(a.share >= 1, "attend: share must be at least 1");
+    let last = a.n0 + (b - 1) / a.share;
     assert!(
         a.n0 >= 1 && kd > 0 && out.len() == b * vd && qs.iter().all(|q| q.len() == kd),
         "attend: inconsistent shapes"
@@ -109,6 +117,11 @@ pub(super) unsafe fn attend_tiles<L: Lanes>(qs: &[&[f32]], a: &AttendArgs, out: 
     // A block of queries widens each f16 tile once for all of them; one query reads the f16
     // rows directly (nothing to share).
     let direct = b == 1;
+    let same_rows = kd == vd && rows_ptr(a.keys) == rows_ptr(a.values);
+    let sees = Sees {
+        n0: a.n0,
+        share: a.share,
+    };
     let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
     for lo in (0..last).step_by(TILE) {
         let hi = (lo + TILE).min(last);
@@ -124,15 +137,20 @@ pub(super) unsafe fn attend_tiles<L: Lanes>(qs: &[&[f32]], a: &AttendArgs, out: 
         unsafe {
             match (a.keys, a.values) {
                 (HeadRows::F32(k), HeadRows::F32(v)) => tile::<L, &[f32]>(
-                    qs, &k[kr], &v[vr], lo, hi, a.n0, dims, ahead, &mut runs, out,
+                    qs, &k[kr], &v[vr], lo, hi, sees, dims, ahead, &mut runs, out,
                 ),
                 (HeadRows::F16(k), HeadRows::F16(v)) if direct => tile::<L, &[f16]>(
-                    qs, &k[kr], &v[vr], lo, hi, a.n0, dims, ahead, &mut runs, out,
+                    qs, &k[kr], &v[vr], lo, hi, sees, dims, ahead, &mut runs, out,
                 ),
                 (keys, values) => {
                     let k = widened::<L>(keys, kr, &mut kbuf);
-                    let v = widened::<L>(values, vr, &mut vbuf);
-                    tile::<L, &[f32]>(qs, k, v, lo, hi, a.n0, dims, ahead, &mut runs, out)
+                    // Values that are the keys' own rows (MLA's latents) are widened once.
+                    let v = if same_rows {
+                        k
+                    } else {
+                        widened::<L>(values, vr, &mut vbuf)
+                    };
+                    tile::<L, &[f32]>(qs, k, v, lo, hi, sees, dims, ahead, &mut runs, out)
                 }
             }
         }
@@ -200,6 +218,14 @@ fn prefetch(x: &[f16], to_l1: bool) {
     let _ = (x, to_l1);
 }
 
+/// Where a history's rows start (keys and values may be the same rows).
+fn rows_ptr(r: HeadRows) -> *const u8 {
+    match r {
+        HeadRows::F32(x) => x.as_ptr().cast(),
+        HeadRows::F16(x) => x.as_ptr().cast(),
+    }
+}
+
 fn rows_len(r: HeadRows) -> usize {
     match r {
         HeadRows::F32(x) => x.len(),
@@ -250,7 +276,7 @@ unsafe fn tile<L: Lanes, R: Rows>(
     values: R,
     lo: usize,
     hi: usize,
-    n0: usize,
+    sees: Sees,
     dims: Dims,
     ahead: Ahead,
     runs: &mut [Running],
@@ -261,7 +287,7 @@ unsafe fn tile<L: Lanes, R: Rows>(
     let mut j = 0;
     while j < qs.len() {
         ahead.fetch_part(j / 2, steps);
-        let seen = n0 + j;
+        let seen = sees.n0 + j / sees.share;
         let count = hi.min(seen).saturating_sub(lo);
         if count == 0 {
             j += 1;

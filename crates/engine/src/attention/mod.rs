@@ -20,8 +20,13 @@ pub enum HeadRows<'a> {
 pub struct AttendArgs<'a> {
     pub keys: HeadRows<'a>,
     pub values: HeadRows<'a>,
-    /// Positions the first query of the block sees (at least 1); query `j` sees `n0 + j`.
+    /// Positions the first query of the block sees (at least 1); query `j` sees
+    /// `n0 + j / share`.
     pub n0: usize,
+    /// Consecutive queries at one position: heads that read the same history (GQA's group,
+    /// every head of MLA) attend together, so its rows are read (and widened) once for all of
+    /// them. 1 for one head's block of positions.
+    pub share: usize,
     pub scale: f32,
 }
 
@@ -58,8 +63,9 @@ impl Kernel {
     }
 }
 
-/// Consecutive query positions of one head attending causally over its kv head: query `j`
-/// (`qs[j]`, the key size each) sees the first `a.n0 + j` positions, and `out[j * vd..]`
+/// Consecutive query positions (of one head, or of `a.share` heads per position) attending
+/// causally over one kv head: query `j` (`qs[j]`, the key size each) sees the first
+/// `a.n0 + j / a.share` positions, and `out[j * vd..]`
 /// receives the softmax-weighted sum of their values (`vd = out.len() / qs.len()`, the value
 /// size, which may differ from the key size).
 pub fn attend(qs: &[&[f32]], a: &AttendArgs, out: &mut [f32]) {
@@ -117,6 +123,7 @@ mod tests {
             keys,
             values,
             n0: n,
+            share: 1,
             scale: 0.2,
         };
         attend(&[q], &a, &mut out);
@@ -178,6 +185,7 @@ mod tests {
                                 HeadRows::F32(&values)
                             },
                             n0: n + 1 - b,
+                            share: 1,
                             scale: 0.125,
                         };
                         assert_kernels_agree(&qs, &a, vd);
@@ -286,6 +294,7 @@ mod tests {
                         HeadRows::F32(&values)
                     },
                     n0,
+                    share: 1,
                     scale,
                 };
                 let qs: Vec<&[f32]> = queries.chunks_exact(hd).collect();
@@ -358,6 +367,7 @@ mod tests {
                     keys: keys(last),
                     values: values(last),
                     n0,
+                    share: 1,
                     scale: 0.2,
                 };
                 let out = assert_kernels_agree(&qs, &a, hd);
@@ -369,6 +379,56 @@ mod tests {
                         alone,
                         "hd {hd} n0 {n0} b {b} j {j}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Heads sharing one history (`share` queries per position, GQA's group or every head of
+    /// MLA, whose values are its keys' own rows) give each query the bits it gets alone, on
+    /// every kernel, f32 and f16 rows, for one position (decode) and a block of positions.
+    #[test]
+    fn heads_sharing_a_history_attend_as_each_alone() {
+        use half::f16;
+        let hd = 40;
+        let total = 100;
+        let k32: Vec<f32> = (0..total * hd).map(|i| wave(i * 3 + 1)).collect();
+        let v32: Vec<f32> = (0..total * hd).map(|i| wave(i + 11)).collect();
+        let k16: Vec<f16> = k32.iter().map(|&x| f16::from_f32(x)).collect();
+        let v16: Vec<f16> = v32.iter().map(|&x| f16::from_f32(x)).collect();
+        let queries: Vec<Vec<f32>> = (0..48)
+            .map(|j| (0..hd).map(|i| wave(i * 17 + j * 53)).collect())
+            .collect();
+        for (n0, positions, share) in [(1, 1, 16), (33, 1, 8), (64, 1, 3), (30, 3, 4), (95, 2, 5)] {
+            for f16_rows in [false, true] {
+                // Values that are the keys' own rows, and values of their own.
+                for own_values in [false, true] {
+                    let rows = |n: usize, v: bool| match (f16_rows, v && own_values) {
+                        (true, true) => HeadRows::F16(&v16[..n * hd]),
+                        (true, false) => HeadRows::F16(&k16[..n * hd]),
+                        (false, true) => HeadRows::F32(&v32[..n * hd]),
+                        (false, false) => HeadRows::F32(&k32[..n * hd]),
+                    };
+                    let b = positions * share;
+                    let last = n0 + positions - 1;
+                    let qs: Vec<&[f32]> = queries[..b].iter().map(|q| q.as_slice()).collect();
+                    let a = AttendArgs {
+                        keys: rows(last, false),
+                        values: rows(last, true),
+                        n0,
+                        share,
+                        scale: 0.2,
+                    };
+                    let out = assert_kernels_agree(&qs, &a, hd);
+                    for (j, q) in qs.iter().enumerate() {
+                        let n = n0 + j / share;
+                        let alone = attend_one(q, rows(n, false), rows(n, true), n);
+                        assert_eq!(
+                            &out[j * hd..(j + 1) * hd],
+                            alone,
+                            "n0 {n0} share {share} j {j} f16 {f16_rows} own values {own_values}"
+                        );
+                    }
                 }
             }
         }

@@ -228,12 +228,15 @@ impl Model {
                 keys: HeadRows::F32(&rows),
                 values: HeadRows::F32(&rows),
                 n0: chosen.len(),
+                share: heads,
                 scale: d.softmax_scale,
             };
+            // Every head over the same chosen rows: one call reads them once for all heads.
+            let qs: Vec<&[f32]> = (0..heads)
+                .map(|head| absorbed[row * heads + head].as_slice())
+                .collect();
             let mut out = vec![0.0f32; heads * kw];
-            for (head, o) in out.chunks_exact_mut(kw).enumerate() {
-                crate::attention::attend(&[absorbed[row * heads + head].as_slice()], &args, o);
-            }
+            crate::attention::attend(&qs, &args, &mut out);
             out
         });
         for (&(s, j), o) in tasks.iter().zip(&sparse) {

@@ -187,6 +187,7 @@ impl Model {
             &spans,
             n,
             c.num_heads,
+            group,
             hd,
             1.0 / (hd as f32).sqrt(),
             |i, head| &q[i * qd + head * hd..i * qd + (head + 1) * hd],

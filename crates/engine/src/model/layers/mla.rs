@@ -235,6 +235,7 @@ impl Model {
             spans,
             rows,
             heads,
+            heads,
             d.kv_lora_rank + d.qk_rope_head_dim,
             d.softmax_scale,
             |i, head| absorbed[i * heads + head].as_slice(),

@@ -183,19 +183,27 @@ impl Model {
     /// every attention kind's core: tasks of (block of [`ATTN_BLOCK`] positions of one span,
     /// head) over the pool, the costliest (deepest) blocks first. `query(row, head)` is a row's
     /// query for `head`, and `history(span, head, len)` the first `len` keys and values of the
-    /// span's sequence that head attends over. Returns `width` values (the value width) per
-    /// (row, head), row-major; rows outside the spans are zero.
+    /// span's sequence that head attends over, the same for each `group` consecutive heads
+    /// (GQA's query heads per kv head; every head of MLA). Returns `width` values (the value
+    /// width) per (row, head), row-major; rows outside the spans are zero.
+    ///
+    /// A decode step (one position per span) gives each task several heads of one group
+    /// instead, as many as still keep every thread busy: the history is read (and widened
+    /// from f16) once for all of them, where one head per task read it once per head. The
+    /// results are the same bits either way (the kernel's promise for a query in a block).
     #[allow(clippy::too_many_arguments)]
     pub(in crate::model) fn attend_causal<'q, 'h>(
         &self,
         spans: &[Span],
         rows: usize,
         heads: usize,
+        group: usize,
         width: usize,
         scale: f32,
         query: impl Fn(usize, usize) -> &'q [f32] + Sync,
         history: impl Fn(usize, usize, usize) -> (HeadRows<'h>, HeadRows<'h>) + Sync,
     ) -> Vec<f32> {
+        debug_assert!(group >= 1 && heads.is_multiple_of(group));
         // (span, first, end) of every block, deepest history first.
         let mut blocks: Vec<(usize, usize, usize)> = spans
             .iter()
@@ -206,16 +214,31 @@ impl Model {
             })
             .collect();
         blocks.sort_by_key(|&(s, _, i1)| std::cmp::Reverse(spans[s].p0 + i1));
-        let task = |t: usize| (blocks[t / heads], t % heads);
-        let outs = self.pool.map(blocks.len() * heads, |t| {
-            let ((s, i0, i1), head) = task(t);
+        // Heads per task.
+        let mut g = if spans.iter().all(|sp| sp.n <= 1) {
+            group
+        } else {
+            1
+        };
+        while g % 2 == 0 && blocks.len() * (heads / g) < self.pool.threads() {
+            g /= 2;
+        }
+        let per_block = heads / g;
+        // A task's block and its first head.
+        let task = |t: usize| (blocks[t / per_block], (t % per_block) * g);
+        let outs = self.pool.map(blocks.len() * per_block, |t| {
+            let ((s, i0, i1), h0) = task(t);
             let sp = spans[s];
-            let qs: Vec<&[f32]> = (i0..i1).map(|i| query(sp.row0 + i, head)).collect();
-            let (keys, values) = history(s, head, sp.p0 + i1);
+            let qs: Vec<&[f32]> = (i0..i1)
+                .flat_map(|i| (h0..h0 + g).map(move |head| (sp.row0 + i, head)))
+                .map(|(row, head)| query(row, head))
+                .collect();
+            let (keys, values) = history(s, h0, sp.p0 + i1);
             let args = AttendArgs {
                 keys,
                 values,
                 n0: sp.p0 + i0 + 1,
+                share: g,
                 scale,
             };
             let mut out = vec![0.0f32; qs.len() * width];
@@ -224,9 +247,10 @@ impl Model {
         });
         let mut att = vec![0.0f32; rows * heads * width];
         for (t, out) in outs.iter().enumerate() {
-            let ((s, i0, _), head) = task(t);
+            let ((s, i0, _), h0) = task(t);
             for (j, o) in out.chunks_exact(width).enumerate() {
-                let at = ((spans[s].row0 + i0 + j) * heads + head) * width;
+                let (i, head) = (i0 + j / g, h0 + j % g);
+                let at = ((spans[s].row0 + i) * heads + head) * width;
                 att[at..at + width].copy_from_slice(o);
             }
         }
