@@ -168,26 +168,85 @@ fn chunk_rows(rows: usize, threads: usize) -> usize {
         .max(MIN_CHUNK_ROWS)
 }
 
-/// A row range of one product, handed to whichever thread claims it.
+/// A row range of one product.
 type WorkItem<'a> = (WeightRef<'a>, &'a Acts, OutView<'a>);
 
+/// Bytes of one row of `w`.
+fn row_bytes(w: &WeightRef, x: &Acts) -> usize {
+    match w {
+        WeightRef::F32(_) => x.cols * 4,
+        WeightRef::Q4(m) => m.row_stride(),
+        WeightRef::Q8(m) => m.row_stride(),
+    }
+}
+
+/// A product whose weights are smaller than this is not cut into a chunk per thread: such
+/// products (MLA's per-head blocks, 16-128 of ~36 KiB a layer) are strung together instead,
+/// consecutive ones in one thread's run, so each thread streams one long stretch of memory.
+/// Measured on the DeepSeek-V3 shape's 16 per-head blocks: cut per product they took 2-2.7x
+/// the time of the same bytes as one product.
+const SMALL_PRODUCT_BYTES: usize = 64 << 10;
+
 /// Runs every job on `pool`, splitting rows across its threads; outputs are written in place.
+/// Each thread claims work items; an item is one or more row ranges computed in order.
 pub fn matmul_many(pool: &Pool, k: Kernel, jobs: &mut [Job]) {
-    let mut items: Vec<Mutex<Option<WorkItem>>> = Vec::new();
+    let threads = pool.threads();
+    let mut items: Vec<Mutex<Vec<WorkItem>>> = Vec::new();
+    // Small products as (item, its cost) with the cost of one row (bytes x tokens).
+    let mut small: Vec<(WorkItem, usize)> = Vec::new();
     for job in jobs.iter_mut() {
         let rows = rows_of(&job.w, job.x);
         debug_assert_eq!(job.out.len(), rows * job.x.n);
         let view = OutView::new(job.out, job.x.n, rows, rows);
-        for v in view.chunks(chunk_rows(rows, pool.threads())) {
-            items.push(Mutex::new(Some((job.w, job.x, v))));
+        let row_cost = row_bytes(&job.w, job.x);
+        if rows * row_cost < SMALL_PRODUCT_BYTES {
+            small.push(((job.w, job.x, view), row_cost * job.x.n.max(1)));
+            continue;
+        }
+        for v in view.chunks(chunk_rows(rows, threads)) {
+            items.push(Mutex::new(vec![(job.w, job.x, v)]));
         }
     }
+    items.extend(string_together(small, threads).into_iter().map(Mutex::new));
     pool.run(items.len(), |i| {
         // Each index is run once, so the take always finds the item.
-        let item = items[i].lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some((w, x, out)) = item else { return };
-        matmul_view(k, w, x, out);
+        let item = std::mem::take(&mut *items[i].lock().unwrap_or_else(|e| e.into_inner()));
+        for (w, x, out) in item {
+            matmul_view(k, w, x, out);
+        }
     });
+}
+
+/// Small products, in order, cut into `threads` runs of about equal cost (row bytes x tokens),
+/// each cut at a multiple of [`MIN_CHUNK_ROWS`] rows.
+fn string_together(small: Vec<(WorkItem, usize)>, threads: usize) -> Vec<Vec<WorkItem>> {
+    let total: usize = small
+        .iter()
+        .map(|((_, _, v), row_cost)| v.rows().len() * row_cost)
+        .sum();
+    let per_run = total.div_ceil(threads.max(1)).max(1);
+    let mut runs: Vec<Vec<WorkItem>> = Vec::new();
+    let mut run: Vec<WorkItem> = Vec::new();
+    let mut cost = 0;
+    for ((w, x, mut view), row_cost) in small {
+        while !view.rows().is_empty() {
+            let want = (per_run.saturating_sub(cost)).div_ceil(row_cost.max(1));
+            let take = want.next_multiple_of(MIN_CHUNK_ROWS).min(view.rows().len());
+            let at = view.rows().start + take;
+            let (part, rest) = view.split_at(at);
+            run.push((w, x, part));
+            cost += take * row_cost;
+            view = rest;
+            if cost >= per_run {
+                runs.push(std::mem::take(&mut run));
+                cost = 0;
+            }
+        }
+    }
+    if !run.is_empty() {
+        runs.push(run);
+    }
+    runs
 }
 
 /// The rows of `out` of one product, on the calling thread.
@@ -223,4 +282,103 @@ where
         let mut piece = pieces[i].lock().unwrap_or_else(|e| e.into_inner());
         f(i, &mut piece)
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_q4, quantize_q8};
+
+    fn wave(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0 - 1.0)
+            .collect()
+    }
+
+    /// Products of every size (small ones strung together into a thread's run, large ones cut
+    /// per thread) give each output exactly what the product computed alone on one thread
+    /// gives, whatever the thread count, for one token and for several.
+    #[test]
+    fn many_products_equal_each_alone() {
+        let kernel = crate::quant::kernel();
+        // (rows, cols, dtype): per-head blocks (small), an odd small one, and large ones.
+        let shapes: &[(usize, usize, DType)] = &[
+            (64, 128, DType::Q4),
+            (64, 128, DType::Q4),
+            (48, 128, DType::Q4),
+            (17, 96, DType::Q4),
+            (40, 512, DType::Q8),
+            (9, 64, DType::F32),
+            (1200, 256, DType::Q4),
+            (300, 512, DType::Q8),
+        ];
+        let weights: Vec<Vec<u8>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, cols, dt))| {
+                let w = wave(rows * cols, i);
+                match dt {
+                    DType::Q4 => quantize_q4(&w, rows, cols),
+                    DType::Q8 => quantize_q8(&w, rows, cols),
+                    _ => w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                }
+            })
+            .collect();
+        let f32s: Vec<Vec<f32>> = weights
+            .iter()
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            })
+            .collect();
+        let view = |i: usize| -> WeightRef {
+            let (rows, cols, dt) = shapes[i];
+            match dt {
+                DType::Q4 => WeightRef::Q4(Q4Matrix::new(&weights[i], rows, cols).unwrap()),
+                DType::Q8 => WeightRef::Q8(Q8Matrix::new(&weights[i], rows, cols).unwrap()),
+                _ => WeightRef::F32(&f32s[i]),
+            }
+        };
+        for n in [1usize, 3] {
+            let mut xs: Vec<Acts> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, &(_, cols, _))| Acts::from_vec(wave(n * cols, 50 + i), n, cols))
+                .collect();
+            for x in &mut xs {
+                x.prepare(true);
+            }
+            let alone: Vec<Vec<f32>> = (0..shapes.len())
+                .map(|i| {
+                    let mut out = vec![0.0; n * shapes[i].0];
+                    matmul_whole(kernel, view(i), &xs[i], &mut out);
+                    out
+                })
+                .collect();
+            for threads in [1, 2, 3] {
+                let pool = Pool::new(threads).unwrap();
+                let mut outs: Vec<Vec<f32>> =
+                    shapes.iter().map(|s| vec![f32::NAN; n * s.0]).collect();
+                let mut jobs: Vec<Job> = outs
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, out)| Job {
+                        w: view(i),
+                        x: &xs[i],
+                        out,
+                    })
+                    .collect();
+                matmul_many(&pool, kernel, &mut jobs);
+                for (i, (got, want)) in outs.iter().zip(&alone).enumerate() {
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(got),
+                        bits(want),
+                        "product {i}, n {n}, {threads} threads"
+                    );
+                }
+            }
+        }
+    }
 }
