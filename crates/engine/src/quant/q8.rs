@@ -239,6 +239,16 @@ fn quantize_groups_scalar(
     for g in groups {
         let lo = (g * GROUP).min(cols);
         let hi = ((g + 1) * GROUP).min(cols);
+        if lo == hi {
+            // Padding past the columns: what quantizing 32 zeros gives, without the work (a
+            // 128-wide vector, MLA's per-head input, has 12 such groups of its 16).
+            for j in 0..GROUP {
+                qs[qs_offset(g, j)] = 0;
+            }
+            corr[g] = 0;
+            dexp[g] = 0.0;
+            continue;
+        }
         buf.fill(0.0);
         buf[..hi - lo].copy_from_slice(&xt[lo..hi]);
         let (q, d) = quantize_group(&buf);

@@ -46,6 +46,7 @@ const SHAPES: &[(usize, usize)] = &[
     (6, 1024),
     (3, 544),
     (7, 1408),
+    (33, 128),
 ];
 const NS: &[usize] = &[1, 3, 5, 8];
 
@@ -353,9 +354,15 @@ fn decode_path_equals_batched_tiles_bit_for_bit() {
         (9, 288),
         (6, 1408),
         (3, 544),
-        // Rows shorter than a block (MLA's per-head W_uk^T: 4 groups) and one block and a half.
+        // Rows shorter than a block (MLA's per-head W_uk^T: 4 groups), packed 16 / groups to a
+        // vector by the AVX-512 decode (with rows left over), and one block and a half.
         (40, 128),
         (7, 32),
+        (35, 32),
+        (19, 64),
+        (23, 96),
+        (21, 224),
+        (9, 256),
         (11, 768),
     ] {
         let c = case(rows, cols, 1, 77 + cols as u64);
