@@ -398,13 +398,22 @@ def test_converting_into_the_checkpoint_directory_keeps_its_files(tmp_path):
     Engine(hf, threads=1).logits([1, 2])
 
 
-def test_mtp_layers_are_skipped_and_listed(tmp_path):
-    hf = checkpoint(tmp_path, "glm4_moe")
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "glm_moe_dsa"])
+def test_mtp_layers_are_skipped_and_listed(tmp_path, family):
+    """A published checkpoint's multi-token-prediction layer (DeepSeek-V3's and GLM's layer
+    `num_hidden_layers`, with `num_nextn_predict_layers: 1`: its eh_proj, enorm/hnorm, shared
+    head and a whole decoder layer under the same prefix) is listed as skipped, not refused,
+    and changes nothing."""
+    hf = checkpoint(tmp_path, family)
     cfg = json.loads((hf / "config.json").read_text())
     n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     mtp = {
         f"model.layers.{n}.eh_proj.weight": ("F16", [h, 2 * h], b"\0" * (h * 2 * h * 2)),
         f"model.layers.{n}.enorm.weight": ("F16", [h], b"\0" * (h * 2)),
+        f"model.layers.{n}.hnorm.weight": ("F16", [h], b"\0" * (h * 2)),
+        f"model.layers.{n}.shared_head.norm.weight": ("F16", [h], b"\0" * (h * 2)),
+        f"model.layers.{n}.shared_head.head.weight": ("F16", [4, h], b"\0" * (4 * h * 2)),
+        f"model.layers.{n}.self_attn.o_proj.weight": ("F16", [h, 4], b"\0" * (4 * h * 2)),
         f"model.layers.{n}.mlp.experts.0.gate_proj.weight": ("F16", [4, h], b"\0" * (4 * h * 2)),
     }
     edit_tensors(hf, lambda t: t.update(mtp))
@@ -417,7 +426,7 @@ def test_mtp_layers_are_skipped_and_listed(tmp_path):
     assert all("num_hidden_layers" in reason for reason in skipped.values())
     # ...and the model without them still matches the unmodified checkpoint's conversion.
     ref = tmp_path / "ref"
-    convert(FIXTURES / "glm4_moe" / "hf", ref)
+    convert(FIXTURES / family / "hf", ref)
     a = Engine(out, threads=1).logits([1, 2, 3])
     np.testing.assert_array_equal(a, Engine(ref, threads=1).logits([1, 2, 3]))
 
