@@ -106,6 +106,22 @@ def model_with_template(src: Path, dst: Path, template: str) -> Path:
     return dst
 
 
+def long_window_builtin(where: Path) -> Path:
+    """A copy of the built-in model (random: its replies never end) with a 65,536-token window,
+    its manifest's only change: a reply runs as long as a test needs (its own window ran out
+    in a few seconds under the full suite)."""
+    import json
+
+    from colibri.demo.builtin import builtin_model_dir
+
+    model = where / "long"
+    shutil.copytree(builtin_model_dir(), model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["config"]["max_position_embeddings"] = 65536
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    return model
+
+
 def builtin_prompt_ids(engine, messages, thinking: bool = False) -> list[int]:
     """The token ids the server renders for ``messages`` on the built-in (GLM-4.5-style)
     template: the in-process oracle for prompt sizes and greedy outputs."""

@@ -164,4 +164,3 @@ def test_more_active_than_slots_is_refused_at_start():
     )
     assert p.returncode == 2
     assert "--max-active 3 is more than the 2 KV slots" in p.stderr
-

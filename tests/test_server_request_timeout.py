@@ -10,10 +10,8 @@ answer takes ~5 s on two idle cores, against a 1.5 s limit."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import anthropic
 import httpx
@@ -24,27 +22,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from colibri.cli import _request_timeout
 from colibri.demo.builtin import builtin_model_dir
 
-from .server import RunningServer
+from .server import RunningServer, long_window_builtin
 
 LIMIT_S = 1.5
 LONG = 10_000  # tokens: ~5 s, and every step a little slower than the last
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
-def long_window_model(root: Path) -> Path:
-    """The built-in model with a 65,536-token window (its manifest's only change)."""
-    path = root / "long"
-    shutil.copytree(builtin_model_dir(), path)
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["config"]["max_position_embeddings"] = 65536
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    return path
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("request-timeout")
-    long = str(long_window_model(root))
+    long = str(long_window_builtin(root))
     entries = [
         {"id": "long", "path": long, "pinned": True},
         {"id": "busy", "path": long, "pinned": True},
@@ -243,7 +231,7 @@ def test_the_default_limit_is_on_with_a_catalog_and_off_for_one_model():
 
 def test_one_model_served_alone_honours_an_explicit_limit(tmp_path):
     srv = RunningServer(
-        "--model", str(long_window_model(tmp_path)), "--request-timeout", str(LIMIT_S)
+        "--model", str(long_window_builtin(tmp_path)), "--request-timeout", str(LIMIT_S)
     )
     try:
         r = httpx.post(

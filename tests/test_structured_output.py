@@ -54,7 +54,7 @@ def _leaf(rng: random.Random) -> dict[str, Any]:
     if kind == "string":
         return {"type": "string", "maxLength": rng.randint(1, 12)}
     if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "Lisbon", "a b", "x\"y", 3, None], 3)}
+        return {"enum": rng.sample(["red", "green", "blue", "Lisbon", "a b", 'x"y', 3, None], 3)}
     if kind == "integer":
         low = rng.randint(-50, 50)
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 200)}
@@ -203,7 +203,7 @@ _leaves = st.one_of(
         st.integers(-100, 100),
     ),
     st.just({"type": "boolean"}),
-    st.lists(st.text("abcxyz \"\\", max_size=4), min_size=1, max_size=4, unique=True).map(
+    st.lists(st.text('abcxyz "\\', max_size=4), min_size=1, max_size=4, unique=True).map(
         lambda v: {"enum": v}
     ),
 )
@@ -282,8 +282,10 @@ def test_forced_tool_choice_gives_a_valid_call_every_time(client):
 
 
 def _strict(tool: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {**tool["function"], "parameters": parameters,
-                                             "strict": True}}
+    return {
+        "type": "function",
+        "function": {**tool["function"], "parameters": parameters, "strict": True},
+    }
 
 
 STRICT_CONVERT = _strict(
@@ -435,7 +437,8 @@ def test_a_random_model_writes_a_valid_forced_call_in_the_family_syntax(family, 
                 messages=[{"role": "user", "content": "Hello"}],
                 tools=[STRICT_CONVERT],
                 response_format={
-                    "type": "json_schema", "json_schema": {"name": "a", "schema": answer}
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": answer},
                 },  # fmt: skip
                 max_tokens=budget,
                 temperature=1.0,

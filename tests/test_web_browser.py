@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
@@ -19,7 +18,7 @@ import pytest
 
 from colibri.demo.builtin import builtin_model_dir
 
-from .server import RunningServer, ram_gb_for
+from .server import RunningServer, long_window_builtin, ram_gb_for
 from .web_support import CHROMIUM, ROOT, need_chromium
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -57,18 +56,6 @@ def demo() -> Iterator[RunningServer]:
     assert srv.model_id == "colibri-demo"
     yield srv
     srv.stop()
-
-
-def long_window_builtin(where: Path) -> Path:
-    """A copy of the built-in model (random: its replies never end) with a 65,536-token window,
-    so a reply runs long enough for a loaded machine to act during it (its own 2,048 tokens
-    ran out in a few seconds: before the page's Stop, once, under the full suite)."""
-    model = where / "long"
-    shutil.copytree(builtin_model_dir(), model)
-    manifest = json.loads((model / "manifest.json").read_text())
-    manifest["config"]["max_position_embeddings"] = 65536
-    (model / "manifest.json").write_text(json.dumps(manifest))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -328,8 +315,11 @@ def test_the_system_page_shows_each_catalog_models_state_and_the_budget(open_pag
             f"{ram['colibri-demo'] / 2**20:.1f} MiB"
         )
         # Asked for, the second model loads, and the page says so at its next poll (5 s).
-        r = httpx.post(srv.url + "/v1/completions",
-                       json={"model": "spare", "prompt": "Hi", "max_tokens": 1}, timeout=120)
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={"model": "spare", "prompt": "Hi", "max_tokens": 1},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         page.wait_for_function(
             "() => document.querySelectorAll('[data-testid=model-state]')[1]"

@@ -192,15 +192,15 @@ const SMALL_PRODUCT_BYTES: usize = 64 << 10;
 pub fn matmul_many(pool: &Pool, k: Kernel, jobs: &mut [Job]) {
     let threads = pool.threads();
     let mut items: Vec<Mutex<Vec<WorkItem>>> = Vec::new();
-    // Small products as (item, its cost) with the cost of one row (bytes x tokens).
+    // Small products, each with the cost of one of its rows (bytes x tokens).
     let mut small: Vec<(WorkItem, usize)> = Vec::new();
     for job in jobs.iter_mut() {
         let rows = rows_of(&job.w, job.x);
         debug_assert_eq!(job.out.len(), rows * job.x.n);
         let view = OutView::new(job.out, job.x.n, rows, rows);
-        let row_cost = row_bytes(&job.w, job.x);
-        if rows * row_cost < SMALL_PRODUCT_BYTES {
-            small.push(((job.w, job.x, view), row_cost * job.x.n.max(1)));
+        let bytes_per_row = row_bytes(&job.w, job.x);
+        if rows * bytes_per_row < SMALL_PRODUCT_BYTES {
+            small.push(((job.w, job.x, view), bytes_per_row * job.x.n.max(1)));
             continue;
         }
         for v in view.chunks(chunk_rows(rows, threads)) {
@@ -209,7 +209,7 @@ pub fn matmul_many(pool: &Pool, k: Kernel, jobs: &mut [Job]) {
     }
     items.extend(string_together(small, threads).into_iter().map(Mutex::new));
     pool.run(items.len(), |i| {
-        // Each index is run once, so the take always finds the item.
+        // Each index is run once, so the take always finds the item's ranges.
         let item = std::mem::take(&mut *items[i].lock().unwrap_or_else(|e| e.into_inner()));
         for (w, x, out) in item {
             matmul_view(k, w, x, out);

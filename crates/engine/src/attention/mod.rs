@@ -1,5 +1,6 @@
-//! Attention over a KV history: consecutive query positions of one head attending causally
-//! over its kv head's keys and values (f32 or f16 rows). One kernel (`flash.rs`: tiles of the
+//! Attention over a KV history: consecutive query positions of one head (or of several heads
+//! that read the same history, `AttendArgs::share` per position) attending causally over its
+//! kv head's keys and values (f32 or f16 rows). One kernel (`flash.rs`: tiles of the
 //! history, online softmax), written over sixteen-lane vectors (`lanes.rs`) and compiled for
 //! AVX-512, AVX2 + FMA and plain Rust, chosen at run time; every path gives the same bits, and
 //! a query gives the same bits in a prefill block as decoding alone.

@@ -354,8 +354,8 @@ fn decode_path_equals_batched_tiles_bit_for_bit() {
         (9, 288),
         (6, 1408),
         (3, 544),
-        // Rows shorter than a block (MLA's per-head W_uk^T: 4 groups), packed 16 / groups to a
-        // vector by the AVX-512 decode (with rows left over), and one block and a half.
+        // Rows shorter than a block: of 4 groups (MLA's per-head W_uk^T), four at a time in the
+        // AVX-512 decode with rows left over, and of 1-8 groups; and one block and a half.
         (40, 128),
         (7, 32),
         (35, 32),

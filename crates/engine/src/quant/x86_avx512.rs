@@ -105,7 +105,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
 }
 
 /// The sum of the sixteen lanes in a fixed order: lanes `i + 8` onto `i`, then `i + 4` onto
-/// `i`, then `(0 + 2) + (1 + 3)`. Every int4 path ends a row with it (or, for rows packed
+/// `i`, then `(0 + 2) + (1 + 3)`. Every int4 path here ends a row with it (or, for rows packed
 /// four to a vector, with the same additions), so they agree to the bit.
 #[target_feature(enable = "avx512f,avx2")]
 #[inline]
@@ -176,8 +176,9 @@ unsafe fn q4_rows_tokens<const R: usize>(
 /// offset lanes, and high nibbles kept in place (`v & 0xf0`, 16 times their value, which saves
 /// the shift), shifted back once per block. A row's last block of `m < 16` groups is read with
 /// masked loads in place (its dword `k` of every group is `4m` bytes at `k * 4m`; lanes past `m`
-/// read as zero, as the tile's zero-filled copy of it does), so short rows (MLA's per-head
-/// `W_uk^T`, 4 groups) take this path too. The integer is the same as the tile's, and the float
+/// read as zero, as the tile's zero-filled copy of it does), so rows shorter than a block take
+/// this path too (four-group rows only the last few of a range: the others go four at a time,
+/// [`q4_decode_rows_of_4_groups`]). The integer is the same as the tile's, and the float
 /// operations are those of `q4_tile::<1, 1>` in the same order, so the results are
 /// bit-identical to it.
 ///
