@@ -134,6 +134,7 @@ fn q8_patterns_choose_the_matrices() {
     let prec = Precisions {
         keep_f32: vec!["layers.0.q".into()],
         q8: Some(vec!["lm_head".into(), "layers.*.q".into()]),
+        ..Precisions::default()
     };
     let d = convert_to(arch, "patterns", Quant::Int4, &prec);
     let m = read_manifest(&d).unwrap();
@@ -171,8 +172,8 @@ fn q8_patterns_choose_the_matrices() {
     fs::remove_dir_all(&f).unwrap();
 
     let bad = Precisions {
-        keep_f32: Vec::new(),
         q8: Some(vec!["layers.*.vv".into()]),
+        ..Precisions::default()
     };
     let d = scratch_dir("precision", "refused");
     let e = convert_with(&fixture(arch), &d, Quant::Int4, &bad, &mut |_, _, _| {})

@@ -756,7 +756,11 @@ fn convert_checkpoint<'py>(
                     show_progress("converting", done, total, what);
                 }
             };
-            let prec = convert::Precisions { keep_f32, q8 };
+            let prec = convert::Precisions {
+                keep_f32,
+                q8,
+                ..Default::default()
+            };
             convert::convert_calibrated(&hf_dir, &out_dir, q, &prec, calib.as_ref(), &mut report)
         })
         .map_err(to_py)?;

@@ -23,6 +23,8 @@ use crate::model::plan::{self, Plan, MLP_PARTS};
 use crate::quant;
 
 mod fp8;
+#[cfg(test)]
+mod random_shapes_tests;
 use fp8::Fp8Config;
 
 fn ck(msg: impl Into<String>) -> Error {
@@ -364,15 +366,18 @@ fn int_values(name: &str, values: impl Iterator<Item = i64>) -> Result<Vec<f32>>
 }
 
 /// Encodes a tensor for storage; an int4 matrix with `weights` minimises the error weighted
-/// by them (the 8-bit format rounds to nearest and has no search to weight).
+/// by them (the 8-bit format rounds to nearest and has no search to weight); `q4_0` rounds
+/// int4 groups as Q4_0 does ([`Precisions::q4_0_scales`]).
 fn encode(
     data: &[f32],
     shape: &[usize],
     dtype: DType,
     weights: Option<quant::RowWeights>,
+    q4_0: bool,
 ) -> Vec<u8> {
     match (dtype, weights) {
         (DType::F32, _) => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        (DType::Q4, _) if q4_0 => quant::quantize_q4_0_rtn(data, shape[0], shape[1]),
         (DType::Q4, None) => quant::quantize_q4(data, shape[0], shape[1]),
         (DType::Q4, Some(w)) => quant::quantize_q4_weighted(data, shape[0], shape[1], w),
         (DType::Q8, _) => quant::quantize_q8(data, shape[0], shape[1]),
@@ -578,19 +583,26 @@ pub struct Precisions {
     /// Stored at 8 bits (`DType::Q8`); `None`: [`DEFAULT_Q8`] in an int4 conversion, nothing
     /// in an f32 one; `Some(vec![])`: none (`--pure`).
     pub q8: Option<Vec<String>>,
+    /// Every int4 group rounded to nearest under Q4_0's max-abs scale instead of the
+    /// error-minimising search (and no importance weights): llama.cpp's Q4_0 numbers in
+    /// colibri's layout, the anchor the quantizer is measured against on the same engine.
+    pub q4_0_scales: bool,
 }
 
 impl Precisions {
     /// Only `keep_f32` named, the 8-bit default otherwise.
     pub fn keeping_f32(keep_f32: Vec<String>) -> Precisions {
-        Precisions { keep_f32, q8: None }
+        Precisions {
+            keep_f32,
+            ..Precisions::default()
+        }
     }
 
     /// Every resident matrix at the model's quantization.
     pub fn pure() -> Precisions {
         Precisions {
-            keep_f32: Vec::new(),
             q8: Some(Vec::new()),
+            ..Precisions::default()
         }
     }
 
@@ -833,7 +845,13 @@ pub fn convert_calibrated(
         let dtype = prec.dtype(&spec.name, spec.matrix, quant, &q8);
         let rows = |r: usize| imp.and_then(|i| i.resident_row(&spec.name, r));
         let weighted = imp.is_some_and(|i| i.resident.contains_key(&spec.name));
-        let bytes = encode(&data, &spec.shape, dtype, weighted.then_some(&rows as _));
+        let bytes = encode(
+            &data,
+            &spec.shape,
+            dtype,
+            weighted.then_some(&rows as _),
+            prec.q4_0_scales,
+        );
         let offset = rw.write_aligned(&bytes, TENSOR_ALIGN)?;
         tensors.insert(
             spec.name.clone(),
@@ -901,6 +919,7 @@ pub fn convert_calibrated(
                             &entry.shape,
                             dtype,
                             weights.is_some().then_some(&rows as _),
+                            prec.q4_0_scales,
                         );
                         buf[entry.offset..entry.offset + bytes.len()].copy_from_slice(&bytes);
                     }
