@@ -18,7 +18,7 @@ from pathlib import Path
 from .common import HERE, REPO, log, run
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist whose vendor/llama.cpp we build
-LLAMA_TARGETS = ["llama-bench", "llama-quantize", "llama-perplexity"]
+LLAMA_TARGETS = ["llama-bench", "llama-quantize", "llama-perplexity", "llama-imatrix"]
 MODEL_CONTEXT = 4096  # the random configs' max_position_embeddings (make_random_moe.py)
 LONG_CONTEXT = 32768  # the long-prompt mode's (bench_vs_llamacpp.py --long)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
