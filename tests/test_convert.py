@@ -201,6 +201,48 @@ def test_unsupported_dtype(tmp_path, dtype, size):
     refused(hf, tmp_path / "out", OLMOE_K, dtype)
 
 
+# Non-finite values by dtype: the bit patterns of +inf, -inf and a quiet NaN.
+NON_FINITE = {
+    "F32": {"inf": 0x7F800000, "-inf": 0xFF800000, "nan": 0x7FC00000},
+    "BF16": {"inf": 0x7F80, "-inf": 0xFF80, "nan": 0x7FC0},
+    "F16": {"inf": 0x7C00, "-inf": 0xFC00, "nan": 0x7E00},
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(NON_FINITE))
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize(
+    "name", [OLMOE_K, "model.layers.2.mlp.experts.3.down_proj.weight"], ids=["resident", "expert"]
+)
+@pytest.mark.parametrize("quant", ["int4", "f32"])
+def test_non_finite_weight_is_refused(tmp_path, dtype, value, name, quant):
+    """An inf or NaN weight anywhere (a resident matrix, a routed expert; any float dtype) is
+    refused with the tensor, the value and where it is, before a model is written."""
+    hf = checkpoint(tmp_path)
+    width = 4 if dtype == "F32" else 2
+
+    def poison(t):
+        st_dtype, shape, data = t[name]
+        values = f32_values(st_dtype, data).copy()
+        if dtype == "F32":
+            raw = bytearray(values.astype("<f4").tobytes())
+        else:
+            raw = bytearray(values.astype("<f2" if dtype == "F16" else "<f4").tobytes())
+            if dtype == "BF16":  # the top half of each f32
+                raw = bytearray(b"".join(raw[i + 2 : i + 4] for i in range(0, len(raw), 4)))
+        at = 7
+        raw[at * width : (at + 1) * width] = NON_FINITE[dtype][value].to_bytes(width, "little")
+        t[name] = (dtype, shape, bytes(raw))
+
+    edit_tensors(hf, poison)
+    with pytest.raises(ERRORS) as exc:
+        convert(hf, tmp_path / "out", quant)
+    msg = str(exc.value)
+    for needle in (name, "element 7", "must be finite", value):
+        assert needle in msg.replace("NaN", "nan"), f"{needle!r} not in {msg!r}"
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_truncated_safetensors(tmp_path):
     hf = checkpoint(tmp_path)
     path = hf / "model.safetensors"

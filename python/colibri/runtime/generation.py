@@ -237,4 +237,3 @@ class Generator:
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
-

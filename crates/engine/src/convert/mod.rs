@@ -289,7 +289,22 @@ impl Checkpoint {
     }
 
     /// Elements `[first, first + count)` of the flattened tensor, as f32.
+    /// Elements `first..first + count` of `name` as f32; an infinite or NaN value is refused
+    /// (it would quantize to garbage, or poison every activation of an f32 model).
     fn read_elements(&self, name: &str, first: usize, count: usize) -> Result<Vec<f32>> {
+        let values = self.decode_elements(name, first, count)?;
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(ck(format!(
+                "tensor `{name}` holds {} at element {}: weights must be finite (a damaged \
+                 checkpoint, or one saved after training diverged)",
+                values[i],
+                first + i
+            )));
+        }
+        Ok(values)
+    }
+
+    fn decode_elements(&self, name: &str, first: usize, count: usize) -> Result<Vec<f32>> {
         let m = self.meta(name)?;
         if m.dtype == Dtype::F8_E4M3 || m.fp4 {
             let config = self.fp8.expect("meta() checked the FP8 config");
