@@ -11,7 +11,7 @@
 //!   `COLI_AVX_VNNI`, `COLI_WHOLE_EXPERTS`, `COLI_GRAMMAR_OVERLAP`. The kernels ask for them on every product, so a
 //!   change of the variable after the first product has no effect.
 //! - **At each model load** (deliberately not cached): `COLI_PREFILL_CHUNK`,
-//!   `COLI_DELTA_CHUNKED`, `COLI_KV_DTYPE`,
+//!   `COLI_DELTA_CHUNKED`, `COLI_MLA_EXPANDED`, `COLI_KV_DTYPE`,
 //!   `COLI_LOAD`, and the expert store's `COLI_RAM_GB`, `COLI_PIN_GB`, `COLI_DIRECT_IO`,
 //!   `COLI_PREFETCH`, `COLI_IO`, `COLI_CACHE_POLICY`. One process may load several models with
 //!   different settings (the Python tests set them with `monkeypatch.setenv` between loads), and
@@ -77,6 +77,11 @@ pub fn prefill_chunk() -> Option<String> {
 /// rule's chunked form, or `off`), read at each load.
 pub fn delta_chunked() -> Option<String> {
     var("COLI_DELTA_CHUNKED")
+}
+
+/// `COLI_MLA_EXPANDED` (`on|off`: MLA prefill in the expanded form), read at each load.
+pub fn mla_expanded() -> Option<String> {
+    var("COLI_MLA_EXPANDED")
 }
 
 /// `COLI_KV_DTYPE` (`f32|f16`), read at each load.

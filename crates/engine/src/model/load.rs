@@ -376,6 +376,7 @@ impl Model {
             pool,
             prefill_chunk: super::forward::prefill_chunk_from_env(),
             delta_chunked_from: layers::delta::delta_chunked_from_env(),
+            mla_expanded: layers::mla::mla_expanded_from_env(),
             kv_dtype,
             kv_layout,
             state_widths,

@@ -112,6 +112,8 @@ pub struct Model {
     /// The shortest step of a linear-attention layer that runs the delta rule's chunked form
     /// (`layers::delta::DELTA_CHUNKED_FROM`; none: always the recurrent form).
     delta_chunked_from: Option<usize>,
+    /// Whether MLA prefill may attend in the expanded form (`layers::mla::expanded_pays`).
+    mla_expanded: bool,
     /// How KV caches of this model store keys and values (`load::kv_dtype`).
     pub kv_dtype: KvDtype,
     kv_layout: KvLayout,
@@ -145,6 +147,12 @@ impl Model {
     /// form (none: the recurrent form always).
     pub fn set_delta_chunked_from(&mut self, positions: Option<usize>) {
         self.delta_chunked_from = positions;
+    }
+
+    /// Lets MLA prefill attend in the expanded form where it pays (or not: the absorbed form
+    /// everywhere, the same bits however a prompt is cut into passes).
+    pub fn set_mla_expanded(&mut self, on: bool) {
+        self.mla_expanded = on;
     }
 
     pub fn threads(&self) -> usize {

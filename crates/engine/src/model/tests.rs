@@ -45,7 +45,9 @@ fn err(r: Result<Model>) -> String {
 /// A prompt run in chunks gives the bits of the same prompt in one pass, for the first three
 /// fixture architectures and DeepSeek-V4 (whose compressor windows and indexer span chunks), in
 /// int4 (expert-grouped products, f16 cache) and f32, with every token's
-/// logits and with the last one's; and decoding after it continues identically.
+/// logits and with the last one's; and decoding after it continues identically. (With
+/// `COLI_MLA_EXPANDED=on` an MLA pass picks its form by its length and history, and chunks agree
+/// with the whole within rounding only: `mla_expanded_prefill_gives_the_absorbed_logits`.)
 #[test]
 fn chunked_prefill_gives_the_same_bits() {
     for arch in [
@@ -278,4 +280,170 @@ fn an_mla_directory_with_the_fused_f32_kv_b_still_loads() {
     assert!(worst <= 1e-5 * scale, "max difference {worst} of {scale}");
     drop(fused);
     fs::remove_dir_all(&d).unwrap();
+}
+
+/// MLA prefill in the expanded form (a pass of at least `EXPAND_MIN_QUERIES` positions) gives
+/// the absorbed form's logits (the same prompt in passes too short to expand, which decode
+/// uses): within f32 rounding in f32 (the same weights); in int4 within the 8-bit activations'
+/// rounding, which the two forms take at different points (the absorbed form rounds each
+/// query's `q_nope` and each weighted latent, the expanded one the latents): ~1% of the logits'
+/// scale at a typical position, more where a router near-tie flips on it. And a directory
+/// without `kv_b_uk` (converted before it) prefills absorbed, to the absorbed passes' bits.
+#[test]
+fn mla_expanded_prefill_gives_the_absorbed_logits() {
+    use crate::model::layers::mla::EXPAND_MIN_QUERIES;
+    for arch in [
+        "deepseek_v3",
+        "deepseek_v3_noqlora",
+        "kimi_linear",
+        "kimi_linear_lora",
+    ] {
+        // (quantization, bound on the median position, on the 90th percentile)
+        for (quant, median, p90) in [(Quant::F32, 2e-6, 5e-6), (Quant::Int4, 3e-2, 6e-2)] {
+            let d = convert_fixture(arch, quant, &format!("expand-{arch}-{quant:?}"));
+            let mut model = Model::load(&d, Some(2)).unwrap();
+            model.set_mla_expanded(true);
+            let vocab = model.cfg.vocab_size as usize;
+            let n = EXPAND_MIN_QUERIES + 37;
+            let prompt: Vec<u32> = (0..n).map(|i| ((i * 37 + 5) % vocab) as u32).collect();
+            let run = |model: &Model| {
+                let mut kv = model.new_cache();
+                let mut all = model.forward(&prompt, &mut kv, true).unwrap();
+                all.extend(model.forward(&[7], &mut kv, false).unwrap());
+                all
+            };
+            model.set_prefill_chunk(usize::MAX);
+            let expanded = run(&model);
+            model.set_prefill_chunk(EXPAND_MIN_QUERIES - 1);
+            let absorbed = run(&model);
+            let scale = absorbed.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let mut per: Vec<f32> = expanded
+                .chunks(vocab)
+                .zip(absorbed.chunks(vocab))
+                .map(|(a, b)| {
+                    let w = a.iter().zip(b).map(|(x, y)| (x - y).abs());
+                    w.fold(0.0f32, f32::max) / scale
+                })
+                .collect();
+            per.sort_by(f32::total_cmp);
+            let (mid, high) = (per[per.len() / 2], per[per.len() * 9 / 10]);
+            println!("{arch} {quant:?}: expanded vs absorbed, per position median {mid:.1e}, 90th percentile {high:.1e}");
+            assert!(
+                mid < median && high < p90,
+                "{arch} {quant:?}: {mid:.1e} {high:.1e}"
+            );
+            drop(model);
+            if quant == Quant::Int4 {
+                // Neither form is the less accurate: both against the f32 model.
+                let f = convert_fixture(arch, Quant::F32, &format!("expand-ref-{arch}"));
+                let reference = run(&Model::load(&f, Some(2)).unwrap());
+                fs::remove_dir_all(&f).unwrap();
+                let rel = |x: &[f32]| {
+                    let num: f64 = x
+                        .iter()
+                        .zip(&reference)
+                        .map(|(a, b)| ((a - b) as f64).powi(2))
+                        .sum();
+                    let den: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
+                    (num / den).sqrt()
+                };
+                let (e, a) = (rel(&expanded), rel(&absorbed));
+                println!("  int4 vs f32: expanded {e:.4}, absorbed {a:.4}");
+                assert!(
+                    e < 1.1 * a,
+                    "{arch}: expanded int4 {e:.4} vs absorbed {a:.4}"
+                );
+            }
+
+            // Without `kv_b_uk`: absorbed in one pass, the absorbed passes' bits.
+            let mut m: Value =
+                serde_json::from_str(&fs::read_to_string(d.join(MANIFEST)).unwrap()).unwrap();
+            let tensors = m["resident"]["tensors"].as_object_mut().unwrap();
+            let before = tensors.len();
+            tensors.retain(|name, _| !name.ends_with(".kv_b_uk"));
+            assert!(tensors.len() < before, "{arch}: no kv_b_uk written");
+            fs::write(d.join(MANIFEST), m.to_string()).unwrap();
+            let mut old = Model::load(&d, Some(2)).unwrap();
+            old.set_mla_expanded(true);
+            old.set_prefill_chunk(usize::MAX);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&run(&old)) == bits(&absorbed), "{arch} {quant:?}");
+            fs::remove_dir_all(&d).unwrap();
+        }
+    }
+}
+
+/// MLA's `kv_b_uk` is `kv_b_uk_t`'s stored values with each head's block transposed: exactly in
+/// f32, within 8-bit rounding of the int4 values in int4 (so both forms read the same weights).
+#[test]
+fn mla_w_uk_is_the_stored_w_uk_t_transposed() {
+    use crate::format::{read_manifest, DType};
+    use crate::quant::{Q4Matrix, Q8Matrix};
+    for quant in [Quant::F32, Quant::Int4] {
+        let d = convert_fixture("deepseek_v3", quant, &format!("w-uk-{quant:?}"));
+        let m = read_manifest(&d).unwrap();
+        let resident = fs::read(d.join(&m.resident.file)).unwrap();
+        let values = |name: &str| {
+            let e = &m.resident.tensors[name];
+            let (rows, cols) = (e.shape[0], e.shape[1]);
+            let b = &resident[e.offset..e.offset + e.nbytes];
+            let v = match e.dtype {
+                DType::F32 => b
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+                DType::Q4 => Q4Matrix::new(b, rows, cols).unwrap().dequantize(),
+                DType::Q8 => Q8Matrix::new(b, rows, cols).unwrap().dequantize(),
+            };
+            (e.dtype, rows, cols, v)
+        };
+        let heads = m.config["num_attention_heads"].as_u64().unwrap() as usize;
+        for layer in 0..m.config["num_hidden_layers"].as_u64().unwrap() {
+            let (t_dtype, t_rows, nope, uk_t) = values(&format!("layers.{layer}.kv_b_uk_t"));
+            let (dtype, rows, r, uk) = values(&format!("layers.{layer}.kv_b_uk"));
+            assert_eq!((rows, r * heads), (heads * nope, t_rows));
+            let want = if quant == Quant::F32 {
+                DType::F32
+            } else {
+                DType::Q8
+            };
+            assert_eq!((t_dtype == DType::F32, dtype), (quant == Quant::F32, want));
+            for h in 0..heads {
+                // The 32 values of a q8 group share one scale: half its step bounds the error.
+                for j in 0..nope {
+                    let row = &uk[(h * nope + j) * r..(h * nope + j + 1) * r];
+                    for (g, group) in row.chunks(32).enumerate() {
+                        let src: Vec<f32> = (0..group.len())
+                            .map(|k| uk_t[(h * r + g * 32 + k) * nope + j])
+                            .collect();
+                        let amax = src.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+                        let tol = if dtype == DType::F32 {
+                            0.0
+                        } else {
+                            amax / 127.0 * 0.51
+                        };
+                        for (a, b) in group.iter().zip(&src) {
+                            assert!((a - b).abs() <= tol, "layer {layer} head {h}: {a} vs {b}");
+                        }
+                    }
+                }
+            }
+        }
+        fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+#[test]
+fn mla_expanded_setting() {
+    use crate::model::layers::mla::resolve_mla_expanded;
+    for (v, want) in [
+        (None, false),
+        (Some("off"), false),
+        (Some("0"), false),
+        (Some(" on "), true),
+        (Some("1"), true),
+        (Some("yes"), false),
+    ] {
+        assert_eq!(resolve_mla_expanded(v), want, "{v:?}");
+    }
 }

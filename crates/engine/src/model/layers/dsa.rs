@@ -29,7 +29,7 @@
 
 use super::mla::{self, Mla};
 use super::topk;
-use super::{write_rows, SeqRows, Span};
+use super::{row_f32, write_rows, SeqRows, Span};
 use crate::attention::{AttendArgs, HeadRows};
 use crate::config::{AttentionKind, IndexerDims, ModelConfig};
 use crate::error::Result;
@@ -143,19 +143,6 @@ impl Dsa {
     }
 }
 
-/// Row `t` of `rows` (`dim` wide) as f32, in `buf`.
-fn row_f32<'a>(rows: &'a HeadRows<'a>, t: usize, dim: usize, buf: &'a mut [f32]) -> &'a [f32] {
-    match rows {
-        HeadRows::F32(x) => &x[t * dim..(t + 1) * dim],
-        HeadRows::F16(x) => {
-            for (o, v) in buf.iter_mut().zip(&x[t * dim..(t + 1) * dim]) {
-                *o = v.to_f32();
-            }
-            buf
-        }
-    }
-}
-
 impl Model {
     /// The DSA output of layer `li` for the normed inputs `hn` (one row per position of the
     /// pass's sequences); writes each sequence's MLA rows and indexer keys to its cache. A layer
@@ -176,7 +163,7 @@ impl Model {
         let heads = c.num_heads;
         let kw = d.kv_lora_rank + d.qk_rope_head_dim;
         let mut acts = Acts::from_vec(hn, n, c.hidden_size);
-        let mut pass = self.mla_project(&layer.mla, &mut acts, angles);
+        let mut pass = self.mla_project(&layer.mla, &mut acts, angles, &|_| true);
         let spans = if let Some(ix) = &layer.indexer {
             let q_resid = pass.q_resid.take().expect("DSA has a low-rank query");
             let (spans, chosen) = self.index(li, ix, acts, q_resid, angles, &pass.latent, seqs);

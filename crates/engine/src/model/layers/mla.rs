@@ -21,6 +21,16 @@
 //! multiplied by that head's own input. Directories converted before the split keep one f32
 //! `kv_b` and are read as before.
 //!
+//! A prefill of many positions attends in the expanded form instead, where that is faster
+//! (measured: [`expanded_pays`]): the history's latents are expanded into each head's keys
+//! `[W_uk c | k_rope]` and values `W_uv c` (one product over every position, a block of heads at
+//! a time), and each head attends with `[q_nope | q_rope]` over `qk_nope + qk_rope` wide keys
+//! and `v_head_dim` wide values, where the absorbed form reads `kv_lora_rank + qk_rope` wide keys
+//! and `kv_lora_rank` wide values per pair of positions (3.4x the arithmetic on DeepSeek-V3's
+//! shape). That needs `W_uk` itself (`kv_b_uk`, `[heads * qk_nope_head_dim, kv_lora_rank]`,
+//! stored beside `W_uk^T` by conversions since; plain MLA only, DSA's sparse rows stay
+//! absorbed); directories without it prefill in the absorbed form.
+//!
 //! Kimi Linear's MLA has no positions ([`MlaDims::positional`] false): its rope dims are kept
 //! (one shared key run per position, like the others) but never rotated.
 //!
@@ -28,7 +38,7 @@
 //! before its rotate-half rotation; the same reordering here, for q and k alike (a dot product
 //! does not see a permutation applied to both sides).
 
-use super::{write_rows, SeqRows, Span};
+use super::{row_f32, write_rows, SeqRows, Span};
 use crate::config::{AttentionKind, HybridFull, MlaDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
@@ -56,8 +66,13 @@ enum QueryProj {
 /// How `kv_b_proj` is stored.
 enum KvB {
     /// `W_uk^T` `[heads * kv_lora_rank, nope]` and `W_uv` `[heads * v, kv_lora_rank]`, at the
-    /// model's quantization: one row block per head.
-    Split { uk_t: Linear, uv: Linear },
+    /// model's quantization: one row block per head; and `W_uk` `[heads * nope, kv_lora_rank]`
+    /// for the expanded prefill, when the directory has it.
+    Split {
+        uk_t: Linear,
+        uv: Linear,
+        uk: Option<Linear>,
+    },
     /// Directories converted before the split: `[heads * (nope + v), kv_lora_rank]` in f32, per
     /// head `nope` rows of `W_uk` then `v` rows of `W_uv`.
     Fused(Linear),
@@ -134,7 +149,81 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
     p.matrix(n("o"), hf("o_proj.weight"), h, heads * d.v_head_dim);
 }
 
+/// `W_uk` (each head's key rows of `kv_b_proj`, `[heads * qk_nope_head_dim, kv_lora_rank]`): what
+/// the expanded prefill multiplies the latents by.
+/// Made from `W_uk^T` as stored, so the two forms multiply by the same weights: transposed
+/// exactly in an f32 model, else stored at 8 bits from `W_uk^T`'s int4 values (within 8-bit
+/// rounding of them; int4 along the other axis would be a second, different rounding of
+/// `W_uk`).
+pub fn plan_expanded_keys(p: &mut Plan, c: &ModelConfig, i: usize) {
+    let d = dims(c);
+    p.transposed_blocks(
+        format!("layers.{i}.kv_b_uk"),
+        format!("model.layers.{i}.self_attn.kv_b_proj.weight"),
+        format!("layers.{i}.kv_b_uk_t"),
+        c.num_heads,
+        c.num_heads * d.qk_nope_head_dim,
+        d.kv_lora_rank,
+    );
+}
+
+/// The fewest query positions of one sequence a pass attends in the expanded form. Measured on
+/// the DeepSeek-V3 shape (2 threads, fresh prompts, docs/PERFORMANCE.md): prefill 1.10-1.14x
+/// the absorbed form's speed at 16 positions, 1.18x at 64, 1.24-1.30x at 256, 1.37-1.49x at 512.
+pub(in crate::model) const EXPAND_MIN_QUERIES: usize = 16;
+
+/// Whether `n` queries after `p0` positions of history attend faster expanded. The forms differ
+/// in two costs (per head, in multiply-adds): the expanded form widens every one of the
+/// `p0 + n` latents it reads into keys and values (`(qk_nope + v) kv_lora_rank` each) where
+/// the absorbed one absorbs each query and widens each weighted latent (the same count per
+/// query), so it pays `p0 (qk_nope + v) kv_lora_rank` more; and it does `(qk_nope + qk_rope) +
+/// v` per pair of (query, visible position) where the absorbed form does `2 kv_lora_rank +
+/// qk_rope`. A fresh prompt (`p0 = 0`) always gains; a short step over a long history (a
+/// prefix reused) only when its pairs' saving covers widening the history.
+fn expanded_pays(d: &MlaDims, n: usize, p0: usize) -> bool {
+    let (nope, rope, r, vd) = (
+        d.qk_nope_head_dim,
+        d.qk_rope_head_dim,
+        d.kv_lora_rank,
+        d.v_head_dim,
+    );
+    let saved_per_pair = (2 * r + rope).saturating_sub(nope + rope + vd) as f64;
+    let pairs = n as f64 * p0 as f64 + (n * (n + 1) / 2) as f64;
+    n >= EXPAND_MIN_QUERIES && pairs * saved_per_pair >= p0 as f64 * ((nope + vd) * r) as f64
+}
+
+/// `COLI_MLA_EXPANDED`: `on` (or `1`) lets MLA prefill attend in the expanded form where it
+/// pays; `off` (or `0`, or unset), the default, keeps the absorbed form for every pass. The
+/// forms agree within f32 rounding in f32 models but not to the bit, and in int4 models they
+/// round their 8-bit activations at different points (~1% of the logits' scale), so with the
+/// expanded form a prompt's results depend on how it is cut into passes: a slot restarted from
+/// its file, or a reused prefix, need no longer continue with a cold run's tokens (on the
+/// tiny random fixtures they do not). The default keeps that promise; the speed it gives up is
+/// in docs/PERFORMANCE.md. Any other value: the default, with a warning.
+pub(in crate::model) fn mla_expanded_from_env() -> bool {
+    resolve_mla_expanded(crate::settings::mla_expanded().as_deref())
+}
+
+pub(in crate::model) fn resolve_mla_expanded(v: Option<&str>) -> bool {
+    match v.map(str::trim) {
+        Some("on" | "1") => true,
+        None | Some("off" | "0" | "") => false,
+        Some(other) => {
+            eprintln!("COLI_MLA_EXPANDED={other:?} is not on/off: MLA prefill stays absorbed");
+            false
+        }
+    }
+}
+
+/// The most bytes of expanded keys and values held at once (heads are expanded in blocks).
+const EXPAND_BYTES: usize = 256 << 20;
+
 impl Mla {
+    /// Whether this layer can attend in the expanded form (it has `W_uk`).
+    fn expands(&self) -> bool {
+        matches!(self.kv_b, KvB::Split { uk: Some(_), .. })
+    }
+
     pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Mla> {
         let d = dims(c);
         let (h, heads) = (c.hidden_size, c.num_heads);
@@ -156,9 +245,15 @@ impl Mla {
             }
             KvB::Fused(fused)
         } else {
+            let uk = if t.has(&n("kv_b_uk")) {
+                Some(t.linear(&n("kv_b_uk"), heads * d.qk_nope_head_dim, r)?)
+            } else {
+                None
+            };
             KvB::Split {
                 uk_t: t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?,
                 uv: t.linear(&n("kv_b_uv"), heads * d.v_head_dim, r)?,
+                uk,
             }
         };
         Ok(Mla {
@@ -186,8 +281,10 @@ pub(super) fn deinterleave(x: &mut [f32], tmp: &mut Vec<f32>) {
 /// What the MLA projections of a pass give for its `n` positions.
 pub(in crate::model) struct MlaPass {
     /// Per (position, head), position-major: the absorbed query `[W_uk^T q_nope | q_rope]`,
-    /// `kv_lora_rank + qk_rope_head_dim` wide.
+    /// `kv_lora_rank + qk_rope_head_dim` wide (empty for the positions not asked for).
     pub(in crate::model) absorbed: Vec<Vec<f32>>,
+    /// Per (position, head), position-major: the query `[q_nope | q_rope]` (rope applied).
+    q: Vec<f32>,
     /// The rows the cache keeps (normed latent, roped key), one per position.
     pub(in crate::model) latent: Vec<f32>,
     /// The normed low-rank query `q_a_layernorm(q_a_proj(x))`, when the query is low-rank
@@ -208,13 +305,158 @@ impl Model {
     ) -> Vec<f32> {
         let n = angles.len();
         let d = dims(&self.cfg);
+        let heads = self.cfg.num_heads;
         let kw = d.kv_lora_rank + d.qk_rope_head_dim;
+        // Which sequences attend in the expanded form (the calibration's statistics are taken
+        // on the absorbed form's products, the ones decode reads).
+        let expand: Vec<bool> = seqs
+            .iter()
+            .map(|s| {
+                self.mla_expanded
+                    && layer.expands()
+                    && expanded_pays(&d, s.rows.len(), s.kv.len)
+                    && !self.calib.is_on()
+            })
+            .collect();
+        let mut absorb_row = vec![true; n];
+        for (s, &e) in seqs.iter().zip(&expand) {
+            if e {
+                absorb_row[s.rows.clone()].fill(false);
+            }
+        }
         let mut acts = Acts::from_vec(hn, n, self.cfg.hidden_size);
-        let pass = self.mla_project(layer, &mut acts, angles);
+        let pass = self.mla_project(layer, &mut acts, angles, &|i| absorb_row[i]);
         let spans = write_rows(seqs, li, &pass.latent, kw, &[], 0);
         let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
-        let lats = self.attend_latents(li, &spans, n, &pass.absorbed, &kvs);
-        self.mla_output(layer, &lats)
+        let mut att = vec![0.0f32; n * heads * d.v_head_dim];
+        let absorbed: Vec<usize> = (0..spans.len()).filter(|&s| !expand[s]).collect();
+        if !absorbed.is_empty() {
+            let sp: Vec<Span> = absorbed.iter().map(|&s| spans[s]).collect();
+            let kv: Vec<&KvCache> = absorbed.iter().map(|&s| kvs[s]).collect();
+            let lats = self.attend_latents(li, &sp, n, &pass.absorbed, &kv);
+            let rows: Vec<usize> = sp.iter().flat_map(|s| s.row0..s.row0 + s.n).collect();
+            let values = self.latent_values(layer, &lats, &rows);
+            let w = heads * d.v_head_dim;
+            for (j, &row) in rows.iter().enumerate() {
+                att[row * w..(row + 1) * w].copy_from_slice(&values[j * w..(j + 1) * w]);
+            }
+        }
+        for (s, sp) in spans.iter().enumerate().filter(|&(s, _)| expand[s]) {
+            self.attend_expanded(li, layer, *sp, &pass.q, kvs[s], &mut att);
+        }
+        let mut acts = Acts::from_vec(att, n, heads * d.v_head_dim);
+        self.project(&[layer.o], &mut acts).remove(0)
+    }
+
+    /// The attention values (per row, every head's `v_head_dim`, into `att`) of span `sp`'s
+    /// queries `q` over layer `li`'s history in `kv`, in the expanded form: the latents widened
+    /// into each head's keys and values, a block of heads at a time.
+    fn attend_expanded(
+        &self,
+        li: usize,
+        layer: &Mla,
+        sp: Span,
+        q: &[f32],
+        kv: &KvCache,
+        att: &mut [f32],
+    ) {
+        let KvB::Split {
+            uv, uk: Some(uk), ..
+        } = &layer.kv_b
+        else {
+            unreachable!("only a layer with W_uk expands")
+        };
+        let d = dims(&self.cfg);
+        let heads = self.cfg.num_heads;
+        let (nope, rope, r, vd) = (
+            d.qk_nope_head_dim,
+            d.qk_rope_head_dim,
+            d.kv_lora_rank,
+            d.v_head_dim,
+        );
+        let (qk, kw) = (nope + rope, r + rope);
+        let len = sp.p0 + sp.n;
+        // The history's latents (one product input per position) and rope keys.
+        let (rows, _) = kv.head(li, 0, len);
+        let mut lat = Vec::with_capacity(len * r);
+        let mut k_rope = Vec::with_capacity(len * rope);
+        let mut buf = vec![0.0f32; kw];
+        for p in 0..len {
+            let row = row_f32(&rows, p, kw, &mut buf);
+            lat.extend_from_slice(&row[..r]);
+            k_rope.extend_from_slice(&row[r..]);
+        }
+        let mut lat = Acts::from_vec(lat, len, r);
+        lat.prepare(uk.dtype.takes_q8_acts() || uv.dtype.takes_q8_acts());
+        let block = (EXPAND_BYTES / (4 * len * (2 * qk + vd)).max(1)).clamp(1, heads);
+        for h0 in (0..heads).step_by(block) {
+            let hb = block.min(heads - h0);
+            let (wk, wv) = (
+                uk.row_block(h0 * nope, hb * nope),
+                uv.row_block(h0 * vd, hb * vd),
+            );
+            let mut k_nope = vec![0.0f32; len * hb * nope];
+            let mut values = vec![0.0f32; len * hb * vd];
+            let mut jobs = [
+                Job {
+                    w: self.w(&wk),
+                    x: &lat,
+                    out: &mut k_nope,
+                },
+                Job {
+                    w: self.w(&wv),
+                    x: &lat,
+                    out: &mut values,
+                },
+            ];
+            matmul_many(&self.pool, self.kernel, &mut jobs);
+            // Head-major key rows `[k_nope | k_rope]` and value rows.
+            let keys: Vec<Vec<f32>> = (0..hb)
+                .map(|h| {
+                    let mut k = Vec::with_capacity(len * qk);
+                    for p in 0..len {
+                        let at = (p * hb + h) * nope;
+                        k.extend_from_slice(&k_nope[at..at + nope]);
+                        k.extend_from_slice(&k_rope[p * rope..(p + 1) * rope]);
+                    }
+                    k
+                })
+                .collect();
+            let vals: Vec<Vec<f32>> = (0..hb)
+                .map(|h| {
+                    let mut v = Vec::with_capacity(len * vd);
+                    for p in 0..len {
+                        let at = (p * hb + h) * vd;
+                        v.extend_from_slice(&values[at..at + vd]);
+                    }
+                    v
+                })
+                .collect();
+            let rows = sp.row0 + sp.n;
+            let out = self.attend_causal(
+                &[sp],
+                rows,
+                hb,
+                1,
+                vd,
+                d.softmax_scale,
+                |row, h| {
+                    let at = (row * heads + h0 + h) * qk;
+                    &q[at..at + qk]
+                },
+                |_, h, l| {
+                    (
+                        crate::attention::HeadRows::F32(&keys[h][..l * qk]),
+                        crate::attention::HeadRows::F32(&vals[h][..l * vd]),
+                    )
+                },
+            );
+            for row in sp.row0..rows {
+                let src = &out[row * hb * vd..(row + 1) * hb * vd];
+                let at = (row * heads + h0) * vd;
+                att[at..at + hb * vd].copy_from_slice(src);
+            }
+        }
     }
 
     /// Causal attention of the rows of `spans` (out of the pass's `rows`) over layer `li`'s
@@ -253,6 +495,7 @@ impl Model {
         layer: &Mla,
         acts: &mut Acts,
         angles: &[RopeAngles],
+        absorb: &dyn Fn(usize) -> bool,
     ) -> MlaPass {
         let n = angles.len();
         let c = &self.cfg;
@@ -303,26 +546,37 @@ impl Model {
                 }
             });
         }
-        // Absorbed queries, per (position, head): [W_uk^T q_nope | q_rope], `kw` wide.
+        // Absorbed queries, per (position, head): [W_uk^T q_nope | q_rope], `kw` wide, for
+        // the positions asked for.
         let absorbed = match &layer.kv_b {
             KvB::Split { uk_t, .. } => {
-                let q_nope = self.per_head_inputs(&q, n, qk, 0, nope);
-                let uk_q = self.per_head_products(uk_t, r, q_nope);
-                (0..n * heads)
-                    .map(|t| {
-                        let (i, head) = (t / heads, t % heads);
-                        let mut out = Vec::with_capacity(kw);
-                        out.extend_from_slice(&uk_q[head][i * r..(i + 1) * r]);
-                        let qh = &q[(i * heads + head) * qk..(i * heads + head + 1) * qk];
-                        out.extend_from_slice(&qh[nope..]);
-                        out
-                    })
-                    .collect()
+                let rows: Vec<usize> = (0..n).filter(|&i| absorb(i)).collect();
+                let mut absorbed = vec![Vec::new(); n * heads];
+                if !rows.is_empty() {
+                    let picked: Vec<f32> = rows
+                        .iter()
+                        .flat_map(|&i| &q[i * heads * qk..(i + 1) * heads * qk])
+                        .copied()
+                        .collect();
+                    let q_nope = self.per_head_inputs(&picked, rows.len(), qk, 0, nope);
+                    let uk_q = self.per_head_products(uk_t, r, q_nope);
+                    for (j, &i) in rows.iter().enumerate() {
+                        for head in 0..heads {
+                            let mut out = Vec::with_capacity(kw);
+                            out.extend_from_slice(&uk_q[head][j * r..(j + 1) * r]);
+                            let qh = &q[(i * heads + head) * qk..(i * heads + head + 1) * qk];
+                            out.extend_from_slice(&qh[nope..]);
+                            absorbed[i * heads + head] = out;
+                        }
+                    }
+                }
+                absorbed
             }
             KvB::Fused(kv_b) => self.absorb_fused(kv_b, &q, n),
         };
         MlaPass {
             absorbed,
+            q,
             latent,
             q_resid,
         }
@@ -334,12 +588,33 @@ impl Model {
     pub(in crate::model) fn mla_output(&self, layer: &Mla, lats: &[f32]) -> Vec<f32> {
         let d = dims(&self.cfg);
         let heads = self.cfg.num_heads;
+        let n = lats.len() / ((d.kv_lora_rank + d.qk_rope_head_dim) * heads);
+        let rows: Vec<usize> = (0..n).collect();
+        let att = self.latent_values(layer, lats, &rows);
+        let mut acts = Acts::from_vec(att, n, heads * d.v_head_dim);
+        self.project(&[layer.o], &mut acts).remove(0)
+    }
+
+    /// Every head's value `W_uv lat` for the pass rows `rows` of the weighted latents `lats`
+    /// (per (row, head), position-major, `kv_lora_rank + qk_rope_head_dim` apart; the rope
+    /// columns are ignored): per listed row, `heads * v_head_dim` values.
+    fn latent_values(&self, layer: &Mla, lats: &[f32], rows: &[usize]) -> Vec<f32> {
+        let d = dims(&self.cfg);
+        let heads = self.cfg.num_heads;
         let (vd, r) = (d.v_head_dim, d.kv_lora_rank);
         let kw = r + d.qk_rope_head_dim;
-        let n = lats.len() / (kw * heads);
-        let att = match &layer.kv_b {
+        let picked: Vec<f32> = if rows.len() * kw * heads == lats.len() {
+            lats.to_vec()
+        } else {
+            rows.iter()
+                .flat_map(|&i| &lats[i * heads * kw..(i + 1) * heads * kw])
+                .copied()
+                .collect()
+        };
+        let n = rows.len();
+        match &layer.kv_b {
             KvB::Split { uv, .. } => {
-                let lat = self.per_head_inputs(lats, n, kw, 0, r);
+                let lat = self.per_head_inputs(&picked, n, kw, 0, r);
                 let values = self.per_head_products(uv, vd, lat);
                 let mut att = Vec::with_capacity(n * heads * vd);
                 for i in 0..n {
@@ -349,10 +624,8 @@ impl Model {
                 }
                 att
             }
-            KvB::Fused(kv_b) => self.values_fused(kv_b, lats, n),
-        };
-        let mut acts = Acts::from_vec(att, n, heads * vd);
-        self.project(&[layer.o], &mut acts).remove(0)
+            KvB::Fused(kv_b) => self.values_fused(kv_b, &picked, n),
+        }
     }
     /// Per head, the `width` values at `offset` of each position's record for that head, as one
     /// product input (`n` rows): `x` holds `stride`-wide records per (position, head),

@@ -56,12 +56,18 @@ pub(in crate::model) struct Layer {
 pub fn plan_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
     match c.attention {
         AttentionKind::Gqa => gqa::plan(p, c, i),
-        AttentionKind::Mla(_) => mla::plan(p, c, i),
+        AttentionKind::Mla(_) => {
+            mla::plan(p, c, i);
+            mla::plan_expanded_keys(p, c, i);
+        }
         AttentionKind::Dsa(..) => dsa::plan(p, c, i),
         AttentionKind::Compressed(_) => compressed::plan(p, c, i),
         AttentionKind::Hybrid(..) if c.linear_layers[i] => delta::plan(p, c, i),
         AttentionKind::Hybrid(_, HybridFull::GatedGqa) => gqa::plan_gated(p, c, i),
-        AttentionKind::Hybrid(_, HybridFull::Mla(_)) => mla::plan(p, c, i),
+        AttentionKind::Hybrid(_, HybridFull::Mla(_)) => {
+            mla::plan(p, c, i);
+            mla::plan_expanded_keys(p, c, i);
+        }
     }
 }
 
@@ -275,6 +281,24 @@ impl Model {
             Attention::Dsa(w) => self.dsa_attention(li, w, hn, angles, seqs, selection),
             Attention::Compressed(w) => self.compressed_attention(li, w, hn, seqs),
             Attention::Delta(w) => self.delta_attention(li, w, hn, seqs),
+        }
+    }
+}
+
+/// Row `t` of `rows` (`dim` wide) as f32, in `buf`.
+pub(super) fn row_f32<'a>(
+    rows: &'a HeadRows<'a>,
+    t: usize,
+    dim: usize,
+    buf: &'a mut [f32],
+) -> &'a [f32] {
+    match rows {
+        HeadRows::F32(x) => &x[t * dim..(t + 1) * dim],
+        HeadRows::F16(x) => {
+            for (o, v) in buf.iter_mut().zip(&x[t * dim..(t + 1) * dim]) {
+                *o = v.to_f32();
+            }
+            buf
         }
     }
 }
