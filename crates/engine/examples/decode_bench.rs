@@ -1,6 +1,8 @@
 //! Decode and prefill speed of a converted model, without Python:
-//! `cargo run --release --example decode_bench -- MODEL_DIR [THREADS] [TOKENS] [PROMPT_TOKENS]`
-//! (a long prompt, e.g. 2048, measures the prefill attention that grows with its square).
+//! `cargo run --release --example decode_bench -- MODEL_DIR [THREADS] [TOKENS] [PROMPT_TOKENS]
+//! [HISTORY_TOKENS]` (a long prompt, e.g. 2048, measures the prefill attention that grows with
+//! its square; a history, the prompt's prefill after that many positions already cached, as a
+//! reused prefix).
 
 use std::time::Instant;
 
@@ -19,8 +21,16 @@ fn main() {
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|i| i.wrapping_mul(7919).wrapping_add(13) % vocab)
         .collect();
+    let history_len: u32 = args.get(5).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let history: Vec<u32> = (0..history_len)
+        .map(|i| i.wrapping_mul(104729).wrapping_add(7) % vocab)
+        .collect();
     for round in 0..3 {
         let mut kv = model.new_cache();
+        if !history.is_empty() {
+            model.forward(&history, &mut kv, false).expect("history");
+            model.end_turn().expect("end turn");
+        }
         let t0 = Instant::now();
         let logits = model.forward(&prompt, &mut kv, false).expect("prefill");
         let prefill = t0.elapsed().as_secs_f64();
