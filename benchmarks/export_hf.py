@@ -28,43 +28,19 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-# colibri name (with `{i}` a layer) -> checkpoint name: the plan's names for these families.
-RESIDENT = {
-    "embed": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-}
-LAYER = {
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj.weight",
-    "k": "self_attn.k_proj.weight",
-    "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "mlp.gate": "mlp.gate_proj.weight",
-    "mlp.up": "mlp.up_proj.weight",
-    "mlp.down": "mlp.down_proj.weight",
-    "router": "mlp.gate.weight",
-    "router_bias": "mlp.gate.e_score_correction_bias",
-    "shared.gate": "mlp.shared_experts.gate_proj.weight",
-    "shared.up": "mlp.shared_experts.up_proj.weight",
-    "shared.down": "mlp.shared_experts.down_proj.weight",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from demo_training.weights import LAYER_NAMES, TOP_NAMES  # noqa: E402
+
 FAMILIES = {"olmoe", "qwen3_moe", "glm4_moe"}
 
 
 def checkpoint_name(name: str) -> str:
-    if name in RESIDENT:
-        return RESIDENT[name]
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m is None or m.group(2) not in LAYER:
+    if m is None or m.group(2) not in LAYER_NAMES:
         raise SystemExit(f"export_hf: no checkpoint name for tensor {name!r}")
-    return f"model.layers.{m.group(1)}.{LAYER[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
 
 
 def f32_array(blob: bytes, entry: dict, base: int = 0) -> np.ndarray:

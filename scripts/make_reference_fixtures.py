@@ -760,8 +760,13 @@ SPECS = {
         shards=1,
         seed=14000,
         checkpoint_config=dict(
-            drop=("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads",
-                  "linear_conv_kernel_dim"),
+            drop=(
+                "layer_types",
+                "mlp_layer_types",
+                "linear_head_dim",
+                "linear_num_heads",
+                "linear_conv_kernel_dim",
+            ),
             add=dict(
                 linear_attn_config=dict(
                     full_attn_layers=[3, 4],

@@ -11,6 +11,35 @@ from pathlib import Path
 from .config import CONFIG, SEED, SPECIAL_TOKENS
 from .repo import TEMPLATE_PATH
 
+# colibri tensor name -> checkpoint name, for the plain-attention families (OLMoE, Qwen3-MoE,
+# GLM-4.5 and the demo model): the model-wide tensors, and a layer's (after `layers.{i}.`).
+TOP_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "lm_head": "lm_head.weight",
+    "norm": "model.norm.weight",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "mlp.gate": "mlp.gate_proj.weight",
+    "mlp.up": "mlp.up_proj.weight",
+    "mlp.down": "mlp.down_proj.weight",
+    "router": "mlp.gate.weight",
+    "router_bias": "mlp.gate.e_score_correction_bias",
+    "shared.gate": "mlp.shared_experts.gate_proj.weight",
+    "shared.up": "mlp.shared_experts.up_proj.weight",
+    "shared.down": "mlp.shared_experts.down_proj.weight",
+}
+
 
 def build_model(
     vocab_size: int, eos_ids: list[int], pad_id: int, seed: int = SEED, tie: bool = False
@@ -100,36 +129,12 @@ def load_colibri_weights(model, src: Path) -> None:
     man = json.loads((src / "manifest.json").read_text())
     res = (src / man["resident"]["file"]).read_bytes()
     sd: dict[str, torch.Tensor] = {}
-    names = {
-        "attn_norm": "input_layernorm.weight",
-        "ffn_norm": "post_attention_layernorm.weight",
-        "q": "self_attn.q_proj.weight",
-        "k": "self_attn.k_proj.weight",
-        "v": "self_attn.v_proj.weight",
-        "o": "self_attn.o_proj.weight",
-        "q_bias": "self_attn.q_proj.bias",
-        "k_bias": "self_attn.k_proj.bias",
-        "v_bias": "self_attn.v_proj.bias",
-        "mlp.gate": "mlp.gate_proj.weight",
-        "mlp.up": "mlp.up_proj.weight",
-        "mlp.down": "mlp.down_proj.weight",
-        "router": "mlp.gate.weight",
-        "router_bias": "mlp.gate.e_score_correction_bias",
-        "shared.gate": "mlp.shared_experts.gate_proj.weight",
-        "shared.up": "mlp.shared_experts.up_proj.weight",
-        "shared.down": "mlp.shared_experts.down_proj.weight",
-    }
-    top = {
-        "embed": "model.embed_tokens.weight",
-        "lm_head": "lm_head.weight",
-        "norm": "model.norm.weight",
-    }
     for key, spec in man["resident"]["tensors"].items():
-        if key in top:
-            sd[top[key]] = _colibri_tensor(res, spec)
+        if key in TOP_NAMES:
+            sd[TOP_NAMES[key]] = _colibri_tensor(res, spec)
             continue
         _, layer, rest = key.split(".", 2)
-        sd[f"model.layers.{layer}.{names[rest]}"] = _colibri_tensor(res, spec)
+        sd[f"model.layers.{layer}.{LAYER_NAMES[rest]}"] = _colibri_tensor(res, spec)
     ex = man.get("experts")
     if ex:
         eb = (src / ex["file"]).read_bytes()

@@ -9,7 +9,7 @@ use crate::convert::{convert_with, Precisions, DEFAULT_Q8};
 use crate::format::{read_manifest, DType, Quant};
 use crate::model::Model;
 use crate::quant::{Kernel, GROUP};
-use crate::testutil::{fixture, scratch_dir};
+use crate::testutil::{fixture, prompt_logits, rel_err, scratch_dir};
 
 /// Every committed fixture.
 const ARCHS: [&str; 9] = [
@@ -33,32 +33,12 @@ fn convert_to(arch: &str, tag: &str, quant: Quant, prec: &Precisions) -> PathBuf
 /// Logits of every position of `PROMPTS` fixed prompts of `prompt_len` tokens (set `set`),
 /// one after another.
 fn logits(dir: &Path, prompt_len: usize, set: u32) -> Vec<f32> {
-    let model = Model::load(dir, Some(2)).unwrap();
-    let vocab = model.cfg.vocab_size as u32;
-    let mut all = Vec::new();
-    for s in set * PROMPTS..(set + 1) * PROMPTS {
-        let prompt: Vec<u32> = (0..prompt_len as u32)
-            .map(|i| (i * 37 + 5 + s * 101) % vocab)
-            .collect();
-        let mut kv = model.new_cache();
-        all.extend(model.forward(&prompt, &mut kv, true).unwrap());
-    }
-    all
+    prompt_logits(dir, PROMPTS, prompt_len as u32, set)
 }
 
 /// Prompts per comparison: the fixtures are tiny random models whose logits a 4-bit rounding
 /// moves by 25-75% (an expert or top-k choice flips), so one comparison needs many positions.
 const PROMPTS: u32 = 8;
-
-fn rel_err(a: &[f32], reference: &[f32]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(reference)
-        .map(|(&x, &y)| ((x - y) as f64).powi(2))
-        .sum();
-    let den: f64 = reference.iter().map(|&y| (y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
 
 /// The default int4 conversion stores exactly the attention `v` / `o` matrices at 8 bits (MLA
 /// models: `kv_b_uv` / `o`), and its logits are closer to the f32 model's than the all-int4 (`--pure`)

@@ -3,6 +3,8 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use crate::model::Model;
+
 /// The committed fixture checkpoint of `arch` (`tests/fixtures/ARCH/hf`).
 pub fn fixture(arch: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -18,4 +20,42 @@ pub fn scratch_dir(what: &str, tag: &str) -> PathBuf {
     let _ = fs::remove_dir_all(&d);
     fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// Every committed fixture checkpoint (`tests/fixtures/*/hf`), by name, sorted.
+pub fn committed_fixtures() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let mut names: Vec<String> = fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("hf/config.json").is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Logits of every position of `prompts` fixed prompts of `len` tokens each (set `set`: the
+/// prompts `set * prompts ..`), one after another, from the model in `dir` on 2 threads.
+pub fn prompt_logits(dir: &Path, prompts: u32, len: u32, set: u32) -> Vec<f32> {
+    let model = Model::load(dir, Some(2)).unwrap();
+    let vocab = model.cfg.vocab_size as u32;
+    let mut all = Vec::new();
+    for s in set * prompts..(set + 1) * prompts {
+        let prompt: Vec<u32> = (0..len).map(|i| (i * 37 + 5 + s * 101) % vocab).collect();
+        let mut kv = model.new_cache();
+        all.extend(model.forward(&prompt, &mut kv, true).unwrap());
+    }
+    all
+}
+
+/// `|a - reference| / |reference|` (Frobenius norms, in f64).
+pub fn rel_err(a: &[f32], reference: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(reference)
+        .map(|(&x, &y)| ((x - y) as f64).powi(2))
+        .sum();
+    let den: f64 = reference.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den).sqrt()
 }

@@ -17,26 +17,7 @@ use safetensors::Dtype;
 use super::{convert_with, expert_shape, family_plan, Checkpoint, Precisions, MLP_PARTS};
 use crate::config::ModelConfig;
 use crate::format::Quant;
-use crate::model::Model;
-use crate::testutil::{fixture, scratch_dir};
-
-/// Every committed fixture checkpoint: each family and each of its awkward variants.
-const FIXTURES: [&str; 14] = [
-    "olmoe",
-    "qwen3_moe",
-    "glm4_moe",
-    "deepseek_v3",
-    "deepseek_v3_noqlora",
-    "glm_moe_dsa",
-    "glm_moe_dsa_yarn",
-    "glm_moe_dsa_shared",
-    "deepseek_v32",
-    "deepseek_v4",
-    "qwen3_next",
-    "qwen3_next_ratios",
-    "kimi_linear",
-    "kimi_linear_lora",
-];
+use crate::testutil::{committed_fixtures, fixture, prompt_logits, rel_err, scratch_dir};
 
 /// Size fields redrawn when a config has them, and the range each is drawn from.
 const SIZES: [(&str, usize, usize); 7] = [
@@ -155,30 +136,6 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Logits of every position of `prompts` prompts of `len` tokens each (set `set`), one after
-/// another.
-fn logits(dir: &Path, prompts: u32, len: u32, set: u32) -> Vec<f32> {
-    let model = Model::load(dir, Some(2)).unwrap();
-    let vocab = model.cfg.vocab_size as u32;
-    let mut all = Vec::new();
-    for s in set * prompts..(set + 1) * prompts {
-        let prompt: Vec<u32> = (0..len).map(|i| (i * 37 + 5 + s * 101) % vocab).collect();
-        let mut kv = model.new_cache();
-        all.extend(model.forward(&prompt, &mut kv, true).unwrap());
-    }
-    all
-}
-
-fn rel_err(a: &[f32], reference: &[f32]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(reference)
-        .map(|(&x, &y)| ((x - y) as f64).powi(2))
-        .sum();
-    let den: f64 = reference.iter().map(|&y| (y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
 fn convert(hf: &Path, out: PathBuf, quant: Quant, prec: &Precisions) -> PathBuf {
     convert_with(hf, &out, quant, prec, &mut |_, _, _| {}).unwrap();
     out
@@ -203,7 +160,8 @@ fn int4_below_q4_0_on_random_shapes() {
     println!("random shapes: COLIBRI_SHAPE_SEED={seed}");
     let mut rng = StdRng::seed_from_u64(seed);
     let mut ratios = Vec::new();
-    for arch in FIXTURES {
+    for arch in &committed_fixtures() {
+        let arch = arch.as_str();
         let d = scratch_dir("shapes", arch);
         let cfg = draw_config(arch, &mut rng);
         let hf = d.join("hf");
@@ -243,7 +201,8 @@ fn int4_below_q4_0_on_random_shapes() {
 #[test]
 fn int4_no_worse_than_q4_0_on_every_fixture() {
     let mut worse = Vec::new();
-    for arch in FIXTURES {
+    for arch in &committed_fixtures() {
+        let arch = arch.as_str();
         let d = scratch_dir("q4_0-fixture", arch);
         let (e_int4, e_q4_0) =
             int4_and_q4_0_errors(&fixture(arch), &d, &[(8, 24), (8, 24), (8, 48)]);
@@ -271,9 +230,9 @@ fn int4_and_q4_0_errors(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> (f64, f6
     let rtn = convert(hf, work.join("q4_0"), Quant::Int4, &q4_0);
     let (mut reference, mut a, mut b) = (Vec::new(), Vec::new(), Vec::new());
     for (i, &(n, len)) in sets.iter().enumerate() {
-        reference.extend(logits(&f32_dir, n, len, i as u32));
-        a.extend(logits(&int4, n, len, i as u32));
-        b.extend(logits(&rtn, n, len, i as u32));
+        reference.extend(prompt_logits(&f32_dir, n, len, i as u32));
+        a.extend(prompt_logits(&int4, n, len, i as u32));
+        b.extend(prompt_logits(&rtn, n, len, i as u32));
     }
     (rel_err(&a, &reference), rel_err(&b, &reference))
 }
