@@ -43,7 +43,8 @@ fn err(r: Result<Model>) -> String {
 }
 
 /// A prompt run in chunks gives the bits of the same prompt in one pass, for the first three
-/// fixture architectures and DeepSeek-V4 (whose compressor windows and indexer span chunks), in
+/// fixture architectures, DeepSeek-V3 (chunks of one position take MLA's decode path) and
+/// DeepSeek-V4 (whose compressor windows and indexer span chunks), in
 /// int4 (expert-grouped products, f16 cache) and f32, with every token's
 /// logits and with the last one's; and decoding after it continues identically. (With
 /// `COLI_MLA_EXPANDED=on` an MLA pass picks its form by its length and history, and chunks agree
@@ -54,6 +55,7 @@ fn chunked_prefill_gives_the_same_bits() {
         "olmoe",
         "qwen3_moe",
         "glm4_moe",
+        "deepseek_v3",
         "deepseek_v4",
         "qwen3_next",
         "kimi_linear",
@@ -82,6 +84,39 @@ fn chunked_prefill_gives_the_same_bits() {
                 );
             }
             assert_eq!(whole[0].0.len(), prompt.len() * vocab as usize);
+        }
+    }
+}
+
+/// A decode step's MLA heads, each thread taking a run of heads through its whole chain
+/// (`mla::decode`), give the bits of a prefill's three parallel regions under any thread count
+/// (more threads than heads included, runs of unequal length): every position of a prompt
+/// decoded one by one gives the logits of the prompt in one pass. (Decode steps of several sequences together: `batch_tests`.)
+#[test]
+fn decode_heads_give_the_bits_of_the_three_regions() {
+    for arch in ["deepseek_v3", "deepseek_v3_noqlora", "kimi_linear"] {
+        for quant in [Quant::Int4, Quant::F32] {
+            let d = convert_fixture(arch, quant, &format!("heads-{arch}-{quant:?}"));
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            let mut want = None;
+            for threads in [1, 2, 3, 5] {
+                let model = Model::load(&d, Some(threads)).unwrap();
+                let vocab = model.cfg.vocab_size as u32;
+                let prompt: Vec<u32> = (0..23u32).map(|i| (i * 37 + 5) % vocab).collect();
+                let mut kv = model.new_cache();
+                let whole = bits(model.forward(&prompt, &mut kv, true).unwrap());
+                let mut kv = model.new_cache();
+                let mut stepped = Vec::new();
+                for &t in &prompt {
+                    stepped.extend(bits(model.forward(&[t], &mut kv, false).unwrap()));
+                }
+                assert!(stepped == whole, "{arch} {quant:?} {threads} threads");
+                match &want {
+                    None => want = Some(whole),
+                    Some(w) => assert!(*w == whole, "{arch} {quant:?}: {threads} threads"),
+                }
+            }
+            fs::remove_dir_all(&d).unwrap();
         }
     }
 }

@@ -31,12 +31,17 @@
 //! stored beside `W_uk^T` by conversions since; plain MLA only, DSA's sparse rows stay
 //! absorbed); directories without it prefill in the absorbed form.
 //!
+//! A decode step (one new position per sequence) runs each head's chain — absorbed query,
+//! attention, `W_uv` — in one parallel region, a run of heads per thread ([`decode`]).
+//!
 //! Kimi Linear's MLA has no positions ([`MlaDims::positional`] false): its rope dims are kept
 //! (one shared key run per position, like the others) but never rotated.
 //!
 //! RoPE: with `rope_interleave` transformers reorders the rope dims `(0, 2, 4, .., 1, 3, ..)`
 //! before its rotate-half rotation; the same reordering here, for q and k alike (a dot product
 //! does not see a permutation applied to both sides).
+
+mod decode;
 
 use super::{row_f32, write_rows, SeqRows, Span};
 use crate::config::{AttentionKind, HybridFull, MlaDims, ModelConfig};
@@ -320,7 +325,11 @@ impl Model {
                     && !self.calib.is_on()
             })
             .collect();
-        let mut absorb_row = vec![true; n];
+        // A decode step's absorbed sequences take each head's chain in one region
+        // (`decode`), which forms the absorbed queries itself.
+        let absorbed_rows = seqs.iter().zip(&expand).filter(|(_, &e)| !e);
+        let by_heads = self.decodes_by_heads(layer, absorbed_rows.map(|(s, _)| s.rows.len()));
+        let mut absorb_row = vec![!by_heads; n];
         for (s, &e) in seqs.iter().zip(&expand) {
             if e {
                 absorb_row[s.rows.clone()].fill(false);
@@ -332,7 +341,11 @@ impl Model {
         let kvs: Vec<&KvCache> = seqs.iter().map(|s| &*s.kv).collect();
         let mut att = vec![0.0f32; n * heads * d.v_head_dim];
         let absorbed: Vec<usize> = (0..spans.len()).filter(|&s| !expand[s]).collect();
-        if !absorbed.is_empty() {
+        if by_heads {
+            let sp: Vec<Span> = absorbed.iter().map(|&s| spans[s]).collect();
+            let kv: Vec<&KvCache> = absorbed.iter().map(|&s| kvs[s]).collect();
+            self.decode_heads(li, layer, &sp, &pass.q, &kv, &mut att);
+        } else if !absorbed.is_empty() {
             let sp: Vec<Span> = absorbed.iter().map(|&s| spans[s]).collect();
             let kv: Vec<&KvCache> = absorbed.iter().map(|&s| kvs[s]).collect();
             let lats = self.attend_latents(li, &sp, n, &pass.absorbed, &kv);
