@@ -90,6 +90,7 @@ def test_convert_then_bench_json(tmp_path):
     assert res["prefill_tok_s"] > 0 and res["decode_tok_s"] > 0 and res["peak_rss_mb"] > 0
     assert res["kernel"] in ("scalar", "avx2", "avx512")
     assert res["kernel_prefetch"] in ("l1", "l2", "off")
+    assert res["kernel_prefetch_decode"] in ("l1", "l2", "off")
 
 
 def test_missing_model_directory_is_a_one_line_error(tmp_path):

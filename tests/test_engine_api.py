@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,13 @@ def test_info_describes_the_model(glm):
     assert info["quantization"] == "int4"
     assert info["kernel"] in ("scalar", "avx2", "avx512")
     assert info["kernel_prefetch"] in ("l1", "l2", "off")
+    assert info["kernel_prefetch_decode"] == _decode_prefetch_default()
+
+
+def _decode_prefetch_default() -> str:
+    # No software prefetch in the one-token loops on AMD CPUs, L2 elsewhere (quant::prefetch).
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    return "off" if "AuthenticAMD" in cpuinfo else "l2"
 
 
 @pytest.mark.parametrize("level", ["l1", "l2", "L2 ", "off"])
@@ -37,22 +45,24 @@ def test_kernel_prefetch_override_reaches_the_engine(converted, level):
     model = converted("glm4_moe", "int4")
     code = (
         "import json, sys; from colibri import Engine; e = Engine(sys.argv[1]); "
-        "print(json.dumps([e.info['kernel_prefetch'], list(e.generate([1, 2, 3], 8))]))"
+        "print(json.dumps([e.info['kernel_prefetch'], e.info['kernel_prefetch_decode'], "
+        "list(e.generate([1, 2, 3], 8))]))"
     )
-    got_level, tokens = json.loads(
+    got_level, got_decode, tokens = json.loads(
         run_engine_script(code, model, {"COLI_KERNEL_PREFETCH": level}).stdout
     )
-    assert got_level == level.strip().lower()
+    assert got_level == got_decode == level.strip().lower()
     assert tokens == list(Engine(model).generate([1, 2, 3], 8))
 
 
 def test_kernel_prefetch_unknown_value_warns_and_runs(converted):
     model = converted("glm4_moe", "int4")
     code = (
-        "import sys; from colibri import Engine; print(Engine(sys.argv[1]).info['kernel_prefetch'])"
+        "import sys; from colibri import Engine; i = Engine(sys.argv[1]).info; "
+        "print(i['kernel_prefetch'], i['kernel_prefetch_decode'])"
     )
     out = run_engine_script(code, model, {"COLI_KERNEL_PREFETCH": "l3"})
-    assert out.stdout.strip() == "l2"  # the default
+    assert out.stdout.split() == ["l2", _decode_prefetch_default()]  # the defaults
     assert "COLI_KERNEL_PREFETCH=l3: unknown level (expected l1|l2|off)" in out.stderr
 
 

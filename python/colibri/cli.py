@@ -589,6 +589,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "quantization": engine.info["quantization"],
         "kernel": engine.info["kernel"],
         "kernel_prefetch": engine.info["kernel_prefetch"],
+        "kernel_prefetch_decode": engine.info["kernel_prefetch_decode"],
         "threads": engine.info["threads"],
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,

@@ -181,6 +181,10 @@ impl Model {
             crate::quant::prefetch::prefetch_level().name(),
         )?;
         d.set_item(
+            "kernel_prefetch_decode",
+            crate::quant::prefetch::decode_prefetch_level().name(),
+        )?;
+        d.set_item(
             "kernel_avx_vnni",
             m.kernel() == Kernel::Avx2 && crate::quant::avx2_uses_avx_vnni(),
         )?;

@@ -173,6 +173,7 @@ _INFO_FIELDS = (
     "state_bytes_per_slot",
     "kernel",
     "kernel_prefetch",
+    "kernel_prefetch_decode",
     "kernel_avx_vnni",
     "threads",
     "prefill_chunk",

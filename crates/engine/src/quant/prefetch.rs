@@ -7,8 +7,12 @@
 //! with the format-v3 kernels, L1 decodes at 0.79-0.86 of L2 with a sequence per level (AVX2
 //! kernel: 0.88) and at 0.95-0.97 token by token, and prefills at 0.94
 //! (`examples/prefetch_bench.rs`, levels alternating in one process). No software prefetch
-//! (`off`) decodes like L2 on Zen 4 (0.96-1.03) but loses 10-25% elsewhere: prefill on Zen 4,
-//! decode on Intel. `COLI_KERNEL_PREFETCH=l1|l2|off` forces one level for the process.
+//! (`off`) loses 10-25% elsewhere: prefill on Zen 4, decode on Intel; but the AVX-512 decode loop
+//! (one token) on Zen 4 streams faster without it: 1.05-1.09x decode on the DeepSeek-V3 and
+//! Qwen3-Next shapes, token by token and in turns of 32 (on the OLMoE shape, with the format-v3
+//! kernels, it had measured 0.96-1.03, a tie). So a one-token product on an AMD CPU prefetches
+//! nothing by default ([`decode_prefetch_level`]), every other product into L2.
+//! `COLI_KERNEL_PREFETCH=l1|l2|off` forces one level for every product of the process.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -43,54 +47,96 @@ impl PrefetchLevel {
     pub const DEFAULT: PrefetchLevel = PrefetchLevel::L2;
 }
 
-/// Resolves a `COLI_KERNEL_PREFETCH` setting; unset or empty gives the default, an unknown
-/// value the default and a warning (the second value).
-pub fn resolve_prefetch(setting: Option<&str>) -> (PrefetchLevel, Option<String>) {
-    let default = PrefetchLevel::DEFAULT;
+/// Resolves a `COLI_KERNEL_PREFETCH` setting: the level it forces, or none (unset or empty:
+/// the defaults; an unknown value: the defaults and a warning, the second value).
+pub fn resolve_prefetch(setting: Option<&str>) -> (Option<PrefetchLevel>, Option<String>) {
     match setting {
-        None => (default, None),
-        Some(s) if s.trim().is_empty() => (default, None),
+        None => (None, None),
+        Some(s) if s.trim().is_empty() => (None, None),
         Some(s) => match PrefetchLevel::parse(s) {
-            Some(level) => (level, None),
+            Some(level) => (Some(level), None),
             None => (
-                default,
+                None,
                 Some(format!(
                     "colibri: COLI_KERNEL_PREFETCH={}: unknown level (expected l1|l2|off), \
-                     using {}",
+                     using the defaults",
                     s.trim(),
-                    default.name()
                 )),
             ),
         },
     }
 }
 
-/// The process's level: 0 until first read, else 1 + its index in `PrefetchLevel::ALL`.
-static LEVEL: AtomicU8 = AtomicU8::new(0);
+/// The level of a one-token product when none is forced: `off` on an AMD CPU, else
+/// [`PrefetchLevel::DEFAULT`] (see the module documentation).
+pub fn decode_default(amd: bool) -> PrefetchLevel {
+    if amd {
+        PrefetchLevel::Off
+    } else {
+        PrefetchLevel::DEFAULT
+    }
+}
 
-/// The level the kernels prefetch into: decided on first use from `COLI_KERNEL_PREFETCH`, unless
+/// Whether this CPU's vendor is AMD.
+fn is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // CPUID leaf 0 (the vendor string) exists on every x86_64 CPU.
+        let r = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        vendor == b"AuthenticAMD"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The process's setting: 0 until first read, [`DEFAULTS`] when no level is forced, else 1 +
+/// the forced level's index in `PrefetchLevel::ALL`.
+static LEVEL: AtomicU8 = AtomicU8::new(0);
+const DEFAULTS: u8 = PrefetchLevel::ALL.len() as u8 + 1;
+
+/// The forced level, if any: decided on first use from `COLI_KERNEL_PREFETCH`, unless
 /// [`set_prefetch_level`] chose one. One relaxed load per product.
-pub fn prefetch_level() -> PrefetchLevel {
+fn forced() -> Option<PrefetchLevel> {
     match LEVEL.load(Ordering::Relaxed) {
         0 => {
             let (level, warning) = resolve_prefetch(crate::settings::kernel_prefetch());
+            let c = level.map_or(DEFAULTS, code);
             // Only the first thread to decide prints the warning and sets the level.
             if LEVEL
-                .compare_exchange(0, code(level), Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange(0, c, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
             {
                 if let Some(w) = warning {
                     eprintln!("{w}");
                 }
             }
-            prefetch_level()
+            forced()
         }
-        c => PrefetchLevel::ALL[usize::from(c - 1)],
+        DEFAULTS => None,
+        c => Some(PrefetchLevel::ALL[usize::from(c - 1)]),
     }
 }
 
-/// Sets the level for the rest of the process (benchmarks alternate levels in one process, so
-/// that the machine's drift hits each alike). Products already running finish with the old one.
+/// The level a product of several tokens (a prefill's tiles) prefetches into.
+pub fn prefetch_level() -> PrefetchLevel {
+    forced().unwrap_or(PrefetchLevel::DEFAULT)
+}
+
+/// The level the AVX-512 one-token (decode) loops prefetch into.
+pub fn decode_prefetch_level() -> PrefetchLevel {
+    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    forced().unwrap_or_else(|| decode_default(*AMD.get_or_init(is_amd)))
+}
+
+/// Forces the level of every product for the rest of the process (benchmarks alternate levels
+/// in one process, so that the machine's drift hits each alike). Products already running
+/// finish with the old one.
 pub fn set_prefetch_level(level: PrefetchLevel) {
     LEVEL.store(code(level), Ordering::Relaxed);
 }
@@ -105,14 +151,25 @@ mod tests {
 
     #[test]
     fn default_and_overrides() {
-        assert_eq!(resolve_prefetch(None), (PrefetchLevel::L2, None));
-        assert_eq!(resolve_prefetch(Some("")), (PrefetchLevel::L2, None));
-        assert_eq!(resolve_prefetch(Some(" L1 ")), (PrefetchLevel::L1, None));
-        assert_eq!(resolve_prefetch(Some("l2")), (PrefetchLevel::L2, None));
-        assert_eq!(resolve_prefetch(Some("Off")), (PrefetchLevel::Off, None));
+        assert_eq!(resolve_prefetch(None), (None, None));
+        assert_eq!(resolve_prefetch(Some("")), (None, None));
+        assert_eq!(
+            resolve_prefetch(Some(" L1 ")),
+            (Some(PrefetchLevel::L1), None)
+        );
+        assert_eq!(
+            resolve_prefetch(Some("l2")),
+            (Some(PrefetchLevel::L2), None)
+        );
+        assert_eq!(
+            resolve_prefetch(Some("Off")),
+            (Some(PrefetchLevel::Off), None)
+        );
         let (level, warning) = resolve_prefetch(Some("l3"));
-        assert_eq!(level, PrefetchLevel::DEFAULT);
+        assert_eq!(level, None);
         assert!(warning.unwrap().contains("expected l1|l2|off"));
+        assert_eq!(decode_default(true), PrefetchLevel::Off);
+        assert_eq!(decode_default(false), PrefetchLevel::L2);
     }
 
     #[test]

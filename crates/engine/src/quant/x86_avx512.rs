@@ -12,7 +12,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::prefetch::{prefetch_level, PrefetchLevel};
+use super::prefetch::{decode_prefetch_level, prefetch_level, PrefetchLevel};
 use super::q4::{RowBlocks, TailBuf, BLOCK_GROUPS, BLOCK_NIBBLES};
 use super::q8w::{RowBlocks8, TailBuf8, BLOCK_VALUES};
 use super::x86_avx2::{
@@ -389,9 +389,9 @@ pub(crate) unsafe fn q4_rows(
     out_stride: usize,
     rows: Range<usize>,
 ) {
-    let pf = prefetch_level();
     let n = x.n();
     if n == 1 && !rows.is_empty() {
+        let pf = decode_prefetch_level();
         let mut rows = rows;
         if w.groups() == 4 {
             // Rows of four groups, four at a time; the last few one by one.
@@ -408,6 +408,7 @@ pub(crate) unsafe fn q4_rows(
         }
         return;
     }
+    let pf = prefetch_level();
     // Blocks that keep weights in L2 and activations in L1 (see `for_each_block`).
     for_each_block(w.row_stride(), x, rows, |chunk, ts| {
         let mut r = chunk.start;
@@ -788,13 +789,13 @@ pub(crate) unsafe fn q8_rows(
     out_stride: usize,
     rows: Range<usize>,
 ) {
-    let pf = prefetch_level();
     let n = x.n();
     if n == 1 && !rows.is_empty() {
         // SAFETY: forwarded contract; one token.
-        unsafe { q8_decode_rows(w, x, out, rows, pf) };
+        unsafe { q8_decode_rows(w, x, out, rows, decode_prefetch_level()) };
         return;
     }
+    let pf = prefetch_level();
     for_each_block(w.row_stride(), x, rows, |chunk, ts| {
         let mut r = chunk.start;
         // 2 rows x 4 tokens, as for int4.
