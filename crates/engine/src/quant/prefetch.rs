@@ -8,10 +8,10 @@
 //! kernel: 0.88) and at 0.95-0.97 token by token, and prefills at 0.94
 //! (`examples/prefetch_bench.rs`, levels alternating in one process). No software prefetch
 //! (`off`) loses 10-25% elsewhere: prefill on Zen 4, decode on Intel; but the AVX-512 decode loop
-//! (one token) on Zen 4 streams faster without it: 1.05-1.09x decode on the DeepSeek-V3 and
-//! Qwen3-Next shapes, token by token and in turns of 32 (on the OLMoE shape, with the format-v3
-//! kernels, it had measured 0.96-1.03, a tie). So a one-token product on an AMD CPU prefetches
-//! nothing by default ([`decode_prefetch_level`]), every other product into L2.
+//! (one token) on Zen 4 streams faster without it: 1.04-1.09x decode on the DeepSeek-V3,
+//! Qwen3-Next and OLMoE shapes, token by token and in turns of 32 (2026-12-06; with the format-v3
+//! kernels the OLMoE shape had measured 0.96-1.03, a tie). So a one-token product on an AMD CPU
+//! prefetches nothing by default ([`decode_prefetch_level`]), every other product into L2.
 //! `COLI_KERNEL_PREFETCH=l1|l2|off` forces one level for every product of the process.
 
 use std::sync::atomic::{AtomicU8, Ordering};
