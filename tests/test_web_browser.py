@@ -283,6 +283,10 @@ def test_the_system_page_shows_health_and_the_model(demo, open_page):
     info = httpx.get(demo.url + "/v1/colibri/info").json()
     engine = page.get_by_test_id("engine-table").inner_text()
     assert info["architecture"] in engine and info["kernel"] in engine
+    prefetch = f"prefetch {info['kernel_prefetch']}"
+    if info["kernel_prefetch_decode"] != info["kernel_prefetch"]:
+        prefetch += f", decode {info['kernel_prefetch_decode']}"
+    assert f"({prefetch})" in engine
     assert f"{info['num_experts']} experts ({info['experts_per_token']} per token)" in engine
     page.screenshot(path=str(SHOTS / "system-1280x800-light.png"))
     no_console_errors(p)

@@ -278,6 +278,7 @@ export interface EngineInfo {
   kv_bytes_per_token?: number;
   kernel?: string;
   kernel_prefetch?: string;
+  kernel_prefetch_decode?: string;
   kernel_avx_vnni?: boolean;
   threads?: number;
   prefill_chunk?: number;

@@ -173,7 +173,7 @@ export function System({ conn, models, modelsError }: { conn: Connection; models
                     {info.num_layers} layers, hidden {info.hidden_size}, {info.num_experts} experts ({info.experts_per_token} per token)
                   </td>
                 </tr>
-                <tr><th scope="row">kernel</th><td>{info.kernel}{info.kernel_avx_vnni ? " + AVX-VNNI" : ""} (prefetch {info.kernel_prefetch})</td></tr>
+                <tr><th scope="row">kernel</th><td>{info.kernel}{info.kernel_avx_vnni ? " + AVX-VNNI" : ""} (prefetch {info.kernel_prefetch}{info.kernel_prefetch_decode !== undefined && info.kernel_prefetch_decode !== info.kernel_prefetch ? `, decode ${info.kernel_prefetch_decode}` : ""})</td></tr>
                 <tr><th scope="row">threads</th><td>{info.threads}</td></tr>
                 <tr><th scope="row">KV cache</th><td>{info.kv_dtype}, {info.kv_slots} slot(s)</td></tr>
                 <tr>
