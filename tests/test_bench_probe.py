@@ -59,3 +59,15 @@ def test_probe_size_is_whole_gib_at_least_8x_the_caches(cache: int, asked: int) 
         assert size % 1024 == 0 and size >= 1024
         assert size * (1 << 20) >= 8 * cache
         assert size == 1024 or (size - 1024) * (1 << 20) < 8 * cache
+
+
+def test_per_round_ratios_report_their_range_and_median():
+    # A report's ratio row gives the per-round ratios' median beside their range: with a VM
+    # flipping between two states, the ratio of the engines' medians can pair different states
+    # (the DeepSeek-V3 run of 2026-12-06 night: medians' ratio 1.17, these rounds).
+    from vs_llamacpp.report import per_round
+
+    rounds = [1.137, 1.120, 1.335, 1.258, 1.493]
+    assert per_round(rounds) == "per round 1.12–1.49, their median 1.26"
+    assert per_round([1.3]) == "per round 1.30–1.30, their median 1.30"
+    assert per_round([1.0, 2.0]) == "per round 1.00–2.00, their median 1.50"

@@ -159,6 +159,16 @@ MODEL_NAMES = {
 }
 
 
+def per_round(paired: list[float]) -> str:
+    """The per-round ratios' range and median: on a VM whose state flips between rounds the
+    ratio of the two engines' medians can come from different states, the per-round median
+    from pairs measured minutes apart."""
+    return (
+        f"per round {min(paired):.2f}–{max(paired):.2f}, "
+        f"their median {statistics.median(paired):.2f}"
+    )
+
+
 def build_report(
     a,
     rounds: list[dict],
@@ -189,7 +199,7 @@ def build_report(
             for r in rounds
             if r.get("colibri") and r.get("llama")
         ]
-        return f"**{C[key][0] / L[key][0]:.2f}** (per round {min(paired):.2f}–{max(paired):.2f})"
+        return f"**{C[key][0] / L[key][0]:.2f}** ({per_round(paired)})"
 
     def of_ceiling(eng: str, key: str = "gb_s") -> str:
         vals = [
@@ -224,10 +234,9 @@ def build_report(
             if r.get("colibri_depth") and r.get("llama_depth")
         ]
         ratio_d = (
-            f"**{cd[0] / ld[0]:.2f}** (per round {min(paired):.2f}–{max(paired):.2f})"
-            if cd and ld and paired
-            else "n/a"
+            f"**{cd[0] / ld[0]:.2f}** ({per_round(paired)})" if cd and ld and paired else "n/a"
         )
+
         return [
             f"| decode tok/s after a {a.depth}-token context | {fmt(cd, 2)} | {fmt(ld, 2)} | "
             f"{ratio_d} |"
