@@ -547,6 +547,7 @@ impl<'a> Q4Matrix<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::rel_err;
 
     /// Deterministic Gaussian-ish numbers (xorshift + Box-Muller).
     pub(crate) fn gauss(n: usize, seed: u64) -> Vec<f32> {
@@ -563,16 +564,6 @@ mod tests {
                 ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
             })
             .collect()
-    }
-
-    fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-        let num: f64 = a
-            .iter()
-            .zip(b)
-            .map(|(&x, &y)| ((x - y) as f64).powi(2))
-            .sum();
-        let den: f64 = a.iter().map(|&x| (x as f64).powi(2)).sum();
-        (num / den).sqrt()
     }
 
     #[test]
@@ -643,7 +634,7 @@ mod tests {
                     }
                 }
             }
-            let e = rel_err(&w, &d);
+            let e = rel_err(&d, &w);
             assert!(e < 0.12, "{rows}x{cols}: relative error {e}");
         }
     }
@@ -660,7 +651,7 @@ mod tests {
             let rtn = Q4Matrix::new(&quantize_q4_0_rtn(&w, rows, cols), rows, cols)
                 .unwrap()
                 .dequantize();
-            let (eo, er) = (rel_err(&w, &ours), rel_err(&w, &rtn));
+            let (eo, er) = (rel_err(&ours, &w), rel_err(&rtn, &w));
             // Per group as well: the search includes the RTN choice.
             for (g, ((wg, og), rg)) in w
                 .chunks(GROUP)

@@ -16,7 +16,7 @@
 use super::{dims, KvB, Mla};
 use crate::attention::{attend, AttendArgs};
 use crate::kv::KvCache;
-use crate::linear::{matmul_whole, Acts};
+use crate::linear::{matmul_whole, Acts, Linear};
 use crate::model::layers::Span;
 use crate::model::Model;
 
@@ -28,14 +28,13 @@ impl Model {
     pub(in crate::model) fn decodes_by_heads(
         &self,
         layer: &Mla,
-        mut rows: impl Iterator<Item = usize>,
+        rows: impl Iterator<Item = usize>,
     ) -> bool {
-        let mut any = false;
-        let ones = rows.all(|n| {
-            any = true;
-            n == 1
-        });
-        any && ones && matches!(layer.kv_b, KvB::Split { .. }) && !self.calib.is_on()
+        let mut rows = rows.peekable();
+        rows.peek().is_some()
+            && rows.all(|n| n == 1)
+            && matches!(layer.kv_b, KvB::Split { .. })
+            && !self.calib.is_on()
     }
 
     /// Every head's attention value for the decode sequences `spans` (one row each, its
@@ -66,7 +65,7 @@ impl Model {
             let hs = first(t)..first(t + 1);
             let g = hs.len();
             // One head's product over the m rows: the head's row block of `w` times `x`.
-            let product = |w: &crate::linear::Linear, rows: usize, head: usize, x: Vec<f32>| {
+            let product = |w: &Linear, rows: usize, head: usize, x: Vec<f32>| {
                 let mut x = Acts::from_vec(x, m, w.cols);
                 x.prepare(w.dtype.takes_q8_acts());
                 let mut out = vec![0.0f32; m * rows];
