@@ -95,8 +95,20 @@ class RunningServer:
             shutil.rmtree(own, ignore_errors=True)
 
 
-def model_with_template(src: Path, dst: Path, template: str) -> Path:
-    """A copy of a converted model directory whose chat template is ``template``."""
+def family_template(name: str) -> str:
+    """The chat template the tests serve a family with: colibri's built-in one where the family
+    has it (DeepSeek-V3.2, V4), else the test template in fixtures/templates/."""
+    from colibri.chat.families import FAMILIES
+
+    builtin = FAMILIES[name].builtin_template_source()
+    if builtin is not None:
+        return builtin
+    return (Path(__file__).parent / "fixtures" / "templates" / f"{name}.jinja").read_text()
+
+
+def model_with_template(src: Path, dst: Path, template: str | None) -> Path:
+    """A copy of a converted model directory whose chat template is ``template`` (None: the
+    manifest names none)."""
     import json
 
     shutil.copytree(src, dst)

@@ -190,8 +190,12 @@ def test_a_malformed_config_is_refused_by_name(tmp_path, field, value):
     assert field in conversion_refusal(tmp_path, ARCH, field, value)
 
 
-def test_the_architecture_is_known_and_chats_as_deepseek_v32():
+def test_the_architecture_is_known_and_chats_as_deepseek_v4():
     from colibri.chat.families import detect_family
 
-    assert dict(architectures())["DeepseekV4ForCausalLM"] == "deepseek_v32"
-    assert detect_family("DeepseekV4ForCausalLM", None).name == "deepseek_v32"
+    assert dict(architectures())["DeepseekV4ForCausalLM"] == "deepseek_v4"
+    family = detect_family("DeepseekV4ForCausalLM", None)
+    assert family.name == "deepseek_v4"
+    # DeepSeek publishes V4's chat format as code: a checkpoint without a template gets
+    # colibri's (tests/test_dsml_templates.py checks it against that code).
+    assert family.builtin_template == "deepseek_v4.jinja"

@@ -1,8 +1,8 @@
 """The MLA, sparse-attention and linear-attention families served end to end (Qwen3-Next under
 Qwen3's template, its DeltaNet state resumed across turns): DeepSeek-V3's fixture (MLA) under
-DeepSeek V3.1's chat template, GLM-5's (glm_moe_dsa: MLA + the DSA indexer) under GLM's and
-DeepSeek-V3.2's (DSA) and DeepSeek-V4's (compressed attention, hyper-connections) under V3.2's
-(DSML tool calls), each through `colibri serve` and the
+DeepSeek V3.1's chat template, GLM-5's (glm_moe_dsa: MLA + the DSA indexer) under GLM's, and
+DeepSeek-V3.2's (DSA) and DeepSeek-V4's (compressed attention, hyper-connections) with no
+template, under colibri's built-in ones (DSML tool calls), each through `colibri serve` and the
 official SDKs. A streamed reply and a plain one agree token for token; a forced call comes back
 valid in the family's own syntax (the grammar writes it: the weights are random) and its result
 goes back in for a second turn; Anthropic's route serves the same model. (Parity with
@@ -30,9 +30,10 @@ TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 SERVED = {
     "deepseek_v3": "deepseek_v31",
     "glm_moe_dsa": "glm",
-    "deepseek_v32": "deepseek_v32",
-    # DeepSeek-V4 calls tools in V3.2's DSML.
-    "deepseek_v4": "deepseek_v32",
+    # DeepSeek publishes V3.2's and V4's chat formats as code, not templates: served with none,
+    # the gateway uses its built-in one (V4's DSML calls sit in tool_calls blocks).
+    "deepseek_v32": None,
+    "deepseek_v4": None,
     # Qwen3-Next (gated DeltaNet + gated attention) in Qwen3's XML.
     "qwen3_next": "qwen3",
     # Kimi Linear (Kimi Delta Attention + MLA) in Kimi K2's tool-call sections.
@@ -59,7 +60,9 @@ WEATHER = {
 }
 
 
-def chat_template(name: str) -> str:
+def chat_template(name: str | None) -> str | None:
+    if name is None:
+        return None
     if name == "glm":
         from colibri.demo.builtin import CHAT_TEMPLATE
 
@@ -119,6 +122,16 @@ def test_a_streamed_reply_is_the_plain_reply(served):
     assert usage is not None and plain.usage is not None
     assert usage.prompt_tokens == plain.usage.prompt_tokens > 10
     assert usage.completion_tokens == plain.usage.completion_tokens > 0
+
+
+def test_info_names_the_family_and_where_its_template_comes_from(served):
+    import httpx
+
+    arch, srv = served
+    info = httpx.get(f"{srv.url}/v1/colibri/info").json()
+    family = {"deepseek_v4": "deepseek_v4", "glm_moe_dsa": "glm"}.get(arch, SERVED[arch] or arch)
+    assert info["chat_family"] == family
+    assert info["chat_template"] == ("builtin" if SERVED[arch] is None else "model")
 
 
 def test_a_forced_call_is_valid_and_its_result_goes_back_in(served):

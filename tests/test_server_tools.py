@@ -7,7 +7,6 @@ the trained demo model (tests/test_demo_model.py)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import openai
 import pytest
@@ -21,9 +20,8 @@ from colibri.chat.tooling import plan_tools
 from colibri.demo.builtin import CHAT_TEMPLATE, builtin_model_dir
 from colibri.runtime.engine import Engine
 
-from .server import RunningServer, model_with_template
+from .server import RunningServer, family_template, model_with_template
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 WEATHER = {
     "type": "function",
     "function": {
@@ -167,9 +165,11 @@ def test_family_without_tools_refuses_them():
         srv.stop()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek_v31", "deepseek_v32", "kimi_k2"])
+@pytest.mark.parametrize(
+    "name", ["qwen3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "kimi_k2"]
+)
 def test_family_templates_render_tools_and_history(name, engine, tmp_path):
-    template = (TEMPLATES / f"{name}.jinja").read_text()
+    template = family_template(name)
     model = model_with_template(builtin_model_dir(), tmp_path / name, template)
     srv = RunningServer("--model", str(model), "--model-id", name)
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -386,14 +385,12 @@ def test_anthropic_forced_tools_give_valid_calls(claude):
 
 @pytest.mark.parametrize("family", ["glm", "qwen3", "deepseek_v31", "deepseek_v32", "kimi_k2"])
 def test_a_random_model_writes_a_valid_forced_call_in_the_family_syntax(family, tmp_path):
-    from colibri.demo.builtin import builtin_model_dir
 
-    from .server import model_with_template
+    from .server import family_template, long_window_builtin, model_with_template
 
     args: tuple[str, ...] = ()
     if family != "glm":  # the built-in model's weights under another family's template
-        templates = Path(__file__).parent / "fixtures" / "templates"
-        template = (templates / f"{family}.jinja").read_text()
+        template = family_template(family)
         if family == "kimi_k2":
             # Kimi's template has no switch for thinking, so a reply may open a think block,
             # which these weights never close (free text, by design): its thinking-off form
@@ -401,7 +398,10 @@ def test_a_random_model_writes_a_valid_forced_call_in_the_family_syntax(family, 
             gen = "<|im_middle|>{% endif %}"
             assert gen in template
             template = template.replace(gen, "<|im_middle|><think></think>{% endif %}")
-        args = ("--model", str(model_with_template(builtin_model_dir(), tmp_path / "m", template)))
+        # The long-window copy: DeepSeek-V3.2's tool preamble alone is ~1,700 tokens of this
+        # byte-level vocabulary, which left the built-in 2,048 too few for a call.
+        base = long_window_builtin(tmp_path)
+        args = ("--model", str(model_with_template(base, tmp_path / "m", template)))
     srv = RunningServer(*args)
     try:
         c = OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)

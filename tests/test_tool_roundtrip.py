@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from colibri.api.openai_request import parse_chat
-from colibri.chat.families import DEEPSEEK_V3_1, DEEPSEEK_V3_2, GLM, KIMI, QWEN3, detect_family
+from colibri.chat.families import (
+    DEEPSEEK_V3_1,
+    DEEPSEEK_V3_2,
+    DEEPSEEK_V4,
+    GLM,
+    KIMI,
+    QWEN3,
+    detect_family,
+)
 from colibri.chat.reasoning import ReasoningSplitter
 from colibri.chat.render import render_chat
 from colibri.chat.template import ChatTemplate
@@ -55,9 +63,17 @@ FAMILIES = {
         "<｜end▁of▁sentence｜>",
         True,
     ),  # fmt: skip
+    # DeepSeek publishes V3.2's and V4's chat formats as code: colibri's built-in templates.
     "deepseek_v32": (
         DEEPSEEK_V3_2,
-        (TEMPLATES / "deepseek_v32.jinja").read_text(),
+        DEEPSEEK_V3_2.builtin_template_source(),
+        "<｜Assistant｜></think>",
+        "<｜end▁of▁sentence｜>",
+        True,
+    ),  # fmt: skip
+    "deepseek_v4": (
+        DEEPSEEK_V4,
+        DEEPSEEK_V4.builtin_template_source(),
         "<｜Assistant｜></think>",
         "<｜end▁of▁sentence｜>",
         True,

@@ -294,8 +294,9 @@ def _output_format(config: Body) -> dict[str, Any] | None:
     return schema.raw_dict()
 
 
-def _thinking(body: Body) -> tuple[bool, bool, dict[str, Any] | None]:
-    """(reasoning on, thinking text omitted from the reply, the output's JSON schema)."""
+def _thinking(body: Body) -> tuple[bool, bool, dict[str, Any] | None, str | None]:
+    """(reasoning on, thinking text omitted from the reply, the output's JSON schema, the
+    effort asked of the reasoning)."""
     thinking = body.obj("thinking")
     effort = None
     output_schema = None
@@ -309,7 +310,7 @@ def _thinking(body: Body) -> tuple[bool, bool, dict[str, Any] | None]:
         output_schema = _output_format(config)
         config.finish()
     if thinking is None:
-        return effort is not None, False, output_schema
+        return effort is not None, False, output_schema, effort
     kind = thinking.string("type", required=True)
     if kind not in _THINKING:
         raise bad(f"'thinking.type' must be one of {', '.join(_THINKING)}", param="thinking")
@@ -319,7 +320,7 @@ def _thinking(body: Body) -> tuple[bool, bool, dict[str, Any] | None]:
     if display is not None and display not in _DISPLAYS:
         raise bad(f"'thinking.display' must be one of {', '.join(_DISPLAYS)}", param="thinking")
     thinking.finish()
-    return kind != "disabled", display == "omitted", output_schema
+    return kind != "disabled", display == "omitted", output_schema, effort
 
 
 def parse_messages(
@@ -364,7 +365,7 @@ def parse_messages(
     stream = body.boolean("stream")
     tools, deferred = _tools(body.array("tools"))
     tool_choice, parallel = _tool_choice(body.raw("tool_choice"))
-    thinking, omit_thinking, output_schema = _thinking(body)
+    thinking, omit_thinking, output_schema, effort = _thinking(body)
     body.obj("metadata")  # user_id for abuse tracking: nothing to do locally
     body.raw("service_tier")
     body.raw("speed")
@@ -392,5 +393,6 @@ def parse_messages(
         deferred_tools=deferred,
         output_schema=output_schema,
         output_param="output_config",
+        reasoning_effort=effort if thinking else None,
     )
     return MessagesRequest(chat=chat, thinking=thinking, omit_thinking=omit_thinking, edits=edits)

@@ -185,7 +185,11 @@ async def info(request: Request) -> Response:
     Behind the API key like generation."""
     model = _loaded(request)
     engine = model.engine
-    body = {"model": model.id, "chat_family": model.family.name}
+    body = {
+        "model": model.id,
+        "chat_family": model.family.name,
+        "chat_template": model.template_origin,
+    }
     body.update({name: engine.info.get(name) for name in _INFO_FIELDS})
     body["kv_slots"] = model.config.kv_slots
     body["expert_cache"] = engine.store_stats()

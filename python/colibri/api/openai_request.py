@@ -361,6 +361,7 @@ def parse_chat(data: Any, default_max_tokens: int | None) -> ChatRequest:
         sampling=sampling,
         thinking=thinking,
         include_reasoning=include_reasoning is not False,
+        reasoning_effort=effort if thinking else None,
         tools=tools,
         tool_choice=tool_choice,
         tool_choice_name=tool_choice_name,

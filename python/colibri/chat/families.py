@@ -11,8 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
-from colibri.chat.toolformats import DEEPSEEK_V31, DSML, GLM_XML, KIMI_K2, QWEN3_CALLS, ToolFormat
+from colibri.chat.toolformats import (
+    DEEPSEEK_V31,
+    DSML,
+    DSML_V4,
+    GLM_XML,
+    KIMI_K2,
+    QWEN3_CALLS,
+    ToolFormat,
+)
+
+_TEMPLATES = Path(__file__).parent / "templates"
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,14 @@ class Family:
     tool_format: ToolFormat | None = None
     # Whether the template wants history `arguments` as a mapping (else the JSON string).
     arguments_as_mapping: bool = True
+    # colibri's own template (chat/templates/) for checkpoints that ship none: the families
+    # whose vendor publishes the chat format as code instead (DeepSeek-V3.2 and V4).
+    builtin_template: str | None = None
+
+    def builtin_template_source(self) -> str | None:
+        if self.builtin_template is None:
+            return None
+        return (_TEMPLATES / self.builtin_template).read_text("utf-8")
 
     def chat_stops(
         self,
@@ -68,7 +87,18 @@ DEEPSEEK_V3_1 = Family(
     arguments_as_mapping=False,
 )
 DEEPSEEK_V3_2 = Family(
-    "deepseek_v32", "<｜Assistant｜>", reasoning=True, tool_format=DSML, arguments_as_mapping=True
+    "deepseek_v32",
+    "<｜Assistant｜>",
+    reasoning=True,
+    tool_format=DSML,
+    builtin_template="deepseek_v32.jinja",
+)
+DEEPSEEK_V4 = Family(
+    "deepseek_v4",
+    "<｜Assistant｜>",
+    reasoning=True,
+    tool_format=DSML_V4,
+    builtin_template="deepseek_v4.jinja",
 )
 KIMI = Family(
     "kimi_k2",
@@ -78,14 +108,15 @@ KIMI = Family(
     arguments_as_mapping=False,
 )
 OLMOE = Family("olmoe", "<|assistant|>", reasoning=False)
-FAMILIES = {f.name: f for f in (GLM, QWEN3, DEEPSEEK_V3_1, DEEPSEEK_V3_2, KIMI, OLMOE)}
+FAMILIES = {f.name: f for f in (GLM, QWEN3, DEEPSEEK_V3_1, DEEPSEEK_V3_2, DEEPSEEK_V4, KIMI, OLMOE)}
 
 
 def detect_family(architecture: str, chat_template: str | None) -> Family:
     """The family of a model: its template's markers first, then its architecture."""
     t = chat_template or ""
     if "DSML" in t:
-        return DEEPSEEK_V3_2
+        # V3.2 names its call block function_calls; V4's templates never mention that name.
+        return DEEPSEEK_V3_2 if "function_calls" in t else DEEPSEEK_V4
     if "tool▁calls▁begin" in t or "<｜Assistant｜>" in t:
         return DEEPSEEK_V3_1
     if "tool_calls_section_begin" in t or "<|im_middle|>" in t:

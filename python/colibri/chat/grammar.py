@@ -215,14 +215,14 @@ def _kimi_k2_call(
     ]
 
 
-_DSML = "｜DSML｜"  # DeepSeek V3.2's tag prefix (fullwidth bars)
+_DSML = "｜DSML｜"  # DeepSeek V3.2's and V4's tag prefix (fullwidth bars)
 _NL = _lit("\n")
 
 
 def _dsml_call(rule: str, name: str, schema: dict[str, Any], strict: bool, m: Markers) -> list[str]:
-    """DeepSeek V3.2's DSML: ``<｜DSML｜invoke name="NAME">`` and a newline, then per argument
-    ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>`` and a newline (a
-    string property's raw text, anything else JSON), ``</｜DSML｜invoke>``."""
+    """DeepSeek V3.2's and V4's DSML: ``<｜DSML｜invoke name="NAME">`` and a newline, then per
+    argument ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>`` and a
+    newline (a string property's raw text, anything else JSON), ``</｜DSML｜invoke>``."""
     if '"' in name:
         raise GrammarRefused(f"tool name {name!r} cannot be written in DSML")
     open_param = _lit(f'<{_DSML}parameter name="')
@@ -264,8 +264,10 @@ _SYNTAX: dict[str, _CallSyntax] = {
     "deepseek_v31": _CallSyntax(
         _deepseek_v31_call, ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"), ""
     ),
-    # The section's lines are separated by newlines (the reply's text before it by a blank line).
+    # The section's lines are separated by newlines (the reply's text before it by a blank line);
+    # V3.2 names the section function_calls, V4 tool_calls.
     "dsml": _CallSyntax(_dsml_call, (f"<{_DSML}function_calls>", f"</{_DSML}function_calls>"), _NL),
+    "dsml_v4": _CallSyntax(_dsml_call, (f"<{_DSML}tool_calls>", f"</{_DSML}tool_calls>"), _NL),
     "kimi_k2": _CallSyntax(
         _kimi_k2_call, ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), ""
     ),

@@ -60,6 +60,7 @@ def plan_chat(
                 continue_assistant=model.config.continue_assistant,
                 tools=tooling.prompt_tools,
                 declared_tools=bool(req.tools),
+                reasoning_effort=req.reasoning_effort,
             )
     except ContinuationRefused as e:
         raise ApiError(400, str(e), code="invalid_continuation", param="messages") from e

@@ -37,16 +37,22 @@ def render_chat(
     continue_assistant: bool = True,
     tools: list[dict[str, Any]] | None = None,
     declared_tools: bool = False,
+    reasoning_effort: str | None = None,
 ) -> RenderedPrompt:
     """Renders ``messages`` (contents already plain strings or None).
 
     A list ending in a non-empty assistant turn continues that turn when ``continue_assistant``;
     otherwise (or when the template cannot express an open turn) the turn is kept as a completed
     one and a fresh generation cue follows. ``tools`` go into the prompt; ``declared_tools`` says
-    the request declared some even if they are left out (``tool_choice: "none"``).
+    the request declared some even if they are left out (``tool_choice: "none"``);
+    ``reasoning_effort`` reaches templates that read it (DeepSeek-V4's).
     """
     # Templates name the switch differently: GLM/Qwen `enable_thinking`, DeepSeek `thinking`.
-    extra = {"enable_thinking": enable_thinking, "thinking": enable_thinking}
+    extra = {
+        "enable_thinking": enable_thinking,
+        "thinking": enable_thinking,
+        "reasoning_effort": reasoning_effort,
+    }
     last = messages[-1] if messages else None
     if (
         continue_assistant

@@ -31,6 +31,9 @@ class ChatRequest:
     sampling: Sampling
     thinking: bool
     include_reasoning: bool
+    # The effort the client asked of the reasoning (OpenAI reasoning_effort, Anthropic
+    # output_config.effort), passed to templates that have a setting for it (DeepSeek-V4).
+    reasoning_effort: str | None = None
     # Declared tools as the template receives them (OpenAI shape), and how they may be used.
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str = "auto"  # "auto" | "none" | "required" | "function"

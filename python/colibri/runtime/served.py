@@ -65,6 +65,12 @@ class ServedModel:
             if config.chat_family
             else detect_family(engine.info["architecture"], source)
         )
+        # Where the template comes from: the checkpoint's, else the family's built-in one (for
+        # vendors that publish the chat format as code), else none (chat requests refused).
+        self.template_origin = "model" if source else None
+        if not source:
+            source = self.family.builtin_template_source()
+            self.template_origin = "builtin" if source else None
         self.template = (
             ChatTemplate(source, special_tokens_of(engine.tokenizer_config)) if source else None
         )

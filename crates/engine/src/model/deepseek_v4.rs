@@ -35,7 +35,7 @@ use crate::error::Result;
 
 pub static FAMILY: Family = Family {
     hf_name: "DeepseekV4ForCausalLM",
-    chat_family: "deepseek_v32",
+    chat_family: "deepseek_v4",
     reads_head_dim: true,
     default_rotary_fraction: 0.125,
     default_rms_norm_eps: 1e-6,

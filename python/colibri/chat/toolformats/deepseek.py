@@ -4,7 +4,9 @@ V3.1: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁se
 (repeated) then ``<｜tool▁calls▁end｜>``.
 V3.2: ``<｜DSML｜function_calls>`` holding ``<｜DSML｜invoke name="N">`` elements with
 ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>`` children; string="true"
-values are raw text, string="false" values JSON. The bars are U+FF5C; an ASCII ``|DSML|``
+values are raw text, string="false" values JSON. V4: the same inside ``<｜DSML｜tool_calls>``.
+Either family's parser reads both block names (a model trained on one may write the other's);
+the grammar of a forced call writes the family's own. The bars are U+FF5C; an ASCII ``|DSML|``
 look-alike, which the models sometimes write, is read the same so it never leaks into content.
 """
 
@@ -41,31 +43,34 @@ class DeepSeekV31(ToolFormat):
 
 
 _BAR = "｜"
-_DSML_START = f"<{_BAR}DSML{_BAR}function_calls>"
-_DSML_END = f"</{_BAR}DSML{_BAR}function_calls>"
-_INVOKE = re.compile(
-    rf'<{_BAR}DSML{_BAR}invoke name="([^"]+)">(.*?)</{_BAR}DSML{_BAR}invoke>', re.S
-)
+_DSML = f"{_BAR}DSML{_BAR}"
+# The block names: V3.2's, then V4's.
+_BLOCKS = ("function_calls", "tool_calls")
+_INVOKE = re.compile(rf'<{_DSML}invoke name="([^"]+)">(.*?)</{_DSML}invoke>', re.S)
 _PARAM = re.compile(
-    rf'<{_BAR}DSML{_BAR}parameter name="([^"]+)" string="(true|false)">(.*?)'
-    rf"</{_BAR}DSML{_BAR}parameter>",
-    re.S,
+    rf'<{_DSML}parameter name="([^"]+)" string="(true|false)">(.*?)</{_DSML}parameter>', re.S
 )
 
 
 def _fullwidth(text: str) -> str:
     """ASCII look-alike markers in their real form; only tag openings are rewritten, so a
     parameter value that mentions |DSML| keeps its text."""
-    return text.replace("<|DSML|", f"<{_BAR}DSML{_BAR}").replace("</|DSML|", f"</{_BAR}DSML{_BAR}")
+    return text.replace("<|DSML|", f"<{_DSML}").replace("</|DSML|", f"</{_DSML}")
 
 
 class Dsml(ToolFormat):
-    name = "dsml"
-    starts = (_DSML_START, _DSML_START.replace(_BAR, "|"))
-    ends = (_DSML_END, _DSML_END.replace(_BAR, "|"))
+    def __init__(self, name: str, block: str) -> None:
+        self.name = name
+        # The block this family's model writes (what a forced call's grammar produces).
+        self.block = block
+        opens = tuple(f"<{_DSML}{b}>" for b in _BLOCKS)
+        closes = tuple(f"</{_DSML}{b}>" for b in _BLOCKS)
+        self._opens, self._closes = opens, closes
+        self.starts = opens + tuple(m.replace(_BAR, "|") for m in opens)
+        self.ends = closes + tuple(m.replace(_BAR, "|") for m in closes)
 
     def parse(self, block: str, tools: ToolSet, salvage: bool) -> Parsed | None:
-        inner = strip_markers(_fullwidth(block), (_DSML_START,), (_DSML_END,))
+        inner = strip_markers(_fullwidth(block), self._opens, self._closes)
         invokes = scan(_INVOKE, inner) if inner is not None else None
         if not invokes:
             return None
@@ -93,4 +98,5 @@ class Dsml(ToolFormat):
 
 
 DEEPSEEK_V31 = DeepSeekV31()
-DSML = Dsml()
+DSML = Dsml("dsml", "function_calls")
+DSML_V4 = Dsml("dsml_v4", "tool_calls")
