@@ -134,6 +134,38 @@ def test_info_names_the_family_and_where_its_template_comes_from(served):
     assert info["chat_template"] == ("builtin" if SERVED[arch] is None else "model")
 
 
+def test_v4_takes_the_effort_asked_of_its_reasoning(served):
+    """DeepSeek-V4's template opens thinking mode with an effort line: OpenAI's
+    reasoning_effort and Anthropic's output_config.effort pick it (low: none, high, max)."""
+    arch, srv = served
+    if arch != "deepseek_v4":
+        pytest.skip("only DeepSeek-V4's chat format has an effort setting")
+    c = openai_client(srv)
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def prompt_tokens(effort: str) -> int:
+        r = c.chat.completions.create(
+            model=srv.model_id,
+            messages=messages,
+            max_tokens=1,
+            extra_body={"reasoning_effort": effort},
+        )
+        assert r.usage is not None
+        return r.usage.prompt_tokens
+
+    low, medium, high, xhigh = (prompt_tokens(e) for e in ("low", "medium", "high", "xhigh"))
+    assert low == medium < high < xhigh
+    claude = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
+    r = claude.messages.create(
+        model=srv.model_id,
+        max_tokens=1,
+        messages=messages,
+        extra_body={"output_config": {"effort": "max"}},
+    )
+    u = r.usage  # Anthropic's input_tokens leave out what the prefix cache read
+    assert u.input_tokens + (u.cache_read_input_tokens or 0) == xhigh
+
+
 def test_a_forced_call_is_valid_and_its_result_goes_back_in(served):
     arch, srv = served
     c = openai_client(srv)

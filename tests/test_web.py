@@ -149,6 +149,7 @@ def test_the_engine_info_endpoint_describes_the_served_model(keyed):
     engine = Engine(builtin_model_dir(), threads=2)
     assert info["model"] == keyed.model_id
     assert info["chat_family"] == "glm"
+    assert info["chat_template"] == "model"
     for name in ("architecture", "quantization", "num_layers", "num_experts", "kernel"):
         assert info[name] == engine.info[name], name
     assert info["threads"] == 2 and info["kv_slots"] == 1

@@ -265,6 +265,8 @@ export function decodeRate(tokens: number, firstAt: number | null, now: number):
 export interface EngineInfo {
   model: string;
   chat_family: string;
+  // Where the chat template comes from: the checkpoint's, colibri's built-in one, or none.
+  chat_template?: "model" | "builtin" | null;
   architecture?: string;
   quantization?: string;
   hidden_size?: number;

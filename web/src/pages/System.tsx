@@ -165,7 +165,14 @@ export function System({ conn, models, modelsError }: { conn: Connection; models
             <table className="kv" data-testid="engine-table">
               <tbody>
                 <tr><th scope="row">architecture</th><td>{info.architecture ?? "–"}</td></tr>
-                <tr><th scope="row">chat family</th><td>{info.chat_family}</td></tr>
+                <tr>
+                  <th scope="row">chat family</th>
+                  <td>
+                    {info.chat_family}
+                    {info.chat_template === "builtin" && " (colibri's built-in template)"}
+                    {info.chat_template === null && " (no chat template)"}
+                  </td>
+                </tr>
                 <tr><th scope="row">weights</th><td>{info.quantization ?? "–"}</td></tr>
                 <tr>
                   <th scope="row">shape</th>
