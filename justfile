@@ -54,6 +54,7 @@ bench: setup
     # default conversion's speed (v/o at 8 bits) against all-int4.
     {{py}} benchmarks/bench_quality.py
     {{py}} benchmarks/bench_mixed_precision.py
+    {{py}} benchmarks/bench_mixed_precision.py --compare scales
     # Concurrent streams (1, 2, 4, 8) through the server against llama-server --parallel N -cb.
     {{py}} benchmarks/bench_concurrent.py
     # Decode with a JSON-schema grammar vs unconstrained (the demo model, then the OLMoE shape with a

@@ -1,11 +1,16 @@
-"""Speed of the default conversion (attention v and o at 8 bits) against all-int4 (issue 33).
+"""Speed of two conversions of one checkpoint, paired (issue 33).
+
+`--compare mixed` (the default): the default conversion (attention v and o at 8 bits) against
+all-int4 (`--pure`). `--compare scales`: all-int4 with colibri's error-minimising scales against
+all-int4 rounded as llama.cpp's Q4_0 (`--q4-0-rounding`), item 1's before and after (the same
+bytes and kernels: the ratio should be 1 within the noise).
 
 Both conversions of the speed benchmark's random OLMoE-1B-7B shape (by default cut to 4 layers;
-the cache and setup steps are bench_vs_llamacpp.py's; the default conversion is
-bench_quality.py's) loaded in one process, each round giving both the same fresh random prompt
-in alternating order: prefill tok/s (prompt to the first token) and decode tok/s (the tokens
-after it). Prints per-round ratios default / int4 and their medians; writes
-benchmarks/results/mixed-precision-latest.md. Run: `just bench` (never in tests).
+the cache and setup steps are bench_vs_llamacpp.py's; the extra conversions bench_quality.py's)
+loaded in one process, each round giving both the same fresh random prompt in alternating
+order: prefill tok/s (prompt to the first token) and decode tok/s (the tokens after it). Prints
+per-round ratios and their medians; writes benchmarks/results/mixed-precision-latest.md
+(`scales`: scales-speed-latest.md). Run: `just bench` (never in tests).
 """
 
 from __future__ import annotations
@@ -25,6 +30,27 @@ import bench_quality  # noqa: E402  (the default conversion)
 from vs_llamacpp import prepare  # noqa: E402
 
 from colibri import Engine  # noqa: E402
+
+# --compare -> (baseline label, its conversion flags or None for the speed benchmark's own
+# `--pure` model, candidate label, its flags, title, results file)
+COMPARISONS = {
+    "mixed": (
+        "int4 --pure",
+        None,
+        "default",
+        [],
+        "Default (v/o 8-bit) vs all-int4",
+        "mixed-precision-latest.md",
+    ),
+    "scales": (
+        "Q4_0 rounding",
+        ["--pure", "--q4-0-rounding"],
+        "searched scales",
+        None,
+        "Error-minimising scales vs Q4_0 rounding, both all-int4",
+        "scales-speed-latest.md",
+    ),
+}
 
 
 def one_turn(engine: Engine, prompt: list[int], gen: int) -> tuple[float, float]:
@@ -46,8 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "mixed-precision-latest.md")
+    ap.add_argument("--compare", choices=sorted(COMPARISONS), default="mixed")
+    ap.add_argument("--out", type=Path, help="default: benchmarks/results/<the comparison's>")
     a = ap.parse_args(argv)
+    base, base_flags, cand, cand_flags, title, results = COMPARISONS[a.compare]
+    out_path = a.out or HERE / "results" / results
     cache = a.cache or Path(
         os.environ.get("COLIBRI_BENCH_CACHE", Path.home() / ".cache" / "colibri-bench")
     )
@@ -57,12 +86,17 @@ def main(argv: list[str] | None = None) -> None:
     if exe is None:
         raise SystemExit("no colibri executable (run `just setup`)")
     prepare.setup_colibri_model(p, exe, False)
-    models = {
-        "int4": p.colibri_model,
-        "default": bench_quality.variant(p, exe, "default", []),
-    }
+
+    def model(flags: list[str] | None) -> Path:
+        if flags is None:
+            return p.colibri_model
+        return bench_quality.variant(
+            p, exe, "-".join(f.strip("-") for f in flags) or "default", flags
+        )
+
+    models = {base: model(base_flags), cand: model(cand_flags)}
     engines = {name: Engine(path, threads=a.threads) for name, path in models.items()}
-    vocab = engines["int4"].info["vocab_size"]
+    vocab = engines[base].info["vocab_size"]
     rng = random.Random(0)
     for e in engines.values():  # one untimed turn each: caches, pages, pools warm
         one_turn(e, [rng.randrange(vocab) for _ in range(16)], 4)
@@ -79,28 +113,28 @@ def main(argv: list[str] | None = None) -> None:
             ),
             flush=True,
         )
-    pre = [d[0] / i[0] for d, i in zip(rows["default"], rows["int4"], strict=True)]
-    dec = [d[1] / i[1] for d, i in zip(rows["default"], rows["int4"], strict=True)]
+    pre = [c[0] / b[0] for c, b in zip(rows[cand], rows[base], strict=True)]
+    dec = [c[1] / b[1] for c, b in zip(rows[cand], rows[base], strict=True)]
     med = {n: [statistics.median(x[k] for x in rows[n]) for k in (0, 1)] for n in engines}
     out = "\n".join(
         [
-            f"## Default (v/o 8-bit) vs all-int4: random OLMoE-1B-7B shape, {a.layers} layers "
-            "(`bench_mixed_precision.py`)",
+            f"## {title}: random OLMoE-1B-7B shape, {a.layers} layers "
+            f"(`bench_mixed_precision.py --compare {a.compare}`)",
             "",
             f"{a.rounds} rounds alternating, {a.threads} threads, prompt {a.prompt_tokens} "
-            f"tokens, {a.gen_tokens} decoded; kernel {engines['int4'].info['kernel']}.",
+            f"tokens, {a.gen_tokens} decoded; kernel {engines[base].info['kernel']}.",
             "",
-            "| | int4 --pure | default | default / int4 (median of rounds) | range |",
+            f"| | {base} | {cand} | {cand} / {base} (median of rounds) | range |",
             "|---|---|---|---|---|",
-            f"| prefill tok/s | {med['int4'][0]:.1f} | {med['default'][0]:.1f} | "
+            f"| prefill tok/s | {med[base][0]:.1f} | {med[cand][0]:.1f} | "
             f"**{statistics.median(pre):.3f}** | {min(pre):.3f}-{max(pre):.3f} |",
-            f"| decode tok/s | {med['int4'][1]:.2f} | {med['default'][1]:.2f} | "
+            f"| decode tok/s | {med[base][1]:.2f} | {med[cand][1]:.2f} | "
             f"**{statistics.median(dec):.3f}** | {min(dec):.3f}-{max(dec):.3f} |",
             "",
         ]
     )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(out)
     print(out)
 
 

@@ -722,3 +722,31 @@ def test_q8_refuses_a_pattern_that_names_nothing_and_pure_with_q8(tmp_path):
     assert not (tmp_path / "o" / "manifest.json").exists()
     r = cli("convert", hf, str(tmp_path / "p"), "--q8", "lm_head", "--pure")
     assert r.returncode != 0 and "not allowed with argument" in r.stderr, r.stderr
+
+
+def test_q4_0_rounding_keeps_the_layout_and_loses_to_the_search(tmp_path):
+    """`--q4-0-rounding`: llama.cpp Q4_0's max-abs scales in colibri's layout (the same bytes
+    per weight and the same kernels, so the same speed: docs/PERFORMANCE.md), measurably
+    further from the checkpoint than the error-minimising search."""
+    ref = np.load(FIXTURES / "olmoe" / "reference.npz")
+    hf = str(FIXTURES / "olmoe" / "hf")
+    searched, q4_0 = tmp_path / "searched", tmp_path / "q4_0"
+    assert cli("convert", hf, str(searched), "--pure").returncode == 0
+    r = cli("convert", hf, str(q4_0), "--pure", "--q4-0-rounding")
+    assert r.returncode == 0, r.stderr
+    assert _dtypes(q4_0) == _dtypes(searched)
+    for part in ("resident.bin", "experts.bin"):
+        a, b = (searched / part).read_bytes(), (q4_0 / part).read_bytes()
+        assert len(a) == len(b) and a != b, part
+
+    def err(model: Path) -> float:
+        got = np.concatenate([Engine(model).logits(ref[f"prompt_{i}"].tolist()) for i in (1, 2)])
+        want = np.concatenate([ref[f"logits_{i}"] for i in (1, 2)])
+        return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+    assert err(searched) < err(q4_0)
+    text = tmp_path / "calib.txt"
+    text.write_text("Some calibration text.\n" * 20)
+    r = cli("convert", hf, str(tmp_path / "c"), "--q4-0-rounding", "--calibration", str(text))
+    assert r.returncode != 0 and "Q4_0 rounding applies to a plain int4" in r.stderr, r.stderr
+    assert not (tmp_path / "c").exists()

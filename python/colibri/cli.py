@@ -488,6 +488,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         q8=q8,
         calibration=args.calibration,
         threads=args.threads,
+        q4_0_rounding=args.q4_0_rounding,
     )
     dt = time.perf_counter() - t0
     mb = (summary["resident_bytes"] + summary["expert_bytes"]) / 1e6
@@ -848,6 +849,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--threads", type=_positive_int, default=None, help="threads of the calibration run"
+    )
+    c.add_argument(
+        "--q4-0-rounding",
+        action="store_true",
+        help="round int4 groups as llama.cpp's Q4_0 does (max-abs scale) instead of colibri's "
+        "error-minimising search: same bytes and speed, larger error; for comparisons",
     )
     c.set_defaults(func=cmd_convert)
 

@@ -728,7 +728,7 @@ impl Importance {
 /// conversion) to weight the int4 error by, recorded in the manifest with the calibration
 /// text's `calibration_sha256` and the chunk length `calibration_ctx`.
 #[pyfunction]
-#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new(), q8=None, importance=None, calibration_sha256=String::new(), calibration_ctx=0))]
+#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new(), q8=None, importance=None, calibration_sha256=String::new(), calibration_ctx=0, q4_0_rounding=false))]
 #[allow(clippy::too_many_arguments)]
 fn convert_checkpoint<'py>(
     py: Python<'py>,
@@ -741,6 +741,7 @@ fn convert_checkpoint<'py>(
     importance: Option<PyRef<'py, Importance>>,
     calibration_sha256: String,
     calibration_ctx: usize,
+    q4_0_rounding: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let q = Quant::parse(quant).ok_or_else(|| {
         PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)"))
@@ -763,7 +764,7 @@ fn convert_checkpoint<'py>(
             let prec = convert::Precisions {
                 keep_f32,
                 q8,
-                ..Default::default()
+                q4_0_scales: q4_0_rounding,
             };
             convert::convert_calibrated(&hf_dir, &out_dir, q, &prec, calib.as_ref(), &mut report)
         })

@@ -360,6 +360,7 @@ def convert(
     q8: Iterable[str] | None = None,
     calibration: str | Path | None = None,
     threads: int | None = None,
+    q4_0_rounding: bool = False,
 ) -> dict:
     """Converts a Hugging Face checkpoint directory to a colibri model directory; resident
     weight matrices whose names match a ``keep_f32`` pattern (``*`` = any run of characters)
@@ -374,7 +375,13 @@ def convert(
     the int4 quantization minimises the squared error weighted by those statistics (AWQ /
     imatrix style). The manifest records the text's SHA-256 and token count; the summary has
     them under ``"calibration"``. A missing, empty or non-UTF-8 file raises ``ValueError``
-    before anything is written."""
+    before anything is written.
+
+    ``q4_0_rounding``: every int4 group rounded to nearest under llama.cpp Q4_0's max-abs scale
+    instead of the error-minimising search (same layout, bytes and kernels; a larger error): to
+    measure the search against Q4_0 on colibri's own engine. Not with ``calibration``."""
+    if q4_0_rounding and (quant != "int4" or calibration is not None):
+        raise ValueError("Q4_0 rounding applies to a plain int4 conversion (no calibration)")
     importance, record = None, None
     if calibration is not None:
         if quant != "int4":
@@ -398,6 +405,7 @@ def convert(
             importance,
             record["sha256"] if record else "",
             record["ctx"] if record else 0,
+            q4_0_rounding,
         )
     )
     if record:
