@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from colibri.api.openai_request import parse_chat
 from colibri.chat.families import DEEPSEEK_V3_2, DEEPSEEK_V4, FAMILIES, detect_family
@@ -110,3 +112,56 @@ def test_either_dsml_block_name_is_read_as_calls(family, block):
     text = "".join(v for k, v in events if k == "content")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("clock", {"zone": "UTC"})]
     assert text == "Sure."
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**12), 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+# What a string argument may hold and still be read back: anything but DSML's own closing tag
+# (the format has no escaping; a model never writes one inside a value either).
+STRING_VALUES = st.text(max_size=40).filter(lambda s: "DSML" not in s)
+ARGUMENTS = st.dictionaries(
+    st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,11}", fullmatch=True),
+    STRING_VALUES | JSON_VALUES.filter(lambda v: not isinstance(v, str)),
+    max_size=5,
+)
+
+
+@pytest.mark.parametrize("family", [DEEPSEEK_V3_2, DEEPSEEK_V4])
+@settings(max_examples=60, deadline=None)
+@given(arguments=ARGUMENTS)
+def test_any_arguments_rendered_in_history_read_back_the_same(family, arguments):
+    """A call in the history, rendered by the built-in template, is what the family's parser
+    reads back: every JSON value, and string values kept raw (no escaping either way)."""
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "act", "arguments": json.dumps(arguments)},
+    }
+    request = {
+        "messages": [
+            {"role": "user", "content": "Go."},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "done"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "act", "parameters": {}}}],
+        "enable_thinking": False,
+    }
+    prompt = rendered(family.name, request)
+    start = prompt.index("<｜User｜>Go.<｜Assistant｜></think>") + len(
+        "<｜User｜>Go.<｜Assistant｜></think>"
+    )
+    turn = prompt[start : prompt.index("<｜end▁of▁sentence｜>", start)]
+    parser = ToolCallParser(family.tool_format, ToolSet([Tool("act")]))
+    events = parser.push(turn) + parser.finish()
+    calls = [v for k, v in events if k == "tool_call"]
+    assert [k for k, v in events if k == "content" and v] == []
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("act", arguments)]
