@@ -534,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="a checkpoint whose shards to hard-link if its weights are the same (repeatable)",
     )
+    ap.add_argument(
+        "--heads",
+        type=int,
+        help="attention heads (deepseek_v3 only; its kv heads follow): e.g. 128, a released "
+        "DeepSeek-V3's count, for the MLA prefill forms' measurement",
+    )
     ap.add_argument("--force", action="store_true", help="regenerate even if OUT is complete")
     args = ap.parse_args(argv)
 
@@ -542,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         num_hidden_layers=args.layers,
         max_position_embeddings=args.max_position_embeddings,
     )
+    if args.heads is not None:
+        if args.arch != "deepseek_v3":
+            ap.error("--heads applies to --arch deepseek_v3")
+        cfg.update(num_attention_heads=args.heads, num_key_value_heads=args.heads)
     stamp = {"generator_version": GENERATOR_VERSION, "seed": args.seed, "config": cfg}
     done_file = args.out / "colibri_bench_complete.json"
     if (

@@ -134,12 +134,11 @@ def test_info_names_the_family_and_where_its_template_comes_from(served):
     assert info["chat_template"] == ("builtin" if SERVED[arch] is None else "model")
 
 
+@pytest.mark.parametrize("served", ["deepseek_v4"], indirect=True)
 def test_v4_takes_the_effort_asked_of_its_reasoning(served):
     """DeepSeek-V4's template opens thinking mode with an effort line: OpenAI's
     reasoning_effort and Anthropic's output_config.effort pick it (low: none, high, max)."""
     arch, srv = served
-    if arch != "deepseek_v4":
-        pytest.skip("only DeepSeek-V4's chat format has an effort setting")
     c = openai_client(srv)
     messages = [{"role": "user", "content": "Hi"}]
 
