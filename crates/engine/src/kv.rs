@@ -19,6 +19,7 @@
 //! attention's recurrent state, DeepSeek-V4's window of keys and pending compressor inputs)
 //! with snapshots to truncate back to.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use half::f16;
@@ -120,6 +121,13 @@ impl Block {
         }
     }
 
+    fn len(&self) -> usize {
+        match self {
+            Block::F32(d) => d.len(),
+            Block::F16(d) => d.len(),
+        }
+    }
+
     fn slice(&self, r: Range<usize>) -> HeadRows<'_> {
         match self {
             Block::F32(d) => HeadRows::F32(&d[r]),
@@ -160,6 +168,59 @@ impl LayerKv {
     /// The rows positions `r` write: `r.start / every .. r.end / every`.
     pub fn row_range(&self, r: Range<usize>) -> Range<usize> {
         self.rows(r.start)..self.rows(r.end)
+    }
+}
+
+/// A layer's fixed-size state ([`KvCache::with_states`]).
+#[derive(Clone)]
+enum State {
+    /// f32: linear attention's recurrent state, which accumulates and must stay exact.
+    Exact(Vec<f32>),
+    /// In the cache's dtype: values the model has already rounded as the cache stores them
+    /// (DeepSeek-V4's keys and compressor inputs, [`KvDtype::round`]), so an f16 cache keeps
+    /// them in half the bytes and gives back the same floats.
+    Rounded(Block),
+}
+
+impl State {
+    fn len(&self) -> usize {
+        match self {
+            State::Exact(v) => v.len(),
+            State::Rounded(b) => b.len(),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            State::Exact(v) => v.len() * 4,
+            State::Rounded(Block::F32(d)) => d.len() * 4,
+            State::Rounded(Block::F16(d)) => d.len() * 2,
+        }
+    }
+
+    fn zero(&mut self) {
+        match self {
+            State::Exact(v) => v.fill(0.0),
+            State::Rounded(Block::F32(d)) => d.fill(0.0),
+            State::Rounded(Block::F16(d)) => d.fill(0),
+        }
+    }
+}
+
+/// A read-only view of a layer's state ([`KvCache::state_view`]).
+pub struct StateView<'a>(&'a State);
+
+impl StateView<'_> {
+    /// Appends the state's floats in `r` to `out`.
+    pub fn extend(&self, r: Range<usize>, out: &mut Vec<f32>) {
+        match self.0 {
+            State::Exact(v) => out.extend_from_slice(&v[r]),
+            State::Rounded(b) => {
+                let at = out.len();
+                out.resize(at + r.len(), 0.0);
+                b.load(r.start, &mut out[at..]);
+            }
+        }
     }
 }
 
@@ -209,9 +270,9 @@ pub struct KvCache {
     /// Positions stored (the same in every layer once a forward pass completes).
     pub len: usize,
     /// Per layer, the fixed-size state a layer carries from position to position (linear
-    /// attention's recurrent state; DeepSeek-V4's window of keys and pending compressor
-    /// inputs; empty for the others): f32, rewritten by every position's step.
-    states: Vec<Vec<f32>>,
+    /// attention's recurrent state, f32; DeepSeek-V4's window of keys and pending compressor
+    /// inputs, in the cache's dtype; empty for the others), rewritten by every position's step.
+    states: Vec<State>,
     /// Copies of every layer's state after `len` positions, newest last: what a truncation
     /// can go back to ([`KvCache::truncate`]).
     snapshots: Vec<StateSnapshot>,
@@ -221,7 +282,7 @@ pub struct KvCache {
 #[derive(Clone)]
 struct StateSnapshot {
     len: usize,
-    states: Vec<Vec<f32>>,
+    states: Vec<State>,
 }
 
 /// Snapshots a cache keeps at most: each is a full copy of the states (Qwen3-Next-80B: ~80 MB).
@@ -280,35 +341,80 @@ impl KvCache {
             cap: 0,
             limit: usize::MAX,
             len: 0,
-            states: vec![Vec::new(); layout.layers.len()],
+            states: vec![State::Exact(Vec::new()); layout.layers.len()],
             snapshots: Vec::new(),
         }
     }
 
-    /// The same cache with a fixed-size state of `widths[li]` floats in each layer that has
-    /// one (0: none), zero at the start.
+    /// The same cache with a fixed-size f32 state of `widths[li]` floats in each layer that
+    /// has one (0: none), zero at the start.
     ///
     /// # Panics
     /// If `widths` does not have one entry per layer.
     pub fn with_states(mut self, widths: &[usize]) -> KvCache {
         assert_eq!(widths.len(), self.num_layers(), "one state width per layer");
-        self.states = widths.iter().map(|&w| vec![0.0; w]).collect();
+        self.states = widths.iter().map(|&w| State::Exact(vec![0.0; w])).collect();
+        self.snapshots.clear();
+        self
+    }
+
+    /// As [`KvCache::with_states`], the states stored in the cache's dtype: for values the
+    /// model rounds as the cache would ([`KvDtype::round`]) before it stores them, which then
+    /// read back unchanged.
+    pub fn with_rounded_states(mut self, widths: &[usize]) -> KvCache {
+        assert_eq!(widths.len(), self.num_layers(), "one state width per layer");
+        let dtype = self.dtype;
+        self.states = widths
+            .iter()
+            .map(|&w| match w {
+                0 => State::Exact(Vec::new()),
+                w => State::Rounded(Block::new_small_pages(dtype, w)),
+            })
+            .collect();
         self.snapshots.clear();
         self
     }
 
     /// Whether any layer carries a state (then truncation goes back to a snapshot).
     pub fn has_states(&self) -> bool {
-        self.states.iter().any(|s| !s.is_empty())
+        self.states.iter().any(|s| s.len() > 0)
     }
 
-    /// Layer `li`'s state (empty when it has none).
-    pub fn state(&self, li: usize) -> &[f32] {
-        &self.states[li]
+    /// Layer `li`'s state as f32 (empty when it has none): borrowed when it is kept in f32.
+    pub fn state(&self, li: usize) -> Cow<'_, [f32]> {
+        match &self.states[li] {
+            State::Exact(v) => Cow::Borrowed(v),
+            State::Rounded(b) => {
+                let mut out = vec![0.0; b.len()];
+                b.load(0, &mut out);
+                Cow::Owned(out)
+            }
+        }
     }
 
+    /// Layer `li`'s state, read a range at a time.
+    pub fn state_view(&self, li: usize) -> StateView<'_> {
+        StateView(&self.states[li])
+    }
+
+    /// Layer `li`'s f32 state, to update in place.
+    ///
+    /// # Panics
+    /// If the layer's state is kept in the cache's dtype ([`KvCache::with_rounded_states`]).
     pub fn state_mut(&mut self, li: usize) -> &mut [f32] {
-        &mut self.states[li]
+        match &mut self.states[li] {
+            State::Exact(v) => v,
+            State::Rounded(_) => panic!("layer {li}'s state is stored in the cache's dtype"),
+        }
+    }
+
+    /// Writes `src` into layer `li`'s state from float `at` on (rounded to the cache's dtype
+    /// where the state is kept in it).
+    pub fn store_state(&mut self, li: usize, at: usize, src: &[f32]) {
+        match &mut self.states[li] {
+            State::Exact(v) => v[at..at + src.len()].copy_from_slice(src),
+            State::Rounded(b) => b.store(at, src),
+        }
     }
 
     /// Keeps a copy of every layer's state at the current position, for a later
@@ -351,7 +457,7 @@ impl KvCache {
 
     /// Bytes of state (every layer's, one copy; snapshots are as many copies more).
     pub fn state_bytes(&self) -> usize {
-        self.states.iter().map(|s| s.len() * 4).sum()
+        self.states.iter().map(State::bytes).sum()
     }
 
     /// The same cache, never grown past `limit` positions (doubling would otherwise allocate
@@ -598,7 +704,7 @@ impl KvCache {
     /// Forgets every position (keeps the allocation).
     pub fn clear(&mut self) {
         self.len = 0;
-        self.states.iter_mut().for_each(|s| s.fill(0.0));
+        self.states.iter_mut().for_each(State::zero);
         self.snapshots.clear();
     }
 
@@ -637,7 +743,7 @@ impl KvCache {
             }
             None => {
                 self.len = 0;
-                self.states.iter_mut().for_each(|s| s.fill(0.0));
+                self.states.iter_mut().for_each(State::zero);
             }
         }
         let kept = self.len;
@@ -854,6 +960,41 @@ mod tests {
     }
 
     #[test]
+    fn rounded_states_keep_the_cache_dtype_and_read_back_what_was_rounded() {
+        let layout = KvLayout::uniform(2, 1, 2);
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let mut kv = KvCache::new(&layout, dtype).with_rounded_states(&[0, 6]);
+            assert_eq!(kv.state_bytes(), 6 * dtype.bytes());
+            let mut v = vec![0.1f32, -2.3, 1e-3, 65504.0, 0.0, 2.71];
+            dtype.round(&mut v);
+            kv.store_state(1, 0, &v[..4]);
+            kv.store_state(1, 4, &v[4..]);
+            assert_eq!(*kv.state(1), v[..]);
+            let mut got = vec![7.0];
+            kv.state_view(1).extend(2..5, &mut got);
+            assert_eq!(got, [7.0, v[2], v[3], v[4]]);
+            assert!(kv.state(0).is_empty());
+            // Snapshots and truncation carry them like f32 states.
+            kv.len = 3;
+            kv.snapshot();
+            kv.store_state(1, 0, &[0.5; 6]);
+            kv.len = 5;
+            kv.truncate(4);
+            assert_eq!((kv.len, &*kv.state(1)), (3, &v[..]));
+            kv.clear();
+            assert_eq!(*kv.state(1), [0.0; 6]);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "stored in the cache's dtype")]
+    fn a_rounded_state_is_not_handed_out_as_f32_to_update() {
+        let mut kv =
+            KvCache::new(&KvLayout::uniform(1, 1, 2), KvDtype::F16).with_rounded_states(&[4]);
+        kv.state_mut(0)[0] = 1.0;
+    }
+
+    #[test]
     fn a_failed_pass_rewinds_states_it_advanced_without_adding_positions() {
         let layout = KvLayout::uniform(1, 1, 2);
         let mut kv = KvCache::new(&layout, KvDtype::F32).with_states(&[3]);
@@ -865,12 +1006,12 @@ mod tests {
         kv.state_mut(0).fill(9.0);
         kv.truncate(5);
         assert_eq!(
-            kv.state(0),
+            *kv.state(0),
             [9.0; 3],
             "truncate keeps what it cannot know about"
         );
         kv.rewind(5);
-        assert_eq!((kv.len, kv.state(0)), (5, &[1.0, 2.0, 3.0][..]));
+        assert_eq!((kv.len, &*kv.state(0)), (5, &[1.0, 2.0, 3.0][..]));
         // Without states, a rewind is a truncation.
         let mut plain = KvCache::new(&layout, KvDtype::F32);
         plain.reserve(8);

@@ -883,8 +883,10 @@ fn memory_plan<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDic
     let manifest = crate::format::read_manifest(&path).map_err(to_py)?;
     let cfg = crate::config::ModelConfig::from_hf(&manifest.config).map_err(to_py)?;
     let dtype = crate::model::kv_dtype(manifest.quantization.kind).map_err(to_py)?;
-    let cache = crate::kv::KvCache::new(&crate::model::layers::kv_layout(&cfg), dtype)
-        .with_states(&crate::model::layers::state_widths(&cfg));
+    let cache = crate::model::layers::with_states(
+        &cfg,
+        crate::kv::KvCache::new(&crate::model::layers::kv_layout(&cfg), dtype),
+    );
     let size = |name: &str| -> PyResult<u64> {
         let p = path.join(name);
         std::fs::metadata(&p)

@@ -53,12 +53,12 @@ impl Slot {
         states: &[Vec<f32>],
     ) -> Slot {
         let n = tokens.len();
-        let mut kv = KvCache::from_rows(model.kv_layout(), model.kv_dtype, n, keys, values)
-            .with_states(model.state_widths())
-            .with_limit(model.cfg.max_positions);
+        let kv = KvCache::from_rows(model.kv_layout(), model.kv_dtype, n, keys, values);
+        let mut kv =
+            crate::model::layers::with_states(&model.cfg, kv).with_limit(model.cfg.max_positions);
         for (li, s) in states.iter().enumerate() {
             if !s.is_empty() {
-                kv.state_mut(li).copy_from_slice(s);
+                kv.store_state(li, 0, s);
             }
         }
         kv.snapshot();
@@ -232,7 +232,7 @@ impl crate::slotfile::KvRows for KvCache {
         (Cow::Owned(k), Cow::Owned(v))
     }
 
-    fn states(&self) -> Vec<&[f32]> {
+    fn states(&self) -> Vec<Cow<'_, [f32]>> {
         (0..KvCache::num_layers(self))
             .map(|l| self.state(l))
             .collect()

@@ -181,8 +181,7 @@ impl Model {
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.kv_layout, self.kv_dtype)
-            .with_states(&self.state_widths)
+        layers::with_states(&self.cfg, KvCache::new(&self.kv_layout, self.kv_dtype))
             .with_limit(self.cfg.max_positions)
     }
 

@@ -92,8 +92,8 @@ pub trait KvRows {
     fn rows(&self, layer: usize, positions: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>);
     /// Per layer, its fixed-size state after [`KvRows::positions`] positions (empty for a
     /// layer without one).
-    fn states(&self) -> Vec<&[f32]> {
-        vec![&[][..]; self.num_layers()]
+    fn states(&self) -> Vec<Cow<'_, [f32]>> {
+        vec![Cow::Borrowed(&[][..]); self.num_layers()]
     }
 }
 

@@ -1177,7 +1177,7 @@ fn a_state_file_is_version_2_and_restores_the_state_written_at_sync() {
         panic!("expected the slot back")
     };
     assert_eq!(got.tokens, tokens);
-    assert_eq!(got.states[1], kv.state(1));
+    assert_eq!(got.states[1], *kv.state(1));
     assert!(got.states[0].is_empty() && got.states[2].is_empty());
     assert_eq!(got.keys[0], kv.rows(0, 0..7).0);
 }
@@ -1247,7 +1247,7 @@ fn compaction_keeps_the_state() {
         panic!("expected the slot back")
     };
     assert_eq!(got.tokens, tokens);
-    assert_eq!(got.states[1], kv.state(1));
+    assert_eq!(got.states[1], *kv.state(1));
 }
 
 #[test]
@@ -1443,7 +1443,7 @@ fn a_file_of_rows_per_several_positions_is_version_3_and_restores_rows_and_state
         6 * 3,
         "20 positions complete 6 rows of 3"
     );
-    assert_eq!(got.states[1], full.state(1));
+    assert_eq!(got.states[1], *full.state(1));
     // The slot comes back as the cache it was.
     let back = KvCache::from_rows(&sparse_rows(), KvDtype::F32, 20, &got.keys, &got.values);
     for li in 0..3 {

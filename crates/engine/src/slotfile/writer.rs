@@ -196,7 +196,7 @@ fn write_state_record(
     offset: u64,
     chain: u64,
     position: usize,
-    states: &[&[f32]],
+    states: &[Cow<'_, [f32]>],
     shape: &Shape,
     chunk: usize,
 ) -> io::Result<(u64, u64)> {
@@ -370,7 +370,7 @@ impl SlotFile {
 
     /// Appends a state record: the layers' `states` after the persisted positions (whose
     /// count must be `position`), then a header. No fsync.
-    fn commit_state(&mut self, position: usize, states: &[&[f32]]) -> Result<()> {
+    fn commit_state(&mut self, position: usize, states: &[Cow<'_, [f32]>]) -> Result<()> {
         if position != self.tokens.len() {
             return Err(Error::Input(format!(
                 "slot file state at position {position}, {} tokens persisted",

@@ -31,7 +31,7 @@ use super::SeqRows;
 use crate::config::{AttentionKind, CompressKind, CompressedDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
-use crate::kv::{KvDtype, KvLayout, LayerKv};
+use crate::kv::{KvDtype, KvLayout, LayerKv, StateView};
 use crate::linear::{Acts, Linear};
 use crate::model::load::Tensors;
 use crate::model::plan::Plan;
@@ -372,18 +372,18 @@ impl Compressed {
 struct History<'a> {
     p0: usize,
     row0: usize,
-    state: &'a [f32],
+    state: StateView<'a>,
 }
 
 impl History<'_> {
-    /// Position `p`'s row of `width` floats: from the pass's rows (`pass`, row-major) from
-    /// `p0` on, else from the state's `ring`.
-    fn row<'b>(&'b self, p: usize, ring: &Ring, pass: &'b [f32]) -> &'b [f32] {
+    /// Appends position `p`'s row of `width` floats to `out`: from the pass's rows (`pass`,
+    /// row-major) from `p0` on, else from the state's `ring`.
+    fn extend_row(&self, p: usize, ring: &Ring, pass: &[f32], out: &mut Vec<f32>) {
         if p >= self.p0 {
             let at = (self.row0 + p - self.p0) * ring.width;
-            &pass[at..at + ring.width]
+            out.extend_from_slice(&pass[at..at + ring.width]);
         } else {
-            &self.state[ring.row(p)]
+            self.state.extend(ring.row(p), out);
         }
     }
 }
@@ -566,13 +566,13 @@ impl Model {
             .map(|s| History {
                 p0: s.kv.len,
                 row0: s.rows.start,
-                state: s.kv.state(li),
+                state: s.kv.state_view(li),
             })
             .collect();
         let entry = |cp: &Compressor, hs: &History, win: usize, ring: &Ring, pass: &[f32]| {
             let mut rows = Vec::with_capacity(cp.source(win).len() * ring.width);
             for p in cp.source(win) {
-                rows.extend_from_slice(hs.row(p, ring, pass));
+                hs.extend_row(p, ring, pass, &mut rows);
             }
             let mut e = cp.entry(win, &rows);
             ops::rms_norm(&mut e, &cp.norm, eps);
@@ -605,13 +605,13 @@ impl Model {
                 let hs = History {
                     p0: s.kv.len,
                     row0: s.rows.start,
-                    state: s.kv.state(li),
+                    state: s.kv.state_view(li),
                 };
                 let first = (hs.p0 + 1).saturating_sub(d.sliding_window);
                 let end = hs.p0 + s.rows.len();
                 let mut keys = Vec::with_capacity((end - first) * hd);
                 for p in first..end {
-                    keys.extend_from_slice(hs.row(p, &w.state.keys, kv));
+                    hs.extend_row(p, &w.state.keys, kv, &mut keys);
                 }
                 let (mut entries, mut index_keys) = (Vec::new(), Vec::new());
                 if let Some(cp) = &w.comp {
@@ -645,14 +645,14 @@ impl Model {
         let st = &w.state;
         for s in seqs.iter_mut() {
             let (p0, row0, end) = (s.kv.len, s.rows.start, s.kv.len + s.rows.len());
-            let state = s.kv.state_mut(li);
             for (ring, pass) in [(&st.keys, kv), (&st.comp, comp_rows), (&st.idx, idx_rows)] {
                 if ring.slots == 0 {
                     continue;
                 }
                 for p in end.saturating_sub(ring.slots).max(p0)..end {
                     let at = (row0 + p - p0) * ring.width;
-                    state[ring.row(p)].copy_from_slice(&pass[at..at + ring.width]);
+                    let to = ring.row(p).start;
+                    s.kv.store_state(li, to, &pass[at..at + ring.width]);
                 }
             }
         }
@@ -816,15 +816,17 @@ mod tests {
             ),
             (2, 21, 20)
         );
-        let kv = KvCache::new(&kv_layout(&c), KvDtype::F16).with_states(&state_widths(&c));
+        let kv = super::super::with_states(&c, KvCache::new(&kv_layout(&c), KvDtype::F16));
         // Per position: CSA (512 + 128) / 4, HCA 512 / 128 floats (the layout before kept
         // 119,936: every position's key, compressor inputs and a row for each entry).
         assert_eq!(kv.bytes_per_token(), (21 * 160 + 20 * 4) * 2);
         // Per slot: 127 keys per layer, 127 HCA inputs of 2 x 512, 7 CSA inputs of 2 x 1024
-        // and of 2 x 256 (f32).
+        // and of 2 x 256, in the cache's dtype (f16 here; they were f32: 23,093,248 bytes).
         let floats = 43 * 127 * 512 + 20 * 127 * 1024 + 21 * 7 * (2048 + 512);
-        assert_eq!(kv.state_bytes(), floats * 4);
-        assert_eq!(kv.state_bytes(), 23_093_248);
+        assert_eq!(kv.state_bytes(), floats * 2);
+        assert_eq!(kv.state_bytes(), 11_546_624);
+        let f32_cache = super::super::with_states(&c, KvCache::new(&kv_layout(&c), KvDtype::F32));
+        assert_eq!(f32_cache.state_bytes(), floats * 4);
     }
 
     #[test]

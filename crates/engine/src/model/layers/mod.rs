@@ -97,6 +97,17 @@ pub fn kv_layout(c: &ModelConfig) -> KvLayout {
     }
 }
 
+/// `kv` with the model's per-layer states ([`state_widths`]), zero: linear attention's in f32
+/// (a recurrence that must stay exact), DeepSeek-V4's in the cache's dtype (its keys and
+/// compressor inputs are rounded as the cache stores them before they enter the state).
+pub fn with_states(c: &ModelConfig, kv: KvCache) -> KvCache {
+    let widths = state_widths(c);
+    match c.attention {
+        AttentionKind::Compressed(_) => kv.with_rounded_states(&widths),
+        _ => kv.with_states(&widths),
+    }
+}
+
 /// Per layer, the floats of the fixed-size state it carries (linear attention, DeepSeek-V4's
 /// window and pending compressor inputs; 0: none).
 pub fn state_widths(c: &ModelConfig) -> Vec<usize> {
