@@ -34,43 +34,43 @@ from typing import Any
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "templates" / "dsml_cases.json"
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The forecast for a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "days": {"type": "integer"},
-                "units": {"type": "string", "enum": ["metric", "imperial"]},
-            },
-            "required": ["city"],
+
+def function(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool definition as the gateway passes it on (name, description, parameters)."""
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
+WEATHER = function(
+    "get_weather",
+    "The forecast for a city.",
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "units": {"type": "string", "enum": ["metric", "imperial"]},
+        },
+        "required": ["city"],
+    },
+)
+SEARCH = function(
+    "search",
+    "Searches the notes «quoted» and 'plain'.",
+    {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"},
+            "filters": {"type": "object"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "exact": {"type": "boolean"},
+            "limit": {"type": ["integer", "null"]},
         },
     },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "description": "Searches the notes «quoted» and 'plain'.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query": {"type": "string"},
-                "filters": {"type": "object"},
-                "tags": {"type": "array", "items": {"type": "string"}},
-                "exact": {"type": "boolean"},
-                "limit": {"type": ["integer", "null"]},
-            },
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {"name": "clock", "description": "The time now.", "parameters": {}},
-}
+)
+CLOCK = function("clock", "The time now.", {})
 
 
 def call(id: str, name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -203,8 +203,7 @@ CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]], str]]
     ),
 }
 
-# (thinking, V4 effort as the request names it) per rendering
-MODES_V32 = [(False, None), (True, None)]
+# V4's renderings: (thinking, the effort as the request names it); V3.2's: thinking off, on.
 MODES_V4 = [
     (False, None),
     (True, None),
@@ -249,6 +248,26 @@ def reference_messages(
     return out
 
 
+def case(
+    family: str,
+    name: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    tool_choice: str,
+    thinking: bool,
+    effort: str | None,
+    expected: str,
+) -> dict[str, Any]:
+    """A fixture entry: the request a client sends, and the reference's prompt for it."""
+    request: dict[str, Any] = {"messages": messages, "enable_thinking": thinking}
+    if tools:
+        request["tools"] = tools
+        request["tool_choice"] = tool_choice
+    if effort is not None:
+        request["reasoning_effort"] = effort
+    return {"family": family, "name": name, "request": request, "expected": expected}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--encodings", type=Path, required=True, help="dir with the two modules")
@@ -259,13 +278,14 @@ def main() -> None:
     for name, (messages, tools, tool_choice) in CONVERSATIONS.items():
         prompt_tools = tools if tool_choice != "none" else []
         ref = reference_messages(messages, prompt_tools)
-        for thinking, _ in MODES_V32:
+        for thinking in (False, True):
             mode = "thinking" if thinking else "chat"
             expected = v32.encode_messages(
                 copy.deepcopy(ref), thinking_mode=mode, drop_thinking=ref[-1]["role"] == "user"
             )
-            cases.append(case("deepseek_v32", name, messages, tools, tool_choice, thinking, None))
-            cases[-1]["expected"] = expected
+            cases.append(
+                case("deepseek_v32", name, messages, tools, tool_choice, thinking, None, expected)
+            )
         for thinking, effort in MODES_V4:
             mode = "thinking" if thinking else "chat"
             expected = v4.encode_messages(
@@ -274,28 +294,11 @@ def main() -> None:
                 drop_thinking=True,
                 reasoning_effort=EFFORT_V4[effort] if thinking else None,
             )
-            cases.append(case("deepseek_v4", name, messages, tools, tool_choice, thinking, effort))
-            cases[-1]["expected"] = expected
+            cases.append(
+                case("deepseek_v4", name, messages, tools, tool_choice, thinking, effort, expected)
+            )
     OUT.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n", "utf-8")
     print(f"{len(cases)} cases -> {OUT}")
-
-
-def case(
-    family: str,
-    name: str,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    tool_choice: str,
-    thinking: bool,
-    effort: str | None,
-) -> dict[str, Any]:
-    request: dict[str, Any] = {"messages": messages, "enable_thinking": thinking}
-    if tools:
-        request["tools"] = tools
-        request["tool_choice"] = tool_choice
-    if effort is not None:
-        request["reasoning_effort"] = effort
-    return {"family": family, "name": name, "request": request}
 
 
 if __name__ == "__main__":

@@ -44,8 +44,11 @@ class DeepSeekV31(ToolFormat):
 
 _BAR = "｜"
 _DSML = f"{_BAR}DSML{_BAR}"
-# The block names: V3.2's, then V4's.
+# The block names: V3.2's, then V4's. Both families read both; the forced-call grammar
+# (chat/grammar.py, by format name) writes the family's own.
 _BLOCKS = ("function_calls", "tool_calls")
+_OPENS = tuple(f"<{_DSML}{b}>" for b in _BLOCKS)
+_CLOSES = tuple(f"</{_DSML}{b}>" for b in _BLOCKS)
 _INVOKE = re.compile(rf'<{_DSML}invoke name="([^"]+)">(.*?)</{_DSML}invoke>', re.S)
 _PARAM = re.compile(
     rf'<{_DSML}parameter name="([^"]+)" string="(true|false)">(.*?)</{_DSML}parameter>', re.S
@@ -59,18 +62,14 @@ def _fullwidth(text: str) -> str:
 
 
 class Dsml(ToolFormat):
-    def __init__(self, name: str, block: str) -> None:
+    starts = _OPENS + tuple(m.replace(_BAR, "|") for m in _OPENS)
+    ends = _CLOSES + tuple(m.replace(_BAR, "|") for m in _CLOSES)
+
+    def __init__(self, name: str) -> None:
         self.name = name
-        # The block this family's model writes (what a forced call's grammar produces).
-        self.block = block
-        opens = tuple(f"<{_DSML}{b}>" for b in _BLOCKS)
-        closes = tuple(f"</{_DSML}{b}>" for b in _BLOCKS)
-        self._opens, self._closes = opens, closes
-        self.starts = opens + tuple(m.replace(_BAR, "|") for m in opens)
-        self.ends = closes + tuple(m.replace(_BAR, "|") for m in closes)
 
     def parse(self, block: str, tools: ToolSet, salvage: bool) -> Parsed | None:
-        inner = strip_markers(_fullwidth(block), self._opens, self._closes)
+        inner = strip_markers(_fullwidth(block), _OPENS, _CLOSES)
         invokes = scan(_INVOKE, inner) if inner is not None else None
         if not invokes:
             return None
@@ -98,5 +97,5 @@ class Dsml(ToolFormat):
 
 
 DEEPSEEK_V31 = DeepSeekV31()
-DSML = Dsml("dsml", "function_calls")
-DSML_V4 = Dsml("dsml_v4", "tool_calls")
+DSML = Dsml("dsml")
+DSML_V4 = Dsml("dsml_v4")
