@@ -2,7 +2,9 @@
 Qwen3's template, its DeltaNet state resumed across turns): DeepSeek-V3's fixture (MLA) under
 DeepSeek V3.1's chat template, GLM-5's (glm_moe_dsa: MLA + the DSA indexer) under GLM's, and
 DeepSeek-V3.2's (DSA) and DeepSeek-V4's (compressed attention, hyper-connections) with no
-template, under colibri's built-in ones (DSML tool calls), each through `colibri serve` and the
+template, under colibri's built-in ones (DSML tool calls), and Kimi K2's shape (DeepSeek-V3's
+architecture with Kimi's tokenizer as tiktoken files, Kimi's tool-call sections), each through
+`colibri serve` and the
 official SDKs. A streamed reply and a plain one agree token for token; a forced call comes back
 valid in the family's own syntax (the grammar writes it: the weights are random) and its result
 goes back in for a second turn; Anthropic's route serves the same model. (Parity with
@@ -22,6 +24,7 @@ from openai import OpenAI
 from colibri import convert
 
 from .conftest import FIXTURES
+from .kimi_tokenizer import kimi_checkpoint
 from .server import RunningServer, model_with_template
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
@@ -38,7 +41,12 @@ SERVED = {
     "qwen3_next": "qwen3",
     # Kimi Linear (Kimi Delta Attention + MLA) in Kimi K2's tool-call sections.
     "kimi_linear": "kimi_k2",
+    # Kimi K2: DeepSeek-V3's architecture with Kimi's tokenizer as Moonshot publishes it
+    # (tiktoken files, no tokenizer.json: the conversion writes one) and tool-call sections.
+    "kimi_k2": "kimi_k2",
 }
+# Served entries whose weights are another fixture's.
+WEIGHTS = {"kimi_k2": "deepseek_v3"}
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -75,7 +83,11 @@ def served(request, tmp_path_factory):
     arch = request.param
     tmp = tmp_path_factory.mktemp(f"served-{arch}")
     hf = tmp / "hf"
-    shutil.copytree(FIXTURES / arch / "hf", hf)
+    weights = FIXTURES / WEIGHTS.get(arch, arch) / "hf"
+    if arch == "kimi_k2":
+        kimi_checkpoint(weights, hf, 440)  # 463 tokens: 440 ranks, 23 special
+    else:
+        shutil.copytree(weights, hf)
     # The fixtures' 256 positions hold no tool preamble in a 463-token vocabulary; default rope
     # does not depend on the length, so the weights compute the same.
     cfg = json.loads((hf / "config.json").read_text())

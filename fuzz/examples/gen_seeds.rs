@@ -95,5 +95,26 @@ fn main() {
         ];
         write("model_dir", &format!("m{i}-edit.bin"), &b);
     }
+    // tiktoken: [reader] + the fixture's files (a ranks file cut to 300 tokens).
+    let tik = fixtures.join("tiktoken");
+    let ranks = fs::read_to_string(tik.join("tiktoken.model")).unwrap();
+    let cut: String = ranks.lines().take(300).map(|l| format!("{l}\n")).collect();
+    for (sel, name, bytes) in [
+        (0u8, "ranks", cut.into_bytes()),
+        (
+            1,
+            "module",
+            fs::read(tik.join("tokenization_kimi.py")).unwrap(),
+        ),
+        (
+            2,
+            "tokenizer-config",
+            fs::read(tik.join("tokenizer_config.json")).unwrap(),
+        ),
+    ] {
+        let mut b = vec![sel];
+        b.extend(bytes);
+        write("tiktoken", &format!("{name}.bin"), &b);
+    }
     println!("seeds written to {}", root.display());
 }

@@ -512,6 +512,52 @@ pub fn edit_json(v: &mut serde_json::Value, mut ops: &[u8], extra_keys: &[&str])
 /// Harness (a): `config.json` bytes must parse to a config or an error, never a panic. Input
 /// starting with `{` (or whitespace) is JSON text; otherwise byte 0 picks a tiny config and the
 /// rest are [`edit_json`] ops on it.
+/// Tokenizer files of a tiktoken checkpoint (`convert::tiktoken`): byte 0 picks the reader,
+/// the rest is its input. 0: a `tiktoken.model` ranks file (and, when it parses, the
+/// `tokenizer.json` made from it, whose vocabulary and merges must match the ranks); 1: a
+/// tokenizer module's source, for its split pattern; 2: `tokenizer_config.json`, for the
+/// special tokens after 256 ranks in a vocabulary of 256 to 319.
+pub fn tiktoken(data: &[u8]) {
+    use convert::tiktoken::{added_tokens, parse_ranks, split_pattern, tokenizer_json};
+    let Some((&sel, rest)) = data.split_first() else {
+        return;
+    };
+    match sel % 3 {
+        0 => {
+            if let Ok(ranks) = parse_ranks(rest) {
+                assert!(ranks.len() >= 256, "every byte is a token");
+                let tj = tokenizer_json(&ranks, r"\s+", &[]);
+                let vocab = tj["model"]["vocab"].as_object().expect("a vocabulary");
+                assert_eq!(vocab.len(), ranks.len(), "one entry per rank");
+                let merges = tj["model"]["merges"].as_array().expect("merges");
+                for m in merges {
+                    let joined = format!("{}{}", m[0].as_str().unwrap(), m[1].as_str().unwrap());
+                    assert!(vocab.contains_key(&joined), "a merge makes a token");
+                }
+            }
+        }
+        1 => {
+            if let Ok(p) = split_pattern(&String::from_utf8_lossy(rest)) {
+                assert!(!p.is_empty(), "a pattern read is not empty");
+            }
+        }
+        _ => {
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(rest) else {
+                return;
+            };
+            let vocab = 256 + usize::from(sel) % 64;
+            if let Ok(added) = added_tokens(&v, 256, vocab) {
+                let ids: Vec<usize> = added.iter().map(|a| a.id).collect();
+                assert_eq!(
+                    ids,
+                    (256..vocab).collect::<Vec<_>>(),
+                    "each id once, in order"
+                );
+            }
+        }
+    }
+}
+
 pub fn config_json(data: &[u8]) {
     let v = match data.first() {
         None => return,

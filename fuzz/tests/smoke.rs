@@ -113,6 +113,12 @@ fn config_json_survives_mutations() {
 }
 
 #[test]
+fn tiktoken_survives_mutations() {
+    let base = seeds("tiktoken");
+    run("tiktoken", base, iters(3000), tiktoken);
+}
+
+#[test]
 fn checkpoint_survives_mutations() {
     let mut base = seeds("checkpoint");
     for arch in 0..3u8 {

@@ -911,6 +911,20 @@ fn memory_plan<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
+/// The `tokenizer.json` (as JSON text) that conversion writes for the checkpoint `hf_dir` when
+/// it ships `tiktoken.model` instead of one (Kimi's), for a model of `vocab_size` tokens.
+#[pyfunction]
+fn tiktoken_tokenizer(hf_dir: PathBuf, vocab_size: usize) -> PyResult<String> {
+    match crate::convert::tiktoken::from_checkpoint(&hf_dir, vocab_size).map_err(to_py)? {
+        Some(tj) => Ok(tj.to_string()),
+        None => Err(PyValueError::new_err(format!(
+            "{}: no {} in the directory",
+            hf_dir.display(),
+            crate::convert::tiktoken::RANKS_FILE
+        ))),
+    }
+}
+
 #[pyfunction]
 fn default_kernel() -> &'static str {
     crate::quant::kernel().name()
@@ -947,6 +961,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dequantize_q4, m)?)?;
     m.add_function(wrap_pyfunction!(upgrade_model, m)?)?;
     m.add_function(wrap_pyfunction!(default_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(tiktoken_tokenizer, m)?)?;
     m.add_function(wrap_pyfunction!(memory_plan, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(architectures, m)?)?;

@@ -40,10 +40,40 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-class ChatTemplate:
-    """One compiled chat template plus the special-token strings it may refer to."""
+def _sorted_keys(value: Any) -> Any:
+    """``value`` with the keys of every mapping in it sorted, recursively."""
+    if isinstance(value, dict):
+        return {k: _sorted_keys(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(v) for v in value]
+    return value
 
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+
+def sorts_tool_keys(tokenizer_config: dict[str, Any]) -> bool:
+    """Whether the checkpoint's tokenizer sorts the keys of the tool definitions before its
+    template renders them: Kimi's tokenizer module (``tokenization_kimi``, named by
+    ``auto_map``) does, recursively, in its ``apply_chat_template``, so its models saw tools
+    that way."""
+    entry = (tokenizer_config.get("auto_map") or {}).get("AutoTokenizer")
+    name = entry[0] if isinstance(entry, list) and entry else entry
+    if not isinstance(name, str):
+        return False
+    module = name.rsplit("--", 1)[-1].rsplit(".", 1)[0]
+    return module.rsplit(".", 1)[-1] == "tokenization_kimi"
+
+
+class ChatTemplate:
+    """One compiled chat template plus the special-token strings it may refer to; with
+    ``sort_tool_keys`` the tool definitions reach it with their keys sorted
+    (:func:`sorts_tool_keys`)."""
+
+    def __init__(
+        self,
+        source: str,
+        special_tokens: dict[str, str] | None = None,
+        *,
+        sort_tool_keys: bool = False,
+    ) -> None:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
@@ -56,6 +86,7 @@ class ChatTemplate:
             raise ValueError(f"the model's chat template does not compile: {e}") from e
         self.source = source
         self._special = dict(special_tokens or {})
+        self.sort_tool_keys = sort_tool_keys
 
     def render(
         self,
@@ -67,6 +98,8 @@ class ChatTemplate:
     ) -> str:
         context = dict(self._special)
         context.update(extra)
+        if tools is not None and self.sort_tool_keys:
+            tools = _sorted_keys(tools)
         try:
             return self._template.render(
                 messages=messages,

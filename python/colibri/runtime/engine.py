@@ -351,6 +351,27 @@ class _Scoring(_Stepped):
 CALIBRATION_CTX = 512
 
 
+def check_tiktoken_tokenizer(hf_dir: Path) -> None:
+    """For a checkpoint that ships ``tiktoken.model`` instead of tokenizer.json (Kimi's): the
+    tokenizer.json the conversion writes for it must load in ``tokenizers`` (its split pattern
+    comes from the checkpoint's tokenizer module, in the regex dialect of tiktoken, which the
+    gateway's regex engine must accept). Checked before the long part of a conversion;
+    ``ValueError`` if not. Nothing to check for other checkpoints."""
+    if (hf_dir / "tokenizer.json").is_file() or not (hf_dir / "tiktoken.model").is_file():
+        return
+    try:
+        vocab = int(json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the converter names what is wrong with config.json
+    text = _engine.tiktoken_tokenizer(str(hf_dir), vocab)
+    try:
+        Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ValueError(
+            f"{hf_dir}: the tokenizer made from tiktoken.model does not load: {e}"
+        ) from e
+
+
 def convert(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -382,6 +403,7 @@ def convert(
     measure the search against Q4_0 on colibri's own engine. Not with ``calibration``."""
     if q4_0_rounding and (quant != "int4" or calibration is not None):
         raise ValueError("Q4_0 rounding applies to a plain int4 conversion (no calibration)")
+    check_tiktoken_tokenizer(Path(hf_dir))
     importance, record = None, None
     if calibration is not None:
         if quant != "int4":

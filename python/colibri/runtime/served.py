@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from colibri.chat.families import Family, detect_family, family_by_name
-from colibri.chat.template import ChatTemplate, special_tokens_of
+from colibri.chat.template import ChatTemplate, sorts_tool_keys, special_tokens_of
 from colibri.errors import ApiError
 from colibri.observability import (
     AccessRecord,
@@ -72,7 +72,13 @@ class ServedModel:
             source = self.family.builtin_template_source()
             self.template_origin = "builtin" if source else None
         self.template = (
-            ChatTemplate(source, special_tokens_of(engine.tokenizer_config)) if source else None
+            ChatTemplate(
+                source,
+                special_tokens_of(engine.tokenizer_config),
+                sort_tool_keys=sorts_tool_keys(engine.tokenizer_config),
+            )
+            if source
+            else None
         )
         self.scheduler = Scheduler(
             config.kv_slots,

@@ -25,6 +25,7 @@ use crate::quant;
 mod fp8;
 #[cfg(test)]
 mod random_shapes_tests;
+pub mod tiktoken;
 use fp8::Fp8Config;
 
 fn ck(msg: impl Into<String>) -> Error {
@@ -807,12 +808,21 @@ pub fn convert_calibrated(
         .map_err(|e| ck(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
     let cfg = ModelConfig::from_hf(&cfg_json)?;
     let tok_path = hf_dir.join("tokenizer.json");
-    if !tok_path.is_file() {
-        return Err(ck(format!(
-            "{} not found: the checkpoint has no tokenizer",
-            tok_path.display()
-        )));
-    }
+    // A checkpoint with tiktoken files instead (Kimi's): its tokenizer.json is made here, before
+    // the long part of the conversion, so that a tokenizer colibri cannot read stops it early.
+    let made_tokenizer = if tok_path.is_file() {
+        None
+    } else {
+        let made = tiktoken::from_checkpoint(hf_dir, cfg.vocab_size)?;
+        if made.is_none() {
+            return Err(ck(format!(
+                "{} not found (nor {}): the checkpoint has no tokenizer",
+                tok_path.display(),
+                tiktoken::RANKS_FILE
+            )));
+        }
+        made
+    };
     let mut ckpt = Checkpoint::open(hf_dir, &cfg_json, cfg.family.checkpoint_name)?;
     let plan = family_plan(&cfg);
     ckpt.int_tables = plan
@@ -1028,7 +1038,16 @@ pub fn convert_calibrated(
         copy_file(&src, &out_dir.join(name))?;
         Ok(true)
     };
-    copy("tokenizer.json")?;
+    match &made_tokenizer {
+        Some(tj) => {
+            let path = out_dir.join("tokenizer.json");
+            let text = serde_json::to_string(tj).expect("tokenizer.json serializes");
+            fs::write(&path, text).map_err(io_err(&path))?;
+        }
+        None => {
+            copy("tokenizer.json")?;
+        }
+    }
     let has_tok_cfg = copy("tokenizer_config.json")?;
     copy("generation_config.json")?;
     let mut chat_template = None;
