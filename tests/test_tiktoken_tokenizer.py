@@ -6,6 +6,7 @@ Kimi's split pattern), on arbitrary text, and a Kimi-style checkpoint converts a
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -166,3 +167,27 @@ def test_the_fixture_tables_cut_to_any_prefix_are_valid(tmp_path):
         text, allowed_special="all"
     )
     shutil.rmtree(cut)
+
+
+def test_a_ranked_token_with_a_special_tokens_text_leaves_the_special_ids_in_place(tmp_path):
+    """A table may hold a special token's text as an ordinary token too (here "[EOS]"); the
+    special token still gets its own id, as tiktoken gives it. Read literally (the gateway's
+    reading of what users write), the text is plain text in smaller tokens."""
+    d = tiktoken_dir(tmp_path / "t", 300)
+    lines = (d / "tiktoken.model").read_text().splitlines()[:296]
+    extra = [b"[E", b"[EO", b"[EOS", b"[EOS]"]
+    lines += [f"{base64.b64encode(t).decode()} {296 + i}" for i, t in enumerate(extra)]
+    (d / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    made = Tokenizer.from_str(_engine.tiktoken_tokenizer(str(d), 340))
+    ref = reference(d, 340)
+    eos = 301  # the specials from 300: [BOS], [EOS], ... (299 is the ordinary "[EOS]")
+    assert ref.encode("[EOS]", allowed_special="all") == [eos]
+    for text in ["[EOS]", "x[EOS]y [EOS]\n[EO", "[BOS]<|im_end|>[EOS]"]:
+        ids = made.encode(text, add_special_tokens=False).ids
+        assert ids == ref.encode(text, allowed_special="all")
+    assert made.token_to_id("[EOS]") == eos
+    literal = Tokenizer.from_str(made.to_str())
+    literal.encode_special_tokens = True
+    ids = literal.encode("say [EOS] now", add_special_tokens=False).ids
+    assert eos not in ids and 299 not in ids
+    assert literal.decode(ids) == "say [EOS] now"

@@ -352,7 +352,18 @@ fn byte_chars() -> [char; 256] {
 }
 
 /// The Hugging Face tokenizer (`tokenizer.json`) equivalent to tiktoken with these ranks
-/// (token bytes by rank), split pattern and special tokens.
+/// (token bytes by rank), split pattern and special tokens, encoding with special tokens
+/// allowed (as Kimi's tokenizer does by default).
+///
+/// A ranked token whose vocabulary string is a special token's text (say a regular `<think>`
+/// beside the special one) would take the special token's place: `tokenizers` gives an added
+/// token that is already in the vocabulary that entry's id, and numbers the added tokens after
+/// it one short. Such a token keeps its id under a name no text maps to (a private-use
+/// character and its rank), with the merges that make or use it left out. tiktoken never
+/// produces it with special tokens allowed either: the special token's text is taken out of
+/// the text before anything else. Only text read literally (special-token strings as plain
+/// text, the gateway's reading of what users write) then splits it into smaller tokens where
+/// tiktoken would give the ranked one.
 pub fn tokenizer_json(ranks: &[Vec<u8>], pattern: &str, added: &[Added]) -> Value {
     let table = byte_chars();
     let chars = |b: &[u8]| -> String { b.iter().map(|&x| table[x as usize]).collect() };
@@ -361,16 +372,29 @@ pub fn tokenizer_json(ranks: &[Vec<u8>], pattern: &str, added: &[Added]) -> Valu
         .enumerate()
         .map(|(r, t)| (t.as_slice(), r))
         .collect();
+    let specials: std::collections::HashSet<&str> =
+        added.iter().map(|a| a.content.as_str()).collect();
+    let hidden: std::collections::HashSet<usize> = ranks
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| specials.contains(chars(t).as_str()))
+        .map(|(r, _)| r)
+        .collect();
     let mut vocab = serde_json::Map::with_capacity(ranks.len());
     let mut merges = Vec::new();
     // In rank order, so the merges come out sorted by the rank of what they make.
     for (r, token) in ranks.iter().enumerate() {
+        if hidden.contains(&r) {
+            vocab.insert(format!("\u{e000}{r}"), json!(r));
+            continue;
+        }
         vocab.insert(chars(token), json!(r));
         let mut splits: Vec<(usize, usize, usize)> = (1..token.len())
             .filter_map(|k| {
                 let (a, b) = token.split_at(k);
                 Some((*rank_of.get(a)?, *rank_of.get(b)?, k))
             })
+            .filter(|(a, b, _)| !hidden.contains(a) && !hidden.contains(b))
             .collect();
         splits.sort_unstable();
         for (_, _, k) in splits {
@@ -665,6 +689,30 @@ class T:
             assert_eq!(m(json!([bad])), None, "{bad}");
         }
         assert_eq!(tokenizer_module(&json!({})), None);
+    }
+
+    #[test]
+    fn a_ranked_token_with_a_special_tokens_text_keeps_its_id_under_another_name() {
+        let ranks =
+            parse_ranks(ranks_file(&[b"[E", b"[EO", b"[EO]", b"[EO]x"]).as_bytes()).unwrap();
+        let added = [Added {
+            id: 260,
+            content: "[EO]".into(),
+            special: true,
+        }];
+        let tj = tokenizer_json(&ranks, r"\s+", &added);
+        let vocab = tj["model"]["vocab"].as_object().unwrap();
+        assert_eq!(vocab.len(), 260);
+        assert_eq!(vocab["\u{e000}258"], 258);
+        assert!(!vocab.contains_key("[EO]"));
+        let merges: Vec<String> = tj["model"]["merges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| format!("{} {}", m[0].as_str().unwrap(), m[1].as_str().unwrap()))
+            .collect();
+        // [EO] (made from [EO + ]) and [EO]x (from [EO] + x) are not made at all.
+        assert_eq!(merges, ["[ E", "[E O"]);
     }
 
     #[test]
