@@ -68,6 +68,14 @@ fn main() {
             false,
         ))));
         write("checkpoint", &format!("a{arch}-fp8-fp4.bin"), &b);
+        // compressed-tensors int4 (bit 6).
+        let mut b = vec![arch as u8 | 64];
+        b.extend(serialize(&int4_packed(tiny_tensors(
+            arch,
+            Dtype::F32,
+            false,
+        ))));
+        write("checkpoint", &format!("a{arch}-int4-packed.bin"), &b);
         // A config edit (nudge one value) in front of a valid checkpoint.
         let mut b = vec![arch as u8 | 16, 1, 9, 0, 6, 5, 0, 0, 0, 0, 0, 0, 0];
         b.extend(tiny_checkpoint(arch, Dtype::BF16, false));

@@ -297,6 +297,66 @@ pub fn fp_quantized(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     out
 }
 
+/// The `quantization_config` of a compressed-tensors int4 checkpoint (Kimi K2 Thinking's form,
+/// groups of 4 here) that [`int4_packed`] tensors go with.
+pub const INT4_CONFIG: &str = r#"{"quant_method": "compressed-tensors",
+    "format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"],
+    "input_activations": null, "weights": {"num_bits": 4, "type": "int", "symmetric": true,
+    "strategy": "group", "group_size": 4}}}}"#;
+
+/// `tensors` (all f32) with every 2-D projection in compressed-tensors' packed int4 form:
+/// `X.weight_packed` (I32, eight nibbles a word, `q + 8`), `X.weight_scale` (F32, one per 4
+/// elements of a row, each group's largest magnitude / 7), `X.weight_shape` (I32 `[2]`).
+pub fn int4_packed(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
+    let mut out = Vec::new();
+    for (name, t) in tensors {
+        assert_eq!(t.dtype, Dtype::F32);
+        if t.shape.len() != 2 || !name.ends_with("_proj.weight") {
+            out.push((name, t));
+            continue;
+        }
+        let vals: Vec<f32> = t
+            .data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let (groups, words) = (cols.div_ceil(4), cols.div_ceil(8));
+        let mut scales = vec![0.0f32; rows * groups];
+        for (i, x) in vals.iter().enumerate() {
+            let g = &mut scales[(i / cols) * groups + (i % cols) / 4];
+            *g = g.max(x.abs() / 7.0);
+        }
+        let mut packed = vec![0u8; rows * words * 4];
+        for (i, x) in vals.iter().enumerate() {
+            let (r, c) = (i / cols, i % cols);
+            let s = scales[r * groups + c / 4];
+            let q = if s > 0.0 {
+                (x / s).round().clamp(-8.0, 7.0) as i32
+            } else {
+                0
+            };
+            packed[r * words * 4 + c / 2] |= ((q + 8) as u8) << (4 * (c % 2));
+        }
+        let tensor = |dtype, shape, data| Tensor { dtype, shape, data };
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let dims = [rows as i32, cols as i32]
+            .iter()
+            .flat_map(|d| d.to_le_bytes())
+            .collect();
+        out.push((
+            format!("{name}_packed"),
+            tensor(Dtype::I32, vec![rows, words], packed),
+        ));
+        out.push((
+            format!("{name}_scale"),
+            tensor(Dtype::F32, vec![rows, groups], f32s(&scales)),
+        ));
+        out.push((format!("{name}_shape"), tensor(Dtype::I32, vec![2], dims)));
+    }
+    out
+}
+
 /// A valid `model.safetensors` for tiny config `arch`.
 pub fn tiny_checkpoint(arch: usize, dtype: Dtype, fused: bool) -> Vec<u8> {
     serialize(&tiny_tensors(arch, dtype, fused))
@@ -619,9 +679,15 @@ pub fn checkpoint(data: &[u8]) {
         config = Some(v.to_string());
         rest = &rest[1 + n..];
     }
-    // Bit 5: the checkpoint says it is FP8 / FP4 (`FP_QUANT_CONFIG`); a valid one must still
-    // convert, load and run.
-    let fp_quant = sel & 32 != 0;
+    // Bit 5: the checkpoint says it is FP8 / FP4 (`FP_QUANT_CONFIG`), bit 6 compressed-tensors
+    // int4 (`INT4_CONFIG`, which wins); a valid one must still convert, load and run.
+    let quant_config = if sel & 64 != 0 {
+        Some(INT4_CONFIG)
+    } else if sel & 32 != 0 {
+        Some(FP_QUANT_CONFIG)
+    } else {
+        None
+    };
     if sel & 8 != 0 && rest.len() >= 2 {
         let at = u16::from_le_bytes([rest[0], rest[1]]) as usize;
         rest = &rest[2..];
@@ -633,11 +699,11 @@ pub fn checkpoint(data: &[u8]) {
     if let Some(c) = &config {
         fs::write(hf.join("config.json"), c).unwrap();
     }
-    if fp_quant {
+    if let Some(q) = quant_config {
         let path = hf.join("config.json");
         let mut v: serde_json::Value =
             serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
-        v["quantization_config"] = serde_json::from_str(FP_QUANT_CONFIG).unwrap();
+        v["quantization_config"] = serde_json::from_str(q).unwrap();
         fs::write(path, v.to_string()).unwrap();
     }
     if let Ok(summary) = convert::convert(&hf, &out, quant, &mut |_, _, _| {}) {

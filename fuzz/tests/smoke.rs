@@ -189,6 +189,26 @@ fn tiny_models_convert_load_and_run() {
         let mut b = vec![arch as u8 | 32];
         b.extend(&packed);
         checkpoint(&b);
+        // ...and so does its compressed-tensors int4 form.
+        let dir = scratch("int4-packed");
+        let packed = serialize(&int4_packed(tiny_tensors(arch, Dtype::F32, false)));
+        write_checkpoint(&dir, arch, &[&packed]);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        v["quantization_config"] = serde_json::from_str(INT4_CONFIG).unwrap();
+        std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
+        colibri_engine::convert::convert(
+            &dir,
+            &dir.join("out"),
+            colibri_engine::format::Quant::Int4,
+            &mut |_, _, _| {},
+        )
+        .unwrap_or_else(|e| panic!("arch {arch}, packed int4: {e}"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        let mut b = vec![arch as u8 | 64];
+        b.extend(&packed);
+        checkpoint(&b);
     }
     cleanup_thread_scratch();
 }

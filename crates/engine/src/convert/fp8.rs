@@ -125,10 +125,14 @@ impl Fp8Blocks {
             return Ok(None);
         };
         let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+        if method == "compressed-tensors" {
+            return Ok(None); // int4 weights: `packed_int4`
+        }
         if method != "fp8" {
             return Err(ck(format!(
                 "config.json: quantization_config.quant_method `{method}` is not supported \
-                 (FP8 block-quantized checkpoints are; for others convert the bf16 release)"
+                 (FP8 block-quantized and compressed-tensors int4 checkpoints are; for others \
+                 convert the bf16 release)"
             )));
         }
         if let Some(fmt) = q.get("fmt").and_then(Value::as_str) {

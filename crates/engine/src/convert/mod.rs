@@ -23,10 +23,12 @@ use crate::model::plan::{self, Plan, MLP_PARTS};
 use crate::quant;
 
 mod fp8;
+mod packed_int4;
 #[cfg(test)]
 mod random_shapes_tests;
 pub mod tiktoken;
 use fp8::Fp8Config;
+use packed_int4::PackedInt4;
 
 fn ck(msg: impl Into<String>) -> Error {
     Error::Checkpoint(msg.into())
@@ -42,6 +44,8 @@ struct TensorMeta {
     /// FP4 codes, two per byte (`shape` is the weight's, twice the stored columns for a packed
     /// integer tensor).
     fp4: bool,
+    /// compressed-tensors int4 (`X.weight_packed`, read as `X.weight`; `shape` is the weight's).
+    int4: bool,
 }
 
 /// The checkpoint's tensors across all shards, by name.
@@ -50,6 +54,8 @@ struct Checkpoint {
     index: HashMap<String, TensorMeta>,
     /// How FP8 (and FP4) weights are scaled, when config.json says the checkpoint has them.
     fp8: Option<Fp8Config>,
+    /// The groups of compressed-tensors int4 weights, when config.json says there are some.
+    int4: Option<PackedInt4>,
     /// Tensors the plan reads as integer tables (I32 / I64 allowed; any other tensor of an
     /// integer dtype is refused).
     int_tables: std::collections::HashSet<String>,
@@ -64,6 +70,7 @@ impl Checkpoint {
         rename: Option<fn(&str) -> String>,
     ) -> Result<Checkpoint> {
         let fp8 = Fp8Config::from_config(config)?;
+        let int4 = PackedInt4::from_config(config)?;
         let mut files: Vec<PathBuf> = fs::read_dir(dir)
             .map_err(io_err(dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -110,6 +117,7 @@ impl Checkpoint {
                     shape: t.shape().to_vec(),
                     data: start..start + t.data().len(),
                     fp4: false,
+                    int4: false,
                 };
                 if index.insert(name.clone(), meta).is_some() {
                     return Err(ck(format!(
@@ -141,10 +149,12 @@ impl Checkpoint {
                 }
             }
         }
+        packed_int4_weights(&mut index, &maps, int4)?;
         Ok(Checkpoint {
             maps,
             index,
             fp8,
+            int4,
             int_tables: Default::default(),
         })
     }
@@ -199,6 +209,27 @@ impl Checkpoint {
     /// A supported dtype: BF16, F16, F32, or FP8 e4m3 / FP4 as a 2-D weight with its block
     /// scales (a checkpoint whose config declares FP8 blocks, and FP4 experts for FP4).
     fn check_dtype(&self, name: &str, m: &TensorMeta) -> Result<()> {
+        if m.int4 {
+            let config = self
+                .int4
+                .expect("packed int4 weights come with their config");
+            let scale = format!("{name}{}", packed_int4::SCALE);
+            let s = self.index.get(&scale).ok_or_else(|| {
+                ck(format!(
+                    "tensor `{name}` is packed int4 but `{scale}` is missing"
+                ))
+            })?;
+            check_dtype(&scale, s.dtype)?;
+            let want = config.scale_shape(&m.shape);
+            if s.shape != want {
+                return Err(ck(format!(
+                    "tensor `{scale}` has shape {:?}, expected {want:?} (groups of {} over \
+                     `{name}` {:?})",
+                    s.shape, config.group, m.shape
+                )));
+            }
+            return Ok(());
+        }
         if m.dtype != Dtype::F8_E4M3 && !m.fp4 {
             if matches!(m.dtype, Dtype::I32 | Dtype::I64) && self.int_tables.contains(name) {
                 return Ok(());
@@ -278,6 +309,19 @@ impl Checkpoint {
         Ok(self.read_any(scale)?.0)
     }
 
+    /// Whether `name` is part of a quantized weight, read with it: the scale of an FP8 or FP4
+    /// weight, the scale or shape of a packed int4 one.
+    fn is_weight_part(&self, name: &str) -> bool {
+        let int4_part = [packed_int4::SCALE, packed_int4::SHAPE]
+            .iter()
+            .any(|suffix| {
+                name.strip_suffix(suffix)
+                    .and_then(|w| self.index.get(w))
+                    .is_some_and(|m| m.int4)
+            });
+        int4_part || self.is_fp8_scale(name)
+    }
+
     /// Whether `name` is the scale tensor of an FP8 or FP4 weight (read with the weight).
     fn is_fp8_scale(&self, name: &str) -> bool {
         // Packed-integer weights count too when the config does not say FP4: the weight's own
@@ -307,6 +351,20 @@ impl Checkpoint {
 
     fn decode_elements(&self, name: &str, first: usize, count: usize) -> Result<Vec<f32>> {
         let m = self.meta(name)?;
+        if m.int4 {
+            let config = self.int4.expect("meta() checked the int4 config");
+            let scales = self.read_any(&format!("{name}{}", packed_int4::SCALE))?.0;
+            let packed = &self.maps[m.shard][m.data.clone()];
+            return packed_int4::dequantize(
+                name,
+                packed,
+                m.shape[1],
+                &scales,
+                config.group,
+                first,
+                count,
+            );
+        }
         if m.dtype == Dtype::F8_E4M3 || m.fp4 {
             let config = self.fp8.expect("meta() checked the FP8 config");
             let scales = self.read_scales(&fp8::scale_name(name))?;
@@ -353,6 +411,90 @@ impl Checkpoint {
             other => return Err(check_dtype(name, other).unwrap_err()),
         })
     }
+}
+
+/// compressed-tensors int4 weights (`config`): each `X.weight_packed` (I32, 2-D) goes into the
+/// index as `X.weight` with the weight's shape (from `X.weight_shape`, else eight columns per
+/// packed word); a packed weight without the config is refused by name.
+fn packed_int4_weights(
+    index: &mut HashMap<String, TensorMeta>,
+    maps: &[Mmap],
+    config: Option<PackedInt4>,
+) -> Result<()> {
+    let suffix = format!(".weight{}", packed_int4::PACKED);
+    let mut packed: Vec<String> = index
+        .keys()
+        .filter(|n| n.ends_with(&suffix))
+        .cloned()
+        .collect();
+    packed.sort();
+    if config.is_none() {
+        if let Some(name) = packed.first() {
+            return Err(ck(format!(
+                "tensor `{name}` is a packed int4 weight but config.json has no \
+                 quantization_config with quant_method \"compressed-tensors\" saying how"
+            )));
+        }
+        return Ok(());
+    }
+    for name in packed {
+        let weight = name
+            .strip_suffix(packed_int4::PACKED)
+            .expect("listed by suffix");
+        let mut m = index.remove(&name).expect("listed from the index");
+        if m.dtype != Dtype::I32 || m.shape.len() != 2 {
+            return Err(ck(format!(
+                "tensor `{name}` has dtype {:?} and shape {:?}: packed int4 weights are 2-D I32",
+                m.dtype, m.shape
+            )));
+        }
+        let shape_name = format!("{weight}{}", packed_int4::SHAPE);
+        let shape = match index.get(&shape_name) {
+            Some(s) => {
+                let b = &maps[s.shard][s.data.clone()];
+                let dims: Vec<i64> = match (s.dtype, s.shape.as_slice()) {
+                    (Dtype::I32, [2]) => b
+                        .chunks_exact(4)
+                        .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                        .collect(),
+                    (Dtype::I64, [2]) => b
+                        .chunks_exact(8)
+                        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                        .collect(),
+                    _ => {
+                        return Err(ck(format!(
+                            "tensor `{shape_name}` has dtype {:?} and shape {:?}: a weight's \
+                             shape is two I32 or I64 values",
+                            s.dtype, s.shape
+                        )))
+                    }
+                };
+                if dims.len() != 2 || dims.iter().any(|&d| d <= 0) {
+                    return Err(ck(format!(
+                        "tensor `{shape_name}` holds {dims:?}, not a shape"
+                    )));
+                }
+                vec![dims[0] as usize, dims[1] as usize]
+            }
+            None => vec![m.shape[0], m.shape[1] * 8],
+        };
+        if m.shape != [shape[0], shape[1].div_ceil(8)] {
+            return Err(ck(format!(
+                "tensor `{name}` has shape {:?}, expected {:?} for a weight of {shape:?}",
+                m.shape,
+                [shape[0], shape[1].div_ceil(8)]
+            )));
+        }
+        if index.contains_key(weight) {
+            return Err(ck(format!(
+                "tensor `{weight}` is stored both plain and packed"
+            )));
+        }
+        m.shape = shape;
+        m.int4 = true;
+        index.insert(weight.to_string(), m);
+    }
+    Ok(())
 }
 
 fn check_dtype(name: &str, dtype: Dtype) -> Result<()> {
@@ -848,7 +990,7 @@ pub fn convert_calibrated(
     let mut names: Vec<&String> = ckpt.index.keys().collect();
     names.sort();
     for name in names {
-        if used.contains(name) || ckpt.is_fp8_scale(name) {
+        if used.contains(name) || ckpt.is_weight_part(name) {
             continue;
         }
         match plan::skip_reason(&cfg, name) {
@@ -1371,6 +1513,144 @@ mod tests {
         assert!(e.to_string().contains("scale_fmt"), "{e}");
         fs::remove_dir_all(&a).unwrap();
         fs::remove_dir_all(&b).unwrap();
+    }
+
+    /// A compressed-tensors int4 DeepSeek-V3 checkpoint (Kimi K2 Thinking's form: every linear
+    /// projection packed, groups of 32 with bf16 scales, partial last groups, the weight's
+    /// shape stored beside it) converts to exactly the model of an f32 checkpoint holding the
+    /// dequantized weights, f32 and int4; refusals name the tensor.
+    #[test]
+    fn a_packed_int4_checkpoint_converts_as_its_dequantized_weights() {
+        let src = fixture("deepseek_v3");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
+        let group = 32;
+        let (mut packed, mut f32s) = (Vec::new(), Vec::new());
+        let mut names: Vec<&String> = ckpt.index.keys().collect();
+        names.sort();
+        let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let mut quantized = 0;
+        for name in names {
+            let (w, shape) = ckpt.read_any(name).unwrap();
+            if shape.len() != 2 || !name.ends_with("_proj.weight") {
+                packed.push((name.clone(), Dtype::F32, shape.clone(), f32_bytes(&w)));
+                f32s.push((name.clone(), Dtype::F32, shape, f32_bytes(&w)));
+                continue;
+            }
+            quantized += 1;
+            let (rows, cols) = (shape[0], shape[1]);
+            let groups = cols.div_ceil(group);
+            let mut scales = vec![0.0f32; rows * groups];
+            for (i, x) in w.iter().enumerate() {
+                let at = (i / cols) * groups + (i % cols) / group;
+                scales[at] = scales[at].max(x.abs() / 7.5);
+            }
+            for s in scales.iter_mut() {
+                *s = half::bf16::from_f32(if *s == 0.0 { 1.0 } else { *s }).to_f32();
+            }
+            let stride = packed_int4::row_bytes(cols);
+            let mut bytes = vec![0u8; rows * stride];
+            let mut deq = vec![0.0f32; rows * cols];
+            for (i, x) in w.iter().enumerate() {
+                let (r, c) = (i / cols, i % cols);
+                let s = scales[r * groups + c / group];
+                let q = (x / s).round().clamp(-8.0, 7.0) as i32; // (no -0.0)
+                bytes[r * stride + c / 2] |= ((q + 8) as u8) << (4 * (c % 2));
+                deq[i] = q as f32 * s;
+            }
+            let bf16s: Vec<u8> = scales
+                .iter()
+                .flat_map(|&s| half::bf16::from_f32(s).to_le_bytes())
+                .collect();
+            let dims: Vec<u8> = [rows as i32, cols as i32]
+                .iter()
+                .flat_map(|d| d.to_le_bytes())
+                .collect();
+            packed.push((
+                format!("{name}_packed"),
+                Dtype::I32,
+                vec![rows, stride / 4],
+                bytes,
+            ));
+            packed.push((
+                format!("{name}_scale"),
+                Dtype::BF16,
+                vec![rows, groups],
+                bf16s,
+            ));
+            packed.push((format!("{name}_shape"), Dtype::I32, vec![2], dims));
+            f32s.push((name.clone(), Dtype::F32, shape, f32_bytes(&deq)));
+        }
+        assert!(quantized >= 10, "{quantized} packed weights");
+        let (a, b) = (
+            scratch_copy("deepseek_v3", "int4-packed"),
+            scratch_copy("deepseek_v3", "int4-deq"),
+        );
+        write_shard(&a, &packed);
+        write_shard(&b, &f32s);
+        let mut int4_cfg = cfg.clone();
+        int4_cfg["quantization_config"] = serde_json::json!({
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
+                "output_activations": null, "weights": {"num_bits": 4, "type": "int",
+                "symmetric": true, "strategy": "group", "group_size": group,
+                "dynamic": false}}}});
+        fs::write(a.join("config.json"), int4_cfg.to_string()).unwrap();
+        for quant in [Quant::F32, Quant::Int4] {
+            let (oa, ob) = (a.join("out"), b.join("out"));
+            convert(&a, &oa, quant, &mut quiet()).unwrap();
+            convert(&b, &ob, quant, &mut quiet()).unwrap();
+            for file in [RESIDENT_FILE, EXPERTS_FILE] {
+                assert!(
+                    fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
+                    "{quant:?}: {file} differs"
+                );
+            }
+        }
+
+        // Refusals: no config for the packed weights, a missing scale, a scale of the wrong
+        // shape, a packed tensor of another dtype, a weight stored twice.
+        let refusal = |tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)],
+                       cfg: &serde_json::Value| {
+            write_shard(&a, tensors);
+            fs::write(a.join("config.json"), cfg.to_string()).unwrap();
+            convert(&a, &a.join("x"), Quant::F32, &mut quiet())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = refusal(&packed, &cfg);
+        assert!(
+            e.contains("no quantization_config with quant_method \"compressed-tensors\""),
+            "{e}"
+        );
+        let at = |suffix: &str| packed.iter().position(|t| t.0.ends_with(suffix)).unwrap();
+        let weight = packed[at("_scale")]
+            .0
+            .strip_suffix("_scale")
+            .unwrap()
+            .to_string();
+        let mut t = packed.clone();
+        t.remove(at("_scale"));
+        let e = refusal(&t, &int4_cfg);
+        assert!(e.contains(&format!("`{weight}` is packed int4 but")), "{e}");
+        let mut t = packed.clone();
+        let i = at("_scale");
+        t[i].2[1] += 1;
+        let rows = t[i].2[0];
+        t[i].3.extend([0, 0].repeat(rows));
+        let e = refusal(&t, &int4_cfg);
+        assert!(e.contains("groups of 32"), "{e}");
+        let mut t = packed.clone();
+        t[at("_packed")].1 = Dtype::F32;
+        let e = refusal(&t, &int4_cfg);
+        assert!(e.contains("packed int4 weights are 2-D I32"), "{e}");
+        let mut t = packed.clone();
+        let w = f32s.iter().find(|x| x.0 == weight).unwrap().clone();
+        t.push(w);
+        let e = refusal(&t, &int4_cfg);
+        assert!(e.contains("stored both plain and packed"), "{e}");
     }
 
     /// An FP8 block-quantized DeepSeek-V3 checkpoint (every linear projection e4m3 with scales

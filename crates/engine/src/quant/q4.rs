@@ -123,6 +123,36 @@ fn rtn_group(x: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
     f16::from_f32(d)
 }
 
+/// A group that is exactly `q * s` for integers `q` in `-8..=7` and an `s` that an f16 holds
+/// (the weights of an int4 checkpoint, dequantized: compressed-tensors' packed int4): those
+/// nibbles and that scale, found from the group's largest-magnitude value `m = q_m s`, trying
+/// `|q_m|` from 8 down (the source's own scale first; a coarser one that also fits gives the
+/// same values). Zero error, which no search beats; a group off every such grid (any trained or
+/// random float weights) fails at its first few values, a few operations per candidate.
+#[inline(always)]
+fn on_grid(x: &[f32; GROUP], m: f32, q: &mut [u8; GROUP]) -> Option<f16> {
+    'scale: for k in (1..=8u8).rev() {
+        if k == 8 && m > 0.0 {
+            continue; // +8 is not a nibble
+        }
+        let s = m.abs() / f32::from(k);
+        let d = f16::from_f32(s);
+        if s == 0.0 || d.to_f32() != s {
+            continue;
+        }
+        for (qi, &v) in q.iter_mut().zip(x) {
+            // v = q s exactly makes v / s exactly q (a correctly rounded division).
+            let t = v / s;
+            if t != t.round() || !(-8.0..=7.0).contains(&t) || t * s != v {
+                continue 'scale;
+            }
+            *qi = (t as i32 + 8) as u8;
+        }
+        return Some(d);
+    }
+    None
+}
+
 /// A candidate quantization of a group: estimated squared error, scale, nibbles.
 struct Cand {
     err: f64,
@@ -172,6 +202,9 @@ fn quantize_group<const W: bool>(x: &[f32; GROUP], wt: &[f32; GROUP], q: &mut [u
         // All zero (or not finite: give up on the group rather than emit NaN scales).
         q.fill(8);
         return f16::ZERO;
+    }
+    if let Some(d) = on_grid(x, m, q) {
+        return d;
     }
     let sxx: f64 = x
         .iter()
@@ -738,6 +771,48 @@ mod tests {
             tot_r += er;
         }
         assert!(tot_o < 0.95 * tot_r, "{tot_o} vs {tot_r}");
+    }
+
+    /// Weights of an int4 checkpoint (integers -8..=7 times an f16-exact scale per group of
+    /// 32, any largest magnitude, partial last groups) quantize back to exactly themselves,
+    /// plain and weighted; off-grid weights keep the search's result.
+    #[test]
+    fn groups_on_an_int4_grid_come_back_exactly() {
+        let (rows, cols) = (24, 200);
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut w = vec![0.0f32; rows * cols];
+        for r in 0..rows {
+            for g in 0..cols.div_ceil(GROUP) {
+                // Scales a bf16 holds (8-bit mantissa), over a wide range of exponents.
+                let s = half::bf16::from_f32((next() % 1000 + 1) as f32 * 1e-5).to_f32();
+                let top = 1 + (next() % 8) as i32; // the group's largest |q|: 1..=8
+                for c in g * GROUP..((g + 1) * GROUP).min(cols) {
+                    let q = (next() % (2 * top as u64 + 1)) as i32 - top;
+                    w[r * cols + c] = q.clamp(-8, 7) as f32 * s;
+                }
+            }
+        }
+        let weights = vec![1.5f32; cols];
+        for bytes in [
+            quantize_q4(&w, rows, cols),
+            quantize_q4_weighted(&w, rows, cols, &|_| Some(&weights[..])),
+        ] {
+            let back = Q4Matrix::new(&bytes, rows, cols).unwrap().dequantize();
+            assert_eq!(back, w);
+        }
+        // Float weights off every grid (Gaussian) never take the shortcut: the search decides.
+        let g = gauss(4096 * GROUP, 3);
+        for x in g.chunks_exact(GROUP) {
+            let x: &[f32; GROUP] = x.try_into().unwrap();
+            let m = *x.iter().max_by(|a, b| a.abs().total_cmp(&b.abs())).unwrap();
+            assert_eq!(on_grid(x, m, &mut [0; GROUP]), None);
+        }
     }
 
     #[test]
