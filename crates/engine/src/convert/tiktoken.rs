@@ -93,8 +93,24 @@ pub fn parse_ranks(data: &[u8]) -> std::result::Result<Vec<Vec<u8>>, String> {
 /// concatenated, as Python does). Only raw literals, or plain ones without a backslash, are
 /// read: anything else (escapes, f-strings, names) is refused rather than guessed at.
 pub fn split_pattern(source: &str) -> std::result::Result<String, String> {
-    let at = find_assignment(source, "pat_str")
-        .ok_or("no `pat_str = ...` assignment (the split pattern) in the module")?;
+    // The first assignment that reads as a pattern (`pat_str=self.pat_str` in a call is one
+    // too, by its look); else why the first one does not.
+    let mut first_error = None;
+    for at in assignments(source, "pat_str") {
+        match pattern_at(source, at) {
+            Ok(p) => return Ok(p),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_error.unwrap_or_else(|| {
+        "no `pat_str = ...` assignment (the split pattern) in the module".into()
+    }))
+}
+
+/// The pattern assigned at byte `at` (just after `pat_str =`).
+fn pattern_at(source: &str, at: usize) -> std::result::Result<String, String> {
     let mut p = Parser { s: source, i: at };
     p.skip_space();
     let pattern = if let Some(sep) = p.join_call() {
@@ -145,9 +161,10 @@ pub fn split_pattern(source: &str) -> std::result::Result<String, String> {
     Ok(pattern)
 }
 
-/// Byte offset just after `name =` (not `==`) at the start of a statement, skipping
-/// occurrences of `name` inside longer identifiers.
-fn find_assignment(source: &str, name: &str) -> Option<usize> {
+/// Byte offsets just after each `name =` (not `==`), skipping occurrences of `name` inside
+/// longer identifiers.
+fn assignments(source: &str, name: &str) -> Vec<usize> {
+    let mut found = Vec::new();
     let mut from = 0;
     while let Some(k) = source[from..].find(name) {
         let start = from + k;
@@ -166,11 +183,11 @@ fn find_assignment(source: &str, name: &str) -> Option<usize> {
         };
         if let Some(after) = trimmed.strip_prefix('=') {
             if !after.starts_with('=') {
-                return Some(source.len() - after.len());
+                found.push(source.len() - after.len());
             }
         }
     }
-    None
+    found
 }
 
 struct Parser<'a> {
@@ -593,6 +610,11 @@ class T:
             r"[\p{Han}]+|\p{N}{1,3}|\s+(?!\S)|\s+"
         );
         assert_eq!(split_pattern("pat_str = r'a\\'b' 'c'").unwrap(), r"a\'bc");
+        // A keyword argument before the assignment (Kimi's module passes pat_str=self.pat_str).
+        assert_eq!(
+            split_pattern("enc(pat_str=self.pat_str)\npat_str = r'\\s+'").unwrap(),
+            r"\s+"
+        );
         assert_eq!(
             split_pattern("pat_str: str = (r\"\\d+\"\n  r\"|x\")").unwrap(),
             r"\d+|x"
