@@ -76,6 +76,14 @@ fn main() {
             false,
         ))));
         write("checkpoint", &format!("a{arch}-int4-packed.bin"), &b);
+        // compressed-tensors FP8 per channel (bit 7).
+        let mut b = vec![arch as u8 | 128];
+        b.extend(serialize(&fp8_per_channel(tiny_tensors(
+            arch,
+            Dtype::F32,
+            false,
+        ))));
+        write("checkpoint", &format!("a{arch}-fp8-channel.bin"), &b);
         // A config edit (nudge one value) in front of a valid checkpoint.
         let mut b = vec![arch as u8 | 16, 1, 9, 0, 6, 5, 0, 0, 0, 0, 0, 0, 0];
         b.extend(tiny_checkpoint(arch, Dtype::BF16, false));

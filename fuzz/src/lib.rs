@@ -357,6 +357,64 @@ pub fn int4_packed(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     out
 }
 
+/// The `quantization_config` of a compressed-tensors FP8 checkpoint (GLM-4.5-FP8's form: per
+/// channel, activations dynamic) that [`fp8_per_channel`] tensors go with.
+pub const FP8_CHANNEL_CONFIG: &str = r#"{"quant_method": "compressed-tensors",
+    "format": "float-quantized", "config_groups": {"group_0": {"targets": ["Linear"],
+    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": true},
+    "weights": {"num_bits": 8, "type": "float", "symmetric": true, "strategy": "channel"}}}}"#;
+
+/// `tensors` (all f32) with every 2-D projection FP8 e4m3 beside `X.weight_scale` (F32
+/// `[rows, 1]`, each row's largest magnitude / 448).
+pub fn fp8_per_channel(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
+    let table: Vec<(f32, u8)> = (0..=255u8).filter_map(|b| Some((e4m3(b)?, b))).collect();
+    let mut out = Vec::new();
+    for (name, t) in tensors {
+        assert_eq!(t.dtype, Dtype::F32);
+        if t.shape.len() != 2 || !name.ends_with("_proj.weight") {
+            out.push((name, t));
+            continue;
+        }
+        let vals: Vec<f32> = t
+            .data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let scales: Vec<f32> = vals
+            .chunks_exact(cols)
+            .map(|r| {
+                r.iter()
+                    .fold(0.0f32, |m, x| m.max(x.abs() / 448.0))
+                    .max(f32::MIN_POSITIVE)
+            })
+            .collect();
+        let data = vals
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| nearest(x / scales[i / cols], table.iter().copied()))
+            .collect();
+        let scale = scales.iter().flat_map(|x| x.to_le_bytes()).collect();
+        out.push((
+            name.clone(),
+            Tensor {
+                dtype: Dtype::F8_E4M3,
+                shape: t.shape.clone(),
+                data,
+            },
+        ));
+        out.push((
+            format!("{name}_scale"),
+            Tensor {
+                dtype: Dtype::F32,
+                shape: vec![rows, 1],
+                data: scale,
+            },
+        ));
+    }
+    out
+}
+
 /// A valid `model.safetensors` for tiny config `arch`.
 pub fn tiny_checkpoint(arch: usize, dtype: Dtype, fused: bool) -> Vec<u8> {
     serialize(&tiny_tensors(arch, dtype, fused))
@@ -680,8 +738,11 @@ pub fn checkpoint(data: &[u8]) {
         rest = &rest[1 + n..];
     }
     // Bit 5: the checkpoint says it is FP8 / FP4 (`FP_QUANT_CONFIG`), bit 6 compressed-tensors
-    // int4 (`INT4_CONFIG`, which wins); a valid one must still convert, load and run.
-    let quant_config = if sel & 64 != 0 {
+    // int4 (`INT4_CONFIG`), bit 7 compressed-tensors FP8 per channel (`FP8_CHANNEL_CONFIG`;
+    // the highest bit wins); a valid one must still convert, load and run.
+    let quant_config = if sel & 128 != 0 {
+        Some(FP8_CHANNEL_CONFIG)
+    } else if sel & 64 != 0 {
         Some(INT4_CONFIG)
     } else if sel & 32 != 0 {
         Some(FP_QUANT_CONFIG)

@@ -209,6 +209,26 @@ fn tiny_models_convert_load_and_run() {
         let mut b = vec![arch as u8 | 64];
         b.extend(&packed);
         checkpoint(&b);
+        // ...and its compressed-tensors FP8 form.
+        let dir = scratch("fp8-channel");
+        let fp8 = serialize(&fp8_per_channel(tiny_tensors(arch, Dtype::F32, false)));
+        write_checkpoint(&dir, arch, &[&fp8]);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        v["quantization_config"] = serde_json::from_str(FP8_CHANNEL_CONFIG).unwrap();
+        std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
+        colibri_engine::convert::convert(
+            &dir,
+            &dir.join("out"),
+            colibri_engine::format::Quant::Int4,
+            &mut |_, _, _| {},
+        )
+        .unwrap_or_else(|e| panic!("arch {arch}, FP8 per channel: {e}"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        let mut b = vec![arch as u8 | 128];
+        b.extend(&fp8);
+        checkpoint(&b);
     }
     cleanup_thread_scratch();
 }

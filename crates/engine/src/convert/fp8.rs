@@ -117,6 +117,12 @@ pub(super) fn dequantize_fp4(
 }
 
 impl Fp8Blocks {
+    /// One block for the whole matrix (one scale per tensor).
+    pub const WHOLE: Fp8Blocks = Fp8Blocks {
+        rows: usize::MAX,
+        cols: usize::MAX,
+    };
+
     /// From config.json's `quantization_config`: None without one; the block shape for
     /// `quant_method: "fp8"` (format e4m3); any other method is refused by name (such
     /// checkpoints convert from their bf16 release instead).

@@ -28,7 +28,7 @@ mod packed_int4;
 mod random_shapes_tests;
 pub mod tiktoken;
 use fp8::Fp8Config;
-use packed_int4::PackedInt4;
+use packed_int4::{CompressedTensors, PackedInt4};
 
 fn ck(msg: impl Into<String>) -> Error {
     Error::Checkpoint(msg.into())
@@ -69,8 +69,22 @@ impl Checkpoint {
         config: &serde_json::Value,
         rename: Option<fn(&str) -> String>,
     ) -> Result<Checkpoint> {
-        let fp8 = Fp8Config::from_config(config)?;
-        let int4 = PackedInt4::from_config(config)?;
+        // compressed-tensors: packed int4, or FP8 read by the FP8 path (its `X.weight_scale`
+        // read as `X.weight_scale_inv`).
+        let compressed = CompressedTensors::from_config(config)?;
+        let int4 = match compressed {
+            Some(CompressedTensors::Int4(p)) => Some(p),
+            _ => None,
+        };
+        let compressed_fp8 = match compressed {
+            Some(CompressedTensors::Fp8(blocks)) => Some(Fp8Config {
+                blocks,
+                ue8m0: false,
+                fp4_experts: false,
+            }),
+            _ => None,
+        };
+        let fp8 = Fp8Config::from_config(config)?.or(compressed_fp8);
         let mut files: Vec<PathBuf> = fs::read_dir(dir)
             .map_err(io_err(dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -105,10 +119,14 @@ impl Checkpoint {
         let mut index = HashMap::new();
         for (i, (st, map)) in shards.iter().zip(&maps).enumerate() {
             for (name, t) in st.iter() {
-                let name = match fp8.and_then(|_| fp8::scale_alias(name, |w| stored.contains(w))) {
-                    Some(alias) => alias,
-                    None => name.to_string(),
+                let alias = if compressed_fp8.is_some() {
+                    name.strip_suffix(packed_int4::SCALE)
+                        .filter(|w| w.ends_with(".weight") && stored.contains(*w))
+                        .map(fp8::scale_name)
+                } else {
+                    fp8.and_then(|_| fp8::scale_alias(name, |w| stored.contains(w)))
                 };
+                let name = alias.unwrap_or_else(|| name.to_string());
                 let name = rename.map_or_else(|| name.clone(), |f| f(&name));
                 let start = t.data().as_ptr() as usize - map.as_ptr() as usize;
                 let meta = TensorMeta {
@@ -267,7 +285,9 @@ impl Checkpoint {
             .ok_or_else(|| ck(format!("tensor `{name}` is FP8 but `{scale}` is missing")))?;
         self.check_scale_dtype(&scale, s.dtype)?;
         let want = blocks.scale_shape(&m.shape);
-        if s.shape != want {
+        // Sizes of 1 aside (a per-tensor scale may be stored as [1] or [], a row's as [rows]).
+        let sizes = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
+        if sizes(&s.shape) != sizes(&want) {
             return Err(ck(format!(
                 "tensor `{scale}` has shape {:?}, expected {want:?} (blocks of {} x {} over                  `{name}` {:?})",
                 s.shape, blocks.rows, blocks.cols, m.shape
@@ -1513,6 +1533,111 @@ mod tests {
         assert!(e.to_string().contains("scale_fmt"), "{e}");
         fs::remove_dir_all(&a).unwrap();
         fs::remove_dir_all(&b).unwrap();
+    }
+
+    /// compressed-tensors FP8 (`float-quantized`, GLM-4.5-FP8's form: scales named
+    /// `X.weight_scale`) per channel, per 8 x 8 block and per tensor (a scale of shape [1])
+    /// converts to exactly the model of an f32 checkpoint holding the dequantized weights.
+    #[test]
+    fn a_float_quantized_checkpoint_converts_as_its_dequantized_weights() {
+        let src = fixture("deepseek_v3");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
+        let mut names: Vec<&String> = ckpt.index.keys().collect();
+        names.sort();
+        let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        for (strategy, extra, blocks) in [
+            (
+                "channel",
+                serde_json::json!({}),
+                fp8::Fp8Blocks {
+                    rows: 1,
+                    cols: usize::MAX,
+                },
+            ),
+            (
+                "block",
+                serde_json::json!({"block_structure": [8, 8]}),
+                fp8::Fp8Blocks { rows: 8, cols: 8 },
+            ),
+            ("tensor", serde_json::json!({}), fp8::Fp8Blocks::WHOLE),
+        ] {
+            let (mut fp8s, mut f32s) = (Vec::new(), Vec::new());
+            for name in &names {
+                let name = name.as_str();
+                let (w, shape) = ckpt.read_any(name).unwrap();
+                if shape.len() != 2 || !name.ends_with("_proj.weight") {
+                    fp8s.push((name.to_string(), Dtype::F32, shape.clone(), f32_bytes(&w)));
+                    f32s.push((name.to_string(), Dtype::F32, shape, f32_bytes(&w)));
+                    continue;
+                }
+                let cols = shape[1];
+                let sshape = blocks.scale_shape(&shape);
+                let at = |i: usize| (i / cols / blocks.rows) * sshape[1] + (i % cols) / blocks.cols;
+                let mut scales = vec![0.0f32; sshape[0] * sshape[1]];
+                for (i, x) in w.iter().enumerate() {
+                    scales[at(i)] = scales[at(i)].max(x.abs() / 448.0);
+                }
+                for s in scales.iter_mut().filter(|s| **s == 0.0) {
+                    *s = 1.0;
+                }
+                let q: Vec<u8> = w
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| nearest_e4m3(x / scales[at(i)]))
+                    .collect();
+                let deq: Vec<f32> = q
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &b)| fp8::e4m3(b).unwrap() * scales[at(i)])
+                    .collect();
+                let stored_shape = if strategy == "tensor" {
+                    vec![1]
+                } else {
+                    sshape
+                };
+                fp8s.push((name.to_string(), Dtype::F8_E4M3, shape.clone(), q));
+                fp8s.push((
+                    format!("{name}_scale"),
+                    Dtype::F32,
+                    stored_shape,
+                    f32_bytes(&scales),
+                ));
+                f32s.push((name.to_string(), Dtype::F32, shape, f32_bytes(&deq)));
+            }
+            let (a, b) = (
+                scratch_copy("deepseek_v3", &format!("ct-fp8-{strategy}")),
+                scratch_copy("deepseek_v3", &format!("ct-deq-{strategy}")),
+            );
+            write_shard(&a, &fp8s);
+            write_shard(&b, &f32s);
+            let mut weights = serde_json::json!({"num_bits": 8, "type": "float",
+                "symmetric": true, "strategy": strategy, "dynamic": false});
+            for (k, v) in extra.as_object().unwrap() {
+                weights[k] = v.clone();
+            }
+            let mut ct_cfg = cfg.clone();
+            ct_cfg["quantization_config"] = serde_json::json!({
+                "quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                        "dynamic": true, "symmetric": true}}}});
+            fs::write(a.join("config.json"), ct_cfg.to_string()).unwrap();
+            for quant in [Quant::F32, Quant::Int4] {
+                let (oa, ob) = (a.join("out"), b.join("out"));
+                convert(&a, &oa, quant, &mut quiet()).unwrap();
+                convert(&b, &ob, quant, &mut quiet()).unwrap();
+                for file in [RESIDENT_FILE, EXPERTS_FILE] {
+                    assert!(
+                        fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
+                        "{strategy} {quant:?}: {file} differs"
+                    );
+                }
+            }
+            let _ = fs::remove_dir_all(&a);
+            let _ = fs::remove_dir_all(&b);
+        }
     }
 
     /// A compressed-tensors int4 DeepSeek-V3 checkpoint (Kimi K2 Thinking's form: every linear

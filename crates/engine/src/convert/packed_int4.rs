@@ -13,9 +13,15 @@
 //! (`quantization_config`: `quant_method: "compressed-tensors"`, `format: "pack-quantized"`,
 //! every `config_groups` entry's `weights` 4-bit signed integers, symmetric, `strategy:
 //! "group"`, no activation quantization) is read and anything else is refused by name.
+//!
+//! The same config with `format: "float-quantized"` (GLM-4.5's FP8 release) is FP8 e4m3
+//! weights `X.weight` beside `X.weight_scale` per tensor, row (`channel`), group of a row or
+//! block: [`CompressedTensors::Fp8`] gives the FP8 path its scale blocks, and the scale is read
+//! as the FP8 path's `X.weight_scale_inv` (both multiply).
 
 use serde_json::Value;
 
+use super::fp8::Fp8Blocks;
 use crate::error::{Error, Result};
 
 fn ck(msg: impl Into<String>) -> Error {
@@ -33,10 +39,21 @@ pub(super) const PACKED: &str = "_packed";
 pub(super) const SCALE: &str = "_scale";
 pub(super) const SHAPE: &str = "_shape";
 
-impl PackedInt4 {
+/// What a compressed-tensors checkpoint's weights are: packed int4 (`pack-quantized`), or FP8
+/// e4m3 beside `X.weight_scale` (`float-quantized`, as GLM-4.5's FP8 release has them), read
+/// by the FP8 path with these scale blocks (a whole row or matrix is one block of
+/// `usize::MAX`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CompressedTensors {
+    Int4(PackedInt4),
+    Fp8(Fp8Blocks),
+}
+
+impl CompressedTensors {
     /// From config.json's `quantization_config`: None unless its `quant_method` is
-    /// `compressed-tensors`; then the group size, or a refusal naming what is not supported.
-    pub fn from_config(cfg: &Value) -> Result<Option<PackedInt4>> {
+    /// `compressed-tensors`; then what its weights are, or a refusal naming what is not
+    /// supported.
+    pub fn from_config(cfg: &Value) -> Result<Option<CompressedTensors>> {
         let Some(q) = cfg.get("quantization_config").filter(|q| !q.is_null()) else {
             return Ok(None);
         };
@@ -46,23 +63,29 @@ impl PackedInt4 {
         let bad = |what: String| {
             ck(format!(
                 "config.json: quantization_config {what} is not supported (compressed-tensors \
-                 int4 weights are: format \"pack-quantized\", 4-bit symmetric integers in groups, \
-                 no activation quantization)"
+                 weights are: format \"pack-quantized\", 4-bit symmetric integers in groups; \
+                 format \"float-quantized\", 8-bit symmetric floats per tensor, channel, group \
+                 or block; activations unquantized or quantized dynamically)"
             ))
         };
         let format = q.get("format").and_then(Value::as_str).unwrap_or("");
-        if format != "pack-quantized" {
-            return Err(bad(format!("format `{format}`")));
-        }
+        let int4 = match format {
+            "pack-quantized" => true,
+            "float-quantized" => false,
+            _ => return Err(bad(format!("format `{format}`"))),
+        };
         let groups = q
             .get("config_groups")
             .and_then(Value::as_object)
             .filter(|g| !g.is_empty())
             .ok_or_else(|| bad("without config_groups".into()))?;
-        let mut size = None;
+        let mut found = None;
         for (name, g) in groups {
             for key in ["input_activations", "output_activations"] {
-                if g.get(key).is_some_and(|v| !v.is_null()) {
+                let a = g.get(key).filter(|v| !v.is_null());
+                // Activations quantized on the fly are a runtime choice colibri makes its own
+                // way; static ones would come with scales this model does not use.
+                if a.is_some_and(|a| int4 || key == "output_activations" || a["dynamic"] != true) {
                     return Err(bad(format!("config_groups.{name}.{key}")));
                 }
             }
@@ -71,11 +94,11 @@ impl PackedInt4 {
                 .filter(|w| !w.is_null())
                 .ok_or_else(|| bad(format!("config_groups.{name} without weights")))?;
             let field = |key: &str| w.get(key).cloned().unwrap_or(Value::Null);
+            let (bits, kind) = if int4 { (4, "int") } else { (8, "float") };
             for (key, want) in [
-                ("num_bits", Value::from(4)),
-                ("type", Value::from("int")),
+                ("num_bits", Value::from(bits)),
+                ("type", Value::from(kind)),
                 ("symmetric", Value::from(true)),
-                ("strategy", Value::from("group")),
             ] {
                 if field(key) != want {
                     return Err(bad(format!(
@@ -87,23 +110,63 @@ impl PackedInt4 {
             if field("dynamic").as_bool() == Some(true) {
                 return Err(bad(format!("config_groups.{name}.weights.dynamic true")));
             }
-            let g = field("group_size")
-                .as_u64()
-                .filter(|&g| g > 0 && g <= 1 << 20)
-                .ok_or_else(|| {
+            let size = |v: &Value| {
+                v.as_u64()
+                    .filter(|&g| g > 0 && g <= 1 << 20)
+                    .map(|g| g as usize)
+            };
+            let group = || {
+                size(&field("group_size")).ok_or_else(|| {
                     bad(format!(
                         "config_groups.{name}.weights.group_size {}",
                         field("group_size")
                     ))
-                })? as usize;
-            if size.is_some_and(|s| s != g) {
-                return Err(bad("config groups of different group sizes".into()));
+                })
+            };
+            let strategy = field("strategy");
+            let this = match (int4, strategy.as_str().unwrap_or("")) {
+                (true, "group") => CompressedTensors::Int4(PackedInt4 { group: group()? }),
+                (false, "tensor") => CompressedTensors::Fp8(Fp8Blocks::WHOLE),
+                (false, "channel") => CompressedTensors::Fp8(Fp8Blocks {
+                    rows: 1,
+                    cols: usize::MAX,
+                }),
+                (false, "group") => CompressedTensors::Fp8(Fp8Blocks {
+                    rows: 1,
+                    cols: group()?,
+                }),
+                (false, "block") => {
+                    let b = field("block_structure");
+                    match b.as_array().map(|a| a.iter().map(size).collect::<Vec<_>>()) {
+                        Some(v) if v.len() == 2 && v.iter().all(Option::is_some) => {
+                            CompressedTensors::Fp8(Fp8Blocks {
+                                rows: v[0].unwrap_or(1),
+                                cols: v[1].unwrap_or(1),
+                            })
+                        }
+                        _ => {
+                            return Err(bad(format!(
+                                "config_groups.{name}.weights.block_structure {b}"
+                            )))
+                        }
+                    }
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "config_groups.{name}.weights.strategy {strategy}"
+                    )))
+                }
+            };
+            if found.is_some_and(|f| f != this) {
+                return Err(bad("config groups that quantize differently".into()));
             }
-            size = Some(g);
+            found = Some(this);
         }
-        Ok(size.map(|group| PackedInt4 { group }))
+        Ok(found)
     }
+}
 
+impl PackedInt4 {
     /// The shape `X.weight_scale` must have for a weight of `shape` (`[rows, cols]`).
     pub fn scale_shape(self, shape: &[usize]) -> Vec<usize> {
         vec![shape[0], shape[1].div_ceil(self.group)]
@@ -163,16 +226,18 @@ mod tests {
     #[test]
     fn kimis_config_is_read_and_others_refused_by_name() {
         assert_eq!(
-            PackedInt4::from_config(&config(kimi_weights())).unwrap(),
-            Some(PackedInt4 { group: 32 })
+            CompressedTensors::from_config(&config(kimi_weights())).unwrap(),
+            Some(CompressedTensors::Int4(PackedInt4 { group: 32 }))
         );
-        assert_eq!(PackedInt4::from_config(&json!({})).unwrap(), None);
+        assert_eq!(CompressedTensors::from_config(&json!({})).unwrap(), None);
         let fp8 = json!({"quantization_config": {"quant_method": "fp8"}});
-        assert_eq!(PackedInt4::from_config(&fp8).unwrap(), None);
+        assert_eq!(CompressedTensors::from_config(&fp8).unwrap(), None);
         let with = |key: &str, v: Value| {
             let mut w = kimi_weights();
             w[key] = v;
-            PackedInt4::from_config(&config(w)).unwrap_err().to_string()
+            CompressedTensors::from_config(&config(w))
+                .unwrap_err()
+                .to_string()
         };
         assert!(with("num_bits", json!(8)).contains("num_bits 8"));
         assert!(with("symmetric", json!(false)).contains("symmetric false"));
@@ -183,12 +248,61 @@ mod tests {
         let mut acts = config(kimi_weights());
         acts["quantization_config"]["config_groups"]["group_0"]["input_activations"] =
             json!({"num_bits": 8});
-        let e = PackedInt4::from_config(&acts).unwrap_err().to_string();
+        let e = CompressedTensors::from_config(&acts)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("group_0.input_activations"), "{e}");
         let mut fmt = config(kimi_weights());
-        fmt["quantization_config"]["format"] = json!("float-quantized");
-        let e = PackedInt4::from_config(&fmt).unwrap_err().to_string();
-        assert!(e.contains("format `float-quantized`"), "{e}");
+        fmt["quantization_config"]["format"] = json!("nvfp4-pack-quantized");
+        let e = CompressedTensors::from_config(&fmt)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("format `nvfp4-pack-quantized`"), "{e}");
+    }
+
+    /// GLM-4.5-FP8's form: FP8 weights per channel, activations quantized dynamically per token.
+    #[test]
+    fn float_quantized_configs_give_the_fp8_paths_blocks() {
+        let fp8 = |weights: Value, acts: Value| {
+            let mut c = config(weights);
+            c["quantization_config"]["format"] = json!("float-quantized");
+            c["quantization_config"]["config_groups"]["group_0"]["input_activations"] = acts;
+            CompressedTensors::from_config(&c)
+        };
+        let w = |strategy: &str, extra: Value| {
+            let mut w = json!({"num_bits": 8, "type": "float", "symmetric": true,
+                               "strategy": strategy, "dynamic": false});
+            for (k, v) in extra.as_object().unwrap() {
+                w[k] = v.clone();
+            }
+            w
+        };
+        let dynamic = json!({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": true});
+        let blocks = |rows, cols| Some(CompressedTensors::Fp8(Fp8Blocks { rows, cols }));
+        assert_eq!(
+            fp8(w("channel", json!({})), dynamic.clone()).unwrap(),
+            blocks(1, usize::MAX)
+        );
+        assert_eq!(
+            fp8(w("tensor", json!({})), Value::Null).unwrap(),
+            blocks(usize::MAX, usize::MAX)
+        );
+        assert_eq!(
+            fp8(w("group", json!({"group_size": 64})), Value::Null).unwrap(),
+            blocks(1, 64)
+        );
+        let block = w("block", json!({"block_structure": [128, 64]}));
+        assert_eq!(fp8(block, Value::Null).unwrap(), blocks(128, 64));
+        let e = fp8(w("block", json!({"block_structure": [128]})), Value::Null).unwrap_err();
+        assert!(e.to_string().contains("block_structure [128]"), "{e}");
+        let e = fp8(
+            w("channel", json!({})),
+            json!({"num_bits": 8, "dynamic": false}),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("input_activations"), "{e}");
+        let e = fp8(w("channel", json!({"type": "int"})), Value::Null).unwrap_err();
+        assert!(e.to_string().contains("type \"int\""), "{e}");
     }
 
     #[test]
