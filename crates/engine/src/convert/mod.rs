@@ -264,7 +264,8 @@ impl Checkpoint {
         }
         let Some(config) = self.fp8 else {
             return Err(ck(format!(
-                "tensor `{name}` is FP8 (F8_E4M3) but config.json has no quantization_config                  with quant_method \"fp8\" saying how it is scaled"
+                "tensor `{name}` is FP8 (F8_E4M3) but config.json has no quantization_config \
+                 with quant_method \"fp8\" saying how it is scaled"
             )));
         };
         let blocks = if m.fp4 {
@@ -289,7 +290,8 @@ impl Checkpoint {
         let sizes = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
         if sizes(&s.shape) != sizes(&want) {
             return Err(ck(format!(
-                "tensor `{scale}` has shape {:?}, expected {want:?} (blocks of {} x {} over                  `{name}` {:?})",
+                "tensor `{scale}` has shape {:?}, expected {want:?} (blocks of {} x {} over \
+                 `{name}` {:?})",
                 s.shape, blocks.rows, blocks.cols, m.shape
             )));
         }
