@@ -132,7 +132,7 @@ impl Fp8Blocks {
         };
         let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
         if method == "compressed-tensors" {
-            return Ok(None); // int4 weights: `packed_int4`
+            return Ok(None); // read by `compressed_tensors`
         }
         if method != "fp8" {
             return Err(ck(format!(

@@ -22,13 +22,13 @@ use crate::format::*;
 use crate::model::plan::{self, Plan, MLP_PARTS};
 use crate::quant;
 
+mod compressed_tensors;
 mod fp8;
-mod packed_int4;
 #[cfg(test)]
 mod random_shapes_tests;
 pub mod tiktoken;
+use compressed_tensors::{CompressedTensors, PackedInt4};
 use fp8::Fp8Config;
-use packed_int4::{CompressedTensors, PackedInt4};
 
 fn ck(msg: impl Into<String>) -> Error {
     Error::Checkpoint(msg.into())
@@ -120,7 +120,7 @@ impl Checkpoint {
         for (i, (st, map)) in shards.iter().zip(&maps).enumerate() {
             for (name, t) in st.iter() {
                 let alias = if compressed_fp8.is_some() {
-                    name.strip_suffix(packed_int4::SCALE)
+                    name.strip_suffix(compressed_tensors::SCALE)
                         .filter(|w| w.ends_with(".weight") && stored.contains(*w))
                         .map(fp8::scale_name)
                 } else {
@@ -231,7 +231,7 @@ impl Checkpoint {
             let config = self
                 .int4
                 .expect("packed int4 weights come with their config");
-            let scale = format!("{name}{}", packed_int4::SCALE);
+            let scale = format!("{name}{}", compressed_tensors::SCALE);
             let s = self.index.get(&scale).ok_or_else(|| {
                 ck(format!(
                     "tensor `{name}` is packed int4 but `{scale}` is missing"
@@ -334,7 +334,7 @@ impl Checkpoint {
     /// Whether `name` is part of a quantized weight, read with it: the scale of an FP8 or FP4
     /// weight, the scale or shape of a packed int4 one.
     fn is_weight_part(&self, name: &str) -> bool {
-        let int4_part = [packed_int4::SCALE, packed_int4::SHAPE]
+        let int4_part = [compressed_tensors::SCALE, compressed_tensors::SHAPE]
             .iter()
             .any(|suffix| {
                 name.strip_suffix(suffix)
@@ -375,9 +375,11 @@ impl Checkpoint {
         let m = self.meta(name)?;
         if m.int4 {
             let config = self.int4.expect("meta() checked the int4 config");
-            let scales = self.read_any(&format!("{name}{}", packed_int4::SCALE))?.0;
+            let scales = self
+                .read_any(&format!("{name}{}", compressed_tensors::SCALE))?
+                .0;
             let packed = &self.maps[m.shard][m.data.clone()];
-            return packed_int4::dequantize(
+            return compressed_tensors::dequantize(
                 name,
                 packed,
                 m.shape[1],
@@ -443,7 +445,7 @@ fn packed_int4_weights(
     maps: &[Mmap],
     config: Option<PackedInt4>,
 ) -> Result<()> {
-    let suffix = format!(".weight{}", packed_int4::PACKED);
+    let suffix = format!(".weight{}", compressed_tensors::PACKED);
     let mut packed: Vec<String> = index
         .keys()
         .filter(|n| n.ends_with(&suffix))
@@ -461,7 +463,7 @@ fn packed_int4_weights(
     }
     for name in packed {
         let weight = name
-            .strip_suffix(packed_int4::PACKED)
+            .strip_suffix(compressed_tensors::PACKED)
             .expect("listed by suffix");
         let mut m = index.remove(&name).expect("listed from the index");
         if m.dtype != Dtype::I32 || m.shape.len() != 2 {
@@ -470,7 +472,7 @@ fn packed_int4_weights(
                 m.dtype, m.shape
             )));
         }
-        let shape_name = format!("{weight}{}", packed_int4::SHAPE);
+        let shape_name = format!("{weight}{}", compressed_tensors::SHAPE);
         let shape = match index.get(&shape_name) {
             Some(s) => {
                 let b = &maps[s.shard][s.data.clone()];
@@ -1676,7 +1678,7 @@ mod tests {
             for s in scales.iter_mut() {
                 *s = half::bf16::from_f32(if *s == 0.0 { 1.0 } else { *s }).to_f32();
             }
-            let stride = packed_int4::row_bytes(cols);
+            let stride = compressed_tensors::row_bytes(cols);
             let mut bytes = vec![0u8; rows * stride];
             let mut deq = vec![0.0f32; rows * cols];
             for (i, x) in w.iter().enumerate() {

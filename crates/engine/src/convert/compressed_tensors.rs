@@ -1,5 +1,6 @@
-//! Checkpoints with int4 weights in compressed-tensors' `pack-quantized` form, as Moonshot
-//! publishes Kimi K2 Thinking (its routed experts, quantization-aware trained): a linear weight
+//! Checkpoints quantized by compressed-tensors (`quant_method: "compressed-tensors"`).
+//!
+//! Int4 weights in its `pack-quantized` form, as Moonshot publishes Kimi K2 Thinking (its routed experts, quantization-aware trained): a linear weight
 //! `X.weight` is stored as
 //!
 //! * `X.weight_packed`: I32 `[rows, ceil(cols / 8)]`, element `c` of a row at bits `4c..4c + 4`
