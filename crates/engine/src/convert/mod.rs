@@ -1359,6 +1359,39 @@ mod tests {
             .unwrap()
     }
 
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// A fixture's config and checkpoint under its raw names (no family renaming, as the files
+    /// hold them), with those names sorted.
+    fn fixture_checkpoint(arch: &str) -> (serde_json::Value, Checkpoint, Vec<String>) {
+        let src = fixture(arch);
+        let cfg: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
+        let mut names: Vec<String> = ckpt.index.keys().cloned().collect();
+        names.sort();
+        (cfg, ckpt, names)
+    }
+
+    /// Checkpoints `a` and `b` converted to f32 and to int4 (each into its `out`): the same
+    /// resident and expert bytes every time (`what` names the case in a failure).
+    fn assert_converts_alike(a: &Path, b: &Path, what: &str) {
+        for quant in [Quant::F32, Quant::Int4] {
+            let (oa, ob) = (a.join("out"), b.join("out"));
+            convert(a, &oa, quant, &mut quiet()).unwrap();
+            convert(b, &ob, quant, &mut quiet()).unwrap();
+            for file in [RESIDENT_FILE, EXPERTS_FILE] {
+                assert!(
+                    fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
+                    "{what} {quant:?}: {file} differs"
+                );
+            }
+            fs::remove_dir_all(&oa).unwrap();
+        }
+    }
+
     /// Writes `tensors` (name, dtype, shape, bytes) as the checkpoint's one shard.
     fn write_shard(dir: &Path, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) {
         let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
@@ -1399,17 +1432,10 @@ mod tests {
     /// `scale_fmt: "ue8m0"`.
     #[test]
     fn a_deepseek_v4_fp8_fp4_checkpoint_converts_as_its_dequantized_weights() {
-        let src = fixture("deepseek_v4");
-        let cfg: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-        // Raw names (no family renaming), as the files hold them.
-        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
-        let mut names: Vec<&String> = ckpt.index.keys().collect();
-        names.sort();
-        let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (cfg, ckpt, names) = fixture_checkpoint("deepseek_v4");
         let (mut packed, mut f32s) = (Vec::new(), Vec::new());
         let (mut n_fp4, mut n_fp8) = (0, 0);
-        for name in names {
+        for name in &names {
             let m = &ckpt.index[name];
             if matches!(m.dtype, Dtype::I32 | Dtype::I64) {
                 // Integer tables as they are.
@@ -1492,18 +1518,7 @@ mod tests {
             "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [8, 8],
             "scale_fmt": "ue8m0", "expert_dtype": "fp4"});
         fs::write(a.join("config.json"), v4_cfg.to_string()).unwrap();
-        for quant in [Quant::F32, Quant::Int4] {
-            let (oa, ob) = (a.join("out"), b.join("out"));
-            convert(&a, &oa, quant, &mut quiet()).unwrap();
-            convert(&b, &ob, quant, &mut quiet()).unwrap();
-            for file in [RESIDENT_FILE, EXPERTS_FILE] {
-                assert!(
-                    fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
-                    "{quant:?}: {file} differs"
-                );
-            }
-            fs::remove_dir_all(&oa).unwrap();
-        }
+        assert_converts_alike(&a, &b, "FP8 / FP4");
 
         // A NaN scale byte.
         let scale_at = packed
@@ -1544,13 +1559,7 @@ mod tests {
     /// converts to exactly the model of an f32 checkpoint holding the dequantized weights.
     #[test]
     fn a_float_quantized_checkpoint_converts_as_its_dequantized_weights() {
-        let src = fixture("deepseek_v3");
-        let cfg: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
-        let mut names: Vec<&String> = ckpt.index.keys().collect();
-        names.sort();
-        let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let (cfg, ckpt, names) = fixture_checkpoint("deepseek_v3");
         for (strategy, extra, blocks) in [
             (
                 "channel",
@@ -1628,17 +1637,7 @@ mod tests {
                     "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
                         "dynamic": true, "symmetric": true}}}});
             fs::write(a.join("config.json"), ct_cfg.to_string()).unwrap();
-            for quant in [Quant::F32, Quant::Int4] {
-                let (oa, ob) = (a.join("out"), b.join("out"));
-                convert(&a, &oa, quant, &mut quiet()).unwrap();
-                convert(&b, &ob, quant, &mut quiet()).unwrap();
-                for file in [RESIDENT_FILE, EXPERTS_FILE] {
-                    assert!(
-                        fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
-                        "{strategy} {quant:?}: {file} differs"
-                    );
-                }
-            }
+            assert_converts_alike(&a, &b, strategy);
             let _ = fs::remove_dir_all(&a);
             let _ = fs::remove_dir_all(&b);
         }
@@ -1650,17 +1649,11 @@ mod tests {
     /// dequantized weights, f32 and int4; refusals name the tensor.
     #[test]
     fn a_packed_int4_checkpoint_converts_as_its_dequantized_weights() {
-        let src = fixture("deepseek_v3");
-        let cfg: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
+        let (cfg, ckpt, names) = fixture_checkpoint("deepseek_v3");
         let group = 32;
         let (mut packed, mut f32s) = (Vec::new(), Vec::new());
-        let mut names: Vec<&String> = ckpt.index.keys().collect();
-        names.sort();
-        let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
         let mut quantized = 0;
-        for name in names {
+        for name in &names {
             let (w, shape) = ckpt.read_any(name).unwrap();
             if shape.len() != 2 || !name.ends_with("_proj.weight") {
                 packed.push((name.clone(), Dtype::F32, shape.clone(), f32_bytes(&w)));
@@ -1727,17 +1720,7 @@ mod tests {
                 "symmetric": true, "strategy": "group", "group_size": group,
                 "dynamic": false}}}});
         fs::write(a.join("config.json"), int4_cfg.to_string()).unwrap();
-        for quant in [Quant::F32, Quant::Int4] {
-            let (oa, ob) = (a.join("out"), b.join("out"));
-            convert(&a, &oa, quant, &mut quiet()).unwrap();
-            convert(&b, &ob, quant, &mut quiet()).unwrap();
-            for file in [RESIDENT_FILE, EXPERTS_FILE] {
-                assert!(
-                    fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
-                    "{quant:?}: {file} differs"
-                );
-            }
-        }
+        assert_converts_alike(&a, &b, "packed int4");
 
         // Refusals: no config for the packed weights, a missing scale, a scale of the wrong
         // shape, a packed tensor of another dtype, a weight stored twice.
@@ -1787,18 +1770,12 @@ mod tests {
     /// checkpoint holding the dequantized weights: the same bytes, f32 and int4.
     #[test]
     fn an_fp8_checkpoint_converts_as_its_dequantized_weights() {
-        let src = fixture("deepseek_v3");
-        let cfg: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
+        let (cfg, ckpt, names) = fixture_checkpoint("deepseek_v3");
         let blocks = fp8::Fp8Blocks { rows: 8, cols: 8 };
         let (mut fp8s, mut f32s) = (Vec::new(), Vec::new());
-        let mut names: Vec<&String> = ckpt.index.keys().collect();
-        names.sort();
         let mut quantized = 0;
-        for name in names {
+        for name in &names {
             let (w, shape) = ckpt.read_any(name).unwrap();
-            let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
             if shape.len() != 2 || !name.ends_with("_proj.weight") {
                 fp8s.push((name.clone(), Dtype::F32, shape.clone(), f32_bytes(&w)));
                 f32s.push((name.clone(), Dtype::F32, shape, f32_bytes(&w)));
@@ -1847,17 +1824,7 @@ mod tests {
         fp8_cfg["quantization_config"] = serde_json::json!({"quant_method": "fp8",
             "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [8, 8]});
         fs::write(a.join("config.json"), fp8_cfg.to_string()).unwrap();
-        for quant in [Quant::F32, Quant::Int4] {
-            let (oa, ob) = (a.join("out"), b.join("out"));
-            convert(&a, &oa, quant, &mut quiet()).unwrap();
-            convert(&b, &ob, quant, &mut quiet()).unwrap();
-            for file in [RESIDENT_FILE, EXPERTS_FILE] {
-                assert!(
-                    fs::read(oa.join(file)).unwrap() == fs::read(ob.join(file)).unwrap(),
-                    "{quant:?}: {file} differs"
-                );
-            }
-        }
+        assert_converts_alike(&a, &b, "FP8 blocks");
 
         // Refusals: no FP8 config, a missing scale, a scale of the wrong shape.
         fs::write(a.join("config.json"), cfg.to_string()).unwrap();
