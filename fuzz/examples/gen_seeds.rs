@@ -60,30 +60,12 @@ fn main() {
         b.extend(&x);
         b.extend(&y);
         write("checkpoint", &format!("a{arch}-sharded.bin"), &b);
-        // FP8 projections and FP4 experts with UE8M0 scales, under `FP_QUANT_CONFIG`.
-        let mut b = vec![arch as u8 | 32];
-        b.extend(serialize(&fp_quantized(tiny_tensors(
-            arch,
-            Dtype::F32,
-            false,
-        ))));
-        write("checkpoint", &format!("a{arch}-fp8-fp4.bin"), &b);
-        // compressed-tensors int4 (bit 6).
-        let mut b = vec![arch as u8 | 64];
-        b.extend(serialize(&int4_packed(tiny_tensors(
-            arch,
-            Dtype::F32,
-            false,
-        ))));
-        write("checkpoint", &format!("a{arch}-int4-packed.bin"), &b);
-        // compressed-tensors FP8 per channel (bit 7).
-        let mut b = vec![arch as u8 | 128];
-        b.extend(serialize(&fp8_per_channel(tiny_tensors(
-            arch,
-            Dtype::F32,
-            false,
-        ))));
-        write("checkpoint", &format!("a{arch}-fp8-channel.bin"), &b);
+        // Each quantized form (FP8 / FP4, compressed-tensors int4 and FP8) under its bit.
+        for (bit, name, form, _) in QUANTIZED_FORMS {
+            let mut b = vec![arch as u8 | bit];
+            b.extend(serialize(&form(tiny_tensors(arch, Dtype::F32, false))));
+            write("checkpoint", &format!("a{arch}-{name}.bin"), &b);
+        }
         // A config edit (nudge one value) in front of a valid checkpoint.
         let mut b = vec![arch as u8 | 16, 1, 9, 0, 6, 5, 0, 0, 0, 0, 0, 0, 0];
         b.extend(tiny_checkpoint(arch, Dtype::BF16, false));

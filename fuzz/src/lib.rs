@@ -233,6 +233,20 @@ fn nearest(x: f32, codes: impl Iterator<Item = (f32, u8)>) -> u8 {
         .1
 }
 
+/// The values of an F32 tensor.
+fn f32_values(t: &Tensor) -> Vec<f32> {
+    assert_eq!(t.dtype, Dtype::F32);
+    t.data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A tensor the quantized forms below store quantized: a 2-D projection weight.
+fn is_projection(name: &str, t: &Tensor) -> bool {
+    t.shape.len() == 2 && name.ends_with("_proj.weight")
+}
+
 /// `tensors` (all f32) as DeepSeek-V4 publishes such weights: routed experts FP4 (two e2m1
 /// codes per `I8` byte, a UE8M0 scale per 32 elements of a row under `X.scale`), the other
 /// projections FP8 e4m3 with UE8M0 scales per 4 x 4 block; every scale 1.0 (byte 127).
@@ -242,15 +256,9 @@ pub fn fp_quantized(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     ];
     let mut out = Vec::new();
     for (name, t) in tensors {
-        assert_eq!(t.dtype, Dtype::F32);
-        let vals: Vec<f32> = t
-            .data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let two_d = t.shape.len() == 2;
+        let vals = f32_values(&t);
         let base = name.strip_suffix(".weight").map(str::to_string);
-        let (Some(base), true) = (base, two_d && name.ends_with("_proj.weight")) else {
+        let (Some(base), true) = (base, is_projection(&name, &t)) else {
             out.push((name, t));
             continue;
         };
@@ -310,16 +318,11 @@ pub const INT4_CONFIG: &str = r#"{"quant_method": "compressed-tensors",
 pub fn int4_packed(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
     for (name, t) in tensors {
-        assert_eq!(t.dtype, Dtype::F32);
-        if t.shape.len() != 2 || !name.ends_with("_proj.weight") {
+        let vals = f32_values(&t);
+        if !is_projection(&name, &t) {
             out.push((name, t));
             continue;
         }
-        let vals: Vec<f32> = t
-            .data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let (groups, words) = (cols.div_ceil(4), cols.div_ceil(8));
         let mut scales = vec![0.0f32; rows * groups];
@@ -370,16 +373,11 @@ pub fn fp8_per_channel(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> 
     let table: Vec<(f32, u8)> = (0..=255u8).filter_map(|b| Some((e4m3(b)?, b))).collect();
     let mut out = Vec::new();
     for (name, t) in tensors {
-        assert_eq!(t.dtype, Dtype::F32);
-        if t.shape.len() != 2 || !name.ends_with("_proj.weight") {
+        let vals = f32_values(&t);
+        if !is_projection(&name, &t) {
             out.push((name, t));
             continue;
         }
-        let vals: Vec<f32> = t
-            .data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let scales: Vec<f32> = vals
             .chunks_exact(cols)
@@ -414,6 +412,17 @@ pub fn fp8_per_channel(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> 
     }
     out
 }
+
+/// A quantized form of a checkpoint's tensors (from all-f32 ones).
+pub type QuantizedForm = fn(Vec<(String, Tensor)>) -> Vec<(String, Tensor)>;
+
+/// The quantized checkpoint forms the `checkpoint` harness knows: its selector bit, a name
+/// (seed files), the tensors' form and the `quantization_config` that says so.
+pub const QUANTIZED_FORMS: [(u8, &str, QuantizedForm, &str); 3] = [
+    (32, "fp8-fp4", fp_quantized, FP_QUANT_CONFIG),
+    (64, "int4-packed", int4_packed, INT4_CONFIG),
+    (128, "fp8-channel", fp8_per_channel, FP8_CHANNEL_CONFIG),
+];
 
 /// A valid `model.safetensors` for tiny config `arch`.
 pub fn tiny_checkpoint(arch: usize, dtype: Dtype, fused: bool) -> Vec<u8> {
@@ -737,18 +746,14 @@ pub fn checkpoint(data: &[u8]) {
         config = Some(v.to_string());
         rest = &rest[1 + n..];
     }
-    // Bit 5: the checkpoint says it is FP8 / FP4 (`FP_QUANT_CONFIG`), bit 6 compressed-tensors
-    // int4 (`INT4_CONFIG`), bit 7 compressed-tensors FP8 per channel (`FP8_CHANNEL_CONFIG`;
-    // the highest bit wins); a valid one must still convert, load and run.
-    let quant_config = if sel & 128 != 0 {
-        Some(FP8_CHANNEL_CONFIG)
-    } else if sel & 64 != 0 {
-        Some(INT4_CONFIG)
-    } else if sel & 32 != 0 {
-        Some(FP_QUANT_CONFIG)
-    } else {
-        None
-    };
+    // Bits 5-7: the checkpoint says it is in one of `QUANTIZED_FORMS` (FP8 / FP4,
+    // compressed-tensors int4, compressed-tensors FP8; the highest bit wins); a valid one must
+    // still convert, load and run.
+    let quant_config = QUANTIZED_FORMS
+        .iter()
+        .rev()
+        .find(|form| sel & form.0 != 0)
+        .map(|form| form.3);
     if sel & 8 != 0 && rest.len() >= 2 {
         let at = u16::from_le_bytes([rest[0], rest[1]]) as usize;
         rest = &rest[2..];

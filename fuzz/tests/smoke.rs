@@ -167,68 +167,29 @@ fn tiny_models_convert_load_and_run() {
     for m in 0..6u8 {
         model_dir(&[m, 1]); // unmodified files
     }
-    // The FP8 / FP4 form of each tiny checkpoint converts (and then loads and runs).
+    // Each quantized form of each tiny checkpoint converts (and then loads and runs).
     for arch in 0..3usize {
-        let dir = scratch("fp-quant");
-        let packed = serialize(&fp_quantized(tiny_tensors(arch, Dtype::F32, false)));
-        write_checkpoint(&dir, arch, &[&packed]);
-        let mut v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
-                .unwrap();
-        v["quantization_config"] = serde_json::from_str(FP_QUANT_CONFIG).unwrap();
-        std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
-        let out = dir.join("out");
-        colibri_engine::convert::convert(
-            &dir,
-            &out,
-            colibri_engine::format::Quant::Int4,
-            &mut |_, _, _| {},
-        )
-        .unwrap_or_else(|e| panic!("arch {arch}: {e}"));
-        std::fs::remove_dir_all(&dir).unwrap();
-        let mut b = vec![arch as u8 | 32];
-        b.extend(&packed);
-        checkpoint(&b);
-        // ...and so does its compressed-tensors int4 form.
-        let dir = scratch("int4-packed");
-        let packed = serialize(&int4_packed(tiny_tensors(arch, Dtype::F32, false)));
-        write_checkpoint(&dir, arch, &[&packed]);
-        let mut v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
-                .unwrap();
-        v["quantization_config"] = serde_json::from_str(INT4_CONFIG).unwrap();
-        std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
-        colibri_engine::convert::convert(
-            &dir,
-            &dir.join("out"),
-            colibri_engine::format::Quant::Int4,
-            &mut |_, _, _| {},
-        )
-        .unwrap_or_else(|e| panic!("arch {arch}, packed int4: {e}"));
-        std::fs::remove_dir_all(&dir).unwrap();
-        let mut b = vec![arch as u8 | 64];
-        b.extend(&packed);
-        checkpoint(&b);
-        // ...and its compressed-tensors FP8 form.
-        let dir = scratch("fp8-channel");
-        let fp8 = serialize(&fp8_per_channel(tiny_tensors(arch, Dtype::F32, false)));
-        write_checkpoint(&dir, arch, &[&fp8]);
-        let mut v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
-                .unwrap();
-        v["quantization_config"] = serde_json::from_str(FP8_CHANNEL_CONFIG).unwrap();
-        std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
-        colibri_engine::convert::convert(
-            &dir,
-            &dir.join("out"),
-            colibri_engine::format::Quant::Int4,
-            &mut |_, _, _| {},
-        )
-        .unwrap_or_else(|e| panic!("arch {arch}, FP8 per channel: {e}"));
-        std::fs::remove_dir_all(&dir).unwrap();
-        let mut b = vec![arch as u8 | 128];
-        b.extend(&fp8);
-        checkpoint(&b);
+        for (bit, name, form, config) in QUANTIZED_FORMS {
+            let dir = scratch(name);
+            let tensors = serialize(&form(tiny_tensors(arch, Dtype::F32, false)));
+            write_checkpoint(&dir, arch, &[&tensors]);
+            let mut v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                    .unwrap();
+            v["quantization_config"] = serde_json::from_str(config).unwrap();
+            std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
+            colibri_engine::convert::convert(
+                &dir,
+                &dir.join("out"),
+                colibri_engine::format::Quant::Int4,
+                &mut |_, _, _| {},
+            )
+            .unwrap_or_else(|e| panic!("arch {arch}, {name}: {e}"));
+            std::fs::remove_dir_all(&dir).unwrap();
+            let mut b = vec![arch as u8 | bit];
+            b.extend(&tensors);
+            checkpoint(&b);
+        }
     }
     cleanup_thread_scratch();
 }
