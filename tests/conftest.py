@@ -130,3 +130,17 @@ def assert_a_slot_file_restart_is_cold(
     got = list(warm)
     assert warm.reused_tokens == len(history)
     assert got == list(Engine(model, threads=1).generate(longer, 6))
+
+
+def read_safetensors(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file's header and data block (bf16 has no numpy dtype, so the tests edit
+    the file's own bytes: a header of names, dtypes, shapes and offsets, then the data)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def write_safetensors(path: Path, header: dict, data: bytes) -> None:
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)

@@ -7,10 +7,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
+
+from .conftest import read_safetensors, write_safetensors
 
 TIKTOKEN = Path(__file__).parent / "fixtures" / "tiktoken"
 FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py")
@@ -64,3 +67,40 @@ def reference(tokenizer_dir: Path, vocab: int) -> tiktoken.Encoding:
         mergeable_ranks=ranks,
         special_tokens=specials,
     )
+
+
+def kimi_k25_checkpoint(weights: Path, dst: Path, ranks: int) -> Path:
+    """``kimi_checkpoint`` in the form Kimi K2.5 and later are published in: the text model of
+    a ``KimiK25ForConditionalGeneration`` (its config as ``text_config``, its tensors under
+    ``language_model.``) beside a vision tower and a projector (two small made-up tensors)."""
+    kimi_checkpoint(weights, dst, ranks)
+    text = json.loads((dst / "config.json").read_text())
+    del text["architectures"]
+    text["model_type"] = "kimi_k2"
+    wrapper = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "media_placeholder_token_id": ranks + 21,
+        "tie_word_embeddings": False,
+        "vision_config": {"patch_size": 14, "mm_hidden_size": 8},
+        "text_config": text,
+    }
+    (dst / "config.json").write_text(json.dumps(wrapper, indent=2))
+    for path in sorted(dst.glob("*.safetensors")):
+        header, data = read_safetensors(path)
+        renamed = {
+            k if k == "__metadata__" else f"language_model.{k}": v for k, v in header.items()
+        }
+        for name, shape in (
+            ("vision_tower.patch_embed.proj.weight", [8, 6]),
+            ("mm_projector.proj.0.weight", [8, 8]),
+        ):
+            size = 4 * shape[0] * shape[1]
+            renamed[name] = {
+                "dtype": "F32",
+                "shape": shape,
+                "data_offsets": [len(data), len(data) + size],
+            }
+            data += struct.pack(f"<{size // 4}f", *([0.125] * (size // 4)))
+        write_safetensors(path, renamed, data)
+    return dst

@@ -17,7 +17,14 @@ from colibri import convert
 from colibri._engine import architectures
 from colibri.runtime.engine import Engine
 
-from .conftest import FIXTURES, Reference, assert_a_slot_file_restart_is_cold, conversion_refusal
+from .conftest import (
+    FIXTURES,
+    Reference,
+    assert_a_slot_file_restart_is_cold,
+    conversion_refusal,
+    read_safetensors,
+    write_safetensors,
+)
 
 ARCH = "deepseek_v4"
 
@@ -105,20 +112,6 @@ def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(v4, converted, tmp_p
     assert_a_slot_file_restart_is_cold(
         converted(ARCH, "int4"), tmp_path / "kv", v4.prompts[2], v4.prompts[1][1:9], version=3
     )
-
-
-def read_safetensors(path: Path) -> tuple[dict, bytes]:
-    """A safetensors file's header and data block (bf16 has no numpy dtype, so the tests edit
-    the file's own bytes: a header of names, dtypes, shapes and offsets, then the data)."""
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
-
-
-def write_safetensors(path: Path, header: dict, data: bytes) -> None:
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
 
 
 def published_names(hf_dir: Path) -> None:

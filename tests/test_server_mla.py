@@ -24,7 +24,7 @@ from openai import OpenAI
 from colibri import convert
 
 from .conftest import FIXTURES
-from .kimi_tokenizer import kimi_checkpoint
+from .kimi_tokenizer import kimi_checkpoint, kimi_k25_checkpoint
 from .server import RunningServer, model_with_template
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
@@ -44,9 +44,12 @@ SERVED = {
     # Kimi K2: DeepSeek-V3's architecture with Kimi's tokenizer as Moonshot publishes it
     # (tiktoken files, no tokenizer.json: the conversion writes one) and tool-call sections.
     "kimi_k2": "kimi_k2",
+    # Kimi K2.5 and later: the same text model inside a KimiK25ForConditionalGeneration, a
+    # vision tower beside it; colibri converts and serves the text model alone.
+    "kimi_k25": "kimi_k2",
 }
 # Served entries whose weights are another fixture's.
-WEIGHTS = {"kimi_k2": "deepseek_v3"}
+WEIGHTS = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -86,12 +89,14 @@ def served(request, tmp_path_factory):
     weights = FIXTURES / WEIGHTS.get(arch, arch) / "hf"
     if arch == "kimi_k2":
         kimi_checkpoint(weights, hf, 440)  # 463 tokens: 440 ranks, 23 special
+    elif arch == "kimi_k25":
+        kimi_k25_checkpoint(weights, hf, 440)
     else:
         shutil.copytree(weights, hf)
     # The fixtures' 256 positions hold no tool preamble in a 463-token vocabulary; default rope
     # does not depend on the length, so the weights compute the same.
     cfg = json.loads((hf / "config.json").read_text())
-    cfg["max_position_embeddings"] = 4096
+    cfg.get("text_config", cfg)["max_position_embeddings"] = 4096
     (hf / "config.json").write_text(json.dumps(cfg))
     convert(hf, tmp / "int4", "int4")
     model = model_with_template(tmp / "int4", tmp / "model", chat_template(SERVED[arch]))

@@ -19,7 +19,7 @@ from colibri import Engine, _engine, convert
 from colibri.chat.template import ChatTemplate, sorts_tool_keys
 
 from .conftest import FIXTURES
-from .kimi_tokenizer import TIKTOKEN, kimi_checkpoint, reference, tiktoken_dir
+from .kimi_tokenizer import TIKTOKEN, kimi_checkpoint, kimi_k25_checkpoint, reference, tiktoken_dir
 
 RANKS = 2048
 # The fixture's 17 named special tokens and some reserved ones after them.
@@ -114,6 +114,16 @@ def test_a_tokenizer_that_cannot_be_read_is_refused_with_the_reason(tmp_path):
     for name, (change, want) in cases.items():
         err = refusal(tmp_path / name, change)
         assert want in err, (name, err)
+
+
+def test_a_kimi_k25_checkpoints_tokenizer_is_checked_before_its_weights(tmp_path):
+    """The check reads the vocabulary from the text model's config (K2.5 has it only in
+    ``text_config``): a pattern the gateway cannot read stops the conversion there too."""
+    hf = kimi_k25_checkpoint(FIXTURES / "deepseek_v3" / "hf", tmp_path / "hf", 400)
+    edit("tokenization_kimi.py", r'r"""\s+""",', r'r"""(?<x>\s+""",')(hf)
+    with pytest.raises(ValueError, match="the tokenizer made from tiktoken.model does not load"):
+        convert(hf, tmp_path / "out", "f32")
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_a_kimi_checkpoint_converts_and_its_engine_tokenizes_as_tiktoken(tmp_path):

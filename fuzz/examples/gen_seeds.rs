@@ -36,6 +36,17 @@ fn main() {
             write("config_json", &format!("fixture-{arch}.json"), &b);
         }
     }
+    // DeepSeek-V3's as the text model of a Kimi K2.5 (`convert::text_only`).
+    if let Ok(b) = fs::read(fixtures.join("deepseek_v3/hf/config.json")) {
+        let mut text: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        text.as_object_mut().unwrap().remove("architectures");
+        let wrapped = serde_json::json!({
+            "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "vision_config": {"patch_size": 14}, "text_config": text,
+        });
+        let b = serde_json::to_vec_pretty(&wrapped).unwrap();
+        write("config_json", "fixture-kimi_k25.json", &b);
+    }
 
     // checkpoint: [selector] + safetensors bytes, per arch, dtype and layout.
     for arch in 0..3usize {

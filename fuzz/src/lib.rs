@@ -700,6 +700,10 @@ pub fn config_json(data: &[u8]) {
             v
         }
     };
+    // A multimodal wrapper's text model, as conversion reads it (Kimi K2.5's).
+    let Ok((v, _)) = convert::text_only::text_model(&v) else {
+        return;
+    };
     if let Ok(c) = ModelConfig::from_hf(&v) {
         // A config that parses must also give a plan (shapes are computed there).
         let plan = convert::family_plan(&c);

@@ -925,6 +925,17 @@ fn tiktoken_tokenizer(hf_dir: PathBuf, vocab_size: usize) -> PyResult<String> {
     }
 }
 
+/// The config (as JSON text) of the model a checkpoint's config.json (`config`, JSON text)
+/// describes: itself for a text model, its text model's for a multimodal wrapper colibri serves
+/// as text (Kimi K2.5's), as conversion reads it.
+#[pyfunction]
+fn text_model_config(config: &str) -> PyResult<String> {
+    let v: serde_json::Value = serde_json::from_str(config)
+        .map_err(|e| PyValueError::new_err(format!("config.json: invalid JSON: {e}")))?;
+    let (text, _) = convert::text_only::text_model(&v).map_err(to_py)?;
+    Ok(text.to_string())
+}
+
 #[pyfunction]
 fn default_kernel() -> &'static str {
     crate::quant::kernel().name()
@@ -962,6 +973,7 @@ fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(upgrade_model, m)?)?;
     m.add_function(wrap_pyfunction!(default_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(tiktoken_tokenizer, m)?)?;
+    m.add_function(wrap_pyfunction!(text_model_config, m)?)?;
     m.add_function(wrap_pyfunction!(memory_plan, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(architectures, m)?)?;

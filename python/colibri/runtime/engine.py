@@ -360,7 +360,8 @@ def check_tiktoken_tokenizer(hf_dir: Path) -> None:
     if (hf_dir / "tokenizer.json").is_file() or not (hf_dir / "tiktoken.model").is_file():
         return
     try:
-        vocab = int(json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+        raw = (hf_dir / "config.json").read_text(encoding="utf-8")
+        vocab = int(json.loads(_engine.text_model_config(raw))["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return  # the converter names what is wrong with config.json
     text = _engine.tiktoken_tokenizer(str(hf_dir), vocab)

@@ -26,9 +26,11 @@ mod compressed_tensors;
 mod fp8;
 #[cfg(test)]
 mod random_shapes_tests;
+pub mod text_only;
 pub mod tiktoken;
 use compressed_tensors::{CompressedTensors, PackedInt4};
 use fp8::Fp8Config;
+use text_only::TextOnly;
 
 fn ck(msg: impl Into<String>) -> Error {
     Error::Checkpoint(msg.into())
@@ -63,11 +65,13 @@ struct Checkpoint {
 
 impl Checkpoint {
     /// Opens the checkpoint's shards; `rename` maps its tensor names to the ones the plan
-    /// reads (a family whose checkpoints use other names than transformers' modules).
+    /// reads (a family whose checkpoints use other names than transformers' modules), after
+    /// `text` has taken a multimodal wrapper's text model's names to a text model's.
     fn open(
         dir: &Path,
         config: &serde_json::Value,
         rename: Option<fn(&str) -> String>,
+        text: Option<&TextOnly>,
     ) -> Result<Checkpoint> {
         // compressed-tensors: packed int4, or FP8 read by the FP8 path (its `X.weight_scale`
         // read as `X.weight_scale_inv`).
@@ -127,6 +131,7 @@ impl Checkpoint {
                     fp8.and_then(|_| fp8::scale_alias(name, |w| stored.contains(w)))
                 };
                 let name = alias.unwrap_or_else(|| name.to_string());
+                let name = text.map_or(name.clone(), |t| t.text_name(&name));
                 let name = rename.map_or_else(|| name.clone(), |f| f(&name));
                 let start = t.data().as_ptr() as usize - map.as_ptr() as usize;
                 let meta = TensorMeta {
@@ -970,8 +975,9 @@ pub fn convert_calibrated(
     }
     let cfg_path = hf_dir.join("config.json");
     let cfg_text = fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
-    let cfg_json: serde_json::Value = serde_json::from_str(&cfg_text)
+    let stored_json: serde_json::Value = serde_json::from_str(&cfg_text)
         .map_err(|e| ck(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
+    let (cfg_json, wrapper) = text_only::text_model(&stored_json)?;
     let cfg = ModelConfig::from_hf(&cfg_json)?;
     let tok_path = hf_dir.join("tokenizer.json");
     // A checkpoint with tiktoken files instead (Kimi's): its tokenizer.json is made here, before
@@ -989,7 +995,7 @@ pub fn convert_calibrated(
         }
         made
     };
-    let mut ckpt = Checkpoint::open(hf_dir, &cfg_json, cfg.family.checkpoint_name)?;
+    let mut ckpt = Checkpoint::open(hf_dir, &cfg_json, cfg.family.checkpoint_name, wrapper)?;
     let plan = family_plan(&cfg);
     ckpt.int_tables = plan
         .resident
@@ -1017,7 +1023,8 @@ pub fn convert_calibrated(
         if used.contains(name) || ckpt.is_weight_part(name) {
             continue;
         }
-        match plan::skip_reason(&cfg, name) {
+        let reason = wrapper.and_then(|w| w.skip_reason(name));
+        match reason.or_else(|| plan::skip_reason(&cfg, name)) {
             Some(reason) => {
                 skipped.insert(name.clone(), reason);
             }
@@ -1369,7 +1376,7 @@ mod tests {
         let src = fixture(arch);
         let cfg: serde_json::Value =
             serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-        let ckpt = Checkpoint::open(&src, &cfg, None).unwrap();
+        let ckpt = Checkpoint::open(&src, &cfg, None, None).unwrap();
         let mut names: Vec<String> = ckpt.index.keys().cloned().collect();
         names.sort();
         (cfg, ckpt, names)
@@ -1643,17 +1650,19 @@ mod tests {
         }
     }
 
-    /// A compressed-tensors int4 DeepSeek-V3 checkpoint (Kimi K2 Thinking's form: every linear
-    /// projection packed, groups of 32 with bf16 scales, partial last groups, the weight's
-    /// shape stored beside it) converts to exactly the model of an f32 checkpoint holding the
-    /// dequantized weights, f32 and int4; refusals name the tensor.
-    #[test]
-    fn a_packed_int4_checkpoint_converts_as_its_dequantized_weights() {
-        let (cfg, ckpt, names) = fixture_checkpoint("deepseek_v3");
-        let group = 32;
+    type Tensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
+
+    /// A fixture's tensors with every projection packed as compressed-tensors int4 (groups of
+    /// `group`, bf16 scales, `X.weight_shape` beside), the same tensors in f32 with those
+    /// projections dequantized, and how many projections were packed.
+    fn packed_int4_tensors(
+        ckpt: &Checkpoint,
+        names: &[String],
+        group: usize,
+    ) -> (Tensors, Tensors, usize) {
         let (mut packed, mut f32s) = (Vec::new(), Vec::new());
         let mut quantized = 0;
-        for name in &names {
+        for name in names {
             let (w, shape) = ckpt.read_any(name).unwrap();
             if shape.len() != 2 || !name.ends_with("_proj.weight") {
                 packed.push((name.clone(), Dtype::F32, shape.clone(), f32_bytes(&w)));
@@ -1704,6 +1713,29 @@ mod tests {
             packed.push((format!("{name}_shape"), Dtype::I32, vec![2], dims));
             f32s.push((name.clone(), Dtype::F32, shape, f32_bytes(&deq)));
         }
+        (packed, f32s, quantized)
+    }
+
+    /// compressed-tensors' `quantization_config` for packed int4 in groups of `group`.
+    fn packed_int4_config(group: usize) -> serde_json::Value {
+        serde_json::json!({
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
+                "output_activations": null, "weights": {"num_bits": 4, "type": "int",
+                "symmetric": true, "strategy": "group", "group_size": group,
+                "dynamic": false}}}})
+    }
+
+    /// A compressed-tensors int4 DeepSeek-V3 checkpoint (Kimi K2 Thinking's form: every linear
+    /// projection packed, groups of 32 with bf16 scales, partial last groups, the weight's
+    /// shape stored beside it) converts to exactly the model of an f32 checkpoint holding the
+    /// dequantized weights, f32 and int4; refusals name the tensor.
+    #[test]
+    fn a_packed_int4_checkpoint_converts_as_its_dequantized_weights() {
+        let (cfg, ckpt, names) = fixture_checkpoint("deepseek_v3");
+        let group = 32;
+        let (packed, f32s, quantized) = packed_int4_tensors(&ckpt, &names, group);
         assert!(quantized >= 10, "{quantized} packed weights");
         let (a, b) = (
             scratch_copy("deepseek_v3", "int4-packed"),
@@ -1712,13 +1744,7 @@ mod tests {
         write_shard(&a, &packed);
         write_shard(&b, &f32s);
         let mut int4_cfg = cfg.clone();
-        int4_cfg["quantization_config"] = serde_json::json!({
-            "quant_method": "compressed-tensors", "format": "pack-quantized",
-            "quantization_status": "compressed", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
-                "output_activations": null, "weights": {"num_bits": 4, "type": "int",
-                "symmetric": true, "strategy": "group", "group_size": group,
-                "dynamic": false}}}});
+        int4_cfg["quantization_config"] = packed_int4_config(group);
         fs::write(a.join("config.json"), int4_cfg.to_string()).unwrap();
         assert_converts_alike(&a, &b, "packed int4");
 
@@ -1763,6 +1789,115 @@ mod tests {
         t.push(w);
         let e = refusal(&t, &int4_cfg);
         assert!(e.contains("stored both plain and packed"), "{e}");
+    }
+
+    /// Kimi K2.5's form: the DeepSeek-V3 fixture as the text model of a
+    /// `KimiK25ForConditionalGeneration` (its config as `text_config`, its tensors under
+    /// `language_model.`, a vision tower and projector beside) converts to the fixture's own
+    /// model, f32 and int4, plain and with packed int4 projections quantized as the wrapper's
+    /// top-level config says; the vision tensors are listed as skipped, and a tensor outside
+    /// both is refused by name.
+    #[test]
+    fn kimi_k25s_text_model_converts_as_the_text_model_alone() {
+        let (cfg, ckpt, names) = fixture_checkpoint("deepseek_v3");
+        let vision = |d: usize| -> Tensors {
+            vec![
+                (
+                    "vision_tower.encoder.blocks.0.wqkv.weight".into(),
+                    Dtype::F32,
+                    vec![3 * d, d],
+                    f32_bytes(&vec![0.5; 3 * d * d]),
+                ),
+                (
+                    "mm_projector.proj.0.weight".into(),
+                    Dtype::F32,
+                    vec![d, d],
+                    f32_bytes(&vec![0.25; d * d]),
+                ),
+            ]
+        };
+        let wrapped = |tensors: &Tensors| -> Tensors {
+            let mut out: Tensors = tensors
+                .iter()
+                .map(|(n, d, s, b)| (format!("language_model.{n}"), *d, s.clone(), b.clone()))
+                .collect();
+            out.extend(vision(16));
+            out
+        };
+        let wrapper = |text: &serde_json::Value| {
+            let mut text = text.clone();
+            text.as_object_mut().unwrap().remove("architectures");
+            text["model_type"] = "kimi_k2".into();
+            serde_json::json!({
+                "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                "media_placeholder_token_id": 163605, "tie_word_embeddings": false,
+                "vision_config": {"patch_size": 14, "mm_hidden_size": 16}, "text_config": text,
+            })
+        };
+        let plain: Tensors = names
+            .iter()
+            .map(|n| {
+                let (w, shape) = ckpt.read_any(n).unwrap();
+                (n.clone(), Dtype::F32, shape, f32_bytes(&w))
+            })
+            .collect();
+        let (a, b) = (
+            scratch_copy("deepseek_v3", "k25-wrapped"),
+            scratch_copy("deepseek_v3", "k25-text"),
+        );
+        write_shard(&a, &wrapped(&plain));
+        fs::write(a.join("config.json"), wrapper(&cfg).to_string()).unwrap();
+        write_shard(&b, &plain);
+        assert_converts_alike(&a, &b, "Kimi K2.5 wrapper");
+        let out = a.join("listed");
+        convert(&a, &out, Quant::Int4, &mut quiet()).unwrap();
+        let m = read_manifest(&out).unwrap();
+        assert_eq!(m.architecture, "DeepseekV3ForCausalLM");
+        assert!(m.config.get("vision_config").is_none());
+        let skipped: Vec<(&str, &str)> = m
+            .skipped_tensors
+            .iter()
+            .filter(|(n, _)| !n.starts_with("language_model."))
+            .map(|(n, r)| (n.as_str(), r.as_str()))
+            .collect();
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        for (name, reason) in skipped {
+            let part = if name.starts_with("vision_tower.") {
+                "vision tower"
+            } else {
+                "multimodal projector"
+            };
+            assert_eq!(
+                reason,
+                format!("{part} of KimiK25ForConditionalGeneration: colibri serves its text model alone")
+            );
+        }
+
+        // Packed int4 projections, quantization_config at the wrapper's top level.
+        let (packed, f32s, _) = packed_int4_tensors(&ckpt, &names, 32);
+        write_shard(&a, &wrapped(&packed));
+        let mut packed_cfg = wrapper(&cfg);
+        packed_cfg["quantization_config"] = packed_int4_config(32);
+        fs::write(a.join("config.json"), packed_cfg.to_string()).unwrap();
+        write_shard(&b, &f32s);
+        assert_converts_alike(&a, &b, "Kimi K2.5 wrapper, packed int4");
+
+        // Neither the text model nor a part the wrapper names: refused by name.
+        let mut stray = wrapped(&plain);
+        stray.push((
+            "audio_tower.w".into(),
+            Dtype::F32,
+            vec![2],
+            f32_bytes(&[1.0, 2.0]),
+        ));
+        write_shard(&a, &stray);
+        fs::write(a.join("config.json"), wrapper(&cfg).to_string()).unwrap();
+        let e = convert(&a, &a.join("x"), Quant::F32, &mut quiet())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unexpected tensor `audio_tower.w`"), "{e}");
+        fs::remove_dir_all(&a).unwrap();
+        fs::remove_dir_all(&b).unwrap();
     }
 
     /// An FP8 block-quantized DeepSeek-V3 checkpoint (every linear projection e4m3 with scales

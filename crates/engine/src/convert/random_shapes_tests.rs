@@ -74,7 +74,7 @@ fn write_checkpoint(arch: &str, cfg_json: &serde_json::Value, dir: &Path, rng: &
     let base_json: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let base_cfg = ModelConfig::from_hf(&base_json).unwrap();
-    let ck = Checkpoint::open(&src, &base_json, base_cfg.family.checkpoint_name).unwrap();
+    let ck = Checkpoint::open(&src, &base_json, base_cfg.family.checkpoint_name, None).unwrap();
     let cfg = ModelConfig::from_hf(cfg_json).unwrap();
     let plan = family_plan(&cfg);
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>, Dtype)> = Vec::new();
