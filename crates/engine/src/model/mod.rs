@@ -22,6 +22,8 @@ pub mod qwen3_next;
 pub mod registry;
 
 #[cfg(test)]
+mod published_configs_tests;
+#[cfg(test)]
 mod tests;
 
 use std::path::{Path, PathBuf};
