@@ -723,7 +723,7 @@ fn checkpoint_dir() -> PathBuf {
     DIR.with(|d| d.clone())
 }
 
-/// Harness (b): byte 0 = `arch % 3`, bit 2 = f32 output instead of int4, bit 3 = split the
+/// Harness (b): byte 0's bits 0-1 = the tiny config (3 as 0), bit 2 = f32 output instead of int4, bit 3 = split the
 /// safetensors bytes into two shards at the position in the next 2 bytes, bit 4 = the next byte
 /// `k` then `11 * k` bytes of [`edit_json`] ops change the config (so it can disagree with the
 /// tensors). The rest is the safetensors file(s).
@@ -731,7 +731,7 @@ pub fn checkpoint(data: &[u8]) {
     let Some((&sel, mut rest)) = data.split_first() else {
         return;
     };
-    let arch = sel as usize % 3;
+    let arch = (sel & 3) as usize % 3;
     let quant = if sel & 4 != 0 {
         Quant::F32
     } else {

@@ -28,7 +28,19 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
     }
     c.attention = AttentionKind::Gqa;
     c.qk_norm = QkNorm::Full;
-    c.clip_qkv = r.get("clip_qkv").and_then(|v| v.as_f64()).map(|x| x as f32);
+    c.clip_qkv = match r.get("clip_qkv") {
+        None => None,
+        Some(_) => {
+            let clip = r.f64_or("clip_qkv", 0.0)?;
+            // q, k and v are clamped to [-clip, clip]: a negative bound has no values in it.
+            if clip < 0.0 {
+                return Err(bad(format!(
+                    "config.json: `clip_qkv` {clip} must be a non-negative number (or null)"
+                )));
+            }
+            Some(clip as f32)
+        }
+    };
     c.num_experts = r.size_req("num_experts", 0, MAX_DIM)?;
     c.moe_intermediate_size = c.intermediate_size;
     c.routing = Routing::SoftmaxTopK {
@@ -36,4 +48,38 @@ fn configure(r: &Reader, c: &mut ModelConfig) -> Result<()> {
     };
     c.layers = vec![FfnKind::Moe; c.num_layers];
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use crate::config::ModelConfig;
+    use crate::testutil::fixture;
+
+    fn olmoe() -> Value {
+        let text = std::fs::read_to_string(fixture("olmoe").join("config.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// Found by fuzzing: a negative `clip_qkv` reached the clamp (whose range it empties) and
+    /// panicked in the first forward pass; a string was silently read as no clip.
+    #[test]
+    fn clip_qkv_is_a_non_negative_number_or_null() {
+        for (value, want) in [
+            (json!(null), None),
+            (json!(8.0), Some(8.0)),
+            (json!(0), Some(0.0)),
+        ] {
+            let mut v = olmoe();
+            v["clip_qkv"] = value;
+            assert_eq!(ModelConfig::from_hf(&v).unwrap().clip_qkv, want);
+        }
+        for value in [json!(-1.0), json!("8"), json!(-1e300)] {
+            let mut v = olmoe();
+            v["clip_qkv"] = value.clone();
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains("`clip_qkv`"), "{value}: {e}");
+        }
+    }
 }
