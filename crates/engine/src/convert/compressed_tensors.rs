@@ -179,6 +179,28 @@ pub(super) fn row_bytes(cols: usize) -> usize {
     cols.div_ceil(8) * 4
 }
 
+/// Why `name` is not converted when it is a calibrated scale of an FP8 KV cache: a
+/// compressed-tensors checkpoint with a `kv_cache_scheme` stores one beside each attention's
+/// projections (`X.k_scale`, `X.v_scale`) for engines that keep the cache in FP8. That is a
+/// serving choice, not part of the weights: colibri keeps its own KV dtype, so they are skipped
+/// (without the scheme, such a tensor is unexpected and refused as any other).
+pub(super) fn kv_cache_scale_reason(cfg: &Value, name: &str) -> Option<String> {
+    let q = cfg.get("quantization_config")?;
+    let scheme = q.get("kv_cache_scheme").filter(|s| s.is_object())?;
+    if q.get("quant_method").and_then(Value::as_str) != Some("compressed-tensors") {
+        return None;
+    }
+    let kind = [".k_scale", ".v_scale"]
+        .into_iter()
+        .find(|suffix| name.ends_with(suffix))?;
+    Some(format!(
+        "calibrated {} of an FP8 KV cache (quantization_config.kv_cache_scheme {}): colibri \
+         keeps its own KV cache dtype",
+        &kind[1..],
+        scheme.get("type").and_then(Value::as_str).unwrap_or("?")
+    ))
+}
+
 /// Elements `first..first + count` of the flattened `[rows, cols]` weight stored as `packed`
 /// (rows of [`row_bytes`]), dequantized with `scales` (`[rows, ceil(cols / group)]`).
 pub(super) fn dequantize(

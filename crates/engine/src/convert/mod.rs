@@ -1023,8 +1023,11 @@ pub fn convert_calibrated(
         if used.contains(name) || ckpt.is_weight_part(name) {
             continue;
         }
-        let reason = wrapper.and_then(|w| w.skip_reason(name));
-        match reason.or_else(|| plan::skip_reason(&cfg, name)) {
+        let reason = wrapper
+            .and_then(|w| w.skip_reason(name))
+            .or_else(|| compressed_tensors::kv_cache_scale_reason(&cfg_json, name))
+            .or_else(|| plan::skip_reason(&cfg, name));
+        match reason {
             Some(reason) => {
                 skipped.insert(name.clone(), reason);
             }
@@ -1896,6 +1899,60 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("unexpected tensor `audio_tower.w`"), "{e}");
+        fs::remove_dir_all(&a).unwrap();
+        fs::remove_dir_all(&b).unwrap();
+    }
+
+    /// A compressed-tensors checkpoint quantized with an FP8 KV-cache scheme stores calibrated
+    /// `k_scale` / `v_scale` beside each attention: with the scheme they are skipped with the
+    /// reason (the model converts as without them); without it they are refused by name.
+    #[test]
+    fn an_fp8_kv_cache_schemes_scales_are_skipped_with_the_reason() {
+        let (cfg, ckpt, names) = fixture_checkpoint("deepseek_v3");
+        let (mut packed, f32s, _) = packed_int4_tensors(&ckpt, &names, 32);
+        let layers = cfg["num_hidden_layers"].as_u64().unwrap();
+        for l in 0..layers {
+            for kind in ["k_scale", "v_scale"] {
+                let name = format!("model.layers.{l}.self_attn.{kind}");
+                packed.push((name, Dtype::F32, vec![], f32_bytes(&[0.0625])));
+            }
+        }
+        let (a, b) = (
+            scratch_copy("deepseek_v3", "kv-scheme"),
+            scratch_copy("deepseek_v3", "kv-scheme-deq"),
+        );
+        write_shard(&a, &packed);
+        write_shard(&b, &f32s);
+        let mut with_scheme = cfg.clone();
+        with_scheme["quantization_config"] = packed_int4_config(32);
+        with_scheme["quantization_config"]["kv_cache_scheme"] = serde_json::json!({
+            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": false,
+            "symmetric": true});
+        fs::write(a.join("config.json"), with_scheme.to_string()).unwrap();
+        assert_converts_alike(&a, &b, "kv_cache_scheme");
+        let out = a.join("listed");
+        convert(&a, &out, Quant::Int4, &mut quiet()).unwrap();
+        let skipped = read_manifest(&out).unwrap().skipped_tensors;
+        let reason = &skipped["model.layers.0.self_attn.v_scale"];
+        assert!(
+            reason.starts_with("calibrated v_scale of an FP8 KV cache"),
+            "{reason}"
+        );
+        assert_eq!(
+            skipped.keys().filter(|n| n.ends_with("_scale")).count(),
+            2 * layers as usize
+        );
+
+        let mut no_scheme = with_scheme.clone();
+        no_scheme["quantization_config"]["kv_cache_scheme"] = serde_json::Value::Null;
+        fs::write(a.join("config.json"), no_scheme.to_string()).unwrap();
+        let e = convert(&a, &a.join("x"), Quant::F32, &mut quiet())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unexpected tensor `model.layers.0.self_attn.k_scale`"),
+            "{e}"
+        );
         fs::remove_dir_all(&a).unwrap();
         fs::remove_dir_all(&b).unwrap();
     }
