@@ -270,10 +270,16 @@ impl Parser<'_> {
         while let Some((k, c)) = chars.next() {
             if c == '\\' {
                 if !raw {
+                    // The literal up to a few characters past the backslash (whole characters:
+                    // a byte count could end inside one).
+                    let shown: String = inner
+                        .char_indices()
+                        .take_while(|&(at, _)| at < k + 8)
+                        .map(|(_, c)| c)
+                        .collect();
                     return Err(format!(
-                        "pat_str: a plain string literal with an escape ({:?}); only raw \
-                         literals (r\"...\") are read",
-                        &inner[..inner.len().min(k + 8)]
+                        "pat_str: a plain string literal with an escape ({shown:?}); only raw \
+                         literals (r\"...\") are read"
                     ));
                 }
                 chars.next();
@@ -623,6 +629,9 @@ class T:
             ("pattern = r'x'", "no `pat_str = ...`"),
             ("if pat_str == r'x': pass", "no `pat_str = ...`"),
             ("pat_str = \"\\\\d\"", "only raw literals"),
+            // Found by fuzzing: the message cut the literal at a byte inside a character.
+            ("pat_str = \"\\\\d\u{fffd}\u{fffd}\"", "only raw literals"),
+            ("pat_str = \"\\\\€€€\"", "€€\")"),
             ("pat_str = PATTERN", "expected a string literal"),
             (
                 "pat_str = \"|\".join([r'a', PATTERN])",
