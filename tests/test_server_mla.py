@@ -193,12 +193,14 @@ def test_a_forced_call_is_valid_and_its_result_goes_back_in(served):
             tools=[WEATHER],
             tool_choice="required",
             parallel_tool_calls=False,
-            max_tokens=600,
+            # The grammar leaves a think block free and ends the output only after the call; a
+            # random model that opens one closes it when it happens to sample `</think>`.
+            max_tokens=4000,
             temperature=1.0,
             seed=seed,
         )
         choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls", (arch, choice)
+        assert choice.finish_reason == "tool_calls", (arch, choice, r.usage)
         (call,) = choice.message.tool_calls
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)

@@ -181,8 +181,9 @@ pub struct Constraint {
     state: GrammarState,
     /// The last generated tokens (as many as the trigger has), while pending.
     tail: Vec<u32>,
-    /// The mask for the next token, computed ahead (while the forward pass runs).
-    next_mask: Option<SimpleVob>,
+    /// The mask for the next token and whether the grammar accepts (may end) there, computed
+    /// ahead (while the forward pass runs).
+    next_mask: Option<(SimpleVob, bool)>,
     /// Compute the mask on another thread during the forward pass.
     overlap: bool,
     pub stats: MaskStats,
@@ -255,13 +256,16 @@ impl Constraint {
             return Ok(());
         }
         let t0 = Instant::now();
-        let mask = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| Error::Input(format!("grammar: {e}")));
+        let bad = |e: &dyn std::fmt::Display| Error::Input(format!("grammar: {e}"));
+        let mask = self.matcher.compute_mask_or_eos().map_err(|e| bad(&e));
+        // Asked of the parser, not read from the mask's end bit: that bit is also set where the
+        // end token's own bytes are allowed, and a config's end token may be a plain text token
+        // of the vocabulary (it would let the generation end in the middle of free text).
+        let accepts =
+            self.matcher.is_stopped() || self.matcher.is_accepting().map_err(|e| bad(&e))?;
         self.stats.compute += t0.elapsed();
         self.stats.masks += 1;
-        self.next_mask = Some(mask?);
+        self.next_mask = Some((mask?, accepts));
         Ok(())
     }
 
@@ -276,8 +280,7 @@ impl Constraint {
             self.compute_mask()?;
             self.stats.wait += t0.elapsed();
         }
-        let mask = self.next_mask.take().expect("mask computed above");
-        let accepts = mask.is_allowed(self.eos);
+        let (mask, accepts) = self.next_mask.take().expect("mask computed above");
         let mut any = false;
         for (i, l) in logits.iter_mut().enumerate() {
             let tok = i as u32;
@@ -420,6 +423,31 @@ mod tests {
         c.apply(&mut logits).unwrap();
         assert!(ends(&env).iter().all(|&e| logits[e as usize] == 0.0));
         assert!(c.advance(ends(&env)[1]).unwrap());
+        assert_eq!(c.state(), GrammarState::Satisfied);
+    }
+
+    /// A model whose config names a plain text token as its end (a Kimi-tokenizer test
+    /// checkpoint's `eos_token_id` 2 is a byte): the end tokens are still allowed only where
+    /// the grammar accepts, not wherever free text would allow that byte.
+    #[test]
+    fn a_text_token_as_the_end_does_not_end_free_text() {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        words.push(b"\xFF[EOS]".to_vec());
+        let env = GrammarEnv::from_token_bytes(&words, b'#' as u32).unwrap();
+        let ends = vec![b'#' as u32, 256];
+        let m = env.compile(GrammarKind::Regex, "a[^z]*z+").unwrap();
+        let mut c = Constraint::new(&env, m, Vec::new(), ends.clone()).unwrap();
+        for tok in [b'a', b'b', b'z'] {
+            let mut logits = vec![0.0f32; env.vocab_size()];
+            assert!(c.apply(&mut logits).unwrap());
+            let open = ends.iter().map(|&e| logits[e as usize] == 0.0);
+            assert!(open.clone().all(|o| !o), "before {:?}", tok as char);
+            assert!(!c.advance(tok as u32).unwrap());
+        }
+        let mut logits = vec![0.0f32; env.vocab_size()];
+        c.apply(&mut logits).unwrap();
+        assert!(ends.iter().all(|&e| logits[e as usize] == 0.0));
+        assert!(c.advance(256).unwrap());
         assert_eq!(c.state(), GrammarState::Satisfied);
     }
 
