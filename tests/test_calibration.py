@@ -124,11 +124,10 @@ UNCHANGED = {
         "7320deb30def56e8796209ff00cbe4abc5186bbdaf90288b8a4dba838d0bd21a",
         "bc9b55975e29041f820fe07185b7a118726ce0fe7a21fc8b67a5388281d9fbd7",
     ),
-    # resident.bin gained `kv_b_uk` (W_uk for the expanded MLA prefill, issue 31) after each
-    # layer's attention tensors; laid out again without it, the file hashes to the value before
-    # (b88cac3d...), so every other tensor kept its bytes; the experts' are as before.
+    # (resident.bin held a derived `kv_b_uk` per layer for a while, issue 31; the expanded MLA
+    # prefill now makes it from `kv_b_uk_t` per pass, and the file is the one before it.)
     ("deepseek_v3", "pure"): (
-        "bbd453225a6abd6ac617da82bdb17ec3f22f11a33a8aa8949e91a92c269c1d87",
+        "b88cac3dcb10bd34991cce37c70bca3facc09fe9047184caba5b0a7c586c6525",
         "4ec33336c1d39f7e558c7ec1879d501fe6f7053cae5e814ebbbb1e064d1d9e5a",
     ),
 }

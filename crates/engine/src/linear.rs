@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use crate::format::DType;
 use crate::pool::Pool;
-use crate::quant::{self, Kernel, OutView, Q4Matrix, Q8Acts, Q8Matrix};
+use crate::quant::{self, Kernel, OutView, Q4Matrix, Q8Acts, Q8Matrix, StoredActs};
 
 /// A weight matrix `[rows, cols]` (a linear layer `y = W x`) inside some byte buffer.
 #[derive(Clone, Copy, Debug)]
@@ -77,6 +77,9 @@ pub struct Acts {
     pub cols: usize,
     q8: Q8Acts,
     q8_ready: bool,
+    /// With [`Acts::exact`]: the values in the int4 / 8-bit weights' stored order, which those
+    /// weights multiply unrounded (`quant::q4_exact_into`) instead of by the 8-bit form.
+    stored: Option<StoredActs>,
 }
 
 impl Acts {
@@ -87,12 +90,23 @@ impl Acts {
             cols: 0,
             q8: Q8Acts::new(),
             q8_ready: false,
+            stored: None,
         }
     }
 
     pub fn from_vec(x: Vec<f32>, n: usize, cols: usize) -> Acts {
         let mut a = Acts::new();
         a.set(x, n, cols);
+        a
+    }
+
+    /// Activations that every weight multiplies unrounded: int4 and 8-bit weights read them as
+    /// f32 ([`crate::quant::StoredActs`]), never as their 8-bit form (`prepare` does nothing).
+    /// For products whose results must agree with the same arithmetic done in another order
+    /// (MLA's absorbed and expanded forms).
+    pub fn exact(x: Vec<f32>, n: usize, cols: usize) -> Acts {
+        let mut a = Acts::from_vec(x, n, cols);
+        a.stored = Some(StoredActs::new(&a.x, n, cols));
         a
     }
 
@@ -103,6 +117,7 @@ impl Acts {
         self.n = n;
         self.cols = cols;
         self.q8_ready = false;
+        self.stored = None;
     }
 
     /// Rows `rows` of these activations (in that order), as a product input: the 8-bit form
@@ -112,6 +127,12 @@ impl Acts {
         let mut a = Acts::new();
         a.n = rows.len();
         a.cols = self.cols;
+        if self.stored.is_some() {
+            let x = rows
+                .iter()
+                .flat_map(|&r| &self.x[r * self.cols..(r + 1) * self.cols]);
+            return Acts::exact(x.copied().collect(), rows.len(), self.cols);
+        }
         if f32_too || !self.q8_ready {
             a.x = Vec::with_capacity(rows.len() * self.cols);
             for &r in rows {
@@ -128,7 +149,7 @@ impl Acts {
     /// Makes the 8-bit form available when `needs_q8` (some weight reading these activations
     /// is int4 or 8-bit: `DType::takes_q8_acts`).
     pub fn prepare(&mut self, needs_q8: bool) {
-        if needs_q8 && !self.q8_ready {
+        if needs_q8 && !self.q8_ready && self.stored.is_none() {
             self.q8.quantize(&self.x, self.n, self.cols);
             self.q8_ready = true;
         }
@@ -253,14 +274,20 @@ fn string_together(small: Vec<(WorkItem, usize)>, threads: usize) -> Vec<Vec<Wor
 fn matmul_view(k: Kernel, w: WeightRef, x: &Acts, out: OutView) {
     match w {
         WeightRef::F32(d) => quant::f32_matmul_into(k, d, x.cols, &x.x, out),
-        WeightRef::Q4(m) => {
-            debug_assert!(x.q8_ready, "Acts::prepare must run before an int4 product");
-            quant::q4_matmul_into(k, &m, &x.q8, out)
-        }
-        WeightRef::Q8(m) => {
-            debug_assert!(x.q8_ready, "Acts::prepare must run before an 8-bit product");
-            quant::q8_matmul_into(k, &m, &x.q8, out)
-        }
+        WeightRef::Q4(m) => match &x.stored {
+            Some(stored) => quant::q4_exact_into(k, &m, stored, out),
+            None => {
+                debug_assert!(x.q8_ready, "Acts::prepare must run before an int4 product");
+                quant::q4_matmul_into(k, &m, &x.q8, out)
+            }
+        },
+        WeightRef::Q8(m) => match &x.stored {
+            Some(stored) => quant::q8_exact_into(k, &m, stored, out),
+            None => {
+                debug_assert!(x.q8_ready, "Acts::prepare must run before an 8-bit product");
+                quant::q8_matmul_into(k, &m, &x.q8, out)
+            }
+        },
     }
 }
 

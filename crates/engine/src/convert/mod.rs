@@ -571,38 +571,6 @@ fn encode(
     }
 }
 
-/// The values a stored matrix holds (what the kernels multiply by).
-fn decode(bytes: &[u8], shape: &[usize], dtype: DType) -> Result<Vec<f32>> {
-    let (rows, cols) = (shape[0], shape[1]);
-    let bad = |e: quant::QuantError| Error::Format(format!("re-reading a matrix written: {e}"));
-    Ok(match dtype {
-        DType::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        DType::Q4 => quant::Q4Matrix::new(bytes, rows, cols)
-            .map_err(bad)?
-            .dequantize(),
-        DType::Q8 => quant::Q8Matrix::new(bytes, rows, cols)
-            .map_err(bad)?
-            .dequantize(),
-    })
-}
-
-/// `x` as `blocks` row blocks of `[rows, cols]` each, every block transposed to `[cols, rows]`.
-fn transpose_blocks(x: &[f32], blocks: usize, rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; x.len()];
-    for b in 0..blocks {
-        let (src, dst) = (&x[b * rows * cols..], &mut out[b * rows * cols..]);
-        for r in 0..rows {
-            for c in 0..cols {
-                dst[c * rows + r] = src[r * cols + c];
-            }
-        }
-    }
-    out
-}
-
 fn encoded_len(shape: &[usize], dtype: DType) -> usize {
     match dtype {
         DType::F32 => shape.iter().product::<usize>() * 4,
@@ -748,7 +716,7 @@ fn expert_shape(cfg: &ModelConfig, part: &str) -> Vec<usize> {
 /// Every tensor the plan reads, checked against the checkpoint's headers before any output.
 fn check_plan(ckpt: &Checkpoint, plan: &Plan, cfg: &ModelConfig) -> Result<()> {
     for spec in &plan.resident {
-        if (spec.optional && !ckpt.has(&spec.hf)) || spec.transpose_of.is_some() {
+        if spec.optional && !ckpt.has(&spec.hf) {
             continue;
         }
         ckpt.check(&spec.hf, &spec.source_shape())?;
@@ -1061,35 +1029,10 @@ pub fn convert_calibrated(
     // Resident weights.
     let mut rw = AlignedWriter::create(out_dir.join(RESIDENT_FILE))?;
     let mut tensors = BTreeMap::new();
-    // The stored values of the matrices another one is made from.
-    let sources: std::collections::HashSet<&str> = plan
-        .resident
-        .iter()
-        .filter_map(|t| t.transpose_of.as_ref().map(|(of, _)| of.as_str()))
-        .collect();
-    let mut stored: HashMap<String, Vec<f32>> = HashMap::new();
     for spec in &plan.resident {
         progress(done, total, &spec.name);
         done += 1;
         if spec.optional && !ckpt.has(&spec.hf) {
-            continue;
-        }
-        if let Some((of, blocks)) = &spec.transpose_of {
-            let values = &stored[of];
-            let data = transpose_blocks(values, *blocks, spec.shape[1], spec.shape[0] / blocks);
-            let dtype = match tensors.get(of).map(|e: &TensorEntry| e.dtype) {
-                Some(DType::F32) => DType::F32,
-                _ => DType::Q8,
-            };
-            let bytes = encode(&data, &spec.shape, dtype, None, false);
-            let offset = rw.write_aligned(&bytes, TENSOR_ALIGN)?;
-            let entry = TensorEntry {
-                dtype,
-                shape: spec.shape.clone(),
-                offset,
-                nbytes: bytes.len(),
-            };
-            tensors.insert(spec.name.clone(), entry);
             continue;
         }
         let source_shape = spec.source_shape();
@@ -1110,9 +1053,6 @@ pub fn convert_calibrated(
             weighted.then_some(&rows as _),
             prec.q4_0_scales,
         );
-        if sources.contains(spec.name.as_str()) {
-            stored.insert(spec.name.clone(), decode(&bytes, &spec.shape, dtype)?);
-        }
         let offset = rw.write_aligned(&bytes, TENSOR_ALIGN)?;
         tensors.insert(
             spec.name.clone(),

@@ -27,10 +27,6 @@ pub struct TensorSpec {
     /// An integer table (DeepSeek-V4's `tid2eid`): the checkpoint may hold it as I32 / I64,
     /// stored as exact f32.
     pub int_table: bool,
-    /// Made from another matrix of the plan as stored (after its quantization), not read from
-    /// the checkpoint: `(name, blocks)`, each of that matrix's `blocks` row blocks transposed
-    /// (MLA's `W_uk` from `W_uk^T`, so both forms of attention multiply by the same weights).
-    pub transpose_of: Option<(String, usize)>,
 }
 
 /// A tensor cut from per-head row blocks of a checkpoint tensor `[heads * per_head, cols]`:
@@ -119,7 +115,6 @@ impl Plan {
             head_rows: None,
             plus_one: false,
             int_table: false,
-            transpose_of: None,
         });
     }
     /// A weight matrix cut from a checkpoint tensor of `cols` columns by `hr`.
@@ -133,24 +128,9 @@ impl Plan {
             head_rows: Some(hr),
             plus_one: false,
             int_table: false,
-            transpose_of: None,
         });
     }
     /// A `[rows, cols]` matrix made from the plan's matrix `of` as stored, each of its
-    /// `blocks` row blocks transposed ([`TensorSpec::transpose_of`]); `hf` is the checkpoint
-    /// tensor both come from.
-    pub fn transposed_blocks(
-        &mut self,
-        name: String,
-        hf: String,
-        of: String,
-        blocks: usize,
-        rows: usize,
-        cols: usize,
-    ) {
-        self.matrix(name, hf, rows, cols);
-        self.resident.last_mut().expect("just added").transpose_of = Some((of, blocks));
-    }
     /// An integer table `[rows, cols]` ([`TensorSpec::int_table`]), stored as f32.
     pub fn int_table(&mut self, name: String, hf: String, rows: usize, cols: usize) {
         self.add(name, hf, vec![rows, cols], false, false);

@@ -62,6 +62,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod exact;
 pub mod prefetch;
 mod q4;
 mod q8;
@@ -76,6 +77,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::OnceLock;
 
+pub use exact::{q4_exact_into, q8_exact_into, StoredActs};
 pub(crate) use q4::v2_nibbles_to_v3;
 #[cfg(test)]
 pub(crate) use q4::v3_nibbles_to_v2;

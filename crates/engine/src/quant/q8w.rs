@@ -181,6 +181,10 @@ impl<'a> Q8Matrix<'a> {
     }
 
     /// Values of row `r` (`groups() * 32` bytes, i8 each).
+    pub fn row_scales(&self, r: usize) -> &'a [u8] {
+        &self.row(r)[..self.groups * 2]
+    }
+
     pub fn row_values(&self, r: usize) -> &'a [u8] {
         &self.row(r)[self.groups * 2..]
     }

@@ -794,3 +794,73 @@ fn q8_weights_are_closer_than_int4_and_n_zero_is_a_no_op() {
         a.quantize(&[], 0, cols);
     }
 }
+
+/// The exact (f32-activation) products of int4 and 8-bit weights: every kernel gives the
+/// dequantized matrix times the unrounded activations (to f32 rounding against an f64 sum),
+/// on widths with a partial last block and padding, a row count that leaves a chunk short,
+/// and token counts around the f32 kernel's tiles.
+#[test]
+fn exact_products_are_the_dequantized_weights_times_f32_activations() {
+    for (cols, rows) in [(32, 5), (200, 13), (512, 9), (608, 17), (1000, 3)] {
+        let w = gauss(rows * cols, cols as u64);
+        let q4 = quantize_q4(&w, rows, cols);
+        let q8 = quantize_q8(&w, rows, cols);
+        let m4 = Q4Matrix::new(&q4, rows, cols).unwrap();
+        let m8 = Q8Matrix::new(&q8, rows, cols).unwrap();
+        for n in [1, 3, 6] {
+            let x = gauss(n * cols, 7 + n as u64);
+            let stored = StoredActs::new(&x, n, cols);
+            for (dq, what) in [(m4.dequantize(), "int4"), (m8.dequantize(), "8-bit")] {
+                // The f64 reference and the size of its terms (the bound on f32 rounding).
+                let mut want = vec![0.0f32; n * rows];
+                let mut mag = vec![0.0f64; n * rows];
+                for t in 0..n {
+                    for r in 0..rows {
+                        let (wr, xt) =
+                            (&dq[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                        let terms = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64);
+                        want[t * rows + r] = terms.clone().sum::<f64>() as f32;
+                        mag[t * rows + r] = terms.map(f64::abs).sum();
+                    }
+                }
+                for k in available() {
+                    let mut got = vec![0.0f32; n * rows];
+                    let view = OutView::new(&mut got, n, rows, rows);
+                    match what {
+                        "int4" => q4_exact_into(k, &m4, &stored, view),
+                        _ => q8_exact_into(k, &m8, &stored, view),
+                    }
+                    for i in 0..n * rows {
+                        let err = (got[i] - want[i]).abs() as f64;
+                        assert!(
+                            err <= 1e-5 * mag[i] + 1e-30,
+                            "{what} {} cols={cols} n={n} [{i}]: {} vs {}",
+                            k.name(),
+                            got[i],
+                            want[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An exact product of a view's rows writes those rows only.
+#[test]
+fn an_exact_product_writes_only_its_views_rows() {
+    let (rows, cols, n) = (40, 96, 2);
+    let w = gauss(rows * cols, 3);
+    let q4 = quantize_q4(&w, rows, cols);
+    let m = Q4Matrix::new(&q4, rows, cols).unwrap();
+    let stored = StoredActs::new(&gauss(n * cols, 4), n, cols);
+    for k in available() {
+        let mut whole = vec![0.0f32; n * rows];
+        q4_exact_into(k, &m, &stored, OutView::new(&mut whole, n, rows, rows));
+        let mut parts = vec![f32::NAN; n * rows];
+        let (a, b) = OutView::new(&mut parts, n, rows, rows).split_at(11);
+        q4_exact_into(k, &m, &stored, b);
+        q4_exact_into(k, &m, &stored, a);
+        assert_eq!(parts, whole, "{}", k.name());
+    }
+}

@@ -9,8 +9,7 @@
 //!
 //! Here the cache keeps only what each position gives: the normed latent and the roped key,
 //! `kv_lora_rank + qk_rope_head_dim` floats per position and layer (one key run, no values:
-//! [`kv_layout`]). Attention is computed in the absorbed form, for decode and (the simplest
-//! correct form, for now; not yet measured against expanding the keys) for prefill alike:
+//! [`kv_layout`]). Decode (and a short pass) attends in the absorbed form:
 //! `q_nope . (W_uk c) = (W_uk^T q_nope) . c`, so each head's query becomes
 //! `[W_uk^T q_nope | q_rope]` and attends over the cached rows `[c | k_rope]` with the shared
 //! kernel; the values are the latents (the kernel is given the same rows as values and the
@@ -18,8 +17,9 @@
 //! value after the softmax. `kv_b_proj` is stored as the two matrices these products read, at
 //! the model's quantization: `W_uk^T` (each head's key rows transposed, `[heads * kv_lora_rank,
 //! qk_nope_head_dim]`) and `W_uv` (`[heads * v_head_dim, kv_lora_rank]`), each head a row block
-//! multiplied by that head's own input. Directories converted before the split keep one f32
-//! `kv_b` and are read as before.
+//! multiplied by that head's own input, the input unrounded (`Acts::exact`: the 8-bit
+//! rounding the other products take would fall on different values in the two forms below).
+//! Directories converted before the split keep one f32 `kv_b` and are read as before.
 //!
 //! A prefill of many positions attends in the expanded form instead, where that is faster
 //! (measured: [`expanded_pays`]): the history's latents are expanded into each head's keys
@@ -27,9 +27,10 @@
 //! a time), and each head attends with `[q_nope | q_rope]` over `qk_nope + qk_rope` wide keys
 //! and `v_head_dim` wide values, where the absorbed form reads `kv_lora_rank + qk_rope` wide keys
 //! and `kv_lora_rank` wide values per pair of positions (3.4x the arithmetic on DeepSeek-V3's
-//! shape). That needs `W_uk` itself (`kv_b_uk`, `[heads * qk_nope_head_dim, kv_lora_rank]`,
-//! stored beside `W_uk^T` by conversions since; plain MLA only, DSA's sparse rows stay
-//! absorbed); directories without it prefill in the absorbed form.
+//! shape). `W_uk` itself is made per pass from `W_uk^T` as stored (transposed per head, f32),
+//! so both forms multiply by the same weights, on unrounded inputs: they agree within f32
+//! rounding (plain MLA only; DSA's sparse rows stay absorbed). Conversions made while a derived
+//! `kv_b_uk` was stored beside `W_uk^T` still load; it is not read.
 //!
 //! A decode step (one new position per sequence) runs each head's chain — absorbed query,
 //! attention, `W_uv` — in one parallel region, a run of heads per thread ([`decode`]).
@@ -48,7 +49,7 @@ use crate::config::{AttentionKind, HybridFull, MlaDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
 use crate::kv::{KvCache, KvLayout, LayerKv};
-use crate::linear::{matmul_many, Acts, Job, Linear, WeightRef};
+use crate::linear::{for_each_chunk_mut, matmul_many, Acts, Job, Linear, WeightRef};
 use crate::model::load::Tensors;
 use crate::model::plan::{HeadRows, Plan};
 use crate::model::{fmt_err, Model};
@@ -71,13 +72,8 @@ enum QueryProj {
 /// How `kv_b_proj` is stored.
 enum KvB {
     /// `W_uk^T` `[heads * kv_lora_rank, nope]` and `W_uv` `[heads * v, kv_lora_rank]`, at the
-    /// model's quantization: one row block per head; and `W_uk` `[heads * nope, kv_lora_rank]`
-    /// for the expanded prefill, when the directory has it.
-    Split {
-        uk_t: Linear,
-        uv: Linear,
-        uk: Option<Linear>,
-    },
+    /// model's quantization: one row block per head.
+    Split { uk_t: Linear, uv: Linear },
     /// Directories converted before the split: `[heads * (nope + v), kv_lora_rank]` in f32, per
     /// head `nope` rows of `W_uk` then `v` rows of `W_uv`.
     Fused(Linear),
@@ -154,24 +150,6 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
     p.matrix(n("o"), hf("o_proj.weight"), h, heads * d.v_head_dim);
 }
 
-/// `W_uk` (each head's key rows of `kv_b_proj`, `[heads * qk_nope_head_dim, kv_lora_rank]`): what
-/// the expanded prefill multiplies the latents by.
-/// Made from `W_uk^T` as stored, so the two forms multiply by the same weights: transposed
-/// exactly in an f32 model, else stored at 8 bits from `W_uk^T`'s int4 values (within 8-bit
-/// rounding of them; int4 along the other axis would be a second, different rounding of
-/// `W_uk`).
-pub fn plan_expanded_keys(p: &mut Plan, c: &ModelConfig, i: usize) {
-    let d = dims(c);
-    p.transposed_blocks(
-        format!("layers.{i}.kv_b_uk"),
-        format!("model.layers.{i}.self_attn.kv_b_proj.weight"),
-        format!("layers.{i}.kv_b_uk_t"),
-        c.num_heads,
-        c.num_heads * d.qk_nope_head_dim,
-        d.kv_lora_rank,
-    );
-}
-
 /// The fewest query positions of one sequence a pass attends in the expanded form. Measured on
 /// the DeepSeek-V3 shape (2 threads, fresh prompts, docs/PERFORMANCE.md): prefill 1.10-1.14x
 /// the absorbed form's speed at 16 positions, 1.18x at 64, 1.24-1.30x at 256, 1.37-1.49x at 512.
@@ -199,25 +177,25 @@ fn expanded_pays(d: &MlaDims, n: usize, p0: usize) -> bool {
     n >= EXPAND_MIN_QUERIES && pairs * saved_per_pair >= p0 as f64 * ((nope + vd) * r) as f64
 }
 
-/// `COLI_MLA_EXPANDED`: `on` (or `1`) lets MLA prefill attend in the expanded form where it
-/// pays; `off` (or `0`, or unset), the default, keeps the absorbed form for every pass. The
-/// forms agree within f32 rounding in f32 models but not to the bit, and in int4 models they
-/// round their 8-bit activations at different points (~1% of the logits' scale), so with the
-/// expanded form a prompt's results depend on how it is cut into passes: a slot restarted from
-/// its file, or a reused prefix, need no longer continue with a cold run's tokens (on the
-/// tiny random fixtures they do not). The default keeps that promise; the speed it gives up is
-/// in docs/PERFORMANCE.md. Any other value: the default, with a warning.
+/// `COLI_MLA_EXPANDED`: `on` (or `1`, or unset), the default, lets MLA prefill attend in the
+/// expanded form where it pays; `off` (or `0`) keeps the absorbed form for every pass. The
+/// forms agree within f32 rounding (the same weights, `kv_b`'s products on unrounded inputs),
+/// not to the bit, so with the expanded form a prompt's logits depend on how it is cut into
+/// passes at the level of f32 rounding (a reused prefix or a restarted slot continues with a
+/// cold run's tokens but for a near-tie at that level); `off` gives the same bits however a
+/// prompt is cut, for 1.25-2.5x slower prefill (docs/PERFORMANCE.md). Any other value: the
+/// default, with a warning.
 pub(in crate::model) fn mla_expanded_from_env() -> bool {
     resolve_mla_expanded(crate::settings::mla_expanded().as_deref())
 }
 
 pub(in crate::model) fn resolve_mla_expanded(v: Option<&str>) -> bool {
     match v.map(str::trim) {
-        Some("on" | "1") => true,
-        None | Some("off" | "0" | "") => false,
+        None | Some("on" | "1" | "") => true,
+        Some("off" | "0") => false,
         Some(other) => {
-            eprintln!("COLI_MLA_EXPANDED={other:?} is not on/off: MLA prefill stays absorbed");
-            false
+            eprintln!("COLI_MLA_EXPANDED={other:?} is not on/off: MLA prefill may expand");
+            true
         }
     }
 }
@@ -226,9 +204,9 @@ pub(in crate::model) fn resolve_mla_expanded(v: Option<&str>) -> bool {
 const EXPAND_BYTES: usize = 256 << 20;
 
 impl Mla {
-    /// Whether this layer can attend in the expanded form (it has `W_uk`).
+    /// Whether this layer can attend in the expanded form (`kv_b` split).
     fn expands(&self) -> bool {
-        matches!(self.kv_b, KvB::Split { uk: Some(_), .. })
+        matches!(self.kv_b, KvB::Split { .. })
     }
 
     pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Mla> {
@@ -252,15 +230,9 @@ impl Mla {
             }
             KvB::Fused(fused)
         } else {
-            let uk = if t.has(&n("kv_b_uk")) {
-                Some(t.linear(&n("kv_b_uk"), heads * d.qk_nope_head_dim, r)?)
-            } else {
-                None
-            };
             KvB::Split {
                 uk_t: t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?,
                 uv: t.linear(&n("kv_b_uv"), heads * d.v_head_dim, r)?,
-                uk,
             }
         };
         Ok(Mla {
@@ -375,11 +347,8 @@ impl Model {
         kv: &KvCache,
         att: &mut [f32],
     ) {
-        let KvB::Split {
-            uv, uk: Some(uk), ..
-        } = &layer.kv_b
-        else {
-            unreachable!("only a layer with W_uk expands")
+        let KvB::Split { uk_t, uv } = &layer.kv_b else {
+            unreachable!("only a layer with kv_b split expands")
         };
         let d = dims(&self.cfg);
         let heads = self.cfg.num_heads;
@@ -401,20 +370,17 @@ impl Model {
             lat.extend_from_slice(&row[..r]);
             k_rope.extend_from_slice(&row[r..]);
         }
-        let mut lat = Acts::from_vec(lat, len, r);
-        lat.prepare(uk.dtype.takes_q8_acts() || uv.dtype.takes_q8_acts());
+        let lat = Acts::exact(lat, len, r);
         let block = (EXPAND_BYTES / (4 * len * (2 * qk + vd)).max(1)).clamp(1, heads);
         for h0 in (0..heads).step_by(block) {
             let hb = block.min(heads - h0);
-            let (wk, wv) = (
-                uk.row_block(h0 * nope, hb * nope),
-                uv.row_block(h0 * vd, hb * vd),
-            );
+            let wk = self.key_up_projection(uk_t, h0, hb);
+            let wv = uv.row_block(h0 * vd, hb * vd);
             let mut k_nope = vec![0.0f32; len * hb * nope];
             let mut values = vec![0.0f32; len * hb * vd];
             let mut jobs = [
                 Job {
-                    w: self.w(&wk),
+                    w: WeightRef::F32(&wk),
                     x: &lat,
                     out: &mut k_nope,
                 },
@@ -472,6 +438,28 @@ impl Model {
                 att[at..at + hb * vd].copy_from_slice(src);
             }
         }
+    }
+
+    /// `W_uk` of heads `h0..h0 + hb` (`[hb * qk_nope_head_dim, kv_lora_rank]`, f32): `W_uk^T`'s
+    /// stored values (dequantized: exact in f32) with each head's block transposed, so the
+    /// expanded form multiplies by the very weights the absorbed form does. Made per pass
+    /// (`hb * qk_nope * kv_lora_rank` values, a small part of a prefill that pays for
+    /// expanding), not kept: at int4 `W_uk^T` is an eighth of its f32 size.
+    fn key_up_projection(&self, uk_t: &Linear, h0: usize, hb: usize) -> Vec<f32> {
+        let d = dims(&self.cfg);
+        let (nope, r) = (d.qk_nope_head_dim, d.kv_lora_rank);
+        let w = self.w(uk_t);
+        let mut uk = vec![0.0f32; hb * nope * r];
+        for_each_chunk_mut(&self.pool, &mut uk, nope * r, |h, block| {
+            let mut row = vec![0.0f32; nope];
+            for j in 0..r {
+                w.row((h0 + h) * r + j, nope, &mut row);
+                for (i, &v) in row.iter().enumerate() {
+                    block[i * r + j] = v;
+                }
+            }
+        });
+        uk
     }
 
     /// Causal attention of the rows of `spans` (out of the pass's `rows`) over layer `li`'s
@@ -661,7 +649,7 @@ impl Model {
                     let at = (i * heads + head) * stride + offset;
                     rows.extend_from_slice(&x[at..at + width]);
                 }
-                Acts::from_vec(rows, n, width)
+                Acts::exact(rows, n, width)
             })
             .collect()
     }

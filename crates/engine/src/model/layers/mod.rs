@@ -56,18 +56,12 @@ pub(in crate::model) struct Layer {
 pub fn plan_attention(p: &mut Plan, c: &ModelConfig, i: usize) {
     match c.attention {
         AttentionKind::Gqa => gqa::plan(p, c, i),
-        AttentionKind::Mla(_) => {
-            mla::plan(p, c, i);
-            mla::plan_expanded_keys(p, c, i);
-        }
+        AttentionKind::Mla(_) => mla::plan(p, c, i),
         AttentionKind::Dsa(..) => dsa::plan(p, c, i),
         AttentionKind::Compressed(_) => compressed::plan(p, c, i),
         AttentionKind::Hybrid(..) if c.linear_layers[i] => delta::plan(p, c, i),
         AttentionKind::Hybrid(_, HybridFull::GatedGqa) => gqa::plan_gated(p, c, i),
-        AttentionKind::Hybrid(_, HybridFull::Mla(_)) => {
-            mla::plan(p, c, i);
-            mla::plan_expanded_keys(p, c, i);
-        }
+        AttentionKind::Hybrid(_, HybridFull::Mla(_)) => mla::plan(p, c, i),
     }
 }
 

@@ -66,8 +66,7 @@ impl Model {
             let g = hs.len();
             // One head's product over the m rows: the head's row block of `w` times `x`.
             let product = |w: &Linear, rows: usize, head: usize, x: Vec<f32>| {
-                let mut x = Acts::from_vec(x, m, w.cols);
-                x.prepare(w.dtype.takes_q8_acts());
+                let x = Acts::exact(x, m, w.cols);
                 let mut out = vec![0.0f32; m * rows];
                 let block = w.row_block(head * rows, rows);
                 matmul_whole(self.kernel, self.w(&block), &x, &mut out);
