@@ -47,9 +47,9 @@ fn err(r: Result<Model>) -> String {
 /// DeepSeek-V4 (whose compressor windows and indexer span chunks), in
 /// int4 (expert-grouped products, f16 cache) and f32, with every token's
 /// logits and with the last one's; and decoding after it continues identically. (MLA with
-/// its expanded prefill, the default, picks each pass's form by its length and history, and
-/// chunks agree with the whole within f32 rounding only:
-/// `mla_expanded_prefill_gives_the_absorbed_logits`; here it is off.)
+/// its expanded prefill on picks each pass's form by its length and history, and chunks agree
+/// with the whole within f32 rounding only: `mla_expanded_prefill_gives_the_absorbed_logits`;
+/// here it is off.)
 #[test]
 fn chunked_prefill_gives_the_same_bits() {
     for arch in [
@@ -419,12 +419,12 @@ fn mla_expanded_prefill_gives_the_absorbed_logits() {
 fn mla_expanded_setting() {
     use crate::model::layers::mla::resolve_mla_expanded;
     for (v, want) in [
-        (None, true),
+        (None, false),
         (Some("off"), false),
         (Some(" 0 "), false),
         (Some(" on "), true),
         (Some("1"), true),
-        (Some("yes"), true),
+        (Some("yes"), false),
     ] {
         assert_eq!(resolve_mla_expanded(v), want, "{v:?}");
     }

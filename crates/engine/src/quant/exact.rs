@@ -16,16 +16,18 @@
 //! ones, the int4 runs are the 8-bit runs in the same order. So a row is dequantized in that
 //! stored order by one sequential pass, and the activations are permuted into it once per
 //! product ([`StoredActs`]): a dot product does not see a permutation applied to both sides.
-
-use std::ops::Range;
+//!
+//! Each (row, token) is summed in one fixed order whatever the number of tokens: per block,
+//! lane `x` of a run (group `x / 4`) accumulates the block's eight runs in order, then each
+//! group's four lanes are added and scaled. So a product's results do not depend on how many
+//! tokens it takes (a prompt cut into passes gives the bits of one pass), as with the 8-bit
+//! kernels' exact integer sums. A block's weights are widened to f32 once for every token.
 
 use half::f16;
 
 use super::q4::{BLOCK_GROUPS, BLOCK_NIBBLES};
 use super::q8w::{value_offset, BLOCK_VALUES};
-use super::{
-    check_kernel, f32_matmul_raw, q4_padded_cols, Kernel, OutView, Q4Matrix, Q8Matrix, GROUP,
-};
+use super::{check_kernel, q4_padded_cols, Kernel, OutView, Q4Matrix, Q8Matrix, GROUP};
 
 /// Activations permuted into the weights' stored order: `n` rows of `kp` values (`kp` the
 /// columns padded to whole groups; padding zero).
@@ -67,107 +69,215 @@ fn row_scales(bytes: &[u8], out: &mut Vec<f32>) {
     );
 }
 
-/// Calls `f(b, run, scales)` for each block `b` of a row whose groups' scales are `scales`:
-/// `run` is the block's bytes per dword run (`4m`), and byte `x` of a run belongs to group
-/// `x / 4`, whose scale is `scales[x]` of the slice given.
-#[inline(always)]
-fn for_each_block(scales: &[f32], mut f: impl FnMut(usize, usize, &[f32])) {
-    let groups = scales.len();
-    let mut bs = [0.0f32; 4 * BLOCK_GROUPS];
-    for b in 0..groups.div_ceil(BLOCK_GROUPS) {
-        let g0 = b * BLOCK_GROUPS;
-        let run = 4 * (groups - g0).min(BLOCK_GROUPS);
-        for (x, s) in bs[..run].iter_mut().enumerate() {
-            *s = scales[g0 + x / 4];
+/// [`row_scales`] with F16C, eight at a time (the half crate converts one by one in software
+/// here, which cost more than a short row's products).
+///
+/// # Safety
+/// The CPU has F16C and AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn row_scales_f16c(bytes: &[u8], out: &mut Vec<f32>) {
+    use std::arch::x86_64::{_mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    let n = bytes.len() / 2;
+    out.clear();
+    out.resize(n.next_multiple_of(8), 0.0);
+    let mut pad = [0u8; 16];
+    for i in (0..n).step_by(8) {
+        let left = (n - i).min(8);
+        pad[..2 * left].copy_from_slice(&bytes[2 * i..2 * (i + left)]);
+        // SAFETY: `pad` holds 16 bytes and out[i..i + 8] is inside `out` (its length is a
+        // multiple of 8 above i); unaligned loads and stores.
+        unsafe {
+            let h = _mm_loadu_si128(pad.as_ptr().cast());
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
         }
-        f(b, run, &bs[..run]);
     }
+    out.truncate(n);
 }
 
-/// An int4 row (its nibbles, its groups' scales) dequantized in stored order into `out` (`kp`).
-#[inline(always)]
-fn q4_row_stored(scales: &[f32], nib: &[u8], out: &mut [f32]) {
-    for_each_block(scales, |b, run, bs| {
-        let nb = &nib[b * BLOCK_NIBBLES..b * BLOCK_NIBBLES + 4 * run];
-        let ob = &mut out[b * BLOCK_VALUES..b * BLOCK_VALUES + 8 * run];
-        for (bytes, pair) in nb.chunks_exact(run).zip(ob.chunks_exact_mut(2 * run)) {
-            let (lo, hi) = pair.split_at_mut(run);
-            for x in 0..run {
-                let q = bytes[x];
-                lo[x] = ((q & 15) as i32 - 8) as f32 * bs[x];
-                hi[x] = ((q >> 4) as i32 - 8) as f32 * bs[x];
-            }
-        }
-    });
-}
-
-/// An 8-bit row (its values, its groups' scales) dequantized in stored order into `out`.
-#[inline(always)]
-fn q8_row_stored(scales: &[f32], vals: &[u8], out: &mut [f32]) {
-    for_each_block(scales, |b, run, bs| {
-        let vb = &vals[b * BLOCK_VALUES..b * BLOCK_VALUES + 8 * run];
-        let ob = &mut out[b * BLOCK_VALUES..b * BLOCK_VALUES + 8 * run];
-        for (v, o) in vb.chunks_exact(run).zip(ob.chunks_exact_mut(run)) {
-            for x in 0..run {
-                o[x] = v[x] as i8 as f32 * bs[x];
-            }
-        }
-    });
-}
-
-/// Which stored-order dequantization a row takes.
+/// How a row stores its values.
 #[derive(Clone, Copy)]
 enum Format {
     Q4,
     Q8,
 }
 
-/// The same loops compiled for the kernel's instruction set (they vectorise).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn row_stored_avx512(f: Format, scales: &[f32], bytes: &[u8], out: &mut [f32]) {
+/// Block `b`'s weights (without their scales) as f32, in stored order, into `q` (`8 * run`
+/// values): int4 `q - 8` (its nibble runs low then high), 8-bit `q`. Exact small integers.
+#[inline(always)]
+fn widen_block(f: Format, bytes: &[u8], b: usize, run: usize, q: &mut [f32; BLOCK_VALUES]) {
     match f {
-        Format::Q4 => q4_row_stored(scales, bytes, out),
-        Format::Q8 => q8_row_stored(scales, bytes, out),
+        Format::Q4 => {
+            let nib = &bytes[b * BLOCK_NIBBLES..b * BLOCK_NIBBLES + 4 * run];
+            for (k, src) in nib.chunks_exact(run).enumerate() {
+                let (lo, hi) = q[2 * k * run..(2 * k + 2) * run].split_at_mut(run);
+                for x in 0..run {
+                    lo[x] = ((src[x] & 15) as i32 - 8) as f32;
+                    hi[x] = ((src[x] >> 4) as i32 - 8) as f32;
+                }
+            }
+        }
+        Format::Q8 => {
+            let vals = &bytes[b * BLOCK_VALUES..b * BLOCK_VALUES + 8 * run];
+            for (d, &v) in q.iter_mut().zip(vals) {
+                *d = v as i8 as f32;
+            }
+        }
+    }
+}
+
+/// One block's lanes for one token: lane `x` sums `q x` over the block's eight runs, in order.
+#[inline(always)]
+fn block_lanes<const RUN: usize>(q: &[f32], xs: &[f32], lanes: &mut [f32; 64]) {
+    let mut acc = [0.0f32; RUN];
+    for v in 0..8 {
+        let w: &[f32; RUN] = q[v * RUN..(v + 1) * RUN].try_into().unwrap();
+        let a: &[f32; RUN] = xs[v * RUN..(v + 1) * RUN].try_into().unwrap();
+        for x in 0..RUN {
+            acc[x] += w[x] * a[x];
+        }
+    }
+    for (l, a) in lanes.iter_mut().zip(acc) {
+        *l = a;
+    }
+}
+
+/// [`widen_block`] then [`block_lanes`] for one token, without the widened copy: the same
+/// values summed in the same order, so the same bits (a decode step's one token).
+#[inline(always)]
+fn block_lanes_fused<const RUN: usize>(
+    f: Format,
+    bytes: &[u8],
+    b: usize,
+    xs: &[f32],
+    lanes: &mut [f32; 64],
+) {
+    let mut acc = [0.0f32; RUN];
+    match f {
+        Format::Q4 => {
+            for k in 0..4 {
+                let at = b * BLOCK_NIBBLES + k * RUN;
+                let src: &[u8; RUN] = bytes[at..at + RUN].try_into().unwrap();
+                let lo: &[f32; RUN] = xs[2 * k * RUN..(2 * k + 1) * RUN].try_into().unwrap();
+                let hi: &[f32; RUN] = xs[(2 * k + 1) * RUN..(2 * k + 2) * RUN].try_into().unwrap();
+                for x in 0..RUN {
+                    acc[x] += ((src[x] & 15) as i32 - 8) as f32 * lo[x];
+                }
+                for x in 0..RUN {
+                    acc[x] += ((src[x] >> 4) as i32 - 8) as f32 * hi[x];
+                }
+            }
+        }
+        Format::Q8 => {
+            for v in 0..8 {
+                let at = b * BLOCK_VALUES + v * RUN;
+                let src: &[u8; RUN] = bytes[at..at + RUN].try_into().unwrap();
+                let a: &[f32; RUN] = xs[v * RUN..(v + 1) * RUN].try_into().unwrap();
+                for x in 0..RUN {
+                    acc[x] += src[x] as i8 as f32 * a[x];
+                }
+            }
+        }
+    }
+    for (l, a) in lanes.iter_mut().zip(acc) {
+        *l = a;
+    }
+}
+
+/// `block_lanes` for a run length known only at run time (the same sums).
+#[inline(always)]
+fn block_lanes_any(run: usize, q: &[f32], xs: &[f32], lanes: &mut [f32; 64]) {
+    for x in 0..run {
+        let mut a = 0.0f32;
+        for v in 0..8 {
+            a += q[v * run + x] * xs[v * run + x];
+        }
+        lanes[x] = a;
+    }
+}
+
+/// `out[t][r]` for the view's rows and every token of `x`.
+#[inline(always)]
+fn rows_into<'w>(
+    f: Format,
+    row: &impl Fn(usize) -> (&'w [u8], &'w [u8]),
+    x: &StoredActs,
+    out: &mut OutView,
+    widen: impl Fn(&[u8], &mut Vec<f32>),
+) {
+    let groups = x.kp / GROUP;
+    let mut scales = Vec::with_capacity(groups);
+    let mut totals = vec![0.0f32; x.n];
+    let mut q = [0.0f32; BLOCK_VALUES];
+    let mut lanes = [0.0f32; 64];
+    for r in out.rows() {
+        let (s, v) = row(r);
+        widen(s, &mut scales);
+        totals.fill(0.0);
+        for b in 0..groups.div_ceil(BLOCK_GROUPS) {
+            let g0 = b * BLOCK_GROUPS;
+            let m = (groups - g0).min(BLOCK_GROUPS);
+            let run = 4 * m;
+            let fused = x.n == 1 && matches!(m, 16 | 8 | 4);
+            if !fused {
+                widen_block(f, v, b, run, &mut q);
+            }
+            for (t, total) in totals.iter_mut().enumerate() {
+                let xs = &x.x[t * x.kp + b * BLOCK_VALUES..];
+                match (fused, m) {
+                    (true, 16) => block_lanes_fused::<64>(f, v, b, xs, &mut lanes),
+                    (true, 8) => block_lanes_fused::<32>(f, v, b, xs, &mut lanes),
+                    (true, _) => block_lanes_fused::<16>(f, v, b, xs, &mut lanes),
+                    (false, 16) => block_lanes::<64>(&q, xs, &mut lanes),
+                    (false, 8) => block_lanes::<32>(&q, xs, &mut lanes),
+                    (false, 4) => block_lanes::<16>(&q, xs, &mut lanes),
+                    _ => block_lanes_any(run, &q, xs, &mut lanes),
+                }
+                for (i, four) in lanes[..run].chunks_exact(4).enumerate() {
+                    *total += scales[g0 + i] * (four[0] + four[1] + four[2] + four[3]);
+                }
+            }
+        }
+        for (t, &total) in totals.iter().enumerate() {
+            out.set(t, r, total);
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn row_stored_avx2(f: Format, scales: &[f32], bytes: &[u8], out: &mut [f32]) {
-    match f {
-        Format::Q4 => q4_row_stored(scales, bytes, out),
-        Format::Q8 => q8_row_stored(scales, bytes, out),
-    }
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn rows_into_avx512<'w>(
+    f: Format,
+    row: &impl Fn(usize) -> (&'w [u8], &'w [u8]),
+    x: &StoredActs,
+    out: &mut OutView,
+) {
+    // SAFETY: this function's features include F16C and AVX.
+    rows_into(f, row, x, out, |b, o| unsafe { row_scales_f16c(b, o) })
 }
 
-fn row_stored(k: Kernel, f: Format, scales: &[f32], bytes: &[u8], out: &mut [f32]) {
-    match k {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller checked that the CPU has kernel `k`'s instruction set.
-        Kernel::Avx512Vnni => unsafe { row_stored_avx512(f, scales, bytes, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Kernel::Avx2 => unsafe { row_stored_avx2(f, scales, bytes, out) },
-        _ => match f {
-            Format::Q4 => q4_row_stored(scales, bytes, out),
-            Format::Q8 => q8_row_stored(scales, bytes, out),
-        },
-    }
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_into_avx2<'w>(
+    f: Format,
+    row: &impl Fn(usize) -> (&'w [u8], &'w [u8]),
+    x: &StoredActs,
+    out: &mut OutView,
+) {
+    // SAFETY: this function's features include F16C and AVX.
+    rows_into(f, row, x, out, |b, o| unsafe { row_scales_f16c(b, o) })
 }
-
-/// Rows dequantized at a time: a few rows' f32 values stay in L1 while every token reads them.
-const CHUNK_ROWS: usize = 8;
 
 /// The rows of `out`: `out[t][r] = W[r] . x[t]`, each row of `w` given by `row(r)` as (its
-/// scale bytes, its value bytes).
+/// scale bytes, its value bytes). The same loops compiled for the kernel's instruction set
+/// (they vectorise) give the same sums in the same order: the kernels agree to the bit.
 fn exact_into<'w>(
     k: Kernel,
     f: Format,
     kp: usize,
     row: impl Fn(usize) -> (&'w [u8], &'w [u8]),
     x: &StoredActs,
-    out: OutView,
+    mut out: OutView,
 ) {
     check_kernel(k);
     assert_eq!(
@@ -180,35 +290,18 @@ fn exact_into<'w>(
         "exact product: {} activation rows, output of {}",
         x.n, out.n
     );
-    let rows: Range<usize> = out.rows();
-    if rows.is_empty() || x.n == 0 {
+    if out.rows().is_empty() || x.n == 0 {
         return;
     }
-    let mut scratch = vec![0.0f32; CHUNK_ROWS.min(rows.len()) * kp];
-    let mut scales = Vec::with_capacity(kp / GROUP);
-    for start in rows.clone().step_by(CHUNK_ROWS) {
-        let len = CHUNK_ROWS.min(rows.end - start);
-        for (i, dst) in scratch.chunks_exact_mut(kp).take(len).enumerate() {
-            let (s, v) = row(start + i);
-            row_scales(s, &mut scales);
-            row_stored(k, f, &scales, v, dst);
-        }
-        // SAFETY: `scratch` holds `len` rows of `kp` values and `x.x` `x.n` rows of `kp`; the
-        // kernel writes `ptr + start + t * stride + i` for `t < x.n`, `i < len`, which is
-        // element `(t, start + i)` of the view, a row inside `rows`, which the view borrows
-        // mutably (its constructor checked the buffer's length for every such element).
-        unsafe {
-            f32_matmul_raw(
-                k,
-                &scratch,
-                kp,
-                &x.x,
-                x.n,
-                out.ptr.add(start),
-                out.stride,
-                0..len,
-            )
-        }
+    match k {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: check_kernel above: the CPU has kernel `k`'s instruction set (F16C included:
+        // `Kernel::available`).
+        Kernel::Avx512Vnni => unsafe { rows_into_avx512(f, &row, x, &mut out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Kernel::Avx2 => unsafe { rows_into_avx2(f, &row, x, &mut out) },
+        _ => rows_into(f, &row, x, &mut out, row_scales),
     }
 }
 

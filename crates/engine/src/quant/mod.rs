@@ -314,6 +314,14 @@ impl<'a> OutView<'a> {
         v
     }
 
+    /// Writes element (t, r) of the view.
+    #[inline]
+    pub fn set(&mut self, t: usize, r: usize, v: f32) {
+        assert!(t < self.n && self.rows.contains(&r));
+        // SAFETY: (t, r) is inside the view, which borrows that element of the buffer mutably.
+        unsafe { *self.ptr.add(t * self.stride + r) = v }
+    }
+
     /// Element (t, r) of the view, for tests and debugging.
     pub fn get(&self, t: usize, r: usize) -> f32 {
         assert!(t < self.n && self.rows.contains(&r));

@@ -797,8 +797,8 @@ fn q8_weights_are_closer_than_int4_and_n_zero_is_a_no_op() {
 
 /// The exact (f32-activation) products of int4 and 8-bit weights: every kernel gives the
 /// dequantized matrix times the unrounded activations (to f32 rounding against an f64 sum),
-/// on widths with a partial last block and padding, a row count that leaves a chunk short,
-/// and token counts around the f32 kernel's tiles.
+/// on widths with a partial last block and padding; every kernel the same bits, and each
+/// token the bits it gets alone (a prompt's passes may be cut anywhere).
 #[test]
 fn exact_products_are_the_dequantized_weights_times_f32_activations() {
     for (cols, rows) in [(32, 5), (200, 13), (512, 9), (608, 17), (1000, 3)] {
@@ -823,13 +823,31 @@ fn exact_products_are_the_dequantized_weights_times_f32_activations() {
                         mag[t * rows + r] = terms.map(f64::abs).sum();
                     }
                 }
-                for k in available() {
-                    let mut got = vec![0.0f32; n * rows];
-                    let view = OutView::new(&mut got, n, rows, rows);
+                let product = |k: Kernel, x: &StoredActs| {
+                    let mut got = vec![0.0f32; x.n * rows];
+                    let view = OutView::new(&mut got, x.n, rows, rows);
                     match what {
-                        "int4" => q4_exact_into(k, &m4, &stored, view),
-                        _ => q8_exact_into(k, &m8, &stored, view),
+                        "int4" => q4_exact_into(k, &m4, x, view),
+                        _ => q8_exact_into(k, &m8, x, view),
                     }
+                    got
+                };
+                let scalar = product(Kernel::Scalar, &stored);
+                for t in 0..n {
+                    let alone = StoredActs::new(&x[t * cols..(t + 1) * cols], 1, cols);
+                    let one = product(Kernel::Scalar, &alone);
+                    assert!(
+                        one == scalar[t * rows..(t + 1) * rows],
+                        "{what} token {t} of {n}"
+                    );
+                }
+                for k in available() {
+                    let got = product(k, &stored);
+                    assert!(
+                        got == scalar,
+                        "{what} {}: not the scalar path's bits",
+                        k.name()
+                    );
                     for i in 0..n * rows {
                         let err = (got[i] - want[i]).abs() as f64;
                         assert!(

@@ -9,7 +9,7 @@
 //!
 //! Here the cache keeps only what each position gives: the normed latent and the roped key,
 //! `kv_lora_rank + qk_rope_head_dim` floats per position and layer (one key run, no values:
-//! [`kv_layout`]). Decode (and a short pass) attends in the absorbed form:
+//! [`kv_layout`]). Decode (and by default every pass) attends in the absorbed form:
 //! `q_nope . (W_uk c) = (W_uk^T q_nope) . c`, so each head's query becomes
 //! `[W_uk^T q_nope | q_rope]` and attends over the cached rows `[c | k_rope]` with the shared
 //! kernel; the values are the latents (the kernel is given the same rows as values and the
@@ -17,11 +17,13 @@
 //! value after the softmax. `kv_b_proj` is stored as the two matrices these products read, at
 //! the model's quantization: `W_uk^T` (each head's key rows transposed, `[heads * kv_lora_rank,
 //! qk_nope_head_dim]`) and `W_uv` (`[heads * v_head_dim, kv_lora_rank]`), each head a row block
-//! multiplied by that head's own input, the input unrounded (`Acts::exact`: the 8-bit
-//! rounding the other products take would fall on different values in the two forms below).
+//! multiplied by that head's own input (with the expanded form on, the input unrounded,
+//! `Acts::exact`: the 8-bit rounding the other products take would fall on different values
+//! in the two forms below).
 //! Directories converted before the split keep one f32 `kv_b` and are read as before.
 //!
-//! A prefill of many positions attends in the expanded form instead, where that is faster
+//! With `COLI_MLA_EXPANDED=on`, a prefill of many positions attends in the expanded form
+//! instead, where that is faster
 //! (measured: [`expanded_pays`]): the history's latents are expanded into each head's keys
 //! `[W_uk c | k_rope]` and values `W_uv c` (one product over every position, a block of heads at
 //! a time), and each head attends with `[q_nope | q_rope]` over `qk_nope + qk_rope` wide keys
@@ -177,25 +179,26 @@ fn expanded_pays(d: &MlaDims, n: usize, p0: usize) -> bool {
     n >= EXPAND_MIN_QUERIES && pairs * saved_per_pair >= p0 as f64 * ((nope + vd) * r) as f64
 }
 
-/// `COLI_MLA_EXPANDED`: `on` (or `1`, or unset), the default, lets MLA prefill attend in the
-/// expanded form where it pays; `off` (or `0`) keeps the absorbed form for every pass. The
-/// forms agree within f32 rounding (the same weights, `kv_b`'s products on unrounded inputs),
-/// not to the bit, so with the expanded form a prompt's logits depend on how it is cut into
-/// passes at the level of f32 rounding (a reused prefix or a restarted slot continues with a
-/// cold run's tokens but for a near-tie at that level); `off` gives the same bits however a
-/// prompt is cut, for 1.25-2.5x slower prefill (docs/PERFORMANCE.md). Any other value: the
-/// default, with a warning.
+/// `COLI_MLA_EXPANDED`: `on` (or `1`) lets MLA prefill attend in the expanded form where it
+/// pays; `off` (or `0`, or unset), the default, keeps the absorbed form for every pass. With
+/// `on`, `kv_b`'s products take their inputs unrounded (`Model::kv_b_input`) so the forms agree
+/// within f32 rounding: a prompt's logits depend on how it is cut into passes at that level
+/// only (a reused prefix or a restarted slot continues with a cold run's tokens but for a
+/// near-tie at f32 rounding), for 1.25-2.5x faster prefill; but those unrounded products are
+/// slower than the 8-bit ones in a decode step (docs/PERFORMANCE.md), which is why `off` stays
+/// the default: the same bits however a prompt is cut, and the faster decode. Any other
+/// value: the default, with a warning.
 pub(in crate::model) fn mla_expanded_from_env() -> bool {
     resolve_mla_expanded(crate::settings::mla_expanded().as_deref())
 }
 
 pub(in crate::model) fn resolve_mla_expanded(v: Option<&str>) -> bool {
     match v.map(str::trim) {
-        None | Some("on" | "1" | "") => true,
-        Some("off" | "0") => false,
+        Some("on" | "1") => true,
+        None | Some("off" | "0" | "") => false,
         Some(other) => {
-            eprintln!("COLI_MLA_EXPANDED={other:?} is not on/off: MLA prefill may expand");
-            true
+            eprintln!("COLI_MLA_EXPANDED={other:?} is not on/off: MLA prefill stays absorbed");
+            false
         }
     }
 }
@@ -649,9 +652,21 @@ impl Model {
                     let at = (i * heads + head) * stride + offset;
                     rows.extend_from_slice(&x[at..at + width]);
                 }
-                Acts::exact(rows, n, width)
+                self.kv_b_input(rows, n, width)
             })
             .collect()
+    }
+
+    /// A product input of `kv_b` (`W_uk^T` or `W_uv`): unrounded where the prefill may take
+    /// the expanded form, so the two forms agree within f32 rounding; with it off (every pass
+    /// absorbed, the same bits however a prompt is cut) the 8-bit activations the other
+    /// products take, which decode faster (docs/PERFORMANCE.md).
+    pub(in crate::model) fn kv_b_input(&self, x: Vec<f32>, n: usize, cols: usize) -> Acts {
+        if self.mla_expanded {
+            Acts::exact(x, n, cols)
+        } else {
+            Acts::from_vec(x, n, cols)
+        }
     }
 
     /// Head `h`'s row block of `w` (`rows` rows each) times `inputs[h]`, every head in one

@@ -16,7 +16,7 @@
 use super::{dims, KvB, Mla};
 use crate::attention::{attend, AttendArgs};
 use crate::kv::KvCache;
-use crate::linear::{matmul_whole, Acts, Linear};
+use crate::linear::{matmul_whole, Linear};
 use crate::model::layers::Span;
 use crate::model::Model;
 
@@ -66,7 +66,8 @@ impl Model {
             let g = hs.len();
             // One head's product over the m rows: the head's row block of `w` times `x`.
             let product = |w: &Linear, rows: usize, head: usize, x: Vec<f32>| {
-                let x = Acts::exact(x, m, w.cols);
+                let mut x = self.kv_b_input(x, m, w.cols);
+                x.prepare(w.dtype.takes_q8_acts());
                 let mut out = vec![0.0f32; m * rows];
                 let block = w.row_block(head * rows, rows);
                 matmul_whole(self.kernel, self.w(&block), &x, &mut out);
