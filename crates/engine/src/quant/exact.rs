@@ -59,40 +59,32 @@ impl StoredActs {
     }
 }
 
-/// The f32 scales of a row's groups (`f16` little-endian pairs).
-fn row_scales(bytes: &[u8], out: &mut Vec<f32>) {
-    out.clear();
-    out.extend(
-        bytes
-            .chunks_exact(2)
-            .map(|s| f16::from_le_bytes([s[0], s[1]]).to_f32()),
-    );
+/// The f32 scales of a block's groups (`f16` little-endian pairs) into `out`.
+fn block_scales(bytes: &[u8], out: &mut [f32; BLOCK_GROUPS]) {
+    for (o, s) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = f16::from_le_bytes([s[0], s[1]]).to_f32();
+    }
 }
 
-/// [`row_scales`] with F16C, eight at a time (the half crate converts one by one in software
-/// here, which cost more than a short row's products).
+/// [`block_scales`] with F16C (the half crate converts one by one in software here, which
+/// cost more than a short row's products).
 ///
 /// # Safety
 /// The CPU has F16C and AVX.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,f16c")]
-unsafe fn row_scales_f16c(bytes: &[u8], out: &mut Vec<f32>) {
+#[inline]
+unsafe fn block_scales_f16c(bytes: &[u8], out: &mut [f32; BLOCK_GROUPS]) {
     use std::arch::x86_64::{_mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
-    let n = bytes.len() / 2;
-    out.clear();
-    out.resize(n.next_multiple_of(8), 0.0);
-    let mut pad = [0u8; 16];
-    for i in (0..n).step_by(8) {
-        let left = (n - i).min(8);
-        pad[..2 * left].copy_from_slice(&bytes[2 * i..2 * (i + left)]);
-        // SAFETY: `pad` holds 16 bytes and out[i..i + 8] is inside `out` (its length is a
-        // multiple of 8 above i); unaligned loads and stores.
-        unsafe {
-            let h = _mm_loadu_si128(pad.as_ptr().cast());
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+    let mut pad = [0u8; 2 * BLOCK_GROUPS];
+    pad[..bytes.len()].copy_from_slice(bytes);
+    // SAFETY: `pad` holds 32 bytes (16 halves) and `out` 16 floats; unaligned loads and stores.
+    unsafe {
+        for h in 0..2 {
+            let v = _mm_loadu_si128(pad.as_ptr().add(16 * h).cast());
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), _mm256_cvtph_ps(v));
         }
     }
-    out.truncate(n);
 }
 
 /// How a row stores its values.
@@ -203,21 +195,21 @@ fn rows_into<'w>(
     row: &impl Fn(usize) -> (&'w [u8], &'w [u8]),
     x: &StoredActs,
     out: &mut OutView,
-    widen: impl Fn(&[u8], &mut Vec<f32>),
+    widen: impl Fn(&[u8], &mut [f32; BLOCK_GROUPS]),
 ) {
     let groups = x.kp / GROUP;
-    let mut scales = Vec::with_capacity(groups);
+    let mut scales = [0.0f32; BLOCK_GROUPS];
     let mut totals = vec![0.0f32; x.n];
     let mut q = [0.0f32; BLOCK_VALUES];
     let mut lanes = [0.0f32; 64];
     for r in out.rows() {
         let (s, v) = row(r);
-        widen(s, &mut scales);
         totals.fill(0.0);
         for b in 0..groups.div_ceil(BLOCK_GROUPS) {
             let g0 = b * BLOCK_GROUPS;
             let m = (groups - g0).min(BLOCK_GROUPS);
             let run = 4 * m;
+            widen(&s[2 * g0..2 * (g0 + m)], &mut scales);
             let fused = x.n == 1 && matches!(m, 16 | 8 | 4);
             if !fused {
                 widen_block(f, v, b, run, &mut q);
@@ -233,9 +225,12 @@ fn rows_into<'w>(
                     (false, 4) => block_lanes::<16>(&q, xs, &mut lanes),
                     _ => block_lanes_any(run, &q, xs, &mut lanes),
                 }
+                // In a register, not through `total` (a store and reload per group otherwise).
+                let mut sum = *total;
                 for (i, four) in lanes[..run].chunks_exact(4).enumerate() {
-                    *total += scales[g0 + i] * (four[0] + four[1] + four[2] + four[3]);
+                    sum += scales[i] * (four[0] + four[1] + four[2] + four[3]);
                 }
+                *total = sum;
             }
         }
         for (t, &total) in totals.iter().enumerate() {
@@ -253,7 +248,7 @@ unsafe fn rows_into_avx512<'w>(
     out: &mut OutView,
 ) {
     // SAFETY: this function's features include F16C and AVX.
-    rows_into(f, row, x, out, |b, o| unsafe { row_scales_f16c(b, o) })
+    rows_into(f, row, x, out, |b, o| unsafe { block_scales_f16c(b, o) })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -265,7 +260,7 @@ unsafe fn rows_into_avx2<'w>(
     out: &mut OutView,
 ) {
     // SAFETY: this function's features include F16C and AVX.
-    rows_into(f, row, x, out, |b, o| unsafe { row_scales_f16c(b, o) })
+    rows_into(f, row, x, out, |b, o| unsafe { block_scales_f16c(b, o) })
 }
 
 /// The rows of `out`: `out[t][r] = W[r] . x[t]`, each row of `w` given by `row(r)` as (its
@@ -301,7 +296,7 @@ fn exact_into<'w>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Kernel::Avx2 => unsafe { rows_into_avx2(f, &row, x, &mut out) },
-        _ => rows_into(f, &row, x, &mut out, row_scales),
+        _ => rows_into(f, &row, x, &mut out, block_scales),
     }
 }
 

@@ -373,12 +373,13 @@ impl Model {
             lat.extend_from_slice(&row[..r]);
             k_rope.extend_from_slice(&row[r..]);
         }
-        let lat = Acts::exact(lat, len, r);
+        // Both weights as f32 (below): the f32 kernel reads the latents unrounded.
+        let lat = Acts::from_vec(lat, len, r);
         let block = (EXPAND_BYTES / (4 * len * (2 * qk + vd)).max(1)).clamp(1, heads);
         for h0 in (0..heads).step_by(block) {
             let hb = block.min(heads - h0);
             let wk = self.key_up_projection(uk_t, h0, hb);
-            let wv = uv.row_block(h0 * vd, hb * vd);
+            let wv = self.dequantized(&uv.row_block(h0 * vd, hb * vd));
             let mut k_nope = vec![0.0f32; len * hb * nope];
             let mut values = vec![0.0f32; len * hb * vd];
             let mut jobs = [
@@ -388,7 +389,7 @@ impl Model {
                     out: &mut k_nope,
                 },
                 Job {
-                    w: self.w(&wv),
+                    w: WeightRef::F32(&wv),
                     x: &lat,
                     out: &mut values,
                 },
@@ -448,6 +449,23 @@ impl Model {
     /// expanded form multiplies by the very weights the absorbed form does. Made per pass
     /// (`hb * qk_nope * kv_lora_rank` values, a small part of a prefill that pays for
     /// expanding), not kept: at int4 `W_uk^T` is an eighth of its f32 size.
+    /// `w`'s stored values as f32 (exact: an int4 or 8-bit value times an f16 scale), for a
+    /// product over many positions, where the f32 kernel's tiles pay for the widening. (The
+    /// expanded form's results depend on how a prompt is cut into passes in any case; the
+    /// absorbed form's per-token products keep `Acts::exact`'s fixed order.)
+    fn dequantized(&self, w: &Linear) -> Vec<f32> {
+        let view = self.w(w);
+        let mut out = vec![0.0f32; w.rows * w.cols];
+        if w.cols > 0 {
+            for_each_chunk_mut(&self.pool, &mut out, w.cols * 16, |i, rows| {
+                for (j, row) in rows.chunks_exact_mut(w.cols).enumerate() {
+                    view.row(i * 16 + j, w.cols, row);
+                }
+            });
+        }
+        out
+    }
+
     fn key_up_projection(&self, uk_t: &Linear, h0: usize, hb: usize) -> Vec<f32> {
         let d = dims(&self.cfg);
         let (nope, r) = (d.qk_nope_head_dim, d.kv_lora_rank);
