@@ -5,17 +5,16 @@
 //! are equal in exact arithmetic but multiply by a weight at different points (MLA's absorbed
 //! form `(W_uk^T q) . c` and its expanded form `q . (W_uk c)`) round different values and
 //! disagree by ~1% of the logits, where with f32 inputs they agree to f32 rounding. These
-//! products keep the inputs f32: each weight row is dequantized (`(q - 8) * scale` or
-//! `q * scale`, both exact in f32: a 4- or 8-bit integer times an f16) and the f32 kernel
-//! takes the dot products.
+//! products keep the inputs f32 and multiply them by the weights' integers widened to f32
+//! (exact), each group's sum then scaled by its f16 scale.
 //!
 //! Both formats keep a block of 16 groups (a row's last block: the `m` groups left) as runs
 //! of one dword of every group: 8-bit value `j` of group `i` at `v(j) * 4m + 4i + j % 4` with
 //! `v(j) = (j % 16 / 4) * 2 + j / 16`, and int4's nibble byte `j` (0..16) at `(j / 4) * 4m +
 //! 4i + j % 4` holding values `j` (low nibble) and `j + 16` (high). Read low nibbles then high
-//! ones, the int4 runs are the 8-bit runs in the same order. So a row is dequantized in that
-//! stored order by one sequential pass, and the activations are permuted into it once per
-//! product ([`StoredActs`]): a dot product does not see a permutation applied to both sides.
+//! ones, the int4 runs are the 8-bit runs in the same order. So a row is read in that stored
+//! order by one sequential pass, and the activations are permuted into it once per product
+//! ([`StoredActs`]): a dot product does not see a permutation applied to both sides.
 //!
 //! Each (row, token) is summed in one fixed order whatever the number of tokens: per block,
 //! lane `x` of a run (group `x / 4`) accumulates the block's eight runs in order, then each

@@ -444,11 +444,6 @@ impl Model {
         }
     }
 
-    /// `W_uk` of heads `h0..h0 + hb` (`[hb * qk_nope_head_dim, kv_lora_rank]`, f32): `W_uk^T`'s
-    /// stored values (dequantized: exact in f32) with each head's block transposed, so the
-    /// expanded form multiplies by the very weights the absorbed form does. Made per pass
-    /// (`hb * qk_nope * kv_lora_rank` values, a small part of a prefill that pays for
-    /// expanding), not kept: at int4 `W_uk^T` is an eighth of its f32 size.
     /// `w`'s stored values as f32 (exact: an int4 or 8-bit value times an f16 scale), for a
     /// product over many positions, where the f32 kernel's tiles pay for the widening. (The
     /// expanded form's results depend on how a prompt is cut into passes in any case; the
@@ -466,15 +461,19 @@ impl Model {
         out
     }
 
+    /// `W_uk` of heads `h0..h0 + hb` (`[hb * qk_nope_head_dim, kv_lora_rank]`, f32): `W_uk^T`'s
+    /// stored values ([`Model::dequantized`]) with each head's block transposed, so the
+    /// expanded form multiplies by the very weights the absorbed form does. Made per pass
+    /// (`hb * qk_nope * kv_lora_rank` values, a small part of a prefill that pays for
+    /// expanding), not kept: at int4 `W_uk^T` is an eighth of its f32 size.
     fn key_up_projection(&self, uk_t: &Linear, h0: usize, hb: usize) -> Vec<f32> {
         let d = dims(&self.cfg);
         let (nope, r) = (d.qk_nope_head_dim, d.kv_lora_rank);
-        let w = self.w(uk_t);
+        let wt = self.dequantized(&uk_t.row_block(h0 * r, hb * r));
         let mut uk = vec![0.0f32; hb * nope * r];
         for_each_chunk_mut(&self.pool, &mut uk, nope * r, |h, block| {
-            let mut row = vec![0.0f32; nope];
-            for j in 0..r {
-                w.row((h0 + h) * r + j, nope, &mut row);
+            let src = &wt[h * r * nope..(h + 1) * r * nope];
+            for (j, row) in src.chunks_exact(nope).enumerate() {
                 for (i, &v) in row.iter().enumerate() {
                     block[i * r + j] = v;
                 }
