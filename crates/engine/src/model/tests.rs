@@ -419,12 +419,13 @@ fn mla_expanded_prefill_gives_the_absorbed_logits() {
 fn mla_expanded_setting() {
     use crate::model::layers::mla::resolve_mla_expanded;
     for (v, want) in [
-        (None, false),
+        (None, true),
+        (Some(""), true),
         (Some("off"), false),
         (Some(" 0 "), false),
         (Some(" on "), true),
         (Some("1"), true),
-        (Some("yes"), false),
+        (Some("yes"), true),
     ] {
         assert_eq!(resolve_mla_expanded(v), want, "{v:?}");
     }

@@ -16,9 +16,14 @@
 //! order by one sequential pass, and the activations are permuted into it once per product
 //! ([`StoredActs`]): a dot product does not see a permutation applied to both sides.
 //!
-//! Each (row, token) is summed in one fixed order whatever the number of tokens: per block,
-//! lane `x` of a run (group `x / 4`) accumulates the block's eight runs in order, then each
-//! group's four lanes are added and scaled. So a product's results do not depend on how many
+//! Each (row, token) is summed in one fixed order whatever the number of tokens and the
+//! kernel, an eight-lane machine's: per block, lane `x` of a run (group `x / 4`) sums its
+//! eight runs' products by [`lane_sum`]'s tree; each group's four lanes are added pairwise, `(l0 + l1) +
+//! (l2 + l3)`, and scaled; the block's groups, eight at a time, are added to the row's eight
+//! totals, group `g` of an octet to total [`OCTET_LANE`]`[g]` (absent groups add `0 * 0`); the
+//! row's value is `((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7))`. Those are the AVX2
+//! kernel's horizontal adds and final reduction (`exact_avx2.rs`), so it gives the bits of
+//! [`rows_into`] here, the scalar reference. So a product's results do not depend on how many
 //! tokens it takes (a prompt cut into passes gives the bits of one pass), as with the 8-bit
 //! kernels' exact integer sums. A block's weights are widened to f32 once for every token.
 
@@ -43,14 +48,16 @@ impl StoredActs {
         assert_eq!(x.len(), n * cols, "StoredActs: x is not n x cols");
         let kp = q4_padded_cols(cols);
         let groups = kp / GROUP;
-        let at: Vec<usize> = (0..cols)
-            .map(|c| value_offset(groups, c / GROUP, c % GROUP))
-            .collect();
         let mut out = vec![0.0f32; n * kp];
         if cols > 0 {
             for (src, dst) in x.chunks_exact(cols).zip(out.chunks_exact_mut(kp)) {
-                for (&v, &p) in src.iter().zip(&at) {
-                    dst[p] = v;
+                // Each group's values by fours: values 4c..4c+4 are consecutive in both orders
+                // (`value_offset`), at the start of their run's dword of the group.
+                for (g, vals) in src.chunks(GROUP).enumerate() {
+                    for (c, four) in vals.chunks(4).enumerate() {
+                        let at = value_offset(groups, g, 4 * c);
+                        dst[at..at + four.len()].copy_from_slice(four);
+                    }
                 }
             }
         }
@@ -65,30 +72,9 @@ fn block_scales(bytes: &[u8], out: &mut [f32; BLOCK_GROUPS]) {
     }
 }
 
-/// [`block_scales`] with F16C (the half crate converts one by one in software here, which
-/// cost more than a short row's products).
-///
-/// # Safety
-/// The CPU has F16C and AVX.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx,f16c")]
-#[inline]
-unsafe fn block_scales_f16c(bytes: &[u8], out: &mut [f32; BLOCK_GROUPS]) {
-    use std::arch::x86_64::{_mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
-    let mut pad = [0u8; 2 * BLOCK_GROUPS];
-    pad[..bytes.len()].copy_from_slice(bytes);
-    // SAFETY: `pad` holds 32 bytes (16 halves) and `out` 16 floats; unaligned loads and stores.
-    unsafe {
-        for h in 0..2 {
-            let v = _mm_loadu_si128(pad.as_ptr().add(16 * h).cast());
-            _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), _mm256_cvtph_ps(v));
-        }
-    }
-}
-
 /// How a row stores its values.
 #[derive(Clone, Copy)]
-enum Format {
+pub(super) enum Format {
     Q4,
     Q8,
 }
@@ -96,7 +82,7 @@ enum Format {
 /// Block `b`'s weights (without their scales) as f32, in stored order, into `q` (`8 * run`
 /// values): int4 `q - 8` (its nibble runs low then high), 8-bit `q`. Exact small integers.
 #[inline(always)]
-fn widen_block(f: Format, bytes: &[u8], b: usize, run: usize, q: &mut [f32; BLOCK_VALUES]) {
+pub(super) fn widen_block(f: Format, bytes: &[u8], b: usize, run: usize, q: &mut [f32]) {
     match f {
         Format::Q4 => {
             let nib = &bytes[b * BLOCK_NIBBLES..b * BLOCK_NIBBLES + 4 * run];
@@ -117,149 +103,80 @@ fn widen_block(f: Format, bytes: &[u8], b: usize, run: usize, q: &mut [f32; BLOC
     }
 }
 
-/// One block's lanes for one token: lane `x` sums `q x` over the block's eight runs, in order.
+/// The sum of a lane's eight products, one per run: `((p0 + p1) + (p2 + p3)) + ((p4 + p5) +
+/// (p6 + p7))` (a tree: three dependent adds, not eight).
 #[inline(always)]
-fn block_lanes<const RUN: usize>(q: &[f32], xs: &[f32], lanes: &mut [f32; 64]) {
-    let mut acc = [0.0f32; RUN];
-    for v in 0..8 {
-        let w: &[f32; RUN] = q[v * RUN..(v + 1) * RUN].try_into().unwrap();
-        let a: &[f32; RUN] = xs[v * RUN..(v + 1) * RUN].try_into().unwrap();
-        for x in 0..RUN {
-            acc[x] += w[x] * a[x];
-        }
-    }
-    for (l, a) in lanes.iter_mut().zip(acc) {
-        *l = a;
+pub(super) fn lane_sum(p: [f32; 8]) -> f32 {
+    ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+}
+
+/// One block's lanes for one token, its weights widened into `q` (runs of `run` lanes).
+#[inline(always)]
+fn block_lanes(run: usize, q: &[f32], xs: &[f32], lanes: &mut [f32; 64]) {
+    for (x, lane) in lanes[..run].iter_mut().enumerate() {
+        *lane = lane_sum(std::array::from_fn(|v| q[v * run + x] * xs[v * run + x]));
     }
 }
 
-/// [`widen_block`] then [`block_lanes`] for one token, without the widened copy: the same
-/// values summed in the same order, so the same bits (a decode step's one token).
+/// Where group `g` of an octet lands among a row's eight totals: the lanes of AVX2's two
+/// horizontal adds of four vectors of two groups each, `[g0, g2, g4, g6, g1, g3, g5, g7]`.
+pub(super) const OCTET_LANE: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+
+/// Adds a block's `m` scaled group sums to a row's eight totals (see the module doc).
 #[inline(always)]
-fn block_lanes_fused<const RUN: usize>(
-    f: Format,
-    bytes: &[u8],
-    b: usize,
-    xs: &[f32],
-    lanes: &mut [f32; 64],
-) {
-    let mut acc = [0.0f32; RUN];
-    match f {
-        Format::Q4 => {
-            for k in 0..4 {
-                let at = b * BLOCK_NIBBLES + k * RUN;
-                let src: &[u8; RUN] = bytes[at..at + RUN].try_into().unwrap();
-                let lo: &[f32; RUN] = xs[2 * k * RUN..(2 * k + 1) * RUN].try_into().unwrap();
-                let hi: &[f32; RUN] = xs[(2 * k + 1) * RUN..(2 * k + 2) * RUN].try_into().unwrap();
-                for x in 0..RUN {
-                    acc[x] += ((src[x] & 15) as i32 - 8) as f32 * lo[x];
-                }
-                for x in 0..RUN {
-                    acc[x] += ((src[x] >> 4) as i32 - 8) as f32 * hi[x];
-                }
+fn fold_groups(lanes: &[f32; 64], m: usize, scales: &[f32; BLOCK_GROUPS], t: &mut [f32; 8]) {
+    for o in 0..m.div_ceil(8) {
+        let mut add = [0.0f32; 8];
+        for (g, &lane) in OCTET_LANE.iter().enumerate() {
+            let gi = 8 * o + g;
+            if gi < m {
+                let l = &lanes[4 * gi..4 * gi + 4];
+                add[lane] = scales[gi] * ((l[0] + l[1]) + (l[2] + l[3]));
             }
         }
-        Format::Q8 => {
-            for v in 0..8 {
-                let at = b * BLOCK_VALUES + v * RUN;
-                let src: &[u8; RUN] = bytes[at..at + RUN].try_into().unwrap();
-                let a: &[f32; RUN] = xs[v * RUN..(v + 1) * RUN].try_into().unwrap();
-                for x in 0..RUN {
-                    acc[x] += src[x] as i8 as f32 * a[x];
-                }
-            }
+        for (tk, a) in t.iter_mut().zip(add) {
+            *tk += a;
         }
-    }
-    for (l, a) in lanes.iter_mut().zip(acc) {
-        *l = a;
     }
 }
 
-/// `block_lanes` for a run length known only at run time (the same sums).
+/// A row's value from its eight totals.
 #[inline(always)]
-fn block_lanes_any(run: usize, q: &[f32], xs: &[f32], lanes: &mut [f32; 64]) {
-    for x in 0..run {
-        let mut a = 0.0f32;
-        for v in 0..8 {
-            a += q[v * run + x] * xs[v * run + x];
-        }
-        lanes[x] = a;
-    }
+fn row_total(t: &[f32; 8]) -> f32 {
+    ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]))
 }
 
-/// `out[t][r]` for the view's rows and every token of `x`.
-#[inline(always)]
+/// `out[t][r]` for the view's rows and every token of `x`: the scalar reference.
 fn rows_into<'w>(
     f: Format,
     row: &impl Fn(usize) -> (&'w [u8], &'w [u8]),
     x: &StoredActs,
     out: &mut OutView,
-    widen: impl Fn(&[u8], &mut [f32; BLOCK_GROUPS]),
 ) {
     let groups = x.kp / GROUP;
     let mut scales = [0.0f32; BLOCK_GROUPS];
-    let mut totals = vec![0.0f32; x.n];
+    let mut totals = vec![[0.0f32; 8]; x.n];
     let mut q = [0.0f32; BLOCK_VALUES];
     let mut lanes = [0.0f32; 64];
     for r in out.rows() {
         let (s, v) = row(r);
-        totals.fill(0.0);
+        totals.fill([0.0; 8]);
         for b in 0..groups.div_ceil(BLOCK_GROUPS) {
             let g0 = b * BLOCK_GROUPS;
             let m = (groups - g0).min(BLOCK_GROUPS);
             let run = 4 * m;
-            widen(&s[2 * g0..2 * (g0 + m)], &mut scales);
-            let fused = x.n == 1 && matches!(m, 16 | 8 | 4);
-            if !fused {
-                widen_block(f, v, b, run, &mut q);
-            }
+            block_scales(&s[2 * g0..2 * (g0 + m)], &mut scales);
+            widen_block(f, v, b, run, &mut q);
             for (t, total) in totals.iter_mut().enumerate() {
                 let xs = &x.x[t * x.kp + b * BLOCK_VALUES..];
-                match (fused, m) {
-                    (true, 16) => block_lanes_fused::<64>(f, v, b, xs, &mut lanes),
-                    (true, 8) => block_lanes_fused::<32>(f, v, b, xs, &mut lanes),
-                    (true, _) => block_lanes_fused::<16>(f, v, b, xs, &mut lanes),
-                    (false, 16) => block_lanes::<64>(&q, xs, &mut lanes),
-                    (false, 8) => block_lanes::<32>(&q, xs, &mut lanes),
-                    (false, 4) => block_lanes::<16>(&q, xs, &mut lanes),
-                    _ => block_lanes_any(run, &q, xs, &mut lanes),
-                }
-                // In a register, not through `total` (a store and reload per group otherwise).
-                let mut sum = *total;
-                for (i, four) in lanes[..run].chunks_exact(4).enumerate() {
-                    sum += scales[i] * (four[0] + four[1] + four[2] + four[3]);
-                }
-                *total = sum;
+                block_lanes(run, &q, xs, &mut lanes);
+                fold_groups(&lanes, m, &scales, total);
             }
         }
-        for (t, &total) in totals.iter().enumerate() {
-            out.set(t, r, total);
+        for (t, total) in totals.iter().enumerate() {
+            out.set(t, r, row_total(total));
         }
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn rows_into_avx512<'w>(
-    f: Format,
-    row: &impl Fn(usize) -> (&'w [u8], &'w [u8]),
-    x: &StoredActs,
-    out: &mut OutView,
-) {
-    // SAFETY: this function's features include F16C and AVX.
-    rows_into(f, row, x, out, |b, o| unsafe { block_scales_f16c(b, o) })
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_into_avx2<'w>(
-    f: Format,
-    row: &impl Fn(usize) -> (&'w [u8], &'w [u8]),
-    x: &StoredActs,
-    out: &mut OutView,
-) {
-    // SAFETY: this function's features include F16C and AVX.
-    rows_into(f, row, x, out, |b, o| unsafe { block_scales_f16c(b, o) })
 }
 
 /// The rows of `out`: `out[t][r] = W[r] . x[t]`, each row of `w` given by `row(r)` as (its
@@ -287,16 +204,13 @@ fn exact_into<'w>(
     if out.rows().is_empty() || x.n == 0 {
         return;
     }
-    match k {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: check_kernel above: the CPU has kernel `k`'s instruction set (F16C included:
-        // `Kernel::available`).
-        Kernel::Avx512Vnni => unsafe { rows_into_avx512(f, &row, x, &mut out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Kernel::Avx2 => unsafe { rows_into_avx2(f, &row, x, &mut out) },
-        _ => rows_into(f, &row, x, &mut out, block_scales),
+    #[cfg(target_arch = "x86_64")]
+    if k != Kernel::Scalar && super::exact_avx2::takes(kp / GROUP) {
+        // SAFETY: check_kernel above: the CPU has kernel `k`'s instruction set, AVX2 and F16C
+        // included for both vector kernels (`Kernel::available`).
+        return unsafe { super::exact_avx2::rows_into(f, &row, x, &mut out) };
     }
+    rows_into(f, &row, x, &mut out)
 }
 
 /// `out[t][r] = W[r] . x[t]` for the view's rows of int4 `w`, the activations f32.

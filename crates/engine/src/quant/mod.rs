@@ -63,6 +63,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod exact;
+#[cfg(target_arch = "x86_64")]
+mod exact_avx2;
 pub mod prefetch;
 mod q4;
 mod q8;

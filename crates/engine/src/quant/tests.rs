@@ -801,7 +801,19 @@ fn q8_weights_are_closer_than_int4_and_n_zero_is_a_no_op() {
 /// token the bits it gets alone (a prompt's passes may be cut anywhere).
 #[test]
 fn exact_products_are_the_dequantized_weights_times_f32_activations() {
-    for (cols, rows) in [(32, 5), (200, 13), (512, 9), (608, 17), (1000, 3)] {
+    for (cols, rows) in [
+        (32, 5),
+        (64, 4),
+        (128, 7),
+        (192, 6),
+        (200, 13),
+        (256, 5),
+        (320, 3),
+        (512, 9),
+        (608, 17),
+        (1000, 3),
+        (1088, 2),
+    ] {
         let w = gauss(rows * cols, cols as u64);
         let q4 = quantize_q4(&w, rows, cols);
         let q8 = quantize_q8(&w, rows, cols);

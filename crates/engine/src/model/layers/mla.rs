@@ -179,26 +179,26 @@ fn expanded_pays(d: &MlaDims, n: usize, p0: usize) -> bool {
     n >= EXPAND_MIN_QUERIES && pairs * saved_per_pair >= p0 as f64 * ((nope + vd) * r) as f64
 }
 
-/// `COLI_MLA_EXPANDED`: `on` (or `1`) lets MLA prefill attend in the expanded form where it
-/// pays; `off` (or `0`, or unset), the default, keeps the absorbed form for every pass. With
-/// `on`, `kv_b`'s products take their inputs unrounded (`Model::kv_b_input`) so the forms agree
-/// within f32 rounding: a prompt's logits depend on how it is cut into passes at that level
-/// only (a reused prefix or a restarted slot continues with a cold run's tokens but for a
-/// near-tie at f32 rounding), for 1.25-2.5x faster prefill; but those unrounded products are
-/// slower than the 8-bit ones in a decode step (docs/PERFORMANCE.md), which is why `off` stays
-/// the default: the same bits however a prompt is cut, and the faster decode. Any other
-/// value: the default, with a warning.
+/// `COLI_MLA_EXPANDED`: `on` (or `1`, or unset), the default, lets MLA prefill attend in the
+/// expanded form where it pays (1.2-1.4x the absorbed prefill at 512-2k positions on a
+/// 16-head DeepSeek-V3 shape, docs/PERFORMANCE.md), with `kv_b`'s products taking their inputs
+/// unrounded (`Model::kv_b_input`) so that the forms agree within f32 rounding: a prompt's
+/// logits depend on how it is cut into passes at that level only (a reused prefix or a
+/// restarted slot continues with a cold run's tokens but for a near-tie at f32 rounding). The
+/// unrounded products decode as fast as the 8-bit ones (`quant/exact_avx2.rs`). `off` (or `0`)
+/// keeps the absorbed form for every pass and the 8-bit inputs: the same bits however a prompt
+/// is cut. Any other value: the default, with a warning.
 pub(in crate::model) fn mla_expanded_from_env() -> bool {
     resolve_mla_expanded(crate::settings::mla_expanded().as_deref())
 }
 
 pub(in crate::model) fn resolve_mla_expanded(v: Option<&str>) -> bool {
     match v.map(str::trim) {
-        Some("on" | "1") => true,
-        None | Some("off" | "0" | "") => false,
+        None | Some("on" | "1" | "") => true,
+        Some("off" | "0") => false,
         Some(other) => {
-            eprintln!("COLI_MLA_EXPANDED={other:?} is not on/off: MLA prefill stays absorbed");
-            false
+            eprintln!("COLI_MLA_EXPANDED={other:?} is not on/off: MLA prefill may expand (on)");
+            true
         }
     }
 }
@@ -677,7 +677,7 @@ impl Model {
     /// A product input of `kv_b` (`W_uk^T` or `W_uv`): unrounded where the prefill may take
     /// the expanded form, so the two forms agree within f32 rounding; with it off (every pass
     /// absorbed, the same bits however a prompt is cut) the 8-bit activations the other
-    /// products take, which decode faster (docs/PERFORMANCE.md).
+    /// products take.
     pub(in crate::model) fn kv_b_input(&self, x: Vec<f32>, n: usize, cols: usize) -> Acts {
         if self.mla_expanded {
             Acts::exact(x, n, cols)
