@@ -40,6 +40,17 @@ def test_the_cache_keeps_the_latent_and_the_rope_key_per_token(mla, converted):
     assert per_layer < expanded
 
 
+def test_the_expanded_prefill_is_on_unless_turned_off(mla, converted, monkeypatch, capfd):
+    model = converted(mla.arch, "int4")
+    monkeypatch.delenv("COLI_MLA_EXPANDED", raising=False)
+    assert Engine(model, threads=1).info["mla_expanded"] is True
+    monkeypatch.setenv("COLI_MLA_EXPANDED", "sideways")
+    assert Engine(model, threads=1).info["mla_expanded"] is True
+    assert 'COLI_MLA_EXPANDED="sideways" is not on/off' in capfd.readouterr().err
+    monkeypatch.setenv("COLI_MLA_EXPANDED", "off")
+    assert Engine(model, threads=1).info["mla_expanded"] is False
+
+
 def test_prefix_reuse_gives_the_tokens_of_a_cold_run(mla, converted):
     for quant in ["f32", "int4"]:
         engine = Engine(converted(mla.arch, quant), threads=2, slots=2)
@@ -68,6 +79,7 @@ def test_a_slot_file_restart_gives_the_tokens_of_a_cold_run(
     one absorbed steps over the file's history; the forms agree within f32 rounding (with
     8-bit inputs to kv_b's products they had not, and deepseek_v3_noqlora's tokens differed)."""
     monkeypatch.setenv("COLI_MLA_EXPANDED", expanded)
+    assert Engine(converted(mla.arch, "int4")).info["mla_expanded"] is (expanded == "on")
     assert_a_slot_file_restart_is_cold(
         converted(mla.arch, "int4"), tmp_path / "kv", mla.prompts[2], mla.prompts[1][1:6]
     )

@@ -157,6 +157,12 @@ impl Model {
         self.mla_expanded = on;
     }
 
+    /// Whether MLA prefill may attend in the expanded form (`COLI_MLA_EXPANDED`, read at load;
+    /// models without MLA layers ignore it).
+    pub fn mla_expanded(&self) -> bool {
+        self.mla_expanded
+    }
+
     pub fn threads(&self) -> usize {
         self.pool.threads()
     }
