@@ -18,14 +18,15 @@
 //!
 //! Each (row, token) is summed in one fixed order whatever the number of tokens and the
 //! kernel, an eight-lane machine's: per block, lane `x` of a run (group `x / 4`) sums its
-//! eight runs' products by [`lane_sum`]'s tree; each group's four lanes are added pairwise, `(l0 + l1) +
-//! (l2 + l3)`, and scaled; the block's groups, eight at a time, are added to the row's eight
-//! totals, group `g` of an octet to total [`OCTET_LANE`]`[g]` (absent groups add `0 * 0`); the
-//! row's value is `((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7))`. Those are the AVX2
-//! kernel's horizontal adds and final reduction (`exact_avx2.rs`), so it gives the bits of
-//! [`rows_into`] here, the scalar reference. So a product's results do not depend on how many
-//! tokens it takes (a prompt cut into passes gives the bits of one pass), as with the 8-bit
-//! kernels' exact integer sums. A block's weights are widened to f32 once for every token.
+//! eight runs' products by [`lane_sum`]'s tree; each group's four lanes are added pairwise,
+//! `(l0 + l1) + (l2 + l3)`, and scaled; the block's groups, eight at a time, are added to the
+//! row's eight totals, group `g` of an octet to total [`OCTET_LANE`]`[g]` (absent groups add
+//! `0 * 0`); the row's value is `((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7))`. Those are
+//! the AVX2 kernel's horizontal adds and final reduction (`exact_avx2.rs`), so it gives the
+//! bits of [`rows_into`] here, the scalar reference. So a product's results do not depend on
+//! how many tokens it takes (a prompt cut into passes gives the bits of one pass), as with the
+//! 8-bit kernels' exact integer sums. The scalar reference widens a block's weights to f32
+//! once for every token, the AVX2 kernel in registers once per two tokens.
 
 use half::f16;
 
@@ -106,7 +107,7 @@ pub(super) fn widen_block(f: Format, bytes: &[u8], b: usize, run: usize, q: &mut
 /// The sum of a lane's eight products, one per run: `((p0 + p1) + (p2 + p3)) + ((p4 + p5) +
 /// (p6 + p7))` (a tree: three dependent adds, not eight).
 #[inline(always)]
-pub(super) fn lane_sum(p: [f32; 8]) -> f32 {
+fn lane_sum(p: [f32; 8]) -> f32 {
     ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
 }
 

@@ -574,6 +574,47 @@ fn simd_q8_matches_scalar_awkward_shapes_and_subranges() {
 }
 
 #[test]
+fn q4_extreme_values_do_not_overflow() {
+    // Rows written directly: scales 1, values 0, 1 of each dword nibble 15 (+7) and 2, 3 nibble
+    // 1 (-7) (every stored nibble byte `p` holds two values with `j % 4 == p % 4`), so each i16
+    // lane of AVX2's maddubs holds two nibble-15 products: with activations all +-127, the
+    // largest pairs the unsigned nibbles can make (+-2 * 15 * 127), and the i32 group sums
+    // the largest too. Every kernel gives the scalar bits, on whole blocks, a partial block,
+    // one token (decode) and several (tiles).
+    let (rows, cols) = (5, 16 * 32 + 96);
+    let groups = cols / 32;
+    let row: Vec<u8> = (0..groups)
+        .flat_map(|_| half::f16::from_f32(1.0).to_le_bytes())
+        .chain((0..groups * 16).map(|p| if p % 4 < 2 { 0xff } else { 0x11 }))
+        .collect();
+    let bytes = row.repeat(rows);
+    let m = Q4Matrix::new(&bytes, rows, cols).unwrap();
+    let w: Vec<f32> = (0..cols).map(|c| if c % 4 < 2 { 7.0 } else { -7.0 }).collect();
+    let mut deq = vec![0.0; cols];
+    m.dequantize_row(0, &mut deq);
+    assert_eq!(deq, w);
+    let x: Vec<f32> = (0..3 * cols)
+        .map(|i| if i / cols == 1 { -2.0 } else { 2.0 })
+        .collect();
+    let mut a = Q8Acts::new();
+    for n in [1, 2, 3] {
+        a.quantize(&x[..n * cols], n, cols);
+        let mut want = vec![0.0; n * rows];
+        q4_matmul(Kernel::Scalar, &m, &a, &mut want, rows, 0..rows);
+        for t in 0..n {
+            // Half the products +14, half -14: the sum is 0.
+            let exact: f32 = (0..cols).map(|c| w[c] * x[t * cols + c]).sum();
+            assert!((want[t * rows] - exact).abs() <= 1e-3, "{} vs {exact}", want[t * rows]);
+        }
+        for k in available() {
+            let mut got = vec![0.0; n * rows];
+            q4_matmul(k, &m, &a, &mut got, rows, 0..rows);
+            assert_eq!(got, want, "{} n={n}", k.name());
+        }
+    }
+}
+
+#[test]
 fn q8_extreme_values_do_not_saturate() {
     // Every weight and activation at ±127 (the extremes of both ranges), in sign patterns that
     // make each i16 pair of AVX2's maddubs as large as it gets (2 * 127 * 127) and each group's
