@@ -589,7 +589,9 @@ fn q4_extreme_values_do_not_overflow() {
         .collect();
     let bytes = row.repeat(rows);
     let m = Q4Matrix::new(&bytes, rows, cols).unwrap();
-    let w: Vec<f32> = (0..cols).map(|c| if c % 4 < 2 { 7.0 } else { -7.0 }).collect();
+    let w: Vec<f32> = (0..cols)
+        .map(|c| if c % 4 < 2 { 7.0 } else { -7.0 })
+        .collect();
     let mut deq = vec![0.0; cols];
     m.dequantize_row(0, &mut deq);
     assert_eq!(deq, w);
@@ -604,7 +606,11 @@ fn q4_extreme_values_do_not_overflow() {
         for t in 0..n {
             // Half the products +14, half -14: the sum is 0.
             let exact: f32 = (0..cols).map(|c| w[c] * x[t * cols + c]).sum();
-            assert!((want[t * rows] - exact).abs() <= 1e-3, "{} vs {exact}", want[t * rows]);
+            assert!(
+                (want[t * rows] - exact).abs() <= 1e-3,
+                "{} vs {exact}",
+                want[t * rows]
+            );
         }
         for k in available() {
             let mut got = vec![0.0; n * rows];
