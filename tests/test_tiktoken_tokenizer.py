@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from tokenizers import Tokenizer
 
 from colibri import Engine, _engine, convert
 from colibri.chat.template import ChatTemplate, sorts_tool_keys
+from colibri.runtime import long_texts
 
 from .conftest import FIXTURES
 from .kimi_tokenizer import TIKTOKEN, kimi_checkpoint, kimi_k25_checkpoint, reference, tiktoken_dir
@@ -199,3 +202,72 @@ def test_a_ranked_token_with_a_special_tokens_text_leaves_the_special_ids_in_pla
     ids = literal.encode("say [EOS] now", add_special_tokens=False).ids
     assert eos not in ids and 299 not in ids
     assert literal.decode(ids) == "say [EOS] now"
+
+
+def kimi_cuts(s: str, max_run: int):
+    """The loop Kimi's module runs over each 400,000-character window (written out here as it
+    publishes it): a piece ends where a run of whitespace or non-whitespace passes ``max_run``."""
+    if not s:
+        return
+    run, space, start = 0, s[0].isspace(), 0
+    for i, c in enumerate(s):
+        if space != c.isspace():
+            run, space = 1, c.isspace()
+        else:
+            run += 1
+            if run > max_run:
+                yield s[start:i]
+                start, run = i, 1
+    yield s[start:]
+
+
+def test_the_whitespace_class_is_str_isspace_on_every_code_point():
+    space = re.compile(r"\s")
+    assert all(bool(space.fullmatch(chr(c))) == chr(c).isspace() for c in range(sys.maxunicode + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(["a", "xy", " ", "\n", "\u3000", "\x1c", "中"]), max_size=80).map(
+        "".join
+    ),
+    st.integers(1, 9),
+    st.integers(1, 30),
+)
+def test_long_texts_are_cut_where_kimis_tokenizer_cuts_them(text, max_run, window):
+    windows = [text[w : w + window] for w in range(0, len(text), window)]
+    want = [p for part in windows for p in kimi_cuts(part, max_run)]
+    assert long_texts.pieces(text, window, max_run) == want
+
+
+def test_a_kimi_engine_encodes_long_texts_in_kimis_pieces(tmp_path):
+    """A word past 25,000 letters and a text past one 400,000-character window, around special
+    tokens: the engine's ids are tiktoken's over Kimi's pieces of each segment between special
+    tokens, which here differ from encoding each segment whole (both cuts fall inside a "the",
+    one token whole); a text with no cut is encoded whole."""
+    hf = kimi_checkpoint(FIXTURES / "deepseek_v3" / "hf", tmp_path / "hf", 440)
+    convert(hf, tmp_path / "out", "int4")
+    engine = Engine(tmp_path / "out", threads=1)
+    ref = reference(hf, 463)
+    specials = re.compile(r"(<\|im_user\|>|<\|im_end\|>)")
+
+    def kimi_encode(text: str) -> list[int]:
+        ids: list[int] = []
+        for seg in specials.split(text):
+            if specials.fullmatch(seg):
+                ids += ref.encode(seg, allowed_special="all")
+                continue
+            for w in range(0, len(seg), long_texts.WINDOW):
+                for piece in kimi_cuts(seg[w : w + long_texts.WINDOW], long_texts.MAX_RUN):
+                    ids += ref.encode(piece, allowed_special="all")
+        return ids
+
+    word = "the" * 8_337 + "t"  # 25,012 letters, cut after 25,000: "the" * 8,333 + "t" | "he.."
+    words = "xx" + "the " * 100_003  # the window ends after "th" of a word
+    for text in (f"<|im_user|>x {word} y<|im_end|>", f"{words}<|im_end|>{word}"):
+        want = kimi_encode(text)
+        assert engine.tokenize(text) == want
+        assert want != ref.encode(text, allowed_special="all")
+    assert engine.tokenize_literal(word) == kimi_encode(word)
+    short = f"<|im_user|>{'the' * 8_333}t<|im_end|>"
+    assert engine.tokenize(short) == ref.encode(short, allowed_special="all")

@@ -15,6 +15,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from colibri.runtime.long_texts import tokenizer_module
+
 
 class TemplateRefused(ValueError):
     """The template rejected the conversation (``raise_exception``) or failed to render it."""
@@ -54,12 +56,7 @@ def sorts_tool_keys(tokenizer_config: dict[str, Any]) -> bool:
     template renders them: Kimi's tokenizer module (``tokenization_kimi``, named by
     ``auto_map``) does, recursively, in its ``apply_chat_template``, so its models saw tools
     that way."""
-    entry = (tokenizer_config.get("auto_map") or {}).get("AutoTokenizer")
-    name = entry[0] if isinstance(entry, list) and entry else entry
-    if not isinstance(name, str):
-        return False
-    module = name.rsplit("--", 1)[-1].rsplit(".", 1)[0]
-    return module.rsplit(".", 1)[-1] == "tokenization_kimi"
+    return tokenizer_module(tokenizer_config) == "tokenization_kimi"
 
 
 class ChatTemplate:

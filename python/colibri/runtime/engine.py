@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from colibri import _engine
+from colibri.runtime import long_texts
 
 log = logging.getLogger("colibri.engine")
 
@@ -83,6 +84,7 @@ class Engine:
         if info.get("tokenizer_config"):
             cfg_path = self.path / info["tokenizer_config"]
             self.tokenizer_config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        self._cuts_long_texts = long_texts.cuts_long_texts(self.tokenizer_config)
         self.info: dict[str, Any] = info
 
     @property
@@ -99,7 +101,14 @@ class Engine:
         return ids
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text`` (special-token strings in it are recognised as such)."""
+        """Token ids of ``text`` (special-token strings in it are recognised as such); a long
+        text cut first where the checkpoint's tokenizer cuts it (``runtime.long_texts``)."""
+        if self._cuts_long_texts and long_texts.needs_cuts(text):
+            whole = self._tokenizer.encode(text, add_special_tokens=False)
+            enc = self._encode_in_pieces(self._tokenizer, text, whole)
+            if add_special_tokens:
+                enc = self._tokenizer.post_process(enc, add_special_tokens=True)
+            return list(enc.ids)
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def tokenize_literal(self, text: str) -> list[int]:
@@ -111,7 +120,30 @@ class Engine:
             literal = Tokenizer.from_str(self._tokenizer.to_str())
             literal.encode_special_tokens = True
             self._literal_tokenizer = literal
+        if self._cuts_long_texts and long_texts.needs_cuts(text):
+            return list(self._encode_in_pieces(self._literal_tokenizer, text, None).ids)
         return list(self._literal_tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _encode_in_pieces(self, tok: Tokenizer, text: str, whole: Encoding | None) -> Encoding:
+        """``text`` encoded piece by piece (``long_texts.pieces``) within each segment between
+        the special tokens ``whole`` (its encoding in one piece) found; None: one segment."""
+        specials = self._special_ids if whole is not None else frozenset()
+        parts: list[Encoding] = []
+        start = 0
+        marks = [] if whole is None else zip(whole.ids, whole.offsets, strict=True)
+        for tid, (a, b) in marks:
+            if tid in specials:
+                segment = long_texts.pieces(text[start:a])
+                parts += tok.encode_batch(segment, add_special_tokens=False)
+                parts.append(tok.encode(text[a:b], add_special_tokens=False))
+                start = b
+        parts += tok.encode_batch(long_texts.pieces(text[start:]), add_special_tokens=False)
+        return Encoding.merge(parts, growing_offsets=True)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        added = self._tokenizer.get_added_tokens_decoder().items()
+        return frozenset(i for i, t in added if t.special)
 
     @functools.cached_property
     def special_tokens(self) -> tuple[str, ...]:
