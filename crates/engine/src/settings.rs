@@ -79,8 +79,8 @@ pub fn delta_chunked() -> Option<String> {
     var("COLI_DELTA_CHUNKED")
 }
 
-/// `COLI_MLA_EXPANDED` (`on|off`: MLA prefill in the expanded form where it pays; default
-/// `off`, every pass absorbed), read at each load.
+/// `COLI_MLA_EXPANDED` (`on|off`: MLA prefill in the expanded form where it pays, the default;
+/// `off` keeps every pass absorbed), read at each load.
 pub fn mla_expanded() -> Option<String> {
     var("COLI_MLA_EXPANDED")
 }

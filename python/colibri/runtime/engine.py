@@ -127,12 +127,11 @@ class Engine:
     def _encode_in_pieces(self, tok: Tokenizer, text: str, whole: Encoding | None) -> Encoding:
         """``text`` encoded piece by piece (``long_texts.pieces``) within each segment between
         the special tokens ``whole`` (its encoding in one piece) found; None: one segment."""
-        specials = self._special_ids if whole is not None else frozenset()
         parts: list[Encoding] = []
         start = 0
         marks = [] if whole is None else zip(whole.ids, whole.offsets, strict=True)
         for tid, (a, b) in marks:
-            if tid in specials:
+            if tid in self._special_ids:
                 segment = long_texts.pieces(text[start:a])
                 parts += tok.encode_batch(segment, add_special_tokens=False)
                 parts.append(tok.encode(text[a:b], add_special_tokens=False))

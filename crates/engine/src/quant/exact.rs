@@ -121,7 +121,7 @@ fn block_lanes(run: usize, q: &[f32], xs: &[f32], lanes: &mut [f32; 64]) {
 
 /// Where group `g` of an octet lands among a row's eight totals: the lanes of AVX2's two
 /// horizontal adds of four vectors of two groups each, `[g0, g2, g4, g6, g1, g3, g5, g7]`.
-pub(super) const OCTET_LANE: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+const OCTET_LANE: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
 /// Adds a block's `m` scaled group sums to a row's eight totals (see the module doc).
 #[inline(always)]
@@ -181,8 +181,8 @@ fn rows_into<'w>(
 }
 
 /// The rows of `out`: `out[t][r] = W[r] . x[t]`, each row of `w` given by `row(r)` as (its
-/// scale bytes, its value bytes). The same loops compiled for the kernel's instruction set
-/// (they vectorise) give the same sums in the same order: the kernels agree to the bit.
+/// scale bytes, its value bytes). The vector kernels take `exact_avx2.rs`, which sums in
+/// [`rows_into`]'s order: the kernels agree to the bit.
 fn exact_into<'w>(
     k: Kernel,
     f: Format,

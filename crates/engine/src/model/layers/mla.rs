@@ -9,7 +9,7 @@
 //!
 //! Here the cache keeps only what each position gives: the normed latent and the roped key,
 //! `kv_lora_rank + qk_rope_head_dim` floats per position and layer (one key run, no values:
-//! [`kv_layout`]). Decode (and by default every pass) attends in the absorbed form:
+//! [`kv_layout`]). Decode (and a short pass) attends in the absorbed form:
 //! `q_nope . (W_uk c) = (W_uk^T q_nope) . c`, so each head's query becomes
 //! `[W_uk^T q_nope | q_rope]` and attends over the cached rows `[c | k_rope]` with the shared
 //! kernel; the values are the latents (the kernel is given the same rows as values and the
@@ -17,13 +17,13 @@
 //! value after the softmax. `kv_b_proj` is stored as the two matrices these products read, at
 //! the model's quantization: `W_uk^T` (each head's key rows transposed, `[heads * kv_lora_rank,
 //! qk_nope_head_dim]`) and `W_uv` (`[heads * v_head_dim, kv_lora_rank]`), each head a row block
-//! multiplied by that head's own input (with the expanded form on, the input unrounded,
-//! `Acts::exact`: the 8-bit rounding the other products take would fall on different values
-//! in the two forms below).
+//! multiplied by that head's own input, unrounded (`Acts::exact`: the 8-bit rounding the other
+//! products take would fall on different values in the two forms below; with
+//! `COLI_MLA_EXPANDED=off`, every pass absorbed, the 8-bit inputs).
 //! Directories converted before the split keep one f32 `kv_b` and are read as before.
 //!
-//! With `COLI_MLA_EXPANDED=on`, a prefill of many positions attends in the expanded form
-//! instead, where that is faster
+//! A prefill of many positions attends in the expanded form instead (unless
+//! `COLI_MLA_EXPANDED=off`), where that is faster
 //! (measured: [`expanded_pays`]): the history's latents are expanded into each head's keys
 //! `[W_uk c | k_rope]` and values `W_uv c` (one product over every position, a block of heads at
 //! a time), and each head attends with `[q_nope | q_rope]` over `qk_nope + qk_rope` wide keys
