@@ -14,7 +14,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use colibri_engine::quant::{
-    f32_matmul, q4_byte_len, q4_matmul, quantize_q4, Kernel, Q4Matrix, Q8Acts,
+    f32_matmul, q4_byte_len, q4_matmul, q8_matmul, quantize_q4, quantize_q8, Kernel, Q4Matrix,
+    Q8Acts, Q8Matrix,
 };
 
 struct Rng(u64);
@@ -207,6 +208,36 @@ fn main() {
                 .collect();
             println!("         DRAM time vs n=1: {}", small.join(", "));
         }
+    }
+
+    // 8-bit weights (the attention value and output matrices of a default int4 conversion):
+    // prefill rates at 64 tokens and at an expert's share (8).
+    let (rows, cols) = (2048, 2048);
+    let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32() * 0.05).collect();
+    let bytes = quantize_q8(&w, rows, cols);
+    let w8 = Q8Matrix::new(&bytes, rows, cols).unwrap();
+    let x: Vec<f32> = (0..64 * cols).map(|_| rng.f32()).collect();
+    let (mut a64, mut a8) = (Q8Acts::new(), Q8Acts::new());
+    a64.quantize(&x, 64, cols);
+    a8.quantize(&x[..8 * cols], 8, cols);
+    let mut out = vec![0.0f32; 64 * rows];
+    println!(
+        "\n== q8 {rows} x {cols} ({:.2} MB)",
+        bytes.len() as f64 / 1e6
+    );
+    for &k in kernels.iter().filter(|&&k| k != Kernel::Scalar || !quick) {
+        let rate = |a: &Q8Acts, out: &mut [f32]| {
+            let t = time(min, || {
+                q8_matmul(k, &w8, a, out, rows, 0..rows);
+                black_box(&*out);
+            });
+            (a.n() * rows * cols) as f64 / t / 1e9
+        };
+        let (r64, r8) = (rate(&a64, &mut out), rate(&a8, &mut out));
+        println!(
+            "{:>7}: n=64 {r64:6.1} GMAC/s | n=8 {r8:6.1} GMAC/s",
+            k.name()
+        );
     }
 
     // Quantization speed (the converter's cost).

@@ -553,13 +553,19 @@ impl<'a> Q4Matrix<'a> {
         assert!(r < self.rows, "dequantize_row: row {r} of {}", self.rows);
         assert_eq!(out.len(), self.cols, "dequantize_row: out.len() != cols");
         let nib = self.row_nibbles(r);
+        let groups = self.groups();
         let mut buf = [0.0f32; GROUP];
         for (g, chunk) in out.chunks_mut(GROUP).enumerate() {
             let d = self.scale(r, g);
-            for j in 0..GROUP / 2 {
-                let b = nib[nibble_offset(self.groups(), g, j)];
-                buf[j] = ((b & 15) as f32 - 8.0) * d;
-                buf[j + 16] = ((b >> 4) as f32 - 8.0) * d;
+            // A group's 16 bytes are four dwords, a block's group count of dwords apart.
+            let first = nibble_offset(groups, g, 0);
+            let apart = nibble_offset(groups, g, 4) - first;
+            for k in 0..4 {
+                let dword = &nib[first + k * apart..first + k * apart + 4];
+                for (i, &b) in dword.iter().enumerate() {
+                    buf[4 * k + i] = ((b & 15) as f32 - 8.0) * d;
+                    buf[4 * k + i + 16] = ((b >> 4) as f32 - 8.0) * d;
+                }
             }
             chunk.copy_from_slice(&buf[..chunk.len()]);
         }
@@ -812,6 +818,31 @@ mod tests {
             let x: &[f32; GROUP] = x.try_into().unwrap();
             let m = *x.iter().max_by(|a, b| a.abs().total_cmp(&b.abs())).unwrap();
             assert_eq!(on_grid(x, m, &mut [0; GROUP]), None);
+        }
+    }
+
+    /// Each widened value is its own nibble (by `nibble_offset`, byte `j`'s low half column
+    /// `j`, its high half column `j + 16`) minus 8, times its group's scale: rows of one to 40
+    /// groups (full and partial blocks of 16) and partial last groups.
+    #[test]
+    fn dequantize_row_reads_each_nibble_where_the_layout_puts_it() {
+        for cols in [1, 31, 32, 64, 480, 512, 520, 1280] {
+            let rows = 3;
+            let w = gauss(rows * cols, cols as u64);
+            let bytes = quantize_q4(&w, rows, cols);
+            let m = Q4Matrix::new(&bytes, rows, cols).unwrap();
+            let mut row = vec![0.0; cols];
+            for r in 0..rows {
+                m.dequantize_row(r, &mut row);
+                let nib = m.row_nibbles(r);
+                for (c, &v) in row.iter().enumerate() {
+                    let (g, i) = (c / GROUP, c % GROUP);
+                    let b = nib[nibble_offset(m.groups(), g, i % 16)];
+                    let q = if i < 16 { b & 15 } else { b >> 4 };
+                    let want = (q as f32 - 8.0) * m.scale(r, g);
+                    assert_eq!(v.to_bits(), want.to_bits(), "cols {cols} row {r} col {c}");
+                }
+            }
         }
     }
 

@@ -462,20 +462,32 @@ impl Model {
     }
 
     /// `W_uk` of heads `h0..h0 + hb` (`[hb * qk_nope_head_dim, kv_lora_rank]`, f32): `W_uk^T`'s
-    /// stored values ([`Model::dequantized`]) with each head's block transposed, so the
-    /// expanded form multiplies by the very weights the absorbed form does. Made per pass
-    /// (`hb * qk_nope * kv_lora_rank` values, a small part of a prefill that pays for
-    /// expanding), not kept: at int4 `W_uk^T` is an eighth of its f32 size.
+    /// stored values (exact: an int4 or 8-bit value times an f16 scale) with each head's block
+    /// transposed, so the expanded form multiplies by the very weights the absorbed form does.
+    /// Made per pass (`hb * qk_nope * kv_lora_rank` values, a small part of a prefill that pays
+    /// for expanding), not kept: at int4 `W_uk^T` is an eighth of its f32 size. `TILE` rows of
+    /// `W_uk^T` at a time are widened, then written as `TILE`-long runs of each `W_uk` row
+    /// (element by element, writes `kv_lora_rank` apart would each touch another cache line).
     fn key_up_projection(&self, uk_t: &Linear, h0: usize, hb: usize) -> Vec<f32> {
+        const TILE: usize = 16;
         let d = dims(&self.cfg);
         let (nope, r) = (d.qk_nope_head_dim, d.kv_lora_rank);
-        let wt = self.dequantized(&uk_t.row_block(h0 * r, hb * r));
+        let view = self.w(&uk_t.row_block(h0 * r, hb * r));
         let mut uk = vec![0.0f32; hb * nope * r];
+        if nope == 0 {
+            return uk;
+        }
         for_each_chunk_mut(&self.pool, &mut uk, nope * r, |h, block| {
-            let src = &wt[h * r * nope..(h + 1) * r * nope];
-            for (j, row) in src.chunks_exact(nope).enumerate() {
-                for (i, &v) in row.iter().enumerate() {
-                    block[i * r + j] = v;
+            let mut rows = vec![0.0f32; TILE * nope];
+            for j0 in (0..r).step_by(TILE) {
+                let t = TILE.min(r - j0);
+                for (k, row) in rows.chunks_exact_mut(nope).take(t).enumerate() {
+                    view.row(h * r + j0 + k, nope, row);
+                }
+                for (i, out) in block.chunks_exact_mut(r).enumerate() {
+                    for (k, o) in out[j0..j0 + t].iter_mut().enumerate() {
+                        *o = rows[k * nope + i];
+                    }
                 }
             }
         });
