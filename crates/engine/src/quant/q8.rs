@@ -280,6 +280,7 @@ fn quantize_groups_scalar(
 
 /// What takes [`Q8Acts::quantize`]'s whole groups.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the vector ones are x86 only
 enum GroupQuantizer {
     Scalar,
     Avx2,

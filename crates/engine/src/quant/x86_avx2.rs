@@ -118,7 +118,8 @@ const L2_CHUNK_BYTES: usize = 256 << 10;
 
 /// Calls `f(rows, tokens)` for the blocks of a product over `rows` (of `row_bytes` bytes each,
 /// int4 or 8-bit) and every token of `x`:
-/// rows in chunks whose weights stay in L2 (a multiple of 6 rows, so 2- and 3-row tiles fit),
+/// rows in chunks whose weights stay in L2 (a multiple of 6 rows, so the 2- and 3-row tiles of
+/// the 8-bit and AVX-512 kernels fit; the AVX2 int4 tile is one row),
 /// and within a chunk tokens in blocks whose activations stay in L1 (a multiple of 4, the token
 /// tile). The weights then come from memory once and the innermost loop reads activations from
 /// L1; with one block of up to 96 tokens (384 KiB), every tile re-read 4 KiB per token from L2
