@@ -259,23 +259,35 @@ fn quantize_groups_scalar(
         if lo == hi {
             // Padding past the columns: what quantizing 32 zeros gives, without the work (a
             // 128-wide vector, MLA's per-head input, has 12 such groups of its 16).
-            for j in 0..GROUP {
-                qs[qs_offset(g, j)] = 0;
-            }
-            corr[g] = 0;
-            dexp[g] = 0.0;
+            store_group(g, &[0; GROUP], 0, 0.0, qs, corr, dexp);
             continue;
         }
         buf.fill(0.0);
         buf[..hi - lo].copy_from_slice(&xt[lo..hi]);
         let (q, d) = quantize_group(&buf);
-        for (j, &v) in q.iter().enumerate() {
-            qs[qs_offset(g, j)] = v;
-        }
         let sum: i32 = q.iter().map(|&v| v as i32).sum();
-        corr[g] = -8 * sum;
-        dexp[g] = d;
+        store_group(g, &q, sum, d, qs, corr, dexp);
     }
+}
+
+/// Stores group `g` in a vector's layout: its values `q` (four at a time, each dword in its
+/// place in the block), the offset of its values' sum `-8 * sum` and its scale `d`.
+#[inline(always)]
+fn store_group(
+    g: usize,
+    q: &[i8; GROUP],
+    sum: i32,
+    d: f32,
+    qs: &mut [i8],
+    corr: &mut [i32],
+    dexp: &mut [f32],
+) {
+    for j in (0..GROUP).step_by(4) {
+        let at = qs_offset(g, j);
+        qs[at..at + 4].copy_from_slice(&q[j..j + 4]);
+    }
+    corr[g] = -8 * sum;
+    dexp[g] = d;
 }
 
 /// What takes [`Q8Acts::quantize`]'s whole groups.
@@ -363,12 +375,7 @@ unsafe fn quantize_groups_avx2(x: &[f32], qs: &mut [i8], corr: &mut [i32], dexp:
                 _mm256_permutevar8x32_epi32(words, order),
             )
         };
-        for j in (0..GROUP).step_by(4) {
-            let at = qs_offset(g, j);
-            qs[at..at + 4].copy_from_slice(&bytes[j..j + 4]);
-        }
-        corr[g] = -8 * sum;
-        dexp[g] = d;
+        store_group(g, &bytes, sum, d, qs, corr, dexp);
     }
 }
 
@@ -415,19 +422,14 @@ unsafe fn quantize_groups_avx512(x: &[f32], qs: &mut [i8], corr: &mut [i32], dex
         };
         let (q0, q1) = (round(v0), round(v1));
         let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        // Values 0..16 and 16..32 as bytes; each dword goes to its place in the block.
+        // Values 0..16 and 16..32 as bytes.
         let mut bytes = [0i8; GROUP];
         // SAFETY: `bytes` has 32 bytes, two 16-byte unaligned stores.
         unsafe {
             _mm_storeu_si128(bytes.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128(bytes.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(q1));
         }
-        for j in (0..GROUP).step_by(4) {
-            let at = qs_offset(g, j);
-            qs[at..at + 4].copy_from_slice(&bytes[j..j + 4]);
-        }
-        corr[g] = -8 * sum;
-        dexp[g] = d;
+        store_group(g, &bytes, sum, d, qs, corr, dexp);
     }
 }
 
@@ -495,19 +497,24 @@ mod tests {
                     _ => ((i * 7919 % 1000) as f32 - 500.0) * (1.0 + (i % 7) as f32) * 0.125,
                 })
                 .collect();
-            let (qs, corr, dexp) = scalar_reference(&x, n, cols);
-            for by in available() {
-                let mut a = Q8Acts::new();
-                a.quantize_with(by, &x, n, cols);
-                assert_eq!(a.qs.as_slice(), qs.as_slice(), "qs, {by:?} {n}x{cols}");
-                assert_eq!(
-                    a.corr.as_slice(),
-                    corr.as_slice(),
-                    "corr, {by:?} {n}x{cols}"
-                );
-                let bits: Vec<u32> = a.dexp.as_slice().iter().map(|v| v.to_bits()).collect();
-                assert_eq!(bits, dexp, "dexp, {by:?} {n}x{cols}");
-            }
+            every_quantizer_gives_the_scalar_bits(&x, n, cols);
+        }
+    }
+
+    /// Each group quantizer this CPU runs stores `x` (`n x cols`) as the scalar code does.
+    fn every_quantizer_gives_the_scalar_bits(x: &[f32], n: usize, cols: usize) {
+        let (qs, corr, dexp) = scalar_reference(x, n, cols);
+        for by in available() {
+            let mut a = Q8Acts::new();
+            a.quantize_with(by, x, n, cols);
+            assert_eq!(a.qs.as_slice(), qs.as_slice(), "qs, {by:?} {n}x{cols}");
+            assert_eq!(
+                a.corr.as_slice(),
+                corr.as_slice(),
+                "corr, {by:?} {n}x{cols}"
+            );
+            let bits: Vec<u32> = a.dexp.as_slice().iter().map(|v| v.to_bits()).collect();
+            assert_eq!(bits, dexp, "dexp, {by:?} {n}x{cols}");
         }
     }
 
@@ -559,15 +566,7 @@ mod tests {
                     }
                 })
                 .collect();
-            let (qs, corr, dexp) = scalar_reference(&x, n, cols);
-            for by in available() {
-                let mut a = Q8Acts::new();
-                a.quantize_with(by, &x, n, cols);
-                assert_eq!(a.qs.as_slice(), qs.as_slice(), "qs, {by:?}");
-                assert_eq!(a.corr.as_slice(), corr.as_slice(), "corr, {by:?}");
-                let bits: Vec<u32> = a.dexp.as_slice().iter().map(|v| v.to_bits()).collect();
-                assert_eq!(bits, dexp, "dexp, {by:?}");
-            }
+            every_quantizer_gives_the_scalar_bits(&x, n, cols);
         }
     }
 
