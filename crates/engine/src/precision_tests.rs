@@ -3,13 +3,13 @@
 //! directories without 8-bit matrices (every directory written before them) load as before.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::convert::{convert_with, Precisions, DEFAULT_Q8};
 use crate::format::{read_manifest, DType, Quant};
 use crate::model::Model;
 use crate::quant::{Kernel, GROUP};
-use crate::testutil::{fixture, prompt_logits, rel_err, scratch_dir};
+use crate::testutil::{fixture, prompt_logits, rel_err, scratch_dir, ScratchDir};
 
 /// Every committed fixture.
 const ARCHS: [&str; 9] = [
@@ -24,7 +24,7 @@ const ARCHS: [&str; 9] = [
     "deepseek_v32",
 ];
 
-fn convert_to(arch: &str, tag: &str, quant: Quant, prec: &Precisions) -> PathBuf {
+fn convert_to(arch: &str, tag: &str, quant: Quant, prec: &Precisions) -> ScratchDir {
     let d = scratch_dir("precision", &format!("{arch}-{tag}"));
     convert_with(&fixture(arch), &d, quant, prec, &mut |_, _, _| {}).unwrap();
     d

@@ -14,12 +14,36 @@ pub fn fixture(arch: &str) -> PathBuf {
 }
 
 /// A fresh, empty scratch directory for one test, named by `what` and `tag` and unique to this
-/// process (the test removes it at its end).
-pub fn scratch_dir(what: &str, tag: &str) -> PathBuf {
+/// process; removed when the returned guard is dropped, so a failing test leaves nothing behind.
+pub fn scratch_dir(what: &str, tag: &str) -> ScratchDir {
     let d = std::env::temp_dir().join(format!("colibri-{what}-{}-{tag}", std::process::id()));
     let _ = fs::remove_dir_all(&d);
     fs::create_dir_all(&d).unwrap();
-    d
+    ScratchDir(d)
+}
+
+/// A test's scratch directory, removed (with everything in it) on drop.
+#[derive(Debug)]
+pub struct ScratchDir(PathBuf);
+
+impl std::ops::Deref for ScratchDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for ScratchDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        // The test may have removed it already.
+        let _ = fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Every committed fixture checkpoint (`tests/fixtures/*/hf`), by name, sorted.

@@ -1228,7 +1228,7 @@ pub fn convert_calibrated(
 mod tests {
     use super::*;
 
-    use crate::testutil::{fixture, scratch_dir};
+    use crate::testutil::{fixture, scratch_dir, ScratchDir};
 
     #[test]
     fn keep_f32_patterns_match_whole_names_with_stars() {
@@ -1251,7 +1251,7 @@ mod tests {
     }
 
     /// A fresh copy of a fixture checkpoint in a scratch directory.
-    fn scratch_copy(arch: &str, tag: &str) -> PathBuf {
+    fn scratch_copy(arch: &str, tag: &str) -> ScratchDir {
         let d = scratch_dir("convert", tag);
         for e in fs::read_dir(fixture(arch)).unwrap().flatten() {
             fs::copy(e.path(), d.join(e.file_name())).unwrap();

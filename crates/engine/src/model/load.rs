@@ -255,6 +255,8 @@ impl Model {
         let hc_head = cfg.hyper.map(|_| HyperHead::load(&t, &cfg)).transpose()?;
         let heat = Heat::new(moe_ids.clone(), cfg.num_experts);
         let (heat_read, heat_path) = opts.heat.paths(dir);
+        // A state directory that cannot be made shows later as a failed heat save.
+        let _ = opts.heat.make_dir();
         heat.load(&heat_read);
         let (experts, expert_layout) = match &manifest.experts {
             None => (None, None),

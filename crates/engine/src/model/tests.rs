@@ -1,18 +1,18 @@
 //! Loading and forward-pass tests over the committed fixtures.
 
 use std::fs;
-use std::path::PathBuf;
 
 use super::forward::{resolve_prefill_chunk, PREFILL_CHUNK};
 use super::*;
 use serde_json::{json, Value};
 
+use crate::testutil::ScratchDir;
+
 /// The committed `arch` fixture converted at `quant` into a fresh scratch directory named
-/// by `tag` (the caller removes it).
-fn convert_fixture(arch: &str, quant: Quant, tag: &str) -> PathBuf {
+/// by `tag` (removed when the guard drops, if the test has not removed it before).
+fn convert_fixture(arch: &str, quant: Quant, tag: &str) -> ScratchDir {
     let hf = crate::testutil::fixture(arch);
-    let d = std::env::temp_dir().join(format!("colibri-{tag}-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&d);
+    let d = crate::testutil::scratch_dir("model", tag);
     crate::convert::convert(&hf, &d, quant, &mut |_, _, _| {}).unwrap();
     d
 }

@@ -48,6 +48,15 @@ impl HeatHome {
             HeatHome::Memory => (in_model, None),
         }
     }
+
+    /// Makes a state directory home if it is missing (at load; the model directory is never
+    /// made). A failure shows later as a failed save, which changes nothing else.
+    pub fn make_dir(&self) -> Result<()> {
+        match self {
+            HeatHome::Dir(d) => fs::create_dir_all(d).map_err(io_err(d)),
+            HeatHome::ModelDir | HeatHome::Memory => Ok(()),
+        }
+    }
 }
 
 /// Routing counts of one MoE layer.
@@ -152,13 +161,11 @@ impl Heat {
         v.into_iter().map(|(_, i)| i).collect()
     }
 
-    /// Writes the counts to `path` crash-safely (temp file, fsync, rename), making its
-    /// directory if needed.
+    /// Writes the counts to `path` crash-safely (temp file, fsync, rename). Its directory must
+    /// exist: a model directory removed while the model runs is not made again by a save (the
+    /// save fails instead; [`HeatHome::make_dir`] makes a state directory once, at load).
     pub fn save(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string(&self.snapshot()).expect("plain data serializes");
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            fs::create_dir_all(dir).map_err(io_err(dir))?;
-        }
         let tmp = path.with_extension("json.tmp");
         {
             let mut f = fs::File::create(&tmp).map_err(io_err(&tmp))?;
@@ -215,8 +222,10 @@ mod tests {
         // Memory: read from the model directory, never saved.
         assert_eq!(HeatHome::Memory.paths(&model), (in_model.clone(), None));
         // A state directory: no file there yet, so the model directory's (an older version's)
-        // is read once; saves go to the state directory (made if missing) only.
+        // is read once; saves go to the state directory (made at load if missing) only.
         let home = HeatHome::Dir(state.clone());
+        home.make_dir().unwrap();
+        assert!(state.is_dir());
         let own = state.join(HEAT_FILE);
         let old = Heat::new(vec![1], 4);
         old.add(0, 2);
@@ -241,5 +250,19 @@ mod tests {
         again.load(&home.paths(&model).0);
         assert_eq!(again.snapshot(), h.snapshot());
         fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_save_into_a_removed_model_directory_fails_and_does_not_make_it_again() {
+        let model = std::env::temp_dir().join(format!("colibri-heat-gone-{}", std::process::id()));
+        fs::create_dir_all(&model).unwrap();
+        let (_, save) = HeatHome::ModelDir.paths(&model);
+        HeatHome::ModelDir.make_dir().unwrap();
+        fs::remove_dir_all(&model).unwrap();
+        let h = Heat::new(vec![1], 4);
+        h.add(0, 1);
+        let err = h.save(save.as_ref().unwrap()).unwrap_err().to_string();
+        assert!(err.contains("routing-heat.json"), "{err}");
+        assert!(!model.exists());
     }
 }

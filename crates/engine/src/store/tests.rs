@@ -2,15 +2,15 @@
 //! model's greedy output and logits are identical whatever the budget, prefetch or I/O path.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::*;
 use crate::format::Quant;
 use crate::model::Model;
 
-use crate::testutil::fixture;
+use crate::testutil::{fixture, ScratchDir};
 
-fn scratch(tag: &str) -> PathBuf {
+fn scratch(tag: &str) -> ScratchDir {
     crate::testutil::scratch_dir("store", tag)
 }
 
@@ -20,7 +20,7 @@ fn byte(r: usize, i: usize) -> u8 {
 }
 
 /// An experts file of `records` records of 8 KiB, `layers` layers of equal size.
-fn synthetic(tag: &str, records: usize, layers: usize) -> (PathBuf, StoreLayout) {
+fn synthetic(tag: &str, records: usize, layers: usize) -> (ScratchDir, StoreLayout) {
     let d = scratch(tag);
     let rs = 8192;
     let mut data = vec![0u8; records * rs];
@@ -392,7 +392,7 @@ fn greedy(m: &Model, steps: usize) -> (Vec<u32>, Vec<u32>) {
 }
 
 struct Converted {
-    dir: PathBuf,
+    dir: ScratchDir,
     experts_bytes: u64,
     record_size: u64,
     moe_layers: u64,
@@ -618,7 +618,7 @@ fn expert_tiers_per_layer_and_the_heat_in_a_state_directory() {
     let _ = fs::remove_file(c.dir.join(heat::HEAT_FILE));
 
     // A cache of a quarter of the experts, half of it pinned by the heat of a first run.
-    let home = heat::HeatHome::Dir(state.clone());
+    let home = heat::HeatHome::Dir(state.to_path_buf());
     let quarter = (c.experts_bytes / c.record_size / 4) * c.record_size;
     let first = ExpertOptions {
         ram_bytes: Some(quarter),
