@@ -578,8 +578,9 @@ fn q4_extreme_values_do_not_overflow() {
     // Rows written directly: scales 1, values 0, 1 of each dword nibble 15 (+7) and 2, 3 nibble
     // 1 (-7) (every stored nibble byte `p` holds two values with `j % 4 == p % 4`), so each i16
     // lane of AVX2's maddubs holds two nibble-15 products: with activations all +-127, the
-    // largest pairs the unsigned nibbles can make (+-2 * 15 * 127), and the i32 group sums
-    // the largest too. Every kernel gives the scalar bits, on whole blocks, a partial block,
+    // largest pairs the unsigned nibbles can make (+-2 * 15 * 127), their i16 sum over a half
+    // block's four dwords, low and high nibbles, the largest too (+-8 * 15 * 127 = +-30480, the
+    // AVX2 kernel's i16 accumulator at its fullest), and the i32 group sums the largest. Every kernel gives the scalar bits, on whole blocks, a partial block,
     // one token (decode) and several (tiles).
     let (rows, cols) = (5, 16 * 32 + 96);
     let groups = cols / 32;

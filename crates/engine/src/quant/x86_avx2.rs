@@ -3,15 +3,16 @@
 //! int4 × int8, per half block of 8 groups: dword `k` of each of the 8 groups' nibble bytes is
 //! one 32-byte vector (`q4::nibble_offset`), so i32 lane `i` is group `i` throughout. Its low
 //! and high nibbles are multiplied with the matching activation vectors by
-//! `_mm256_maddubs_epi16` (u8 × i8 → i16 pairs, at most 2·15·127 so no saturation), summed to
-//! i32 lanes by `_mm256_madd_epi16` and added up over the four dwords, starting from the
-//! precomputed `-8 * sum(a)` of each group; then one conversion to f32 and one FMA against
-//! `weight scale * activation scale` per 8 groups. Tiles of `R` rows × `T` tokens reuse each
+//! `_mm256_maddubs_epi16` (u8 × i8 → i16 pairs, at most 2·15·128 so no saturation), the pairs
+//! added up in i16 over the four dwords (eight of them per lane: at most 30720, no wrap), then
+//! summed to i32 lanes by one `_mm256_madd_epi16` and added to the precomputed `-8 * sum(a)`
+//! of each group; then one conversion to f32 and one FMA against `weight scale * activation
+//! scale` per 8 groups. Tiles of `R` rows × `T` tokens reuse each
 //! unpacked weight vector for `T` tokens and each activation vector for `R` rows.
 //!
 //! On CPUs with AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`: Intel Core from Alder Lake on,
-//! which have no AVX-512) the two multiplies, the widening add and the offset become two
-//! `_mm256_dpbusd_avx_epi32`, starting from the offset lanes. Each i32 lane then holds the
+//! which have no AVX-512) the two multiplies and the i16 add become two
+//! `_mm256_dpbusd_avx_epi32` per dword, starting from the offset lanes. Each i32 lane then holds the
 //! same exact integer (the same four low- and four high-nibble products and the same offset),
 //! so the results are the same bits; `COLI_AVX_VNNI=0` turns it off (see [`avx_vnni`]).
 
@@ -168,11 +169,34 @@ pub(crate) fn avx_vnni() -> bool {
     })
 }
 
-/// `acc` plus, per i32 lane, four low-nibble products with `alo` and four high-nibble products
-/// with `ahi` (exact).
+/// A half block's integer accumulator at its start: with AVX-VNNI the i32 lanes, from the
+/// group offsets `corr` (`-8 * sum(a)`); without, i16 pair sums from zero, the offsets added
+/// by [`dot_finish`].
 ///
 /// # Safety
-/// The CPU has AVX2, and AVX-VNNI if `VNNI`; inlined into functions enabling them.
+/// The CPU has AVX2; `corr` points at 8 readable i32; inlined into functions enabling it.
+#[inline(always)]
+unsafe fn dot_start<const VNNI: bool>(corr: *const i32) -> __m256i {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if VNNI {
+            _mm256_loadu_si256(corr.cast())
+        } else {
+            _mm256_setzero_si256()
+        }
+    }
+}
+
+/// `acc` plus four low-nibble products with `alo` and four high-nibble products with `ahi`
+/// per i32 lane (exact). Without AVX-VNNI the products stay i16 pair sums until
+/// [`dot_finish`]: a pair is at most 2 * 15 * 128 = 3840 in magnitude and a half block adds
+/// eight of them per i16 lane (four dwords, low and high nibbles), 30720 < 2^15, so the i16
+/// adds never wrap, and one widening `madd` per half block (not one per dword) gives the same
+/// i32 lanes with a quarter fewer multiplies.
+///
+/// # Safety
+/// The CPU has AVX2, and AVX-VNNI if `VNNI`; inlined into functions enabling them; at most
+/// four calls per accumulator between [`dot_start`] and [`dot_finish`].
 #[inline(always)]
 unsafe fn dot_lanes<const VNNI: bool>(
     wlo: __m256i,
@@ -190,7 +214,25 @@ unsafe fn dot_lanes<const VNNI: bool>(
                 _mm256_maddubs_epi16(wlo, alo),
                 _mm256_maddubs_epi16(whi, ahi),
             );
-            _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), acc)
+            _mm256_add_epi16(acc, p)
+        }
+    }
+}
+
+/// A half block's i32 lanes from its accumulator: as they are with AVX-VNNI; without, the i16
+/// pair sums widened and added to the group offsets `corr`.
+///
+/// # Safety
+/// As [`dot_start`].
+#[inline(always)]
+unsafe fn dot_finish<const VNNI: bool>(acc: __m256i, corr: *const i32) -> __m256i {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if VNNI {
+            acc
+        } else {
+            let offsets = _mm256_loadu_si256(corr.cast());
+            _mm256_add_epi32(_mm256_madd_epi16(acc, _mm256_set1_epi16(1)), offsets)
         }
     }
 }
@@ -239,9 +281,9 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
                 }
                 let mut ints = [[_mm256_setzero_si256(); T]; R];
                 for t in 0..T {
-                    let corr = _mm256_loadu_si256(a[t].corr.add(c * 16 + h * 8).cast());
+                    let start = dot_start::<VNNI>(a[t].corr.add(c * 16 + h * 8));
                     for row in ints.iter_mut() {
-                        row[t] = corr;
+                        row[t] = start;
                     }
                 }
                 for k in 0..4 {
@@ -266,8 +308,9 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
                 for t in 0..T {
                     let de = _mm256_loadu_ps(a[t].dexp.add(c * 16 + h * 8));
                     for r in 0..R {
+                        let lanes = dot_finish::<VNNI>(ints[r][t], a[t].corr.add(c * 16 + h * 8));
                         acc[r][t] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(ints[r][t]),
+                            _mm256_cvtepi32_ps(lanes),
                             _mm256_mul_ps(dw[r], de),
                             acc[r][t],
                         );
@@ -464,7 +507,7 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
             for c in 0..nb {
                 for h in 0..2 {
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(c * 32 + h * 16).cast()));
-                    let mut ints = _mm256_loadu_si256(a.corr.add(c * 16 + h * 8).cast());
+                    let mut ints = dot_start::<VNNI>(a.corr.add(c * 16 + h * 8));
                     for k in 0..4 {
                         target += step;
                         while cursor < target {
@@ -480,7 +523,8 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                         ints = dot_lanes::<VNNI>(wlo, whi, alo, ahi, ints);
                     }
                     let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(dw, de), acc);
+                    let lanes = dot_finish::<VNNI>(ints, a.corr.add(c * 16 + h * 8));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(dw, de), acc);
                 }
             }
             if m > 0 {
@@ -502,7 +546,7 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                         live * 2,
                     );
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(sc.as_ptr().cast()));
-                    let mut ints = _mm256_loadu_si256(a.corr.add(c * 16 + h * 8).cast());
+                    let mut ints = dot_start::<VNNI>(a.corr.add(c * 16 + h * 8));
                     for k in 0..4 {
                         target += step;
                         while cursor < target {
@@ -523,7 +567,8 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                         ints = dot_lanes::<VNNI>(wlo, whi, alo, ahi, ints);
                     }
                     let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(dw, de), acc);
+                    let lanes = dot_finish::<VNNI>(ints, a.corr.add(c * 16 + h * 8));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(dw, de), acc);
                 }
                 // Whole rows between prefetch targets: a partial row's integer steps need not
                 // add up to its bytes.
