@@ -38,15 +38,20 @@ def test_f32_greedy_generation_matches_transformers(reference, converted):
 # transformers' forward pass with Q4_0-rounded weights and f32 activations; colibri's int4 path
 # also rounds activations to 8 bits and keeps f16 keys. Against Q4_0 rounding on colibri's own
 # engine (the same activations: the engine's `int4_no_worse_than_q4_0_on_every_fixture` and
-# `int4_below_q4_0_on_random_shapes`) every fixture, these four included, lands below 1.0x.
+# `int4_below_q4_0_on_random_shapes`, over 24 prompts) every fixture, these four included,
+# lands below 1.0x. On this test's three prompts (43 positions) these tiny random models are
+# saturated (every 4-bit rounding leaves logits 0.3-0.9 away from f32), and which rounding lands
+# lower is close to chance: measured 2026-12-07, colibri's own Q4_0 rounding scored here lands
+# above colibri's int4 on deepseek_v32 (1.030x), qwen3_next (1.041x), glm_moe_dsa_yarn
+# (1.021x) and deepseek_v4 (1.006x), and within 0.91-1.05x of this anchor on every fixture.
 INT4_ABOVE_Q4_0 = {
     # The DSA fixtures: the indexer's top-k flips under any 4-bit rounding of these tiny random
-    # models, so Q4_0 and colibri's int4 both leave the logits nearly uncorrelated with f32 and
-    # which of the two lands lower is chance (glm_moe_dsa_shared, the fourth, lands below).
-    # Relative errors with kv_b_proj split as llama.cpp stores it (issue 31), int4 vs Q4_0:
-    "glm_moe_dsa_yarn": "DSA top-k flips: int4 0.771 vs Q4_0 0.766 (issue 33)",
-    "deepseek_v32": "DSA top-k flips: int4 0.785 vs Q4_0 0.779 (issue 33)",
-    "glm_moe_dsa": "DSA top-k flips: int4 0.740 vs Q4_0 0.705 (issue 33)",
+    # models, so Q4_0 and colibri's int4 both leave the logits nearly uncorrelated with f32
+    # (glm_moe_dsa_shared, the fourth, lands below). Relative errors with kv_b_proj split as
+    # llama.cpp stores it (issue 31), int4 vs Q4_0 (2026-12-07):
+    "glm_moe_dsa_yarn": "DSA top-k flips: int4 0.772 vs Q4_0 0.766 (issue 33)",
+    "deepseek_v32": "DSA top-k flips: int4 0.797 vs Q4_0 0.779 (issue 33)",
+    "glm_moe_dsa": "DSA top-k flips: int4 0.710 vs Q4_0 0.705 (issue 33)",
     # DeepSeek-V4's tiny random model: the error is spread over every matrix (keeping any one
     # kind f32 moves it 0.39-0.46) and is there without the indexer's selection too (top-k
     # past every entry: int4 0.4395 vs Q4_0 0.4334), so which 4-bit rounding lands lower is
