@@ -290,6 +290,16 @@ fn store_group(
     dexp[g] = d;
 }
 
+/// The whole groups of `x` a vector quantizer takes, each checked up front to have its places
+/// in `qs`, `corr` and `dexp` (a short buffer fails before any group is stored).
+#[cfg(target_arch = "x86_64")]
+fn checked_groups(x: &[f32], qs: &[i8], corr: &[i32], dexp: &[f32]) -> usize {
+    let groups = x.len() / GROUP;
+    assert!(qs.len() >= groups.div_ceil(BLOCK_GROUPS) * BLOCK_GROUPS * GROUP);
+    assert!(corr.len() >= groups && dexp.len() >= groups);
+    groups
+}
+
 /// What takes [`Q8Acts::quantize`]'s whole groups.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the vector ones are x86 only
@@ -325,9 +335,7 @@ fn group_quantizer() -> GroupQuantizer {
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_groups_avx2(x: &[f32], qs: &mut [i8], corr: &mut [i32], dexp: &mut [f32]) {
     use std::arch::x86_64::*;
-    let groups = x.len() / GROUP;
-    assert!(qs.len() >= groups.div_ceil(BLOCK_GROUPS) * BLOCK_GROUPS * GROUP);
-    assert!(corr.len() >= groups && dexp.len() >= groups);
+    let groups = checked_groups(x, qs, corr, dexp);
     let (magic, lo, hi) = (
         _mm256_set1_ps(ROUND_MAGIC),
         _mm256_set1_ps(-127.0),
@@ -390,9 +398,7 @@ unsafe fn quantize_groups_avx2(x: &[f32], qs: &mut [i8], corr: &mut [i32], dexp:
 #[target_feature(enable = "avx512f")]
 unsafe fn quantize_groups_avx512(x: &[f32], qs: &mut [i8], corr: &mut [i32], dexp: &mut [f32]) {
     use std::arch::x86_64::*;
-    let groups = x.len() / GROUP;
-    assert!(qs.len() >= groups.div_ceil(BLOCK_GROUPS) * BLOCK_GROUPS * GROUP);
-    assert!(corr.len() >= groups && dexp.len() >= groups);
+    let groups = checked_groups(x, qs, corr, dexp);
     let (magic, lo, hi) = (
         _mm512_set1_ps(ROUND_MAGIC),
         _mm512_set1_ps(-127.0),
