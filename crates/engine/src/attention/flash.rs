@@ -263,8 +263,11 @@ unsafe fn widened<'a, L: Lanes>(
 
 /// Every query of the block that sees part of tile `lo..hi` (rows `keys`, `values`, relative
 /// to `lo`) takes it in: four at a time where all four see all of it (each key and value row
-/// loaded once for the four), else two, else one. Four is the most whose running sums fit the
-/// registers (measured: 1.17-1.18x the pairs per second of two at histories of 4k-32k).
+/// loaded once for the four), else two, else one. Four is the most whose running sums fit
+/// AVX-512's registers (measured: 1.17-1.18x the pairs per second of two at histories of
+/// 4k-32k); on AVX2 the four are still taken together, their loops blocked smaller inside
+/// ([`dot_block`], [`accumulate`]: 1.06-1.14x MLA decode's 8 heads over 256-1024 positions,
+/// `examples/mla_attn_bench.rs`, against four unblocked that spilled their sums).
 ///
 /// # Safety
 /// The CPU has `L`'s features; `keys`/`values` hold `hi - lo` rows.
@@ -363,7 +366,7 @@ unsafe fn take_in<L: Lanes, R: Rows, const Q: usize>(
         let mut parts = [[L::zero(); 4]; Q];
         for m in 0..4 {
             // SAFETY: rows p + m + 4r < p + 16 <= count (contract).
-            let acc = unsafe { dot_lanes::<L, R, Q, 4>(qs, keys, p + m, 4, dims.kd) };
+            let acc = unsafe { dot_block::<L, R, Q, 4>(qs, keys, p + m, 4, dims.kd) };
             for (parts, acc) in parts.iter_mut().zip(acc) {
                 // SAFETY: the CPU has L's features (contract).
                 parts[m] = unsafe { L::reduce4(acc) };
@@ -436,7 +439,7 @@ unsafe fn dots<L: Lanes, R: Rows, const Q: usize, const G: usize>(
 ) -> [[f32; G]; Q] {
     let chunks = kd / LANES;
     // SAFETY: forwarded contract (stride 1: rows p..p + G).
-    let acc = unsafe { dot_lanes::<L, R, Q, G>(qs, keys, p, 1, kd) };
+    let acc = unsafe { dot_block::<L, R, Q, G>(qs, keys, p, 1, kd) };
     let mut out = [[0.0f32; G]; Q];
     // SAFETY (the sums and the tail's reads): the CPU has L's features; rows p..p + G
     // (contract).
@@ -461,6 +464,64 @@ unsafe fn dots<L: Lanes, R: Rows, const Q: usize, const G: usize>(
         }
     }
     out
+}
+
+/// Whether a loop keeping `sums` running sums, `loads` loaded rows and one more value fits
+/// `L`'s registers.
+const fn fits<L: Lanes>(sums: usize, loads: usize) -> bool {
+    sums + loads < L::LIVE
+}
+
+/// [`dot_lanes`] for `Q` queries and `G` rows, in blocks of at most two queries by two rows
+/// where the whole would not fit the registers ([`Lanes::LIVE`]): each partial sum is the same
+/// chain of multiply-adds either way.
+///
+/// # Safety
+/// As [`dot_lanes`].
+#[inline(always)]
+unsafe fn dot_block<L: Lanes, R: Rows, const Q: usize, const G: usize>(
+    qs: [&[f32]; Q],
+    keys: R,
+    p: usize,
+    stride: usize,
+    kd: usize,
+) -> [[L; G]; Q] {
+    // SAFETY (each call): rows p + r * stride for r < G, as the contract gives.
+    unsafe {
+        if fits::<L>(Q * G, G) {
+            return dot_lanes::<L, R, Q, G>(qs, keys, p, stride, kd);
+        }
+        let mut out = [[L::zero(); G]; Q];
+        let mut q = 0;
+        while q < Q {
+            let two = q + 1 < Q;
+            let mut r = 0;
+            while r < G {
+                let at = p + r * stride;
+                if r + 1 < G {
+                    if two {
+                        let a = dot_lanes::<L, R, 2, 2>([qs[q], qs[q + 1]], keys, at, stride, kd);
+                        out[q][r..r + 2].copy_from_slice(&a[0]);
+                        out[q + 1][r..r + 2].copy_from_slice(&a[1]);
+                    } else {
+                        let [a] = dot_lanes::<L, R, 1, 2>([qs[q]], keys, at, stride, kd);
+                        out[q][r..r + 2].copy_from_slice(&a);
+                    }
+                    r += 2;
+                } else {
+                    if two {
+                        let a = dot_lanes::<L, R, 2, 1>([qs[q], qs[q + 1]], keys, at, stride, kd);
+                        (out[q][r], out[q + 1][r]) = (a[0][0], a[1][0]);
+                    } else {
+                        out[q][r] = dot_lanes::<L, R, 1, 1>([qs[q]], keys, at, stride, kd)[0][0];
+                    }
+                    r += 1;
+                }
+            }
+            q += 1 + usize::from(two);
+        }
+        out
+    }
 }
 
 /// The sixteen fused partial sums of `dot(q, key row p + r * stride)` for `G` rows and `Q`
@@ -518,14 +579,20 @@ unsafe fn accumulate<L: Lanes, R: Rows, const Q: usize>(
     // SAFETY (each call): chunks c..c + G of every row and out are inside them (contract).
     unsafe {
         while c < chunks {
-            match chunks - c {
-                // Four queries hold 4 x 4 running sums (32 would not fit the registers).
-                4.. if Q >= 4 => c = span::<L, R, Q, 4>(&mut outs, corr, w, count, values, vd, c),
-                8.. => c = span::<L, R, Q, 8>(&mut outs, corr, w, count, values, vd, c),
-                4..=7 => c = span::<L, R, Q, 4>(&mut outs, corr, w, count, values, vd, c),
-                2 | 3 => c = span::<L, R, Q, 2>(&mut outs, corr, w, count, values, vd, c),
-                _ => c = span::<L, R, Q, 1>(&mut outs, corr, w, count, values, vd, c),
-            }
+            // The widest span whose Q x G running sums, G value loads and the weight fit the
+            // registers (AVX-512: four queries 4 x 4, fewer 8 each; AVX2: 4 x 1, 2 x 2, 1 x 2).
+            c = match chunks - c {
+                8.. if fits::<L>(Q * 8, 8) => {
+                    span::<L, R, Q, 8>(&mut outs, corr, w, count, values, vd, c)
+                }
+                4.. if fits::<L>(Q * 4, 4) => {
+                    span::<L, R, Q, 4>(&mut outs, corr, w, count, values, vd, c)
+                }
+                2.. if fits::<L>(Q * 2, 2) => {
+                    span::<L, R, Q, 2>(&mut outs, corr, w, count, values, vd, c)
+                }
+                _ => span::<L, R, Q, 1>(&mut outs, corr, w, count, values, vd, c),
+            };
         }
     }
     for d in chunks * LANES..vd {

@@ -14,6 +14,11 @@ pub(super) const LANES: usize = 16;
 /// Implementations for vector registers may only be used on a CPU with their features
 /// (the kernel's entry points check them); every pointer must be valid for 16 values.
 pub(super) trait Lanes: Copy {
+    /// How many values of this type fit the machine's vector registers: AVX2's sixteen 256-bit
+    /// registers hold eight (two each); AVX-512's thirty-two 512-bit ones hold thirty-two. The
+    /// kernel blocks its queries and rows so that a loop's running sums and loads fit (spilled
+    /// sums cost a store and a load per multiply-add); the blocking never changes a result.
+    const LIVE: usize;
     unsafe fn zero() -> Self;
     unsafe fn splat(x: f32) -> Self;
     unsafe fn load(p: *const f32) -> Self;
@@ -125,6 +130,7 @@ pub(super) fn tree_sum(mut a: [f32; LANES]) -> f32 {
 pub(super) struct Portable([f32; LANES]);
 
 impl Lanes for Portable {
+    const LIVE: usize = 32;
     #[inline(always)]
     unsafe fn zero() -> Self {
         Portable([0.0; LANES])
@@ -323,6 +329,7 @@ mod x86 {
     // SAFETY (every method): only used on CPUs with AVX2, FMA and F16C, with pointers valid
     // for 16 values (trait contract); unaligned accesses.
     impl Lanes for Avx2 {
+        const LIVE: usize = 8;
         #[inline(always)]
         unsafe fn zero() -> Self {
             Avx2(_mm256_setzero_ps(), _mm256_setzero_ps())
@@ -465,6 +472,7 @@ mod x86 {
     // SAFETY (every method): only used on CPUs with AVX-512F, AVX2, FMA and F16C, with
     // pointers valid for 16 values (trait contract); unaligned accesses.
     impl Lanes for Avx512 {
+        const LIVE: usize = 32;
         #[inline(always)]
         unsafe fn zero() -> Self {
             Avx512(_mm512_setzero_ps())
