@@ -18,7 +18,7 @@ use crate::config::{FfnKind, ModelConfig};
 use crate::error::{io_err, Error, Result};
 use crate::format::*;
 use crate::kv::KvDtype;
-use crate::linear::Linear;
+use crate::linear::{Linear, WeightRef};
 use crate::ops::Rope;
 use crate::pool::Pool;
 use crate::quant;
@@ -91,6 +91,11 @@ impl Tensors<'_> {
             )));
         }
         Ok(e)
+    }
+
+    /// `l`'s stored values (a tensor of this file).
+    pub(in crate::model) fn view(&self, l: &Linear) -> WeightRef<'_> {
+        l.view(self.buf)
     }
 
     pub(in crate::model) fn has(&self, name: &str) -> bool {

@@ -56,6 +56,7 @@ use crate::model::load::Tensors;
 use crate::model::plan::{HeadRows, Plan};
 use crate::model::{fmt_err, Model};
 use crate::ops::{self, RopeAngles};
+use crate::quant::{q4_columns_exact_into, Kernel, Q4Columns};
 
 /// The epsilon of `q_a_layernorm` and `kv_a_layernorm`: transformers builds them with its
 /// RMSNorm's default, not `rms_norm_eps`.
@@ -74,8 +75,14 @@ enum QueryProj {
 /// How `kv_b_proj` is stored.
 enum KvB {
     /// `W_uk^T` `[heads * kv_lora_rank, nope]` and `W_uv` `[heads * v, kv_lora_rank]`, at the
-    /// model's quantization: one row block per head.
-    Split { uk_t: Linear, uv: Linear },
+    /// model's quantization: one row block per head. With `W_uk^T` at int4, `uk_cols` holds
+    /// each head's block again by columns ([`Q4Columns`]: the same values), which the absorbed
+    /// query's unrounded product reads ([`Model::absorbed_queries`]).
+    Split {
+        uk_t: Linear,
+        uv: Linear,
+        uk_cols: Option<Vec<Q4Columns>>,
+    },
     /// Directories converted before the split: `[heads * (nope + v), kv_lora_rank]` in f32, per
     /// head `nope` rows of `W_uk` then `v` rows of `W_uv`.
     Fused(Linear),
@@ -233,9 +240,19 @@ impl Mla {
             }
             KvB::Fused(fused)
         } else {
+            let uk_t = t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?;
+            let uk_cols = (uk_t.dtype == DType::Q4).then(|| {
+                (0..heads)
+                    .map(|h| match t.view(&uk_t.row_block(h * r, r)) {
+                        WeightRef::Q4(m) => Q4Columns::new(&m),
+                        _ => unreachable!("an int4 tensor views as int4"),
+                    })
+                    .collect()
+            });
             KvB::Split {
-                uk_t: t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?,
+                uk_t,
                 uv: t.linear(&n("kv_b_uv"), heads * d.v_head_dim, r)?,
+                uk_cols,
             }
         };
         Ok(Mla {
@@ -246,6 +263,14 @@ impl Mla {
             o: t.linear(&n("o"), h, heads * d.v_head_dim)?,
         })
     }
+}
+
+/// One head's absorbed queries `W_uk^T q_nope` for `n` positions (`q_nope`: `n x nope`,
+/// unrounded), its `W_uk^T` read by columns: `n x kv_lora_rank`.
+pub(super) fn absorbed_queries(k: Kernel, cols: &Q4Columns, q_nope: &[f32], n: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; n * cols.rows()];
+    q4_columns_exact_into(k, cols, q_nope, n, &mut out);
+    out
 }
 
 /// Reorders interleaved rope dims `(x0, x1, x2, x3, ..)` to `(x0, x2, .., x1, x3, ..)`, as
@@ -350,7 +375,7 @@ impl Model {
         kv: &KvCache,
         att: &mut [f32],
     ) {
-        let KvB::Split { uk_t, uv } = &layer.kv_b else {
+        let KvB::Split { uk_t, uv, .. } = &layer.kv_b else {
             unreachable!("only a layer with kv_b split expands")
         };
         let d = dims(&self.cfg);
@@ -584,7 +609,7 @@ impl Model {
         // Absorbed queries, per (position, head): [W_uk^T q_nope | q_rope], `kw` wide, for
         // the positions asked for.
         let absorbed = match &layer.kv_b {
-            KvB::Split { uk_t, .. } => {
+            KvB::Split { uk_t, uk_cols, .. } => {
                 let rows: Vec<usize> = (0..n).filter(|&i| absorb(i)).collect();
                 let mut absorbed = vec![Vec::new(); n * heads];
                 if !rows.is_empty() {
@@ -594,7 +619,12 @@ impl Model {
                         .copied()
                         .collect();
                     let q_nope = self.per_head_inputs(&picked, rows.len(), qk, 0, nope);
-                    let uk_q = self.per_head_products(uk_t, r, q_nope);
+                    let uk_q = match self.by_columns(uk_cols) {
+                        Some(cols) => self.pool.map(heads, |h| {
+                            absorbed_queries(self.kernel, &cols[h], &q_nope[h].x, rows.len())
+                        }),
+                        None => self.per_head_products(uk_t, r, q_nope),
+                    };
                     for (j, &i) in rows.iter().enumerate() {
                         for head in 0..heads {
                             let mut out = Vec::with_capacity(kw);
@@ -684,6 +714,18 @@ impl Model {
                 self.kv_b_input(rows, n, width)
             })
             .collect()
+    }
+
+    /// `W_uk^T`'s heads by columns when the absorbed queries are unrounded products
+    /// ([`Model::kv_b_input`] exact) and `W_uk^T` is int4; not while calibrating (whose
+    /// statistics are taken on the row products' inputs).
+    pub(in crate::model) fn by_columns<'a>(
+        &self,
+        uk_cols: &'a Option<Vec<Q4Columns>>,
+    ) -> Option<&'a [Q4Columns]> {
+        uk_cols
+            .as_deref()
+            .filter(|_| self.mla_expanded && !self.calib.is_on())
     }
 
     /// A product input of `kv_b` (`W_uk^T` or `W_uv`): unrounded where the prefill may take

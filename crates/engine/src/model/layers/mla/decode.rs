@@ -13,7 +13,7 @@
 //! inputs (one product per head, the attention's heads sharing one read of the history), so
 //! the results are the same bits (`decode_heads_give_the_bits_of_the_three_regions`).
 
-use super::{dims, KvB, Mla};
+use super::{absorbed_queries, dims, KvB, Mla};
 use crate::attention::{attend, AttendArgs};
 use crate::kv::KvCache;
 use crate::linear::{matmul_whole, Linear};
@@ -50,7 +50,7 @@ impl Model {
         kvs: &[&KvCache],
         att: &mut [f32],
     ) {
-        let KvB::Split { uk_t, uv, .. } = &layer.kv_b else {
+        let KvB::Split { uk_t, uv, uk_cols } = &layer.kv_b else {
             unreachable!("decodes_by_heads checked the split kv_b")
         };
         let d = dims(&self.cfg);
@@ -59,6 +59,7 @@ impl Model {
         let qk = nope + d.qk_rope_head_dim;
         let kw = r + d.qk_rope_head_dim;
         let m = spans.len();
+        let by_columns = self.by_columns(uk_cols);
         let runs = self.pool.threads().clamp(1, heads);
         let first = |t: usize| t * heads / runs;
         let values = self.pool.map(runs, |t| {
@@ -78,7 +79,12 @@ impl Model {
             for (k, head) in hs.clone().enumerate() {
                 let at = |s: &Span| (s.row0 * heads + head) * qk;
                 let x = spans.iter().flat_map(|s| &q[at(s)..at(s) + nope]).copied();
-                let uk_q = product(uk_t, r, head, x.collect());
+                let uk_q = match by_columns {
+                    Some(cols) => {
+                        absorbed_queries(self.kernel, &cols[head], &x.collect::<Vec<_>>(), m)
+                    }
+                    None => product(uk_t, r, head, x.collect()),
+                };
                 for (j, s) in spans.iter().enumerate() {
                     let row = &mut absorbed[(j * g + k) * kw..(j * g + k + 1) * kw];
                     row[..r].copy_from_slice(&uk_q[j * r..(j + 1) * r]);
