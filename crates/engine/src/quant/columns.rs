@@ -86,11 +86,6 @@ impl Q4Columns {
         self.cols
     }
 
-    /// Bytes held.
-    pub fn heap_bytes(&self) -> usize {
-        self.nib.len() + 4 * self.scale.len()
-    }
-
     /// `w_ij`: the integer `q - 8` of row `j`, column `i`.
     fn weight(&self, i: usize, j: usize) -> f32 {
         let byte = self.nib[nibble_at(self.cols, i, j)];

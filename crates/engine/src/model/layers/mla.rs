@@ -19,7 +19,10 @@
 //! qk_nope_head_dim]`) and `W_uv` (`[heads * v_head_dim, kv_lora_rank]`), each head a row block
 //! multiplied by that head's own input, unrounded (`Acts::exact`: the 8-bit rounding the other
 //! products take would fall on different values in the two forms below; with
-//! `COLI_MLA_EXPANDED=off`, every pass absorbed, the 8-bit inputs).
+//! `COLI_MLA_EXPANDED=off`, every pass absorbed, the 8-bit inputs). An int4 `W_uk^T` is
+//! copied at load by columns ([`Q4Columns`], the same values), and the unrounded absorbed
+//! query reads that copy: a sum of `W_uk`'s rows scaled by `q_nope`, where a row-by-row
+//! product of `W_uk^T`'s short rows is bound by each row's reduction.
 //! Directories converted before the split keep one f32 `kv_b` and are read as before.
 //!
 //! A prefill of many positions attends in the expanded form instead (unless
@@ -77,7 +80,7 @@ enum KvB {
     /// `W_uk^T` `[heads * kv_lora_rank, nope]` and `W_uv` `[heads * v, kv_lora_rank]`, at the
     /// model's quantization: one row block per head. With `W_uk^T` at int4, `uk_cols` holds
     /// each head's block again by columns ([`Q4Columns`]: the same values), which the absorbed
-    /// query's unrounded product reads ([`Model::absorbed_queries`]).
+    /// query's unrounded product reads ([`absorbed_queries`]).
     Split {
         uk_t: Linear,
         uv: Linear,
