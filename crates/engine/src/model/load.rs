@@ -18,7 +18,7 @@ use crate::config::{FfnKind, ModelConfig};
 use crate::error::{io_err, Error, Result};
 use crate::format::*;
 use crate::kv::KvDtype;
-use crate::linear::{Linear, WeightRef};
+use crate::linear::Linear;
 use crate::ops::Rope;
 use crate::pool::Pool;
 use crate::quant;
@@ -91,11 +91,6 @@ impl Tensors<'_> {
             )));
         }
         Ok(e)
-    }
-
-    /// `l`'s stored values (a tensor of this file).
-    pub(in crate::model) fn view(&self, l: &Linear) -> WeightRef<'_> {
-        l.view(self.buf)
     }
 
     pub(in crate::model) fn has(&self, name: &str) -> bool {
@@ -361,7 +356,7 @@ impl Model {
         let prefetch = opts.prefetch && matches!(experts, Some(Experts::Store(_)));
         let kv_layout = layers::kv_layout(&cfg);
         let state_widths = layers::state_widths(&cfg);
-        Ok(Model {
+        let mut model = Model {
             rope: Rope::scaled(cfg.rotary_dim, cfg.rope_theta, &cfg.rope_scaling),
             cfg,
             manifest,
@@ -388,6 +383,8 @@ impl Model {
             kv_layout,
             state_widths,
             calib: Default::default(),
-        })
+        };
+        model.refresh_kv_b_columns();
+        Ok(model)
     }
 }

@@ -152,9 +152,11 @@ impl Model {
     }
 
     /// Lets MLA prefill attend in the expanded form where it pays (or not: the absorbed form
-    /// everywhere, the same bits however a prompt is cut into passes).
+    /// everywhere, the same bits however a prompt is cut into passes). Makes or drops the
+    /// `kv_b` copies by columns the unrounded products read.
     pub fn set_mla_expanded(&mut self, on: bool) {
         self.mla_expanded = on;
+        self.refresh_kv_b_columns();
     }
 
     /// Whether MLA prefill may attend in the expanded form (`COLI_MLA_EXPANDED`, read at load;

@@ -415,6 +415,49 @@ fn mla_expanded_prefill_gives_the_absorbed_logits() {
     }
 }
 
+/// MLA's `kv_b` copies by columns exist while the expanded setting is on (the products
+/// reading them take unrounded inputs), in both formats a default int4 conversion stores
+/// (`W_uk^T` int4, `W_uv` 8-bit), and the RAM budget counts exactly their bytes; switched off,
+/// they are dropped (the rows, with 8-bit inputs, give other logits), and on again, made again
+/// (the same bits as before).
+#[test]
+fn kv_b_columns_follow_the_expanded_setting() {
+    use crate::model::layers::mla::kv_b_columns_bytes;
+    for arch in ["deepseek_v3", "glm_moe_dsa"] {
+        let d = convert_fixture(arch, Quant::Int4, &format!("columns-{arch}"));
+        let manifest = crate::format::read_manifest(&d).unwrap();
+        let mut model = Model::load(&d, Some(2)).unwrap();
+        model.set_mla_expanded(true);
+        let (q4, q8) = model.kv_b_columns_held();
+        assert!(
+            q4 > 0 && q8 > 0,
+            "{arch}: int4 {q4}, 8-bit {q8} bytes by columns"
+        );
+        if crate::model::layers::mla::mla_expanded_from_env() {
+            assert_eq!((q4 + q8) as u64, kv_b_columns_bytes(&manifest), "{arch}");
+        }
+        let prompt: Vec<u32> = (0..9).map(|i| (i * 13 + 3) % 50).collect();
+        let logits = |m: &Model| m.forward(&prompt, &mut m.new_cache(), true).unwrap();
+        let by_columns = logits(&model);
+        model.set_mla_expanded(false);
+        assert_eq!(model.kv_b_columns_held(), (0, 0), "{arch}");
+        // The rows with 8-bit inputs: the same model within that rounding.
+        let by_rows = logits(&model);
+        let scale = by_columns.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let worst = by_rows
+            .iter()
+            .zip(&by_columns)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        println!(
+            "{arch}: rows with 8-bit inputs vs columns, {:.1e} of the scale",
+            worst / scale
+        );
+        assert!(worst < 0.05 * scale, "{arch}: {worst} of {scale}");
+        drop(model);
+        fs::remove_dir_all(&d).unwrap();
+    }
+}
+
 #[test]
 fn mla_expanded_setting() {
     use crate::model::layers::mla::resolve_mla_expanded;

@@ -1,48 +1,70 @@
-//! An int4 matrix read down its columns: `out = W^T x`, the activations f32 and unrounded.
+//! An int4 or 8-bit matrix read down its columns: `out = W^T x`, the activations f32 and
+//! unrounded.
 //!
 //! MLA's absorbed query `W_uk^T q_nope` multiplies each head's `W_uk^T` (`kv_lora_rank` rows
 //! of `qk_nope_head_dim`: on DeepSeek-V3 512 rows of four groups) by the head's query. Row by
 //! row ([`super::q4_exact_into`]) every output ends in a reduction across lanes and groups,
 //! and with rows of four groups that per-row work is most of the product. Read down the
 //! columns instead, the output is a sum of `W^T`'s columns (the rows of `W_uk`) scaled by the
-//! query: each output stays in its own lane and no reduction is left. [`Q4Columns`] holds the
-//! matrix's own values (nibbles and scales copied, nothing requantized) in that order.
+//! query: each output stays in its own lane and no reduction is left. The value product
+//! `W_uv lat` (128 rows of 512 on DeepSeek-V3) is read the same way: its per-head inputs need
+//! no permutation into a row's stored order then. [`Columns`] holds the matrix's own values
+//! (int4 nibbles or 8-bit values, and scales, copied: nothing requantized) in that order.
 //!
 //! The arithmetic, per output `j` (a row of `W`) and token, in this fixed order: for each
 //! group `G` of the columns, `t = fma(x_i, w_ij, t)` over the group's columns `i` in order from
-//! `t = 0`, then `o = fma(s_Gj, t, o)` from `o = 0` (`w_ij` the integer `q - 8`, `s_Gj` the
-//! f16 scale of row `j`'s group `G`). The AVX2 kernel computes exactly that, eight outputs to a
+//! `t = 0`, then `o = fma(s_Gj, t, o)` from `o = 0` (`w_ij` the stored integer: int4's `q - 8`
+//! or the 8-bit value; `s_Gj` the f16 scale of row `j`'s group `G`). The AVX2 kernel computes exactly that, eight outputs to a
 //! vector, so it gives the scalar reference's bits, and each token its own bits whatever the
 //! others (a prompt cut into passes gives the bits of one pass).
 
 use super::q4::nibble_offset;
-use super::{check_kernel, Kernel, Q4Matrix, GROUP};
+use super::q8w::value_offset;
+use super::{check_kernel, Kernel, Q4Matrix, Q8Matrix, GROUP};
+use crate::linear::WeightRef;
 
 /// Outputs per chunk of stored nibbles: one byte holds outputs `b` (low nibble) and `b + 16`.
 const CHUNK: usize = 32;
-/// Outputs the AVX2 kernel keeps in registers at once (two chunks).
+/// Outputs the AVX2 kernel keeps in registers at once (two int4 chunks).
 const TILE: usize = 64;
 
-/// An int4 matrix of `rows x cols` stored by columns, in tiles of 64 rows (the last padded
-/// with `q = 8`): per tile, for each column `i` in order, 32 bytes, two chunks of 32 rows, byte
-/// `b` of a chunk holding row `b` in its low nibble and row `b + 16` in its high one (so the
-/// kernel reads a tile's bytes front to back); and per column group `G`, the f32 scales of
-/// every row's group `G`.
+/// The stored integers, by tiles of 64 rows (the last padded with weight 0): per tile, for
+/// each column `i` in order, the tile's 64 values of that column, so the kernel reads a tile's
+/// bytes front to back.
 #[derive(Clone, Debug)]
-pub struct Q4Columns {
+enum Values {
+    /// 32 bytes a column: two chunks of 32 rows, byte `b` of a chunk holding row `b` in its
+    /// low nibble and row `b + 16` in its high one (`q`, the weight `q - 8`).
+    Q4(Vec<u8>),
+    /// 64 bytes a column, row after row.
+    Q8(Vec<i8>),
+}
+
+/// A `rows x cols` int4 or 8-bit matrix stored by columns (see [`Values`]); per column group
+/// `G`, the f32 scales of every row's group `G`.
+#[derive(Clone, Debug)]
+pub struct Columns {
     rows: usize,
     cols: usize,
     /// Rows padded to whole tiles.
     rows_p: usize,
-    /// `rows_p / 64` tiles of `cols` runs of 32 bytes.
-    nib: Vec<u8>,
+    values: Values,
     /// `cols / 32` (rounded up) runs of `rows_p` scales (padding rows 0).
     scale: Vec<f32>,
 }
 
-impl Q4Columns {
-    /// The values of `m`, by columns.
-    pub fn new(m: &Q4Matrix) -> Q4Columns {
+impl Columns {
+    /// The values of `w` by columns; `None` for an f32 matrix (its products take no
+    /// scales and read its rows).
+    pub fn new(w: &WeightRef) -> Option<Columns> {
+        match w {
+            WeightRef::F32(_) => None,
+            WeightRef::Q4(m) => Some(Columns::from_q4(m)),
+            WeightRef::Q8(m) => Some(Columns::from_q8(m)),
+        }
+    }
+
+    fn from_q4(m: &Q4Matrix) -> Columns {
         let (rows, cols) = (m.rows, m.cols);
         let groups = m.groups();
         let rows_p = rows.next_multiple_of(TILE);
@@ -67,11 +89,35 @@ impl Q4Columns {
                 }
             }
         }
-        Q4Columns {
+        Columns {
             rows,
             cols,
             rows_p,
-            nib,
+            values: Values::Q4(nib),
+            scale,
+        }
+    }
+
+    fn from_q8(m: &Q8Matrix) -> Columns {
+        let (rows, cols) = (m.rows, m.cols);
+        let groups = m.groups();
+        let rows_p = rows.next_multiple_of(TILE);
+        let mut vals = vec![0i8; cols * rows_p];
+        let mut scale = vec![0.0f32; groups * rows_p];
+        for j in 0..rows {
+            let row = m.row_values(j);
+            for g in 0..groups {
+                scale[g * rows_p + j] = m.scale(j, g);
+                for v in g * GROUP..((g + 1) * GROUP).min(cols) {
+                    vals[byte_at(cols, v, j)] = row[value_offset(groups, g, v - g * GROUP)] as i8;
+                }
+            }
+        }
+        Columns {
+            rows,
+            cols,
+            rows_p,
+            values: Values::Q8(vals),
             scale,
         }
     }
@@ -86,22 +132,48 @@ impl Q4Columns {
         self.cols
     }
 
-    /// `w_ij`: the integer `q - 8` of row `j`, column `i`.
+    /// Bytes this copy holds.
+    pub fn bytes(&self) -> usize {
+        let values = match &self.values {
+            Values::Q4(v) => v.len(),
+            Values::Q8(v) => v.len(),
+        };
+        values + std::mem::size_of_val(&self.scale[..])
+    }
+
+    /// Bytes the copy of a `rows x cols` matrix holds (8-bit `q8`, else int4).
+    pub fn bytes_of(rows: usize, cols: usize, q8: bool) -> usize {
+        let rows_p = rows.next_multiple_of(TILE);
+        let values = if q8 { cols * rows_p } else { cols * rows_p / 2 };
+        values + 4 * cols.div_ceil(GROUP) * rows_p
+    }
+
+    /// `w_ij`: the stored integer of row `j`, column `i`.
     fn weight(&self, i: usize, j: usize) -> f32 {
-        let byte = self.nib[nibble_at(self.cols, i, j)];
-        let q = if j % CHUNK < 16 { byte & 15 } else { byte >> 4 };
-        (q as i32 - 8) as f32
+        match &self.values {
+            Values::Q4(nib) => {
+                let byte = nib[nibble_at(self.cols, i, j)];
+                let q = if j % CHUNK < 16 { byte & 15 } else { byte >> 4 };
+                (q as i32 - 8) as f32
+            }
+            Values::Q8(vals) => vals[byte_at(self.cols, i, j)] as f32,
+        }
     }
 }
 
-/// Where the byte holding row `j`, column `i` of a matrix of `cols` columns is.
+/// Where the int4 byte holding row `j`, column `i` of a matrix of `cols` columns is.
 fn nibble_at(cols: usize, i: usize, j: usize) -> usize {
     (j / TILE) * cols * (TILE / 2) + i * (TILE / 2) + (j % TILE) / CHUNK * 16 + j % 16
 }
 
+/// Where the 8-bit value of row `j`, column `i` of a matrix of `cols` columns is.
+fn byte_at(cols: usize, i: usize, j: usize) -> usize {
+    (j / TILE) * cols * TILE + i * TILE + j % TILE
+}
+
 /// `out[t][j] = sum_i W[j][i] x[t][i]` for every token of `x` (`n x cols`, unrounded) into
 /// `out` (`n x rows`), in the module's order.
-pub fn q4_columns_exact_into(k: Kernel, w: &Q4Columns, x: &[f32], n: usize, out: &mut [f32]) {
+pub fn columns_exact_into(k: Kernel, w: &Columns, x: &[f32], n: usize, out: &mut [f32]) {
     check_kernel(k);
     assert_eq!(x.len(), n * w.cols, "columns product: x is not n x cols");
     assert_eq!(
@@ -121,7 +193,14 @@ pub fn q4_columns_exact_into(k: Kernel, w: &Q4Columns, x: &[f32], n: usize, out:
         #[cfg(target_arch = "x86_64")]
         if k != Kernel::Scalar {
             // SAFETY: check_kernel above: both vector kernels include AVX2 and FMA.
-            unsafe { avx2::token(w, x, &mut buf) };
+            unsafe {
+                match &w.values {
+                    Values::Q4(nib) => avx2::token::<false>(w, nib, x, &mut buf),
+                    Values::Q8(vals) => {
+                        avx2::token::<true>(w, bytemuck::cast_slice(vals), x, &mut buf)
+                    }
+                }
+            };
             out.copy_from_slice(&buf[..w.rows]);
             continue;
         }
@@ -131,7 +210,7 @@ pub fn q4_columns_exact_into(k: Kernel, w: &Q4Columns, x: &[f32], n: usize, out:
 }
 
 /// One token's outputs (`rows_p` of them, padding included): the scalar reference.
-fn token(w: &Q4Columns, x: &[f32], out: &mut [f32]) {
+fn token(w: &Columns, x: &[f32], out: &mut [f32]) {
     for (j, o) in out.iter_mut().enumerate() {
         let mut acc = 0.0f32;
         for (g, xs) in x.chunks(GROUP).enumerate() {
@@ -149,49 +228,83 @@ fn token(w: &Q4Columns, x: &[f32], out: &mut [f32]) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Q4Columns, CHUNK, GROUP, TILE};
+    use super::{Columns, GROUP, TILE};
 
-    /// [`super::token`] in AVX2 + FMA, a tile of 64 outputs at a time in eight registers.
+    /// A column's 64 weights of one tile (rows in order, eight to a vector) from its stored
+    /// bytes at `p`: 64 8-bit values (`Q8`) or 32 bytes of int4 nibbles.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `p` points to the column's bytes in the tile (64 or 32 readable).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weights<const Q8: bool>(p: *const u8) -> [__m256; 8] {
+        let widen = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        let mut w = [_mm256_setzero_ps(); 8];
+        if Q8 {
+            for c in 0..4 {
+                // SAFETY: 64 bytes readable from `p` (the caller).
+                let b = unsafe { _mm_loadu_si128(p.add(16 * c).cast()) };
+                w[2 * c] = widen(b);
+                w[2 * c + 1] = widen(_mm_srli_si128(b, 8));
+            }
+        } else {
+            let low = _mm_set1_epi8(0x0f);
+            let eight = _mm_set1_epi8(8);
+            for c in 0..2 {
+                // SAFETY: 32 bytes readable from `p` (the caller).
+                let b = unsafe { _mm_loadu_si128(p.add(16 * c).cast()) };
+                let lo = _mm_sub_epi8(_mm_and_si128(b, low), eight);
+                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low), eight);
+                // Chunk c's rows 0-7, 8-15 (low nibbles), 16-23, 24-31 (high ones).
+                let v = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+                for (q, v) in v.into_iter().enumerate() {
+                    w[4 * c + q] = widen(v);
+                }
+            }
+        }
+        w
+    }
+
+    /// [`super::token`] in AVX2 + FMA, a tile of 64 outputs at a time in eight registers;
+    /// `bytes` the matrix's stored values (`Q8`: 8-bit, else int4 nibbles).
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn token(w: &Q4Columns, x: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn token<const Q8: bool>(
+        w: &Columns,
+        bytes: &[u8],
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        let per_col = if Q8 { TILE } else { TILE / 2 };
         assert!(x.len() == w.cols && out.len() == w.rows_p);
-        assert!(w.nib.len() >= w.cols * w.rows_p / 2);
+        assert!(bytes.len() >= w.cols * w.rows_p / TILE * per_col);
         assert!(w.scale.len() >= w.cols.div_ceil(GROUP) * w.rows_p);
-        let low = _mm_set1_epi8(0x0f);
-        let eight = _mm_set1_epi8(8);
         for tile in 0..w.rows_p / TILE {
+            let base = tile * w.cols * per_col;
             let mut o = [_mm256_setzero_ps(); 8];
             for (g, xs) in x.chunks(GROUP).enumerate() {
                 let mut t = [_mm256_setzero_ps(); 8];
                 for (k, &xi) in xs.iter().enumerate() {
                     let xi = _mm256_set1_ps(xi);
-                    let at = super::nibble_at(w.cols, g * GROUP + k, tile * TILE);
-                    for c in 0..2 {
-                        // SAFETY: the tile's run of this column is 32 bytes from `at`, inside
-                        // `nib` (asserted size above).
-                        let b = unsafe { _mm_loadu_si128(w.nib.as_ptr().add(at + 16 * c).cast()) };
-                        let lo = _mm_sub_epi8(_mm_and_si128(b, low), eight);
-                        let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low), eight);
-                        let v = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
-                        for (q, v) in v.into_iter().enumerate() {
-                            let wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-                            let t = &mut t[4 * c + q];
-                            *t = _mm256_fmadd_ps(xi, wv, *t);
-                        }
+                    let at = base + (g * GROUP + k) * per_col;
+                    // SAFETY: the tile's run of this column is `per_col` bytes from `at`,
+                    // inside `bytes` (asserted size above).
+                    let wv = unsafe { weights::<Q8>(bytes.as_ptr().add(at)) };
+                    for (t, wv) in t.iter_mut().zip(wv) {
+                        *t = _mm256_fmadd_ps(xi, wv, *t);
                     }
                 }
                 for (q, (o, t)) in o.iter_mut().zip(t).enumerate() {
-                    let j = tile * TILE + q / 4 * CHUNK + q % 4 * 8;
+                    let j = tile * TILE + 8 * q;
                     // SAFETY: group g's scales are `rows_p` long, `j + 8 <= rows_p`.
                     let s = unsafe { _mm256_loadu_ps(w.scale.as_ptr().add(g * w.rows_p + j)) };
                     *o = _mm256_fmadd_ps(s, t, *o);
                 }
             }
             for (q, o) in o.into_iter().enumerate() {
-                let j = tile * TILE + q / 4 * CHUNK + q % 4 * 8;
+                let j = tile * TILE + 8 * q;
                 // SAFETY: `j + 8 <= rows_p = out.len()` (asserted).
                 unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j), o) };
             }

@@ -80,7 +80,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-pub use columns::{q4_columns_exact_into, Q4Columns};
+pub use columns::{columns_exact_into, Columns};
 pub use exact::{q4_exact_into, q8_exact_into, StoredActs};
 pub(crate) use q4::v2_nibbles_to_v3;
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! Kernel tests: every available path against the scalar oracle.
 
 use super::*;
+use crate::linear::WeightRef;
 
 fn gauss(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -943,47 +944,82 @@ fn an_exact_product_writes_only_its_views_rows() {
     }
 }
 
-/// An int4 matrix read by columns ([`Q4Columns`]) gives the dequantized matrix times the
-/// unrounded activations (to f32 rounding against an f64 sum), on heights with a partial tile
-/// and widths with a partial group; every kernel the scalar path's bits, and each token the
-/// bits it gets alone.
+/// An int4 or 8-bit matrix read by columns ([`Columns`]) gives the dequantized matrix times
+/// the unrounded activations (to f32 rounding against an f64 sum), on heights with a partial
+/// tile and widths with a partial group; every kernel the scalar path's bits, and each token
+/// the bits it gets alone.
 #[test]
 fn column_products_are_the_dequantized_weights_times_f32_activations() {
-    for (rows, cols) in [(64, 32), (100, 40), (512, 128), (130, 200), (7, 64)] {
+    for (rows, cols) in [
+        (64, 32),
+        (100, 40),
+        (512, 128),
+        (128, 512),
+        (130, 200),
+        (7, 64),
+    ] {
         let w = gauss(rows * cols, (rows * 31 + cols) as u64);
-        let q4 = quantize_q4(&w, rows, cols);
-        let m = Q4Matrix::new(&q4, rows, cols).unwrap();
-        let c = Q4Columns::new(&m);
-        assert_eq!((c.rows(), c.cols()), (rows, cols));
-        let dq = m.dequantize();
-        for n in [1, 3] {
-            let x = gauss(n * cols, 11 + n as u64);
-            let product = |k: Kernel, x: &[f32], n: usize| {
-                let mut out = vec![f32::NAN; n * rows];
-                q4_columns_exact_into(k, &c, x, n, &mut out);
-                out
+        let (q4, q8) = (quantize_q4(&w, rows, cols), quantize_q8(&w, rows, cols));
+        let formats = [
+            WeightRef::Q4(Q4Matrix::new(&q4, rows, cols).unwrap()),
+            WeightRef::Q8(Q8Matrix::new(&q8, rows, cols).unwrap()),
+        ];
+        for m in &formats {
+            let what = format!(
+                "{rows}x{cols} {}",
+                if matches!(m, WeightRef::Q4(_)) {
+                    "int4"
+                } else {
+                    "8-bit"
+                }
+            );
+            let c = Columns::new(m).expect("a quantized matrix has columns");
+            assert_eq!((c.rows(), c.cols()), (rows, cols));
+            let q8 = matches!(m, WeightRef::Q8(_));
+            assert_eq!(c.bytes(), Columns::bytes_of(rows, cols, q8), "{what}");
+            let dq = match m {
+                WeightRef::Q4(m) => m.dequantize(),
+                WeightRef::Q8(m) => m.dequantize(),
+                WeightRef::F32(_) => unreachable!(),
             };
-            let scalar = product(Kernel::Scalar, &x, n);
-            for t in 0..n {
-                let one = product(Kernel::Scalar, &x[t * cols..(t + 1) * cols], 1);
-                assert!(one == scalar[t * rows..(t + 1) * rows], "token {t} of {n}");
-            }
-            for k in available() {
-                let got = product(k, &x, n);
-                assert!(got == scalar, "{}: not the scalar path's bits", k.name());
-            }
-            for t in 0..n {
-                for r in 0..rows {
-                    let terms = (0..cols).map(|i| dq[r * cols + i] as f64 * x[t * cols + i] as f64);
-                    let want = terms.clone().sum::<f64>();
-                    let mag: f64 = terms.map(f64::abs).sum();
-                    let got = scalar[t * rows + r] as f64;
+            for n in [1, 3] {
+                let x = gauss(n * cols, 11 + n as u64);
+                let product = |k: Kernel, x: &[f32], n: usize| {
+                    let mut out = vec![f32::NAN; n * rows];
+                    columns_exact_into(k, &c, x, n, &mut out);
+                    out
+                };
+                let scalar = product(Kernel::Scalar, &x, n);
+                for t in 0..n {
+                    let one = product(Kernel::Scalar, &x[t * cols..(t + 1) * cols], 1);
                     assert!(
-                        (got - want).abs() <= 1e-5 * mag + 1e-30,
-                        "{rows}x{cols} token {t} row {r}: {got} vs {want}"
+                        one == scalar[t * rows..(t + 1) * rows],
+                        "{what}: token {t} of {n}"
                     );
+                }
+                for k in available() {
+                    let got = product(k, &x, n);
+                    assert!(
+                        got == scalar,
+                        "{what} {}: not the scalar path's bits",
+                        k.name()
+                    );
+                }
+                for t in 0..n {
+                    for r in 0..rows {
+                        let terms =
+                            (0..cols).map(|i| dq[r * cols + i] as f64 * x[t * cols + i] as f64);
+                        let want = terms.clone().sum::<f64>();
+                        let mag: f64 = terms.map(f64::abs).sum();
+                        let got = scalar[t * rows + r] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5 * mag + 1e-30,
+                            "{what} token {t} row {r}: {got} vs {want}"
+                        );
+                    }
                 }
             }
         }
     }
+    assert!(Columns::new(&WeightRef::F32(&[0.0; 4])).is_none());
 }

@@ -120,9 +120,9 @@ impl ExpertOptions {
 }
 
 /// The default expert budget for the model in `dir`: `None` (every expert resident, the fastest)
-/// when the experts file fits in available memory beside the resident part with `reserve_bytes`
-/// to spare (KV cache, activations, the rest of the system), else the bytes that do fit (at
-/// least one record). Available memory is `MemAvailable` from `/proc/meminfo` (Linux); where it
+/// when the experts file fits in available memory beside the resident part (and the copies a
+/// model makes of it at load) with `reserve_bytes` to spare (KV cache, activations, the rest of
+/// the system), else the bytes that do fit (at least one record). Available memory is `MemAvailable` from `/proc/meminfo` (Linux); where it
 /// cannot be read, `None`.
 pub fn fit_ram_bytes(dir: &Path, reserve_bytes: u64) -> Result<Option<u64>> {
     let m = crate::format::read_manifest(dir)?;
@@ -133,7 +133,10 @@ pub fn fit_ram_bytes(dir: &Path, reserve_bytes: u64) -> Result<Option<u64>> {
         let p = dir.join(name);
         Ok(std::fs::metadata(&p).map_err(io_err(&p))?.len())
     };
-    let (resident, experts) = (size(&m.resident.file)?, size(&x.file)?);
+    // The resident file, and the copies of it the model makes at load (MLA's `kv_b` by
+    // columns).
+    let resident = size(&m.resident.file)? + crate::model::layers::mla::kv_b_columns_bytes(&m);
+    let experts = size(&x.file)?;
     let Some(avail) = mem_available() else {
         return Ok(None);
     };

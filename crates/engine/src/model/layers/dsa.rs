@@ -118,6 +118,17 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
 }
 
 impl Dsa {
+    /// The layer's MLA weights.
+    #[cfg(test)]
+    pub(in crate::model) fn mla(&self) -> &Mla {
+        &self.mla
+    }
+
+    /// The layer's MLA weights, to change.
+    pub(in crate::model) fn mla_mut(&mut self) -> &mut Mla {
+        &mut self.mla
+    }
+
     pub(in crate::model) fn load(t: &Tensors, c: &ModelConfig, i: usize) -> Result<Dsa> {
         let mla = Mla::load(t, c, i)?;
         if !has_indexer(c, i) {

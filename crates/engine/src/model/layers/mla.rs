@@ -19,10 +19,12 @@
 //! qk_nope_head_dim]`) and `W_uv` (`[heads * v_head_dim, kv_lora_rank]`), each head a row block
 //! multiplied by that head's own input, unrounded (`Acts::exact`: the 8-bit rounding the other
 //! products take would fall on different values in the two forms below; with
-//! `COLI_MLA_EXPANDED=off`, every pass absorbed, the 8-bit inputs). An int4 `W_uk^T` is
-//! copied at load by columns ([`Q4Columns`], the same values), and the unrounded absorbed
-//! query reads that copy: a sum of `W_uk`'s rows scaled by `q_nope`, where a row-by-row
-//! product of `W_uk^T`'s short rows is bound by each row's reduction.
+//! `COLI_MLA_EXPANDED=off`, every pass absorbed, the 8-bit inputs). With those unrounded
+//! inputs, an int4 or 8-bit `W_uk^T` and `W_uv` are copied by columns ([`Columns`], the same
+//! values) and their absorbed products read that copy: `W_uk^T q_nope` a sum of `W_uk`'s rows
+//! scaled by `q_nope`, where a row-by-row product of `W_uk^T`'s short rows is bound by each
+//! row's reduction; `W_uv lat` likewise, without permuting each head's input into the rows'
+//! stored order. The copy exists while the expanded setting is on ([`Model::set_mla_expanded`]).
 //! Directories converted before the split keep one f32 `kv_b` and are read as before.
 //!
 //! A prefill of many positions attends in the expanded form instead (unless
@@ -49,7 +51,7 @@
 
 mod decode;
 
-use super::{row_f32, write_rows, SeqRows, Span};
+use super::{row_f32, write_rows, Attention, SeqRows, Span};
 use crate::config::{AttentionKind, HybridFull, MlaDims, ModelConfig};
 use crate::error::Result;
 use crate::format::DType;
@@ -59,7 +61,7 @@ use crate::model::load::Tensors;
 use crate::model::plan::{HeadRows, Plan};
 use crate::model::{fmt_err, Model};
 use crate::ops::{self, RopeAngles};
-use crate::quant::{q4_columns_exact_into, Kernel, Q4Columns};
+use crate::quant::{columns_exact_into, Columns, Kernel};
 
 /// The epsilon of `q_a_layernorm` and `kv_a_layernorm`: transformers builds them with its
 /// RMSNorm's default, not `rms_norm_eps`.
@@ -78,17 +80,51 @@ enum QueryProj {
 /// How `kv_b_proj` is stored.
 enum KvB {
     /// `W_uk^T` `[heads * kv_lora_rank, nope]` and `W_uv` `[heads * v, kv_lora_rank]`, at the
-    /// model's quantization: one row block per head. With `W_uk^T` at int4, `uk_cols` holds
-    /// each head's block again by columns ([`Q4Columns`]: the same values), which the absorbed
-    /// query's unrounded product reads ([`absorbed_queries`]).
+    /// model's quantization: one row block per head; `cols`, each head's blocks again by
+    /// columns while the products' inputs are unrounded ([`Model::refresh_kv_b_columns`]).
     Split {
         uk_t: Linear,
         uv: Linear,
-        uk_cols: Option<Vec<Q4Columns>>,
+        cols: KvBColumns,
     },
     /// Directories converted before the split: `[heads * (nope + v), kv_lora_rank]` in f32, per
     /// head `nope` rows of `W_uk` then `v` rows of `W_uv`.
     Fused(Linear),
+}
+
+/// Each head's `W_uk^T` and `W_uv` by columns ([`Columns`]: the same values), which the
+/// unrounded absorbed products read ([`columns_product`]); `None` for an f32 matrix, or while
+/// the products' inputs are rounded to 8 bits (the expanded setting off), which read the rows.
+#[derive(Default)]
+pub(in crate::model) struct KvBColumns {
+    uk: Option<Vec<Columns>>,
+    uv: Option<Vec<Columns>>,
+}
+
+/// The bytes of every [`KvBColumns`] a model of `m` makes at load (none with the expanded
+/// setting off), for a RAM budget: its config's heads, its `kv_b` tensors' shapes and formats.
+pub fn kv_b_columns_bytes(m: &crate::format::Manifest) -> u64 {
+    let heads = m.config.get("num_attention_heads").and_then(|v| v.as_u64());
+    let Some(heads) = heads.filter(|&h| h > 0 && mla_expanded_from_env()) else {
+        return 0;
+    };
+    let heads = heads as usize;
+    m.resident
+        .tensors
+        .iter()
+        .filter(|(name, _)| name.ends_with(".kv_b_uk_t") || name.ends_with(".kv_b_uv"))
+        .filter_map(|(_, t)| {
+            let q8 = match t.dtype {
+                DType::Q4 => false,
+                DType::Q8 => true,
+                _ => return None,
+            };
+            let [rows, cols] = t.shape[..] else {
+                return None;
+            };
+            Some((heads * Columns::bytes_of(rows / heads, cols, q8)) as u64)
+        })
+        .sum()
 }
 
 /// One layer's MLA weights.
@@ -198,7 +234,7 @@ fn expanded_pays(d: &MlaDims, n: usize, p0: usize) -> bool {
 /// unrounded products decode as fast as the 8-bit ones (`quant/exact_avx2.rs`). `off` (or `0`)
 /// keeps the absorbed form for every pass and the 8-bit inputs: the same bits however a prompt
 /// is cut. Any other value: the default, with a warning.
-pub(in crate::model) fn mla_expanded_from_env() -> bool {
+pub(crate) fn mla_expanded_from_env() -> bool {
     resolve_mla_expanded(crate::settings::mla_expanded().as_deref())
 }
 
@@ -243,19 +279,10 @@ impl Mla {
             }
             KvB::Fused(fused)
         } else {
-            let uk_t = t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?;
-            let uk_cols = (uk_t.dtype == DType::Q4).then(|| {
-                (0..heads)
-                    .map(|h| match t.view(&uk_t.row_block(h * r, r)) {
-                        WeightRef::Q4(m) => Q4Columns::new(&m),
-                        _ => unreachable!("an int4 tensor views as int4"),
-                    })
-                    .collect()
-            });
             KvB::Split {
-                uk_t,
+                uk_t: t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?,
                 uv: t.linear(&n("kv_b_uv"), heads * d.v_head_dim, r)?,
-                uk_cols,
+                cols: KvBColumns::default(),
             }
         };
         Ok(Mla {
@@ -270,9 +297,10 @@ impl Mla {
 
 /// One head's absorbed queries `W_uk^T q_nope` for `n` positions (`q_nope`: `n x nope`,
 /// unrounded), its `W_uk^T` read by columns: `n x kv_lora_rank`.
-pub(super) fn absorbed_queries(k: Kernel, cols: &Q4Columns, q_nope: &[f32], n: usize) -> Vec<f32> {
+/// A head's unrounded product by columns: `W x` for the `n` rows of `x`.
+pub(super) fn columns_product(k: Kernel, cols: &Columns, x: &[f32], n: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; n * cols.rows()];
-    q4_columns_exact_into(k, cols, q_nope, n, &mut out);
+    columns_exact_into(k, cols, x, n, &mut out);
     out
 }
 
@@ -612,7 +640,7 @@ impl Model {
         // Absorbed queries, per (position, head): [W_uk^T q_nope | q_rope], `kw` wide, for
         // the positions asked for.
         let absorbed = match &layer.kv_b {
-            KvB::Split { uk_t, uk_cols, .. } => {
+            KvB::Split { uk_t, cols, .. } => {
                 let rows: Vec<usize> = (0..n).filter(|&i| absorb(i)).collect();
                 let mut absorbed = vec![Vec::new(); n * heads];
                 if !rows.is_empty() {
@@ -622,9 +650,9 @@ impl Model {
                         .copied()
                         .collect();
                     let q_nope = self.per_head_inputs(&picked, rows.len(), qk, 0, nope);
-                    let uk_q = match self.by_columns(uk_cols) {
+                    let uk_q = match self.by_columns(&cols.uk) {
                         Some(cols) => self.pool.map(heads, |h| {
-                            absorbed_queries(self.kernel, &cols[h], &q_nope[h].x, rows.len())
+                            columns_product(self.kernel, &cols[h], &q_nope[h].x, rows.len())
                         }),
                         None => self.per_head_products(uk_t, r, q_nope),
                     };
@@ -681,9 +709,14 @@ impl Model {
         };
         let n = rows.len();
         match &layer.kv_b {
-            KvB::Split { uv, .. } => {
+            KvB::Split { uv, cols, .. } => {
                 let lat = self.per_head_inputs(&picked, n, kw, 0, r);
-                let values = self.per_head_products(uv, vd, lat);
+                let values = match self.by_columns(&cols.uv) {
+                    Some(cols) => self.pool.map(heads, |h| {
+                        columns_product(self.kernel, &cols[h], &lat[h].x, n)
+                    }),
+                    None => self.per_head_products(uv, vd, lat),
+                };
                 let mut att = Vec::with_capacity(n * heads * vd);
                 for i in 0..n {
                     for v in &values {
@@ -719,16 +752,70 @@ impl Model {
             .collect()
     }
 
-    /// `W_uk^T`'s heads by columns when the absorbed queries are unrounded products
-    /// ([`Model::kv_b_input`] exact) and `W_uk^T` is int4; not while calibrating (whose
-    /// statistics are taken on the row products' inputs).
+    /// A `kv_b` matrix's heads by columns where its products read them: the copy exists
+    /// (inputs unrounded, [`Model::kv_b_input`], and the matrix quantized), and statistics are
+    /// not being collected (they are taken on the row products' inputs).
     pub(in crate::model) fn by_columns<'a>(
         &self,
-        uk_cols: &'a Option<Vec<Q4Columns>>,
-    ) -> Option<&'a [Q4Columns]> {
-        uk_cols
-            .as_deref()
-            .filter(|_| self.mla_expanded && !self.calib.is_on())
+        cols: &'a Option<Vec<Columns>>,
+    ) -> Option<&'a [Columns]> {
+        cols.as_deref().filter(|_| !self.calib.is_on())
+    }
+
+    /// The bytes of every layer's [`KvBColumns`], by format (int4, 8-bit).
+    #[cfg(test)]
+    pub(in crate::model) fn kv_b_columns_held(&self) -> (usize, usize) {
+        let mut held = (0, 0);
+        for layer in &self.layers {
+            let mla = match &layer.attention {
+                Attention::Mla(m) => m,
+                Attention::Dsa(d) => d.mla(),
+                _ => continue,
+            };
+            let KvB::Split { uk_t, uv, cols } = &mla.kv_b else {
+                continue;
+            };
+            for (w, c) in [(uk_t, &cols.uk), (uv, &cols.uv)] {
+                let bytes: usize = c.iter().flatten().map(Columns::bytes).sum();
+                match w.dtype {
+                    DType::Q8 => held.1 += bytes,
+                    _ => held.0 += bytes,
+                }
+            }
+        }
+        held
+    }
+
+    /// Makes (the expanded setting on: unrounded `kv_b` inputs) or drops (off) every MLA
+    /// layer's [`KvBColumns`], so the copy's RAM is spent only where it is read.
+    pub(in crate::model) fn refresh_kv_b_columns(&mut self) {
+        let heads = self.cfg.num_heads;
+        let (on, pool, resident) = (self.mla_expanded, &self.pool, &self.resident);
+        for layer in &mut self.layers {
+            let mla = match &mut layer.attention {
+                Attention::Mla(m) => m,
+                Attention::Dsa(d) => d.mla_mut(),
+                _ => continue,
+            };
+            let KvB::Split { uk_t, uv, cols } = &mut mla.kv_b else {
+                continue;
+            };
+            let by_heads = |w: &Linear| {
+                let rows = w.rows / heads;
+                let heads = pool.map(heads, |h| {
+                    Columns::new(&w.row_block(h * rows, rows).view(resident))
+                });
+                heads.into_iter().collect::<Option<Vec<_>>>()
+            };
+            *cols = if on {
+                KvBColumns {
+                    uk: by_heads(uk_t),
+                    uv: by_heads(uv),
+                }
+            } else {
+                KvBColumns::default()
+            };
+        }
     }
 
     /// A product input of `kv_b` (`W_uk^T` or `W_uv`): unrounded where the prefill may take

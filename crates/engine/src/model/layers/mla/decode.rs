@@ -13,7 +13,7 @@
 //! inputs (one product per head, the attention's heads sharing one read of the history), so
 //! the results are the same bits (`decode_heads_give_the_bits_of_the_three_regions`).
 
-use super::{absorbed_queries, dims, KvB, Mla};
+use super::{columns_product, dims, KvB, Mla};
 use crate::attention::{attend, AttendArgs};
 use crate::kv::KvCache;
 use crate::linear::{matmul_whole, Linear};
@@ -50,7 +50,7 @@ impl Model {
         kvs: &[&KvCache],
         att: &mut [f32],
     ) {
-        let KvB::Split { uk_t, uv, uk_cols } = &layer.kv_b else {
+        let KvB::Split { uk_t, uv, cols } = &layer.kv_b else {
             unreachable!("decodes_by_heads checked the split kv_b")
         };
         let d = dims(&self.cfg);
@@ -59,7 +59,7 @@ impl Model {
         let qk = nope + d.qk_rope_head_dim;
         let kw = r + d.qk_rope_head_dim;
         let m = spans.len();
-        let by_columns = self.by_columns(uk_cols);
+        let (uk_cols, uv_cols) = (self.by_columns(&cols.uk), self.by_columns(&cols.uv));
         let runs = self.pool.threads().clamp(1, heads);
         let first = |t: usize| t * heads / runs;
         let values = self.pool.map(runs, |t| {
@@ -79,9 +79,9 @@ impl Model {
             for (k, head) in hs.clone().enumerate() {
                 let at = |s: &Span| (s.row0 * heads + head) * qk;
                 let x = spans.iter().flat_map(|s| &q[at(s)..at(s) + nope]).copied();
-                let uk_q = match by_columns {
+                let uk_q = match uk_cols {
                     Some(cols) => {
-                        absorbed_queries(self.kernel, &cols[head], &x.collect::<Vec<_>>(), m)
+                        columns_product(self.kernel, &cols[head], &x.collect::<Vec<_>>(), m)
                     }
                     None => product(uk_t, r, head, x.collect()),
                 };
@@ -111,7 +111,11 @@ impl Model {
             let mut out = vec![0.0f32; m * g * vd];
             for k in 0..g {
                 let x = (0..m).flat_map(|j| &lats[(j * g + k) * kw..(j * g + k) * kw + r]);
-                let v = product(uv, vd, hs.start + k, x.copied().collect());
+                let x: Vec<f32> = x.copied().collect();
+                let v = match uv_cols {
+                    Some(cols) => columns_product(self.kernel, &cols[hs.start + k], &x, m),
+                    None => product(uv, vd, hs.start + k, x),
+                };
                 for j in 0..m {
                     out[(j * g + k) * vd..(j * g + k + 1) * vd]
                         .copy_from_slice(&v[j * vd..(j + 1) * vd]);
