@@ -6,6 +6,8 @@ file; a budget the startup models cannot fit is refused with the numbers. The en
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,6 +130,33 @@ def test_the_memory_plan_of_a_linear_attention_model_counts_its_states(converted
     info = Engine(path, threads=1, slots=2).info
     assert info["state_bytes_per_slot"] > 0
     assert plan.state == 2 * STATE_COPIES * info["state_bytes_per_slot"]
+
+
+def kv_b_columns_bytes(path) -> int:
+    """What the engine's copy of an MLA model's `kv_b` by columns takes (quant/columns.rs):
+    per head, its rows padded to tiles of 64, a nibble (int4) or a byte (8-bit) a value and an
+    f32 scale per row and group of 32 columns."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    heads = manifest["config"]["num_attention_heads"]
+    total = 0
+    for name, t in manifest["resident"]["tensors"].items():
+        if name.endswith((".kv_b_uk_t", ".kv_b_uv")) and t["dtype"] in ("q4", "q8"):
+            rows, cols = t["shape"][0] // heads, t["shape"][1]
+            rows_p = -(-rows // 64) * 64
+            values = cols * rows_p // 2 if t["dtype"] == "q4" else cols * rows_p
+            total += heads * (values + 4 * -(-cols // 32) * rows_p)
+    return total
+
+
+def test_the_memory_plan_of_an_mla_model_counts_its_kv_b_copy_by_columns(converted, monkeypatch):
+    path = converted("deepseek_v3", "int4")
+    file = (path / "resident.bin").stat().st_size
+    copy = kv_b_columns_bytes(path)
+    assert copy > 0
+    monkeypatch.delenv("COLI_MLA_EXPANDED", raising=False)
+    assert plan_model(path, 1, None).resident == file + copy
+    monkeypatch.setenv("COLI_MLA_EXPANDED", "off")
+    assert plan_model(path, 1, None).resident == file
 
 
 def test_the_memory_plan_of_a_directory_that_is_not_a_model_is_an_error(tmp_path):

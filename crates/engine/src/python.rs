@@ -875,7 +875,8 @@ fn show_progress(verb: &str, done: usize, total: usize, what: &str) {
 
 /// Name of the kernel chosen for this CPU (after any `COLI_KERNEL` override).
 /// What the model in `path` takes in RAM, read from its manifest without loading its weights:
-/// `resident_bytes` and `expert_bytes` (its files), `expert_record_bytes` (one expert record,
+/// `resident_bytes` (its resident file, and the copies of it the model makes at load: MLA's
+/// `kv_b` by columns) and `expert_bytes` (its experts file), `expert_record_bytes` (one expert record,
 /// the expert cache's unit; 0 without routed experts), `kv_bytes_per_token` and
 /// `state_bytes_per_slot` (as `Model.info` gives them once loaded) and `context_length` (the
 /// model's own). The server sizes its RAM budget from it before a load.
@@ -895,7 +896,8 @@ fn memory_plan<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDic
             .map_err(|e| PyValueError::new_err(format!("{}: {e}", p.display())))
     };
     let d = PyDict::new(py);
-    d.set_item("resident_bytes", size(&manifest.resident.file)?)?;
+    let copies = crate::model::layers::mla::kv_b_columns_bytes(&manifest);
+    d.set_item("resident_bytes", size(&manifest.resident.file)? + copies)?;
     match &manifest.experts {
         Some(x) => {
             d.set_item("expert_bytes", size(&x.file)?)?;

@@ -1,10 +1,11 @@
 """One RAM budget for the whole server (``--ram-gb``): what each model takes, and how much of it
 each engine's expert cache gets.
 
-A loaded model takes a **fixed part** (its resident weights, ``resident.bin``; its KV slots at
-full context; its fixed-size states (linear attention, DeepSeek-V4's windows) with their
-snapshots) and an **expert cache** (at most its whole ``experts.bin``). Every loaded model's
-fixed part and cache count against the budget.
+A loaded model takes a **fixed part** (its resident weights, ``resident.bin`` and the copies the
+engine makes of them at load, as ``memory_plan`` counts them; its KV slots at full context; its
+fixed-size states (linear attention, DeepSeek-V4's windows) with their snapshots) and an **expert
+cache** (at most its whole ``experts.bin``). Every loaded model's fixed part and cache count against
+the budget.
 
 The rule (docs/API.md, "RAM budget"): the fixed parts come first; what the budget leaves is
 shared equally between the models loaded at startup (the default model and pinned entries) and,
