@@ -1,9 +1,11 @@
 //! MLA's per-head products by columns as a decode step streams them: 16 layers x 16 heads of
 //! `W_uk^T` (512 x 128) and `W_uv` (128 x 512), int4, one token, one thread, each head's copy
-//! read once per step (20 MB a step: from memory, as in the model):
+//! read once per step (20 MB a step: from memory, as in the model), timed in thread CPU time:
 //! `cargo run --release --example columns_bench -- [ROUNDS]`.
 use std::hint::black_box;
-use std::time::Instant;
+
+mod common;
+use common::thread_cpu_time;
 
 use colibri_engine::linear::WeightRef;
 use colibri_engine::quant::{columns_exact_into, quantize_q4, Columns, Q4Matrix};
@@ -30,21 +32,21 @@ fn main() {
     let mut out = vec![0.0f32; 512];
     let mut ms = Vec::new();
     for _ in 0..rounds {
-        let t = Instant::now();
+        let t = thread_cpu_time();
         for c in &heads {
             columns_exact_into(k, c, &x[..c.cols()], 1, &mut out[..c.rows()]);
             black_box(&out);
         }
-        ms.push(t.elapsed().as_secs_f64() * 1e3);
+        ms.push((thread_cpu_time() - t) * 1e3);
     }
     // The same MACs from cache: the first two heads' copies over and over.
-    let t = Instant::now();
+    let t = thread_cpu_time();
     for i in 0..heads.len() * rounds {
         let c = &heads[i % 2];
         columns_exact_into(k, c, &x[..c.cols()], 1, &mut out[..c.rows()]);
         black_box(&out);
     }
-    let hot = t.elapsed().as_secs_f64() * 1e3 / rounds as f64;
+    let hot = (thread_cpu_time() - t) * 1e3 / rounds as f64;
     println!("from cache: {hot:.3} ms a step");
     ms.sort_by(f64::total_cmp);
     println!(

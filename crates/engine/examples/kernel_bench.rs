@@ -13,6 +13,9 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{process_cpu_time, thread_cpu_time};
+
 use colibri_engine::quant::{
     f32_matmul, q4_byte_len, q4_matmul, q8_matmul, quantize_q4, quantize_q8, Kernel, Q4Matrix,
     Q8Acts, Q8Matrix,
@@ -48,29 +51,6 @@ fn random_q4(rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
         }
     }
     b
-}
-
-#[repr(C)]
-struct Timespec {
-    sec: i64,
-    nsec: i64,
-}
-
-extern "C" {
-    fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
-}
-
-/// CPU time of this thread in seconds (robust against other processes time-slicing the core).
-fn thread_cpu_time() -> f64 {
-    cpu_time(3) // CLOCK_THREAD_CPUTIME_ID
-}
-
-fn cpu_time(clock: i32) -> f64 {
-    let mut ts = Timespec { sec: 0, nsec: 0 };
-    // SAFETY: clock_gettime writes one timespec (two longs on x86_64 Linux) into `ts`.
-    let rc = unsafe { clock_gettime(clock, &mut ts) };
-    assert_eq!(rc, 0);
-    ts.sec as f64 + ts.nsec as f64 * 1e-9
 }
 
 /// Runs `f` until `min` wall time has passed; returns thread-CPU seconds per call (best of 5
@@ -244,13 +224,13 @@ fn main() {
     let (rows, cols) = (512, 1024);
     let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
     let start = Instant::now();
-    let cpu0 = cpu_time(2); // CLOCK_PROCESS_CPUTIME_ID: all threads
+    let cpu0 = process_cpu_time(); // all threads
     let reps = if quick { 2 } else { 5 };
     for _ in 0..reps {
         black_box(quantize_q4(&w, rows, cols));
     }
     let t = start.elapsed().as_secs_f64() / reps as f64;
-    let tc = (cpu_time(2) - cpu0) / reps as f64;
+    let tc = (process_cpu_time() - cpu0) / reps as f64;
     println!(
         "\nquantize_q4: {:.1} M weights/s wall, {:.1} M weights per CPU-second (rayon, {} threads)",
         (rows * cols) as f64 / t / 1e6,

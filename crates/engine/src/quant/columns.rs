@@ -23,20 +23,21 @@ use super::q8w::value_offset;
 use super::{check_kernel, Kernel, Q4Matrix, Q8Matrix, GROUP};
 use crate::linear::WeightRef;
 
-/// Outputs per chunk of stored nibbles: one byte holds outputs `b` (low nibble) and `b + 16`.
-const CHUNK: usize = 32;
-/// Outputs the AVX2 kernel keeps in registers at once (two int4 chunks).
+/// Outputs the AVX2 kernel keeps in registers at once: eight vectors of eight.
 const TILE: usize = 64;
 
 /// The stored integers, by tiles of 64 rows (the last padded with weight 0): per tile, for
 /// each column `i` in order, the tile's 64 values of that column, so the kernel reads a tile's
-/// bytes front to back.
+/// bytes front to back. Within a column's run the values sit where shifts alone widen them:
+/// the kernel reads the run as 32-bit words and takes the same field of every word, rows
+/// `8k..8k + 8` in order (no lane-crossing shuffle, which this kind of CPU issues one a cycle).
 #[derive(Clone, Debug)]
 enum Values {
-    /// 32 bytes a column: two chunks of 32 rows, byte `b` of a chunk holding row `b` in its
-    /// low nibble and row `b + 16` in its high one (`q`, the weight `q - 8`).
+    /// 32 bytes a column: word `l` (of eight), nibble `k` (bits `4k..4k + 4`) holds row
+    /// `8k + l`'s weight as a signed 4-bit integer (the stored `q - 8`).
     Q4(Vec<u8>),
-    /// 64 bytes a column, row after row.
+    /// 64 bytes a column, two halves `h` of eight words: word `l`'s byte `k` holds row
+    /// `32h + 8k + l`.
     Q8(Vec<i8>),
 }
 
@@ -68,24 +69,21 @@ impl Columns {
         let (rows, cols) = (m.rows, m.cols);
         let groups = m.groups();
         let rows_p = rows.next_multiple_of(TILE);
-        // Padding rows hold q = 8 (weight 0) in both nibbles.
-        let mut nib = vec![0x88u8; cols * rows_p / 2];
+        // Padding rows hold weight 0.
+        let mut nib = vec![0u8; cols * rows_p / 2];
         let mut scale = vec![0.0f32; groups * rows_p];
         for j in 0..rows {
             let row = m.row_nibbles(j);
-            let b = j % CHUNK;
             for g in 0..groups {
                 scale[g * rows_p + j] = m.scale(j, g);
                 for v in g * GROUP..((g + 1) * GROUP).min(cols) {
                     let k = v - g * GROUP;
                     let byte = row[nibble_offset(groups, g, k % 16)];
                     let q = if k < 16 { byte & 15 } else { byte >> 4 };
-                    let at = &mut nib[nibble_at(cols, v, j)];
-                    *at = if b < 16 {
-                        (*at & 0xf0) | q
-                    } else {
-                        (*at & 0x0f) | (q << 4)
-                    };
+                    // The weight q - 8 as a signed nibble.
+                    let w = q.wrapping_sub(8) & 15;
+                    let (at, shift) = nibble_at(cols, v, j);
+                    nib[at] |= w << shift;
                 }
             }
         }
@@ -152,23 +150,28 @@ impl Columns {
     fn weight(&self, i: usize, j: usize) -> f32 {
         match &self.values {
             Values::Q4(nib) => {
-                let byte = nib[nibble_at(self.cols, i, j)];
-                let q = if j % CHUNK < 16 { byte & 15 } else { byte >> 4 };
-                (q as i32 - 8) as f32
+                let (at, shift) = nibble_at(self.cols, i, j);
+                // Sign-extended from the nibble's top bit.
+                (((nib[at] >> shift) << 4) as i8 >> 4) as f32
             }
             Values::Q8(vals) => vals[byte_at(self.cols, i, j)] as f32,
         }
     }
 }
 
-/// Where the int4 byte holding row `j`, column `i` of a matrix of `cols` columns is.
-fn nibble_at(cols: usize, i: usize, j: usize) -> usize {
-    (j / TILE) * cols * (TILE / 2) + i * (TILE / 2) + (j % TILE) / CHUNK * 16 + j % 16
+/// Where the int4 weight of row `j`, column `i` of a matrix of `cols` columns is: its byte,
+/// and the shift of its nibble in that byte (little-endian words, [`Values::Q4`]).
+fn nibble_at(cols: usize, i: usize, j: usize) -> (usize, u32) {
+    let (k, l) = (j % TILE / 8, j % 8);
+    let at = (j / TILE) * cols * (TILE / 2) + i * (TILE / 2) + 4 * l + k / 2;
+    (at, 4 * (k % 2) as u32)
 }
 
-/// Where the 8-bit value of row `j`, column `i` of a matrix of `cols` columns is.
+/// Where the 8-bit value of row `j`, column `i` of a matrix of `cols` columns is
+/// ([`Values::Q8`]).
 fn byte_at(cols: usize, i: usize, j: usize) -> usize {
-    (j / TILE) * cols * TILE + i * TILE + j % TILE
+    let (h, k, l) = (j % TILE / 32, j % 32 / 8, j % 8);
+    (j / TILE) * cols * TILE + i * TILE + 32 * h + 4 * l + k
 }
 
 /// `out[t][j] = sum_i W[j][i] x[t][i]` for every token of `x` (`n x cols`, unrounded) into
@@ -230,39 +233,54 @@ mod avx2 {
 
     use super::{Columns, GROUP, TILE};
 
-    /// A column's 64 weights of one tile (rows in order, eight to a vector) from its stored
-    /// bytes at `p`: 64 8-bit values (`Q8`) or 32 bytes of int4 nibbles.
+    /// Field `k` of every 32-bit word of `v` as an f32: the word shifted left by `LEFT`, then
+    /// arithmetically right by `RIGHT` (sign-extending the field).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn field<const LEFT: i32, const RIGHT: i32>(v: __m256i) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_srai_epi32::<RIGHT>(_mm256_slli_epi32::<LEFT>(v)))
+    }
+
+    /// A column's 64 weights of one tile (rows `8k..8k + 8` in vector `k`) from its stored
+    /// bytes at `p`: 64 8-bit values (`Q8`) or 32 bytes of int4 nibbles ([`super::Values`]).
     ///
     /// # Safety
     /// The CPU has AVX2; `p` points to the column's bytes in the tile (64 or 32 readable).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn weights<const Q8: bool>(p: *const u8) -> [__m256; 8] {
-        let widen = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-        let mut w = [_mm256_setzero_ps(); 8];
         if Q8 {
-            for c in 0..4 {
-                // SAFETY: 64 bytes readable from `p` (the caller).
-                let b = unsafe { _mm_loadu_si128(p.add(16 * c).cast()) };
-                w[2 * c] = widen(b);
-                w[2 * c + 1] = widen(_mm_srli_si128(b, 8));
-            }
+            // SAFETY: 64 bytes readable from `p` (the caller).
+            let (a, b) = unsafe {
+                (
+                    _mm256_loadu_si256(p.cast()),
+                    _mm256_loadu_si256(p.add(32).cast()),
+                )
+            };
+            [
+                field::<24, 24>(a),
+                field::<16, 24>(a),
+                field::<8, 24>(a),
+                field::<0, 24>(a),
+                field::<24, 24>(b),
+                field::<16, 24>(b),
+                field::<8, 24>(b),
+                field::<0, 24>(b),
+            ]
         } else {
-            let low = _mm_set1_epi8(0x0f);
-            let eight = _mm_set1_epi8(8);
-            for c in 0..2 {
-                // SAFETY: 32 bytes readable from `p` (the caller).
-                let b = unsafe { _mm_loadu_si128(p.add(16 * c).cast()) };
-                let lo = _mm_sub_epi8(_mm_and_si128(b, low), eight);
-                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low), eight);
-                // Chunk c's rows 0-7, 8-15 (low nibbles), 16-23, 24-31 (high ones).
-                let v = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
-                for (q, v) in v.into_iter().enumerate() {
-                    w[4 * c + q] = widen(v);
-                }
-            }
+            // SAFETY: 32 bytes readable from `p` (the caller).
+            let v = unsafe { _mm256_loadu_si256(p.cast()) };
+            [
+                field::<28, 28>(v),
+                field::<24, 28>(v),
+                field::<20, 28>(v),
+                field::<16, 28>(v),
+                field::<12, 28>(v),
+                field::<8, 28>(v),
+                field::<4, 28>(v),
+                field::<0, 28>(v),
+            ]
         }
-        w
     }
 
     /// [`super::token`] in AVX2 + FMA, a tile of 64 outputs at a time in eight registers;
