@@ -257,16 +257,16 @@ mod avx2 {
                     _mm256_loadu_si256(p.add(32).cast()),
                 )
             };
-            [
-                field::<24, 24>(a),
-                field::<16, 24>(a),
-                field::<8, 24>(a),
-                field::<0, 24>(a),
-                field::<24, 24>(b),
-                field::<16, 24>(b),
-                field::<8, 24>(b),
-                field::<0, 24>(b),
-            ]
+            let bytes = |v| {
+                [
+                    field::<24, 24>(v),
+                    field::<16, 24>(v),
+                    field::<8, 24>(v),
+                    field::<0, 24>(v),
+                ]
+            };
+            let (a, b) = (bytes(a), bytes(b));
+            std::array::from_fn(|q| if q < 4 { a[q] } else { b[q - 4] })
         } else {
             // SAFETY: 32 bytes readable from `p` (the caller).
             let v = unsafe { _mm256_loadu_si256(p.cast()) };
