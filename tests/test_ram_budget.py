@@ -119,7 +119,7 @@ def test_the_memory_plan_is_what_the_loaded_engine_reports(slots, context):
         ctx = info["context_length"]
         assert plan.kv == slots * ctx * info["kv_bytes_per_token"]
         assert plan.state == slots * info["state_bytes_per_slot"] * STATE_COPIES
-        assert plan.resident == (path / "resident.bin").stat().st_size
+        assert plan.resident == (path / "resident.bin").stat().st_size == info["resident_bytes"]
         assert plan.experts == (path / "experts.bin").stat().st_size
         assert plan.experts % plan.record == 0 and plan.record > 0
 
@@ -155,8 +155,10 @@ def test_the_memory_plan_of_an_mla_model_counts_its_kv_b_copy_by_columns(convert
     assert copy > 0
     monkeypatch.delenv("COLI_MLA_EXPANDED", raising=False)
     assert plan_model(path, 1, None).resident == file + copy
+    assert Engine(path, threads=1).info["resident_bytes"] == file + copy
     monkeypatch.setenv("COLI_MLA_EXPANDED", "off")
     assert plan_model(path, 1, None).resident == file
+    assert Engine(path, threads=1).info["resident_bytes"] == file
 
 
 def test_the_memory_plan_of_a_directory_that_is_not_a_model_is_an_error(tmp_path):

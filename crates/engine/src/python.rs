@@ -191,6 +191,7 @@ impl Model {
         d.set_item("threads", m.threads())?;
         d.set_item("prefill_chunk", m.prefill_chunk())?;
         d.set_item("mla_expanded", m.mla_expanded())?;
+        d.set_item("resident_bytes", m.resident_bytes())?;
         d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
         d.set_item("bos_token_id", c.bos_token_id)?;
         d.set_item("chat_template", m.manifest.chat_template.clone())?;

@@ -165,6 +165,13 @@ impl Model {
         self.mla_expanded
     }
 
+    /// Bytes of the resident weights in RAM: the resident file, and the copies made of it at
+    /// load (MLA's `kv_b` by columns while the expanded setting is on).
+    pub fn resident_bytes(&self) -> usize {
+        let (q4, q8) = self.kv_b_columns_held();
+        self.resident.len() + q4 + q8
+    }
+
     pub fn threads(&self) -> usize {
         self.pool.threads()
     }

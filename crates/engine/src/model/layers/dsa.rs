@@ -119,7 +119,6 @@ pub fn plan(p: &mut Plan, c: &ModelConfig, i: usize) {
 
 impl Dsa {
     /// The layer's MLA weights.
-    #[cfg(test)]
     pub(in crate::model) fn mla(&self) -> &Mla {
         &self.mla
     }

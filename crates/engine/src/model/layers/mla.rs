@@ -763,7 +763,6 @@ impl Model {
     }
 
     /// The bytes of every layer's [`KvBColumns`], by format (int4, 8-bit).
-    #[cfg(test)]
     pub(in crate::model) fn kv_b_columns_held(&self) -> (usize, usize) {
         let mut held = (0, 0);
         for layer in &self.layers {
