@@ -68,54 +68,46 @@ impl Columns {
     fn from_q4(m: &Q4Matrix) -> Columns {
         let (rows, cols) = (m.rows, m.cols);
         let groups = m.groups();
-        let rows_p = rows.next_multiple_of(TILE);
         // Padding rows hold weight 0.
-        let mut nib = vec![0u8; cols * rows_p / 2];
-        let mut scale = vec![0.0f32; groups * rows_p];
-        for j in 0..rows {
-            let row = m.row_nibbles(j);
-            for g in 0..groups {
-                scale[g * rows_p + j] = m.scale(j, g);
-                for v in g * GROUP..((g + 1) * GROUP).min(cols) {
-                    let k = v - g * GROUP;
-                    let byte = row[nibble_offset(groups, g, k % 16)];
-                    let q = if k < 16 { byte & 15 } else { byte >> 4 };
-                    // The weight q - 8 as a signed nibble.
-                    let w = q.wrapping_sub(8) & 15;
-                    let (at, shift) = nibble_at(cols, v, j);
-                    nib[at] |= w << shift;
-                }
-            }
-        }
-        Columns {
+        let mut nib = vec![0u8; cols * rows.next_multiple_of(TILE) / 2];
+        let scale = copy_by_columns(
             rows,
             cols,
-            rows_p,
-            values: Values::Q4(nib),
-            scale,
-        }
+            groups,
+            |j, g| m.scale(j, g),
+            |j, g, v, k| {
+                let byte = m.row_nibbles(j)[nibble_offset(groups, g, k % 16)];
+                let q = if k < 16 { byte & 15 } else { byte >> 4 };
+                // The weight q - 8 as a signed nibble.
+                let (at, shift) = nibble_at(cols, v, j);
+                nib[at] |= (q.wrapping_sub(8) & 15) << shift;
+            },
+        );
+        Columns::with(rows, cols, Values::Q4(nib), scale)
     }
 
     fn from_q8(m: &Q8Matrix) -> Columns {
         let (rows, cols) = (m.rows, m.cols);
         let groups = m.groups();
-        let rows_p = rows.next_multiple_of(TILE);
-        let mut vals = vec![0i8; cols * rows_p];
-        let mut scale = vec![0.0f32; groups * rows_p];
-        for j in 0..rows {
-            let row = m.row_values(j);
-            for g in 0..groups {
-                scale[g * rows_p + j] = m.scale(j, g);
-                for v in g * GROUP..((g + 1) * GROUP).min(cols) {
-                    vals[byte_at(cols, v, j)] = row[value_offset(groups, g, v - g * GROUP)] as i8;
-                }
-            }
-        }
+        let mut vals = vec![0i8; cols * rows.next_multiple_of(TILE)];
+        let scale = copy_by_columns(
+            rows,
+            cols,
+            groups,
+            |j, g| m.scale(j, g),
+            |j, g, v, k| {
+                vals[byte_at(cols, v, j)] = m.row_values(j)[value_offset(groups, g, k)] as i8;
+            },
+        );
+        Columns::with(rows, cols, Values::Q8(vals), scale)
+    }
+
+    fn with(rows: usize, cols: usize, values: Values, scale: Vec<f32>) -> Columns {
         Columns {
             rows,
             cols,
-            rows_p,
-            values: Values::Q8(vals),
+            rows_p: rows.next_multiple_of(TILE),
+            values,
             scale,
         }
     }
@@ -157,6 +149,29 @@ impl Columns {
             Values::Q8(vals) => vals[byte_at(self.cols, i, j)] as f32,
         }
     }
+}
+
+/// Walks a `rows x cols` matrix of `groups` groups a value at a time, `put(j, g, v, k)` for
+/// row `j`, column `v` (index `k` in its group `g`), and gives its scales by columns: per
+/// group, every row's `scale(j, g)` (padding rows 0).
+fn copy_by_columns(
+    rows: usize,
+    cols: usize,
+    groups: usize,
+    scale: impl Fn(usize, usize) -> f32,
+    mut put: impl FnMut(usize, usize, usize, usize),
+) -> Vec<f32> {
+    let rows_p = rows.next_multiple_of(TILE);
+    let mut out = vec![0.0f32; groups * rows_p];
+    for j in 0..rows {
+        for g in 0..groups {
+            out[g * rows_p + j] = scale(j, g);
+            for v in g * GROUP..((g + 1) * GROUP).min(cols) {
+                put(j, g, v, v - g * GROUP);
+            }
+        }
+    }
+    out
 }
 
 /// Where the int4 weight of row `j`, column `i` of a matrix of `cols` columns is: its byte,
