@@ -83,3 +83,20 @@ pub fn rel_err(a: &[f32], reference: &[f32]) -> f64 {
     let den: f64 = reference.iter().map(|&y| (y as f64).powi(2)).sum();
     (num / den).sqrt()
 }
+
+/// Deterministic Gaussian numbers (xorshift and Box-Muller), `n` of them from `seed`.
+pub fn gauss(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|_| {
+            let (u, v) = (next(), next());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        })
+        .collect()
+}

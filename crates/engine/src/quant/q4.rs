@@ -586,24 +586,7 @@ impl<'a> Q4Matrix<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::rel_err;
-
-    /// Deterministic Gaussian-ish numbers (xorshift + Box-Muller).
-    pub(crate) fn gauss(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        };
-        (0..n)
-            .map(|_| {
-                let (u, v) = (next(), next());
-                ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-            })
-            .collect()
-    }
+    use crate::testutil::{gauss, rel_err};
 
     #[test]
     fn layout_lengths() {

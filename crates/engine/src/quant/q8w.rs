@@ -332,22 +332,7 @@ pub(crate) unsafe fn q8_rows_scalar(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn gauss(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        };
-        (0..n)
-            .map(|_| {
-                let (u, v) = (next(), next());
-                ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-            })
-            .collect()
-    }
+    use crate::testutil::gauss;
 
     #[test]
     fn layout_lengths() {
