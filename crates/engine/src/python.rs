@@ -767,6 +767,7 @@ fn convert_checkpoint<'py>(
                 keep_f32,
                 q8,
                 q4_0_scales: q4_0_rounding,
+                rounded_as: None,
             };
             convert::convert_calibrated(&hf_dir, &out_dir, q, &prec, calib.as_ref(), &mut report)
         })

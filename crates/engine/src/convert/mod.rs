@@ -26,6 +26,7 @@ mod compressed_tensors;
 mod fp8;
 #[cfg(test)]
 mod random_shapes_tests;
+pub mod rounding;
 pub mod text_only;
 pub mod tiktoken;
 use compressed_tensors::{CompressedTensors, PackedInt4};
@@ -554,16 +555,24 @@ fn int_values(name: &str, values: impl Iterator<Item = i64>) -> Result<Vec<f32>>
 
 /// Encodes a tensor for storage; an int4 matrix with `weights` minimises the error weighted
 /// by them (the 8-bit format rounds to nearest and has no search to weight); `q4_0` rounds
-/// int4 groups as Q4_0 does ([`Precisions::q4_0_scales`]).
+/// int4 groups as Q4_0 does ([`Precisions::q4_0_scales`]); an f32 matrix is first rounded as
+/// `rounded_as` says ([`Precisions::rounded_as`]).
 fn encode(
     data: &[f32],
     shape: &[usize],
     dtype: DType,
     weights: Option<quant::RowWeights>,
     q4_0: bool,
+    rounded_as: Option<&rounding::Rounding>,
 ) -> Vec<u8> {
     match (dtype, weights) {
-        (DType::F32, _) => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        (DType::F32, _) => match rounded_as {
+            Some(how) => rounding::round_matrix(data, shape[0], shape[1], how),
+            None => data.to_vec(),
+        }
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect(),
         (DType::Q4, _) if q4_0 => quant::quantize_q4_0_rtn(data, shape[0], shape[1]),
         (DType::Q4, None) => quant::quantize_q4(data, shape[0], shape[1]),
         (DType::Q4, Some(w)) => quant::quantize_q4_weighted(data, shape[0], shape[1], w),
@@ -774,6 +783,10 @@ pub struct Precisions {
     /// error-minimising search (and no importance weights): llama.cpp's Q4_0 numbers in
     /// colibri's layout, the anchor the quantizer is measured against on the same engine.
     pub q4_0_scales: bool,
+    /// A measurement aid for f32 conversions ([`rounding`]): every matrix an int4 conversion
+    /// would quantize (the resident ones the int4 format takes under these precisions, and
+    /// the routed experts) is stored at f32 already rounded this way. Ignored otherwise.
+    pub rounded_as: Option<rounding::Rounding>,
 }
 
 impl Precisions {
@@ -812,6 +825,15 @@ impl Precisions {
         } else {
             quant.matrix_dtype()
         }
+    }
+
+    /// How the resident tensor `name` is rounded in an f32 conversion with
+    /// [`Precisions::rounded_as`]: only if an int4 conversion under these precisions would
+    /// store it int4.
+    fn rounded_as_for(&self, name: &str, matrix: bool) -> Option<&rounding::Rounding> {
+        let how = self.rounded_as.as_ref()?;
+        let q8 = self.q8_patterns(Quant::Int4);
+        (self.dtype(name, matrix, Quant::Int4, &q8) == DType::Q4).then_some(how)
     }
 
     /// Refuses a pattern the user gave that names no resident weight matrix of the plan.
@@ -1052,6 +1074,7 @@ pub fn convert_calibrated(
             dtype,
             weighted.then_some(&rows as _),
             prec.q4_0_scales,
+            prec.rounded_as_for(&spec.name, spec.matrix),
         );
         let offset = rw.write_aligned(&bytes, TENSOR_ALIGN)?;
         tensors.insert(
@@ -1121,6 +1144,7 @@ pub fn convert_calibrated(
                             dtype,
                             weights.is_some().then_some(&rows as _),
                             prec.q4_0_scales,
+                            prec.rounded_as.as_ref(),
                         );
                         buf[entry.offset..entry.offset + bytes.len()].copy_from_slice(&bytes);
                     }

@@ -239,3 +239,111 @@ fn int4_and_q4_0_errors(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> (f64, f6
     }
     (rel_err(&a, &reference), rel_err(&b, &reference))
 }
+
+/// What a table of 16 uneven levels would do to the logit error, before any kernel reads one
+/// (issue 33; a measurement, run by hand, docs/PERFORMANCE.md): each committed fixture and
+/// `COLIBRI_FORMAT_DRAWS` (default 3) redrawn shapes of it, converted at f32 with every int4
+/// matrix rounded as Q4_0, colibri's int4 and the two tables of [`super::rounding`] would
+/// round it (`Precisions::rounded_as`: f32 activations, so the weights' rounding alone), each
+/// relative logit error against the plain f32 conversion's over it, as a ratio to Q4_0's.
+///
+///     cargo test --release -p colibri-engine --lib format_rounding_against_q4_0 -- --ignored --nocapture
+#[test]
+#[ignore = "a measurement (~15 minutes on 2 cores), not a check"]
+fn format_rounding_against_q4_0() {
+    use super::rounding::{Rounding, LEVELS_5_BIT, LEVELS_6_BIT};
+    let arms = [
+        ("Q4_0", Rounding::Q4_0),
+        ("int4", Rounding::Int4),
+        ("5-bit table", Rounding::Levels(LEVELS_5_BIT.to_vec())),
+        ("6-bit table", Rounding::Levels(LEVELS_6_BIT.to_vec())),
+    ];
+    let draws: usize = std::env::var("COLIBRI_FORMAT_DRAWS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let seed: u64 = std::env::var("COLIBRI_SHAPE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7);
+    println!("format rounding: COLIBRI_SHAPE_SEED={seed}, {draws} draws a fixture");
+    let mut rng = StdRng::seed_from_u64(seed);
+    // Per arm: (fixtures' ratios, drawn shapes' ratios).
+    let mut ratios = vec![(Vec::new(), Vec::new()); arms.len()];
+    for arch in &committed_fixtures() {
+        let arch = arch.as_str();
+        for draw in 0..=draws {
+            let d = scratch_dir("format-rounding", arch);
+            let (hf, sets) = if draw == 0 {
+                (fixture(arch), vec![(8, 24), (8, 24), (8, 48)])
+            } else {
+                let hf = d.join("hf");
+                fs::create_dir_all(&hf).unwrap();
+                let cfg = draw_config(arch, &mut rng);
+                write_checkpoint(arch, &cfg, &hf, &mut rng);
+                (hf, vec![(16, 32)])
+            };
+            let logits = |dir: &Path| -> Vec<f32> {
+                let mut l = Vec::new();
+                for (i, &(n, len)) in sets.iter().enumerate() {
+                    l.extend(prompt_logits(dir, n, len, i as u32));
+                }
+                l
+            };
+            let reference = logits(&convert(
+                &hf,
+                d.join("f32"),
+                Quant::F32,
+                &Precisions::default(),
+            ));
+            let errs: Vec<f64> = arms
+                .iter()
+                .map(|(name, how)| {
+                    let prec = Precisions {
+                        rounded_as: Some(how.clone()),
+                        ..Precisions::pure()
+                    };
+                    let dir = convert(&hf, d.join(name.replace(' ', "-")), Quant::F32, &prec);
+                    rel_err(&logits(&dir), &reference)
+                })
+                .collect();
+            let line: Vec<String> = arms
+                .iter()
+                .zip(&errs)
+                .skip(1)
+                .map(|((name, _), e)| format!("{name} {:.3}x", e / errs[0]))
+                .collect();
+            println!(
+                "{arch} {}: Q4_0 {:.4}; {}",
+                if draw == 0 { "fixture" } else { "drawn" },
+                errs[0],
+                line.join(", ")
+            );
+            for (i, e) in errs.iter().enumerate() {
+                let r = e / errs[0];
+                if draw == 0 {
+                    ratios[i].0.push(r);
+                } else {
+                    ratios[i].1.push(r);
+                }
+            }
+            fs::remove_dir_all(&d).unwrap();
+        }
+    }
+    let summary = |v: &[f64]| {
+        let mean = (v.iter().map(|r| r.ln()).sum::<f64>() / v.len() as f64).exp();
+        let max = v.iter().cloned().fold(0.0, f64::max);
+        let above = v.iter().filter(|&&r| r > 1.0).count();
+        format!(
+            "geometric mean {mean:.3}x, max {max:.3}x, {above} of {} above 1.0",
+            v.len()
+        )
+    };
+    for ((name, _), (fixtures, drawn)) in arms.iter().zip(&ratios).skip(1) {
+        println!(
+            "{name}: fixtures {}; drawn {}",
+            summary(fixtures),
+            summary(drawn)
+        );
+    }
+}
