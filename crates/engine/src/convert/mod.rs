@@ -729,6 +729,9 @@ fn check_plan(ckpt: &Checkpoint, plan: &Plan, cfg: &ModelConfig) -> Result<()> {
             continue;
         }
         ckpt.check(&spec.hf, &spec.source_shape())?;
+        if spec.int_table {
+            check_expert_ids(&spec.hf, &ckpt.read(&spec.hf, &spec.source_shape())?, cfg)?;
+        }
     }
     for (_, src) in &plan.expert_layers {
         for e in 0..cfg.num_experts {
@@ -745,6 +748,21 @@ fn check_plan(ckpt: &Checkpoint, plan: &Plan, cfg: &ModelConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Refuses an expert table (DeepSeek-V4's `tid2eid`: the experts each token is routed to in a
+/// hash layer) with an entry that is not an expert id: the model could not load it.
+fn check_expert_ids(name: &str, table: &[f32], cfg: &ModelConfig) -> Result<()> {
+    let bad = table
+        .iter()
+        .position(|&x| !(x >= 0.0 && x.fract() == 0.0 && (x as usize) < cfg.num_experts));
+    match bad {
+        Some(i) => Err(ck(format!(
+            "tensor `{name}` holds {} at element {i}: every entry must be an expert id below {}",
+            table[i], cfg.num_experts
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Copies `src` to `dst` unless they are the same file (converting into the checkpoint's own
@@ -1296,6 +1314,37 @@ mod tests {
         convert(&d, &d, Quant::Int4, &mut quiet()).unwrap();
         assert_eq!(fs::read(d.join("tokenizer.json")).unwrap(), before);
         assert!(d.join(MANIFEST).is_file());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Found by fuzzing (the DeepSeek-V4 tiny model, 2026-12-07): a token-to-experts table with
+    /// an entry past the experts converted, and the model then refused to load. The converter
+    /// now refuses it, naming the tensor, before writing anything.
+    #[test]
+    fn an_expert_table_entry_past_the_experts_is_refused_before_any_output() {
+        let d = scratch_copy("deepseek_v4", "tid2eid");
+        let path = d.join("model.safetensors");
+        let mut bytes = fs::read(&path).unwrap();
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+        let entry = &header["model.layers.1.ffn.gate.tid2eid"];
+        assert_eq!(entry["dtype"], "I64");
+        // The table's fifth entry becomes 7: the fixture has 7 experts, ids 0..7.
+        let at = 8 + header_len + entry["data_offsets"][0].as_u64().unwrap() as usize + 4 * 8;
+        bytes[at..at + 8].copy_from_slice(&7i64.to_le_bytes());
+        fs::write(&path, &bytes).unwrap();
+        let out = d.join("out");
+        let e = convert(&d, &out, Quant::Int4, &mut quiet())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("layers.1.")
+                && e.contains("gate.tid2eid")
+                && e.contains("holds 7 at element 4"),
+            "{e}"
+        );
+        assert!(e.contains("expert id below 7"), "{e}");
+        assert!(!out.join(MANIFEST).exists());
         fs::remove_dir_all(&d).unwrap();
     }
 
