@@ -31,7 +31,16 @@ fn main() {
         write("config_json", &format!("edit-{i}.bin"), ops);
     }
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
-    for arch in ["olmoe", "qwen3_moe", "glm4_moe"] {
+    for arch in [
+        "olmoe",
+        "qwen3_moe",
+        "glm4_moe",
+        "deepseek_v3",
+        "glm_moe_dsa",
+        "deepseek_v4",
+        "qwen3_next",
+        "kimi_linear",
+    ] {
         if let Ok(b) = fs::read(fixtures.join(arch).join("hf/config.json")) {
             write("config_json", &format!("fixture-{arch}.json"), &b);
         }
@@ -48,37 +57,38 @@ fn main() {
         write("config_json", "fixture-kimi_k25.json", &b);
     }
 
-    // checkpoint: [selector] + safetensors bytes, per arch, dtype and layout.
-    for arch in 0..3usize {
+    // checkpoint: [config, flags] + safetensors bytes, per arch, dtype and layout.
+    for arch in 0..ARCHS {
         for (dt, dtype) in [
             ("f32", Dtype::F32),
             ("bf16", Dtype::BF16),
             ("f16", Dtype::F16),
         ] {
-            let mut b = vec![arch as u8];
+            let mut b = vec![arch as u8, 0];
             b.extend(tiny_checkpoint(arch, dtype, false));
             write("checkpoint", &format!("a{arch}-{dt}.bin"), &b);
         }
-        let mut b = vec![arch as u8 | 4];
-        b.extend(tiny_checkpoint(arch, Dtype::F16, true));
+        // transformers 5's fused expert tensors (the first three families).
+        let mut b = vec![arch as u8, 4];
+        b.extend(tiny_checkpoint(arch, Dtype::F16, arch < 3));
         write("checkpoint", &format!("a{arch}-fused-f32out.bin"), &b);
         // Two shards: [selector | 8, len(first) u16 le, first, second].
         let tensors = tiny_tensors(arch, Dtype::BF16, false);
         let (x, y) = tensors.split_at(tensors.len() / 2);
         let (x, y) = (serialize(x), serialize(y));
-        let mut b = vec![arch as u8 | 8];
+        let mut b = vec![arch as u8, 8];
         b.extend((x.len() as u16).to_le_bytes());
         b.extend(&x);
         b.extend(&y);
         write("checkpoint", &format!("a{arch}-sharded.bin"), &b);
         // Each quantized form (FP8 / FP4, compressed-tensors int4 and FP8) under its bit.
         for (bit, name, form, _) in QUANTIZED_FORMS {
-            let mut b = vec![arch as u8 | bit];
+            let mut b = vec![arch as u8, bit];
             b.extend(serialize(&form(tiny_tensors(arch, Dtype::F32, false))));
             write("checkpoint", &format!("a{arch}-{name}.bin"), &b);
         }
         // A config edit (nudge one value) in front of a valid checkpoint.
-        let mut b = vec![arch as u8 | 16, 1, 9, 0, 6, 5, 0, 0, 0, 0, 0, 0, 0];
+        let mut b = vec![arch as u8, 16, 1, 9, 0, 6, 5, 0, 0, 0, 0, 0, 0, 0];
         b.extend(tiny_checkpoint(arch, Dtype::BF16, false));
         write("checkpoint", &format!("a{arch}-config-edit.bin"), &b);
     }

@@ -59,7 +59,102 @@ pub const GLM4_MOE: &str = r#"{
   "tie_word_embeddings": false, "eos_token_id": 2
 }"#;
 
-pub const CONFIGS: [&str; 3] = [OLMOE, QWEN3_MOE, GLM4_MOE];
+/// DeepSeek-V3 (Kimi K2's architecture): MLA with a query low-rank and YaRN (mscale as the
+/// config says), a leading dense layer, group-limited sigmoid routing, a shared expert.
+pub const DEEPSEEK_V3: &str = r#"{
+  "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8, "intermediate_size": 8,
+  "moe_intermediate_size": 4, "num_attention_heads": 2, "num_key_value_heads": 2,
+  "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4, "n_group": 2,
+  "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "norm_topk_prob": true,
+  "routed_scaling_factor": 2.5, "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_head_dim": 4,
+  "qk_rope_head_dim": 2, "v_head_dim": 3, "vocab_size": 16, "max_position_embeddings": 32,
+  "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+    "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+    "mscale": 1.0, "mscale_all_dim": 0.8},
+  "rope_interleave": true, "tie_word_embeddings": false, "eos_token_id": 2
+}"#;
+
+/// GLM-5 (`glm_moe_dsa`): MLA with a query low-rank and the DSA indexer, whose top-k (2)
+/// is smaller than the prompt, so its selection is exercised.
+pub const GLM_MOE_DSA: &str = r#"{
+  "architectures": ["GlmMoeDsaForCausalLM"], "hidden_size": 8, "intermediate_size": 8,
+  "moe_intermediate_size": 4, "num_attention_heads": 2, "num_key_value_heads": 2,
+  "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4, "n_group": 2,
+  "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "norm_topk_prob": true,
+  "routed_scaling_factor": 2.5, "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_head_dim": 4,
+  "qk_rope_head_dim": 2, "v_head_dim": 3, "index_head_dim": 4, "index_n_heads": 2,
+  "index_topk": 2, "vocab_size": 16, "max_position_embeddings": 32,
+  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+  "tie_word_embeddings": false, "eos_token_id": 2
+}"#;
+
+/// DeepSeek-V4: hyper-connections, a sliding-window layer, a heavily compressed one and a
+/// compressed sparse one (with its indexer), hash-routed then scored MoE layers, grouped
+/// low-rank output.
+pub const DEEPSEEK_V4: &str = r#"{
+  "architectures": ["DeepseekV4ForCausalLM"], "hidden_size": 8, "num_attention_heads": 2,
+  "num_key_value_heads": 1, "head_dim": 8, "qk_rope_head_dim": 4, "partial_rotary_factor": 0.5,
+  "q_lora_rank": 6, "o_lora_rank": 4, "o_groups": 2, "num_hidden_layers": 3,
+  "layer_types": ["sliding_attention", "heavily_compressed_attention",
+    "compressed_sparse_attention"],
+  "mlp_layer_types": ["hash_moe", "moe", "moe"],
+  "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+  "compress_rope_theta": 160000.0, "sliding_window": 2, "index_head_dim": 4,
+  "index_n_heads": 2, "index_topk": 1, "hc_mult": 2, "hc_sinkhorn_iters": 3, "hc_eps": 1e-6,
+  "moe_intermediate_size": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+  "n_shared_experts": 1, "norm_topk_prob": true, "routed_scaling_factor": 1.5,
+  "scoring_func": "sqrtsoftplus", "swiglu_limit": 1.5, "vocab_size": 16,
+  "max_position_embeddings": 32, "rope_theta": 10000.0,
+  "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5}, "compress": {"rope_type": "yarn", "rope_theta": 160000.0,
+    "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
+    "partial_rotary_factor": 0.5}},
+  "tie_word_embeddings": false, "eos_token_id": 2
+}"#;
+
+/// Qwen3-Next: gated DeltaNet linear attention beside a full-attention layer, a shared expert.
+pub const QWEN3_NEXT: &str = r#"{
+  "architectures": ["Qwen3NextForCausalLM"], "hidden_size": 8, "intermediate_size": 8,
+  "moe_intermediate_size": 4, "shared_expert_intermediate_size": 4,
+  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+  "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+  "linear_conv_kernel_dim": 2, "linear_key_head_dim": 2, "linear_num_key_heads": 1,
+  "linear_num_value_heads": 2, "linear_value_head_dim": 2, "num_experts": 4,
+  "num_experts_per_tok": 2, "norm_topk_prob": true, "decoder_sparse_step": 1,
+  "vocab_size": 16, "max_position_embeddings": 32,
+  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5},
+  "tie_word_embeddings": false, "eos_token_id": 2
+}"#;
+
+/// Kimi Linear: KDA linear attention beside an MLA layer without a query low-rank, a
+/// leading dense layer, grouped routing with a shared expert.
+pub const KIMI_LINEAR: &str = r#"{
+  "architectures": ["KimiLinearForCausalLM"], "hidden_size": 8, "intermediate_size": 8,
+  "moe_intermediate_size": 4, "num_attention_heads": 2, "num_key_value_heads": 2,
+  "head_dim": 4, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+  "mlp_layer_types": ["dense", "sparse"], "linear_conv_kernel_dim": 2, "linear_head_dim": 2,
+  "linear_num_heads": 2, "kv_lora_rank": 4, "q_lora_rank": null, "qk_nope_head_dim": 4,
+  "qk_rope_head_dim": 2, "v_head_dim": 3, "num_experts": 4, "num_experts_per_token": 2,
+  "num_expert_group": 2, "topk_group": 1, "num_shared_experts": 1, "moe_renormalize": true,
+  "routed_scaling_factor": 2.0, "vocab_size": 16, "model_max_length": 32,
+  "tie_word_embeddings": false, "eos_token_id": 2
+}"#;
+
+/// Every tiny config, by index: the harnesses pick one with a byte (`% CONFIGS.len()`).
+pub const CONFIGS: [&str; 8] = [
+    OLMOE,
+    QWEN3_MOE,
+    GLM4_MOE,
+    DEEPSEEK_V3,
+    GLM_MOE_DSA,
+    DEEPSEEK_V4,
+    QWEN3_NEXT,
+    KIMI_LINEAR,
+];
+
+/// How many tiny configs there are.
+pub const ARCHS: usize = CONFIGS.len();
 
 /// A stand-in tokenizer: the converter only copies it.
 pub const TOKENIZER: &str =
@@ -69,7 +164,8 @@ pub const TOKENIZER: &str =
 pub const PROMPT: [u32; 3] = [1, 7, 15];
 
 pub fn config(i: usize) -> ModelConfig {
-    let v: serde_json::Value = serde_json::from_str(CONFIGS[i % 3]).expect("tiny config parses");
+    let v: serde_json::Value =
+        serde_json::from_str(CONFIGS[i % ARCHS]).expect("tiny config parses");
     ModelConfig::from_hf(&v).expect("tiny config is valid")
 }
 
@@ -130,6 +226,7 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
     let plan = convert::family_plan(&c);
     let mut rng = Lcg(arch as u64 * 1000 + fused as u64);
     let mut out = Vec::new();
+    let mut out_tables = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, norm: bool| {
         let n: usize = shape.iter().product();
         let vals: Vec<f32> = (0..n)
@@ -150,15 +247,34 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
             },
         ));
     };
+    let mut seen = std::collections::HashSet::new();
     for spec in &plan.resident {
         // GLM has attention biases on q/k/v (not o); the others have none.
         let biased = *c.family == glm4_moe::FAMILY && !spec.hf.contains("o_proj");
-        if spec.optional && !biased {
+        // One checkpoint tensor may give several (MLA's kv_b_proj: W_uk^T and W_uv).
+        if (spec.optional && !biased) || !seen.insert(spec.hf.clone()) {
+            continue;
+        }
+        if spec.int_table {
+            // DeepSeek-V4's token-to-experts table: valid expert ids, as I64.
+            let shape = spec.source_shape();
+            let n: usize = shape.iter().product();
+            let data = (0..n)
+                .flat_map(|k| ((k % c.num_experts) as i64).to_le_bytes())
+                .collect();
+            out_tables.push((
+                spec.hf.clone(),
+                Tensor {
+                    dtype: Dtype::I64,
+                    shape,
+                    data,
+                },
+            ));
             continue;
         }
         add(
             spec.hf.clone(),
-            spec.shape.clone(),
+            spec.source_shape(),
             spec.hf.contains("norm"),
         );
     }
@@ -199,6 +315,7 @@ pub fn tiny_tensors(arch: usize, dtype: Dtype, fused: bool) -> Vec<(String, Tens
         add(format!("model.layers.{l}.enorm.weight"), vec![h], true);
         add("model.rotary_emb.inv_freq".into(), vec![2], false);
     }
+    out.extend(out_tables);
     out
 }
 
@@ -242,12 +359,13 @@ fn f32_values(t: &Tensor) -> Vec<f32> {
         .collect()
 }
 
-/// A tensor the quantized forms below store quantized: a 2-D projection weight.
+/// A tensor the quantized forms below store quantized: a 2-D f32 projection weight (not, say,
+/// DeepSeek-V4's integer token-to-experts table).
 fn is_projection(name: &str, t: &Tensor) -> bool {
-    t.shape.len() == 2 && name.ends_with("_proj.weight")
+    t.dtype == Dtype::F32 && t.shape.len() == 2 && name.ends_with("_proj.weight")
 }
 
-/// `tensors` (all f32) as DeepSeek-V4 publishes such weights: routed experts FP4 (two e2m1
+/// `tensors` (f32, or integer tables passed through) as DeepSeek-V4 publishes such weights: routed experts FP4 (two e2m1
 /// codes per `I8` byte, a UE8M0 scale per 32 elements of a row under `X.scale`), the other
 /// projections FP8 e4m3 with UE8M0 scales per 4 x 4 block; every scale 1.0 (byte 127).
 pub fn fp_quantized(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
@@ -256,12 +374,12 @@ pub fn fp_quantized(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     ];
     let mut out = Vec::new();
     for (name, t) in tensors {
-        let vals = f32_values(&t);
         let base = name.strip_suffix(".weight").map(str::to_string);
         let (Some(base), true) = (base, is_projection(&name, &t)) else {
             out.push((name, t));
             continue;
         };
+        let vals = f32_values(&t);
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let scale = |shape: Vec<usize>| Tensor {
             dtype: Dtype::F8_E8M0,
@@ -318,11 +436,11 @@ pub const INT4_CONFIG: &str = r#"{"quant_method": "compressed-tensors",
 pub fn int4_packed(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
     for (name, t) in tensors {
-        let vals = f32_values(&t);
         if !is_projection(&name, &t) {
             out.push((name, t));
             continue;
         }
+        let vals = f32_values(&t);
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let (groups, words) = (cols.div_ceil(4), cols.div_ceil(8));
         let mut scales = vec![0.0f32; rows * groups];
@@ -373,11 +491,11 @@ pub fn fp8_per_channel(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> 
     let table: Vec<(f32, u8)> = (0..=255u8).filter_map(|b| Some((e4m3(b)?, b))).collect();
     let mut out = Vec::new();
     for (name, t) in tensors {
-        let vals = f32_values(&t);
         if !is_projection(&name, &t) {
             out.push((name, t));
             continue;
         }
+        let vals = f32_values(&t);
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let scales: Vec<f32> = vals
             .chunks_exact(cols)
@@ -456,7 +574,7 @@ pub fn scratch(tag: &str) -> PathBuf {
 /// Writes a checkpoint directory: tiny config `arch`, the tokenizer, and `shards` as
 /// `model.safetensors` (one) or `model-0000i-of-0000n.safetensors`.
 pub fn write_checkpoint(dir: &Path, arch: usize, shards: &[&[u8]]) {
-    fs::write(dir.join("config.json"), CONFIGS[arch % 3]).unwrap();
+    fs::write(dir.join("config.json"), CONFIGS[arch % ARCHS]).unwrap();
     fs::write(dir.join("tokenizer.json"), TOKENIZER).unwrap();
     for entry in fs::read_dir(dir).unwrap().flatten() {
         if entry.path().extension().is_some_and(|x| x == "safetensors") {
@@ -695,7 +813,8 @@ pub fn config_json(data: &[u8]) {
             v
         }
         Some(&sel) => {
-            let mut v: serde_json::Value = serde_json::from_str(CONFIGS[sel as usize % 3]).unwrap();
+            let mut v: serde_json::Value =
+                serde_json::from_str(CONFIGS[sel as usize % ARCHS]).unwrap();
             edit_json(&mut v, &data[1..], &CONFIG_KEYS);
             v
         }
@@ -723,15 +842,17 @@ fn checkpoint_dir() -> PathBuf {
     DIR.with(|d| d.clone())
 }
 
-/// Harness (b): byte 0's bits 0-1 = the tiny config (3 as 0), bit 2 = f32 output instead of int4, bit 3 = split the
-/// safetensors bytes into two shards at the position in the next 2 bytes, bit 4 = the next byte
-/// `k` then `11 * k` bytes of [`edit_json`] ops change the config (so it can disagree with the
-/// tensors). The rest is the safetensors file(s).
+/// Harness (b): byte 0 = the tiny config (`% ARCHS`); byte 1's bit 2 = f32 output instead of
+/// int4, bit 3 = split the safetensors bytes into two shards at the position in the next 2
+/// bytes, bit 4 = the next byte `k` then `11 * k` bytes of [`edit_json`] ops change the config
+/// (so it can disagree with the tensors), bits 5-7 a quantized checkpoint form. The rest is the
+/// safetensors file(s).
 pub fn checkpoint(data: &[u8]) {
-    let Some((&sel, mut rest)) = data.split_first() else {
+    let [arch, sel, ref rest @ ..] = *data else {
         return;
     };
-    let arch = (sel & 3) as usize % 3;
+    let mut rest = rest;
+    let arch = arch as usize % ARCHS;
     let quant = if sel & 4 != 0 {
         Quant::F32
     } else {
@@ -795,8 +916,8 @@ pub fn checkpoint(data: &[u8]) {
     }
 }
 
-/// A converted tiny model (arch `i % 3`, f32 if `i / 3 % 2 == 1`): its manifest, resident and
-/// experts bytes.
+/// A converted tiny model (arch `i % ARCHS`, f32 if `i / ARCHS % 2 == 1`; Qwen3-MoE's f32 one
+/// from transformers 5's fused expert tensors): its manifest, resident and experts bytes.
 pub struct BaseModel {
     pub files: [(String, Vec<u8>); 3],
 }
@@ -805,11 +926,11 @@ pub fn base_models() -> &'static [BaseModel] {
     static MODELS: OnceLock<Vec<BaseModel>> = OnceLock::new();
     MODELS.get_or_init(|| {
         let root = scratch("base");
-        let models = (0..6)
+        let models = (0..2 * ARCHS)
             .map(|i| {
                 let (arch, quant) = (
-                    i % 3,
-                    if i / 3 % 2 == 1 {
+                    i % ARCHS,
+                    if i / ARCHS % 2 == 1 {
                         Quant::F32
                     } else {
                         Quant::Int4
@@ -818,8 +939,10 @@ pub fn base_models() -> &'static [BaseModel] {
                 let hf = root.join(format!("hf{i}"));
                 let out = root.join(format!("out{i}"));
                 fs::create_dir_all(&hf).unwrap();
-                write_checkpoint(&hf, arch, &[&tiny_checkpoint(arch, Dtype::BF16, i == 4)]);
-                convert::convert(&hf, &out, quant, &mut |_, _, _| {}).expect("tiny model converts");
+                let fused = i == ARCHS + 1;
+                write_checkpoint(&hf, arch, &[&tiny_checkpoint(arch, Dtype::BF16, fused)]);
+                convert::convert(&hf, &out, quant, &mut |_, _, _| {})
+                    .unwrap_or_else(|e| panic!("tiny model {i} does not convert: {e}"));
                 let read = |n: &str| (n.to_string(), fs::read(out.join(n)).unwrap());
                 BaseModel {
                     files: [read(MANIFEST), read(RESIDENT_FILE), read(EXPERTS_FILE)],
@@ -875,7 +998,7 @@ pub fn cleanup_thread_scratch() {
     let _ = fs::remove_dir_all(model_dir_scratch());
 }
 
-/// Harness (c): byte 0 = base model (`% 6`), byte 1 = what to break (`% 5`): 0 the manifest is
+/// Harness (c): byte 0 = base model (`% (2 * ARCHS)`), byte 1 = what to break (`% 5`): 0 the manifest is
 /// replaced by the rest; 1 `resident.bin`, 2 `experts.bin`, 3 the manifest are patched by the
 /// rest as [`apply_patches`] ops; 4 the manifest gets [`edit_json`] ops (its numbers and names).
 /// Then load, prefill [`PROMPT`] and decode one more token.
@@ -883,7 +1006,7 @@ pub fn model_dir(data: &[u8]) {
     if data.len() < 2 {
         return;
     }
-    let base = &base_models()[data[0] as usize % 6];
+    let base = &base_models()[data[0] as usize % (2 * ARCHS)];
     let rest = &data[2..];
     let dir = &model_dir_scratch();
     for (i, (name, bytes)) in base.files.iter().enumerate() {

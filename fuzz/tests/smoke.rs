@@ -105,7 +105,7 @@ fn config_json_survives_mutations() {
     // Structured edits: random ops on each tiny config.
     let mut rng = Rng(7);
     for i in 0..60u8 {
-        let mut b = vec![i % 3 + 1];
+        let mut b = vec![i % ARCHS as u8 + 1];
         b.extend((0..11 * (1 + rng.below(4))).map(|_| rng.next() as u8));
         base.push(b);
     }
@@ -121,18 +121,24 @@ fn tiktoken_survives_mutations() {
 #[test]
 fn checkpoint_survives_mutations() {
     let mut base = seeds("checkpoint");
-    for arch in 0..3u8 {
-        let mut b = vec![arch];
+    for arch in 0..ARCHS as u8 {
+        let mut b = vec![arch, 0];
         b.extend(tiny_checkpoint(arch as usize, Dtype::BF16, arch == 1));
         base.push(b);
     }
-    // Config edits in front of valid checkpoints.
+    // Config edits in front of valid checkpoints (transformers 5's fused experts: the first
+    // three families).
     let mut rng = Rng(13);
-    for i in 0..60u8 {
+    for i in 0..(20 * ARCHS) as u8 {
         let k = 1 + rng.below(3);
-        let mut b = vec![(i % 3) | 16 | (i & 4), k as u8];
+        let arch = i % ARCHS as u8;
+        let mut b = vec![arch, 16 | (i & 4), k as u8];
         b.extend((0..11 * k).map(|_| rng.next() as u8));
-        b.extend(tiny_checkpoint((i % 3) as usize, Dtype::F16, i % 2 == 0));
+        b.extend(tiny_checkpoint(
+            arch as usize,
+            Dtype::F16,
+            arch < 3 && i % 2 == 0,
+        ));
         base.push(b);
     }
     run("checkpoint", base, iters(300), checkpoint);
@@ -147,8 +153,8 @@ fn model_dir_survives_mutations() {
         base.push(b);
     }
     let mut rng = Rng(11);
-    for i in 0..120u8 {
-        let mut b = vec![i % 6, 4];
+    for i in 0..(15 * 2 * ARCHS) as u8 {
+        let mut b = vec![i % (2 * ARCHS) as u8, 4];
         b.extend((0..11 * (1 + rng.below(3))).map(|_| rng.next() as u8));
         base.push(b);
     }
@@ -157,18 +163,18 @@ fn model_dir_survives_mutations() {
 
 #[test]
 fn tiny_models_convert_load_and_run() {
-    for arch in 0..3u8 {
-        for sel in [arch, arch | 4] {
-            let mut b = vec![sel];
+    for arch in 0..ARCHS as u8 {
+        for sel in [0, 4] {
+            let mut b = vec![arch, sel];
             b.extend(tiny_checkpoint(arch as usize, Dtype::F32, false));
             checkpoint(&b); // asserts that the converted model loads and runs
         }
     }
-    for m in 0..6u8 {
+    for m in 0..(2 * ARCHS) as u8 {
         model_dir(&[m, 1]); // unmodified files
     }
     // Each quantized form of each tiny checkpoint converts (and then loads and runs).
-    for arch in 0..3usize {
+    for arch in 0..ARCHS {
         for (bit, name, form, config) in QUANTIZED_FORMS {
             let dir = scratch(name);
             let tensors = serialize(&form(tiny_tensors(arch, Dtype::F32, false)));
@@ -186,7 +192,7 @@ fn tiny_models_convert_load_and_run() {
             )
             .unwrap_or_else(|e| panic!("arch {arch}, {name}: {e}"));
             std::fs::remove_dir_all(&dir).unwrap();
-            let mut b = vec![arch as u8 | bit];
+            let mut b = vec![arch as u8, bit];
             b.extend(&tensors);
             checkpoint(&b);
         }
