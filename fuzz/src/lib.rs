@@ -1059,3 +1059,75 @@ pub fn run_model(dir: &Path) {
         let _ = model.forward(&[3], &mut kv, false);
     }
 }
+
+// KV slot files (`colibri_engine::slotfile`): the `slot_file` target's harness.
+
+pub const SLOT_LAYERS: usize = 2;
+/// The key and value width of the plain (version-1) files' layers.
+pub const SLOT_KV_DIM: usize = 3;
+pub const SLOT_FP: [u8; 32] = [0xa5; 32];
+
+/// The per-layer state widths of the layered (version-2 and -3) slot files the harness reads:
+/// the first layer keeps a 4-float state (a linear-attention layer's).
+pub const SLOT_STATES: [usize; SLOT_LAYERS] = [4, 0];
+
+/// The layout of the layered files, by byte 0 of the input: two layers of 3 keys and 3 values;
+/// bit 2 set: the second layer keeps a row per 2 positions (DeepSeek-V4's compressed entries);
+/// bit 3 set: MLA's compressed rows instead, one run of 5 (latent and rope key) with 2 indexer
+/// keys beside it (GLM-5's DSA layers) in the first layer, with none in the second.
+pub fn slot_layout(mode: u8) -> colibri_engine::kv::KvLayout {
+    use colibri_engine::kv::{KvLayout, LayerKv};
+    let mut layout = if mode & 8 == 8 {
+        KvLayout {
+            layers: vec![
+                LayerKv::per_position(1, 5, 2),
+                LayerKv::per_position(1, 5, 0),
+            ],
+        }
+    } else {
+        KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM)
+    };
+    if mode & 4 == 4 {
+        layout.layers[1].every = 2;
+    }
+    layout
+}
+
+/// Harness (d): byte 0 odd: recompute every checksum first (`reseal`), so mutated fields reach
+/// the replay. Bits 1-3 clear: the rest is a version-1 file of [`SLOT_LAYERS`] layers of
+/// [`SLOT_KV_DIM`]; otherwise a layered file of [`slot_layout`] with [`SLOT_STATES`]. An `Err`
+/// is a correct answer; a panic, or a loaded state whose shape does not match the layout, is
+/// a bug.
+pub fn slot_file(data: &[u8]) {
+    use colibri_engine::slotfile::{load_bytes, load_bytes_states, reseal, reseal_layout_states};
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
+    let mut bytes = rest.to_vec();
+    if mode & 14 != 0 {
+        let layout = slot_layout(mode);
+        if mode & 1 == 1 {
+            reseal_layout_states(&mut bytes, &layout, &SLOT_STATES);
+        }
+        if let Ok(Some(s)) = load_bytes_states(&bytes, SLOT_FP, &layout, &SLOT_STATES) {
+            for (l, layer) in layout.layers.iter().enumerate() {
+                let rows = layer.rows(s.tokens.len()) * layer.heads;
+                assert_eq!(s.keys[l].len(), rows * layer.key_dim);
+                assert_eq!(s.values[l].len(), rows * layer.value_dim);
+            }
+            let widths: Vec<usize> = s.states.iter().map(Vec::len).collect();
+            assert_eq!(widths, SLOT_STATES);
+        }
+        return;
+    }
+    if mode & 1 == 1 {
+        reseal(&mut bytes, SLOT_LAYERS, SLOT_KV_DIM);
+    }
+    if let Ok(Some(s)) = load_bytes(&bytes, SLOT_FP, SLOT_LAYERS, SLOT_KV_DIM) {
+        assert_eq!(s.keys.len(), SLOT_LAYERS);
+        assert_eq!(s.values.len(), SLOT_LAYERS);
+        for v in s.keys.iter().chain(&s.values) {
+            assert_eq!(v.len(), s.tokens.len() * SLOT_KV_DIM);
+        }
+    }
+}

@@ -200,63 +200,7 @@ fn tiny_models_convert_load_and_run() {
     cleanup_thread_scratch();
 }
 
-// KV slot files (`colibri_engine::slotfile`). The harness is the `slot_file` fuzz target's.
-
-const SLOT_LAYERS: usize = 2;
-const SLOT_KV_DIM: usize = 3;
-const SLOT_FP: [u8; 32] = [0xa5; 32];
-
-/// The per-layer state widths of the version-2 (linear-attention) slot files the harness reads
-/// when byte 0 has bit 1 set: the same two layers of 3 keys and 3 values, the first with a
-/// 4-float state.
-const SLOT_STATES: [usize; SLOT_LAYERS] = [4, 0];
-
-/// The layout of the version-2 (bit 1) and version-3 (bit 2: the second layer keeps a row per
-/// 2 positions, as DeepSeek-V4's entries) files: two layers of 3 keys and 3 values.
-fn slot_layout(mode: u8) -> colibri_engine::kv::KvLayout {
-    let mut layout = colibri_engine::kv::KvLayout::uniform(SLOT_LAYERS, 1, SLOT_KV_DIM);
-    if mode & 4 == 4 {
-        layout.layers[1].every = 2;
-    }
-    layout
-}
-
-/// Byte 0 odd: recompute every checksum first (`reseal`), so mutated fields reach the replay.
-/// Bit 1 set: read the rest as a version-2 file with [`SLOT_STATES`]; bit 2 set: as a
-/// version-3 file of [`slot_layout`] with them.
-fn slot_file(data: &[u8]) {
-    use colibri_engine::slotfile::{load_bytes, load_bytes_states, reseal, reseal_layout_states};
-    let Some((&mode, rest)) = data.split_first() else {
-        return;
-    };
-    let mut bytes = rest.to_vec();
-    if mode & 6 != 0 {
-        let layout = slot_layout(mode);
-        if mode & 1 == 1 {
-            reseal_layout_states(&mut bytes, &layout, &SLOT_STATES);
-        }
-        if let Ok(Some(s)) = load_bytes_states(&bytes, SLOT_FP, &layout, &SLOT_STATES) {
-            for (l, layer) in layout.layers.iter().enumerate() {
-                let rows = layer.rows(s.tokens.len());
-                assert_eq!(s.keys[l].len(), rows * SLOT_KV_DIM);
-                assert_eq!(s.values[l].len(), rows * SLOT_KV_DIM);
-            }
-            let widths: Vec<usize> = s.states.iter().map(Vec::len).collect();
-            assert_eq!(widths, SLOT_STATES);
-        }
-        return;
-    }
-    if mode & 1 == 1 {
-        reseal(&mut bytes, SLOT_LAYERS, SLOT_KV_DIM);
-    }
-    if let Ok(Some(s)) = load_bytes(&bytes, SLOT_FP, SLOT_LAYERS, SLOT_KV_DIM) {
-        assert_eq!(s.keys.len(), SLOT_LAYERS);
-        assert_eq!(s.values.len(), SLOT_LAYERS);
-        for v in s.keys.iter().chain(&s.values) {
-            assert_eq!(v.len(), s.tokens.len() * SLOT_KV_DIM);
-        }
-    }
-}
+// KV slot files (`colibri_engine::slotfile`): the harness is the library's `slot_file`.
 
 /// Valid slot files written through `SlotFile` (name, [mode] + bytes): the seeds.
 fn slot_file_bases() -> Vec<(String, Vec<u8>)> {
@@ -298,7 +242,7 @@ fn slot_file_bases() -> Vec<(String, Vec<u8>)> {
     drop(sf);
     // A version-2 file (and a version-3 one, its second layer a row per 2 positions):
     // positions, a state record at each sync, a truncation, more positions.
-    for (mode, prefix) in [(2u8, "state"), (4, "rows")] {
+    for (mode, prefix) in [(2u8, "state"), (4, "rows"), (8, "mla"), (12, "mla-rows")] {
         use colibri_engine::kv::{KvCache, KvDtype};
         let _ = std::fs::remove_file(&path);
         let layout = slot_layout(mode);
@@ -308,9 +252,11 @@ fn slot_file_bases() -> Vec<(String, Vec<u8>)> {
             let mut kv = KvCache::new(&layout, KvDtype::F32).with_states(&SLOT_STATES);
             kv.reserve(n);
             for (li, layer) in layout.layers.iter().enumerate() {
-                let floats = layer.rows(n) * SLOT_KV_DIM;
-                let rows: Vec<f32> = (0..floats).map(|i| seed + i as f32).collect();
-                kv.write(li, 0, &rows, &rows);
+                let rows = layer.rows(n) * layer.heads;
+                let run = |width: usize| -> Vec<f32> {
+                    (0..rows * width).map(|i| seed + i as f32).collect()
+                };
+                kv.write(li, 0, &run(layer.key_dim), &run(layer.value_dim));
             }
             kv.len = n;
             kv.state_mut(0).fill(seed);
@@ -344,7 +290,7 @@ fn slot_file_survives_mutations() {
     let mut base = seeds("slot_file");
     for s in &base {
         if s.len() > 1 && s[0] & 1 == 0 {
-            let r = if s[0] & 6 != 0 {
+            let r = if s[0] & 14 != 0 {
                 colibri_engine::slotfile::load_bytes_states(
                     &s[1..],
                     SLOT_FP,
@@ -370,9 +316,9 @@ fn slot_file_survives_mutations() {
         if b.len() <= 1 {
             continue;
         }
-        // Keep a base's kind (bit 1: a state file, bit 2: rows per 2 positions); choose raw or
-        // resealed.
-        b[0] = (b[0] & 6) | rng.below(2) as u8;
+        // Keep a base's kind (bit 1: a state file, bit 2: rows per 2 positions, bit 3: MLA's
+        // rows); choose raw or resealed.
+        b[0] = (b[0] & 14) | rng.below(2) as u8;
         for _ in 0..1 + rng.below(3) {
             let at = if rng.below(2) == 0 || b.len() <= 1 + 3 * 4096 {
                 1 + rng.below(3) * 4096 + rng.below(104)
