@@ -566,13 +566,16 @@ fn encode(
     rounded_as: Option<&rounding::Rounding>,
 ) -> Vec<u8> {
     match (dtype, weights) {
-        (DType::F32, _) => match rounded_as {
-            Some(how) => rounding::round_matrix(data, shape[0], shape[1], how),
-            None => data.to_vec(),
+        (DType::F32, _) => {
+            let rounded =
+                rounded_as.map(|how| rounding::round_matrix(data, shape[0], shape[1], how));
+            rounded
+                .as_deref()
+                .unwrap_or(data)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect()
         }
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect(),
         (DType::Q4, _) if q4_0 => quant::quantize_q4_0_rtn(data, shape[0], shape[1]),
         (DType::Q4, None) => quant::quantize_q4(data, shape[0], shape[1]),
         (DType::Q4, Some(w)) => quant::quantize_q4_weighted(data, shape[0], shape[1], w),
