@@ -148,6 +148,9 @@ def test_a_checkpoint_under_deepseeks_published_names_converts_the_same(tmp_path
 
 
 def test_a_hash_table_naming_an_expert_past_the_last_is_refused(tmp_path):
+    """At conversion, before anything is written (found by fuzzing: such a checkpoint once
+    converted into a directory that would not load); and at load, in a directory whose stored
+    table was changed after conversion."""
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / ARCH / "hf", hf)
     path = hf / "model.safetensors"
@@ -155,12 +158,25 @@ def test_a_hash_table_naming_an_expert_past_the_last_is_refused(tmp_path):
     meta = header["model.layers.1.ffn.gate.tid2eid"]
     assert meta["dtype"] == "I64"
     top_k = meta["shape"][1]
+    experts = hf_config()["n_routed_experts"]
     at = meta["data_offsets"][0] + 8 * (5 * top_k + 1)  # token 5's second expert
-    bad = struct.pack("<q", hf_config()["n_routed_experts"])
-    write_safetensors(path, header, data[:at] + bad + data[at + 8 :])
-    convert(hf, tmp_path / "out", "f32")
+    write_safetensors(path, header, data[:at] + struct.pack("<q", experts) + data[at + 8 :])
+    with pytest.raises((ValueError, RuntimeError)) as exc:
+        convert(hf, tmp_path / "refused", "f32")
+    message = str(exc.value)
+    assert "gate.tid2eid" in message and f"expert id below {experts}" in message, message
+    assert not (tmp_path / "refused" / "manifest.json").exists()
+
+    out = tmp_path / "out"
+    convert(FIXTURES / ARCH / "hf", out, "f32")
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["resident"]["tensors"]["layers.1.hash"]
+    assert entry["dtype"] == "f32"
+    with open(out / manifest["resident"]["file"], "r+b") as f:
+        f.seek(entry["offset"] + 4 * (5 * top_k + 1))
+        f.write(struct.pack("<f", float(experts)))
     with pytest.raises((ValueError, RuntimeError, OSError)) as exc:
-        Engine(tmp_path / "out", threads=1)
+        Engine(out, threads=1)
     assert "layers.1.hash" in str(exc.value)
 
 
