@@ -6,13 +6,17 @@
 //! without bound: an `Err` from the engine is a correct answer to a broken input.
 //!
 //! * [`config_json`]: bytes -> `serde_json` -> [`ModelConfig::from_hf`] (and the family plan).
-//! * [`checkpoint`]: byte 0 picks a tiny config (and quantization, sharding); the rest is the
-//!   `model.safetensors` written next to it, then [`convert::convert`] runs.
+//! * [`checkpoint`]: byte 0 picks a tiny config, byte 1 the quantization, sharding and
+//!   checkpoint form; the rest is the `model.safetensors` written next to it, then
+//!   [`convert::convert`] runs.
 //! * [`model_dir`]: byte 0 picks a converted tiny model, byte 1 which file to break (the manifest
 //!   replaced by the rest, or `resident.bin` / `experts.bin` / the manifest patched by the ops
 //!   that follow); then [`Model::load`] and a prefill + one decode step run; then the same
 //!   directory, labelled format v2, goes through [`colibri_engine::upgrade::upgrade`] (and a
 //!   directory it produces is loaded and run).
+//! * [`slot_file`]: byte 0 picks the KV layout (plain, linear-attention states, rows per 2
+//!   positions, MLA's compressed rows) and whether checksums are recomputed; the rest is a
+//!   slot file for `colibri_engine::slotfile` to load.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -365,9 +369,10 @@ fn is_projection(name: &str, t: &Tensor) -> bool {
     t.dtype == Dtype::F32 && t.shape.len() == 2 && name.ends_with("_proj.weight")
 }
 
-/// `tensors` (f32, or integer tables passed through) as DeepSeek-V4 publishes such weights: routed experts FP4 (two e2m1
-/// codes per `I8` byte, a UE8M0 scale per 32 elements of a row under `X.scale`), the other
-/// projections FP8 e4m3 with UE8M0 scales per 4 x 4 block; every scale 1.0 (byte 127).
+/// `tensors` (f32; integer tables pass through) as DeepSeek-V4 publishes such weights: routed
+/// experts FP4 (two e2m1 codes per `I8` byte, a UE8M0 scale per 32 elements of a row under
+/// `X.scale`), the other projections FP8 e4m3 with UE8M0 scales per 4 x 4 block; every scale
+/// 1.0 (byte 127).
 pub fn fp_quantized(tensors: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     const E2M1: [f32; 16] = [
         0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
@@ -998,10 +1003,10 @@ pub fn cleanup_thread_scratch() {
     let _ = fs::remove_dir_all(model_dir_scratch());
 }
 
-/// Harness (c): byte 0 = base model (`% (2 * ARCHS)`), byte 1 = what to break (`% 5`): 0 the manifest is
-/// replaced by the rest; 1 `resident.bin`, 2 `experts.bin`, 3 the manifest are patched by the
-/// rest as [`apply_patches`] ops; 4 the manifest gets [`edit_json`] ops (its numbers and names).
-/// Then load, prefill [`PROMPT`] and decode one more token.
+/// Harness (c): byte 0 = base model (`% (2 * ARCHS)`), byte 1 = what to break (`% 5`): 0 the
+/// manifest is replaced by the rest; 1 `resident.bin`, 2 `experts.bin`, 3 the manifest are
+/// patched by the rest as [`apply_patches`] ops; 4 the manifest gets [`edit_json`] ops (its
+/// numbers and names). Then load, prefill [`PROMPT`] and decode one more token.
 pub fn model_dir(data: &[u8]) {
     if data.len() < 2 {
         return;

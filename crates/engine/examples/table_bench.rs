@@ -15,7 +15,6 @@
 //!     cargo run --release --example table_bench [ROUNDS]
 #![allow(clippy::needless_range_loop)]
 
-#[path = "common/mod.rs"]
 mod common;
 
 use std::arch::x86_64::*;
@@ -234,7 +233,8 @@ fn main() {
         let h = common::median(hot_t[i].clone());
         let c = common::median(cold_t[i].clone());
         println!(
-            "  {name:13} from cache x4 tokens {:7.3} ms ({:.3}x)   streamed x1 token {:7.3} ms ({:.3}x)",
+            "  {name:13} from cache x4 tokens {:7.3} ms ({:.3}x)   \
+             streamed x1 token {:7.3} ms ({:.3}x)",
             h * 1e3,
             h / base_hot,
             c * 1e3,

@@ -725,7 +725,8 @@ fn expert_shape(cfg: &ModelConfig, part: &str) -> Vec<usize> {
     }
 }
 
-/// Every tensor the plan reads, checked against the checkpoint's headers before any output.
+/// Every tensor the plan reads, checked against the checkpoint's headers before any output
+/// (and an expert table's entries, which the model would refuse at load).
 fn check_plan(ckpt: &Checkpoint, plan: &Plan, cfg: &ModelConfig) -> Result<()> {
     for spec in &plan.resident {
         if spec.optional && !ckpt.has(&spec.hf) {

@@ -30,6 +30,11 @@ const SIZES: [(&str, usize, usize); 7] = [
     ("o_lora_rank", 16, 64),
 ];
 
+/// The prompt sets a committed fixture is scored on: 8 prompts of 24 tokens twice, 8 of 48.
+const FIXTURE_SETS: [(u32, u32); 3] = [(8, 24), (8, 24), (8, 48)];
+/// The prompt set a drawn shape is scored on: 16 prompts of 32 tokens.
+const DRAWN_SETS: [(u32, u32); 1] = [(16, 32)];
+
 fn normal(rng: &mut StdRng) -> f32 {
     // Box-Muller: the crate has no distributions dependency for one test.
     let u: f64 = rng.random_range(f64::EPSILON..1.0);
@@ -170,7 +175,7 @@ fn int4_below_q4_0_on_random_shapes() {
         let hf = d.join("hf");
         fs::create_dir_all(&hf).unwrap();
         write_checkpoint(arch, &cfg, &hf, &mut rng);
-        let (e_int4, e_q4_0) = int4_and_q4_0_errors(&hf, &d, &[(16, 32)]);
+        let (e_int4, e_q4_0) = int4_and_q4_0_errors(&hf, &d, &DRAWN_SETS);
         let sizes: Vec<String> = SIZES
             .iter()
             .filter_map(|(f, _, _)| {
@@ -190,7 +195,7 @@ fn int4_below_q4_0_on_random_shapes() {
         ratios.push(ratio);
         fs::remove_dir_all(&d).unwrap();
     }
-    let mean = (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp();
+    let mean = geometric_mean(&ratios);
     let above = ratios.iter().filter(|&&r| r > 1.0).count();
     println!(
         "geometric mean {mean:.3}x, {above} of {} above 1.0",
@@ -207,8 +212,7 @@ fn int4_no_worse_than_q4_0_on_every_fixture() {
     for arch in &committed_fixtures() {
         let arch = arch.as_str();
         let d = scratch_dir("q4_0-fixture", arch);
-        let (e_int4, e_q4_0) =
-            int4_and_q4_0_errors(&fixture(arch), &d, &[(8, 24), (8, 24), (8, 48)]);
+        let (e_int4, e_q4_0) = int4_and_q4_0_errors(&fixture(arch), &d, &FIXTURE_SETS);
         println!(
             "{arch}: int4 {e_int4:.4} vs Q4_0 {e_q4_0:.4} ({:.3}x)",
             e_int4 / e_q4_0
@@ -231,13 +235,25 @@ fn int4_and_q4_0_errors(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> (f64, f6
     let f32_dir = convert(hf, work.join("f32"), Quant::F32, &Precisions::default());
     let int4 = convert(hf, work.join("int4"), Quant::Int4, &Precisions::pure());
     let rtn = convert(hf, work.join("q4_0"), Quant::Int4, &q4_0);
-    let (mut reference, mut a, mut b) = (Vec::new(), Vec::new(), Vec::new());
+    let reference = sets_logits(&f32_dir, sets);
+    (
+        rel_err(&sets_logits(&int4, sets), &reference),
+        rel_err(&sets_logits(&rtn, sets), &reference),
+    )
+}
+
+/// The logits of `dir`'s model over the `(prompts, tokens)` sets, set `i` drawn with seed `i`.
+fn sets_logits(dir: &Path, sets: &[(u32, u32)]) -> Vec<f32> {
+    let mut logits = Vec::new();
     for (i, &(n, len)) in sets.iter().enumerate() {
-        reference.extend(prompt_logits(&f32_dir, n, len, i as u32));
-        a.extend(prompt_logits(&int4, n, len, i as u32));
-        b.extend(prompt_logits(&rtn, n, len, i as u32));
+        logits.extend(prompt_logits(dir, n, len, i as u32));
     }
-    (rel_err(&a, &reference), rel_err(&b, &reference))
+    logits
+}
+
+/// The geometric mean of `ratios`.
+fn geometric_mean(ratios: &[f64]) -> f64 {
+    (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp()
 }
 
 /// What a table of 16 uneven levels would do to the logit error, before any kernel reads one
@@ -249,7 +265,7 @@ fn int4_and_q4_0_errors(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> (f64, f6
 ///
 ///     cargo test --release -p colibri-engine --lib format_rounding_against_q4_0 -- --ignored --nocapture
 #[test]
-#[ignore = "a measurement (~15 minutes on 2 cores), not a check"]
+#[ignore = "a measurement (~5 minutes on 2 cores), not a check"]
 fn format_rounding_against_q4_0() {
     use super::rounding::{Rounding, LEVELS_5_BIT, LEVELS_6_BIT};
     let arms = [
@@ -275,27 +291,16 @@ fn format_rounding_against_q4_0() {
         for draw in 0..=draws {
             let d = scratch_dir("format-rounding", arch);
             let (hf, sets) = if draw == 0 {
-                (fixture(arch), vec![(8, 24), (8, 24), (8, 48)])
+                (fixture(arch), &FIXTURE_SETS[..])
             } else {
                 let hf = d.join("hf");
                 fs::create_dir_all(&hf).unwrap();
                 let cfg = draw_config(arch, &mut rng);
                 write_checkpoint(arch, &cfg, &hf, &mut rng);
-                (hf, vec![(16, 32)])
+                (hf, &DRAWN_SETS[..])
             };
-            let logits = |dir: &Path| -> Vec<f32> {
-                let mut l = Vec::new();
-                for (i, &(n, len)) in sets.iter().enumerate() {
-                    l.extend(prompt_logits(dir, n, len, i as u32));
-                }
-                l
-            };
-            let reference = logits(&convert(
-                &hf,
-                d.join("f32"),
-                Quant::F32,
-                &Precisions::default(),
-            ));
+            let f32_dir = convert(&hf, d.join("f32"), Quant::F32, &Precisions::default());
+            let reference = sets_logits(&f32_dir, sets);
             let errs: Vec<f64> = arms
                 .iter()
                 .map(|(name, how)| {
@@ -304,7 +309,7 @@ fn format_rounding_against_q4_0() {
                         ..Precisions::pure()
                     };
                     let dir = convert(&hf, d.join(name.replace(' ', "-")), Quant::F32, &prec);
-                    rel_err(&logits(&dir), &reference)
+                    rel_err(&sets_logits(&dir, sets), &reference)
                 })
                 .collect();
             let line: Vec<String> = arms
@@ -331,7 +336,7 @@ fn format_rounding_against_q4_0() {
         }
     }
     let summary = |v: &[f64]| {
-        let mean = (v.iter().map(|r| r.ln()).sum::<f64>() / v.len() as f64).exp();
+        let mean = geometric_mean(v);
         let max = v.iter().cloned().fold(0.0, f64::max);
         let above = v.iter().filter(|&&r| r > 1.0).count();
         format!(
