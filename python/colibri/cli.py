@@ -489,6 +489,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         calibration=args.calibration,
         threads=args.threads,
         q4_0_rounding=args.q4_0_rounding,
+        grid=args.grid,
     )
     dt = time.perf_counter() - t0
     mb = (summary["resident_bytes"] + summary["expert_bytes"]) / 1e6
@@ -855,6 +856,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="round int4 groups as llama.cpp's Q4_0 does (max-abs scale) instead of colibri's "
         "error-minimising search: same bytes and speed, larger error; for comparisons",
+    )
+    c.add_argument(
+        "--grid",
+        choices=["linear", "table"],
+        default="linear",
+        help="the int4 levels: `linear` (-8..7) or `table` (16 levels in -16..15, denser near "
+        "zero: the same 4.5 bits a weight, a smaller error; int4 only)",
     )
     c.set_defaults(func=cmd_convert)
 

@@ -28,8 +28,11 @@ pub const RECORD_ALIGN: usize = 4096;
 pub enum DType {
     /// little-endian f32, row-major
     F32,
-    /// group-wise int4, layout of `quant::quantize_q4`
+    /// group-wise int4, layout of `quant::quantize_q4`, codes on the linear grid (`q - 8`)
     Q4,
+    /// the same layout, codes on the table grid (`quant::TABLE_LEVELS`; `colibri convert
+    /// --grid table`)
+    Q4T,
     /// group-wise int8, layout of `quant::quantize_q8` (resident matrices chosen at conversion)
     Q8,
 }
@@ -38,7 +41,16 @@ impl DType {
     /// Whether products with a weight of this dtype read the activations' 8-bit form
     /// (`linear::Acts::prepare`): the quantized ones.
     pub fn takes_q8_acts(self) -> bool {
-        matches!(self, DType::Q4 | DType::Q8)
+        matches!(self, DType::Q4 | DType::Q4T | DType::Q8)
+    }
+
+    /// How an int4 dtype's codes map to levels (`None` for the others).
+    pub fn q4_grid(self) -> Option<crate::quant::Grid> {
+        match self {
+            DType::Q4 => Some(crate::quant::Grid::Linear),
+            DType::Q4T => Some(crate::quant::Grid::Table),
+            DType::F32 | DType::Q8 => None,
+        }
     }
 }
 

@@ -48,8 +48,9 @@ impl Linear {
         let bytes = &buf[self.offset..self.offset + self.nbytes];
         match self.dtype {
             DType::F32 => WeightRef::F32(bytemuck::cast_slice(bytes)),
-            DType::Q4 => WeightRef::Q4(
-                Q4Matrix::new(bytes, self.rows, self.cols).expect("tensor size checked at load"),
+            DType::Q4 | DType::Q4T => WeightRef::Q4(
+                Q4Matrix::on_grid(bytes, self.rows, self.cols, self.dtype.q4_grid().unwrap())
+                    .expect("tensor size checked at load"),
             ),
             DType::Q8 => WeightRef::Q8(
                 Q8Matrix::new(bytes, self.rows, self.cols).expect("tensor size checked at load"),

@@ -728,9 +728,10 @@ impl Importance {
 /// the default, attention `v` and `o` in an int4 conversion; an empty list: none).
 /// `importance`: statistics of this checkpoint (`Model.collect_importance` on its f32
 /// conversion) to weight the int4 error by, recorded in the manifest with the calibration
-/// text's `calibration_sha256` and the chunk length `calibration_ctx`.
+/// text's `calibration_sha256` and the chunk length `calibration_ctx`. `grid`: `linear` or
+/// `table`, the int4 matrices' grid.
 #[pyfunction]
-#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new(), q8=None, importance=None, calibration_sha256=String::new(), calibration_ctx=0, q4_0_rounding=false))]
+#[pyo3(signature = (hf_dir, out_dir, quant="int4", progress=false, keep_f32=Vec::new(), q8=None, importance=None, calibration_sha256=String::new(), calibration_ctx=0, q4_0_rounding=false, grid="linear"))]
 #[allow(clippy::too_many_arguments)]
 fn convert_checkpoint<'py>(
     py: Python<'py>,
@@ -744,10 +745,25 @@ fn convert_checkpoint<'py>(
     calibration_sha256: String,
     calibration_ctx: usize,
     q4_0_rounding: bool,
+    grid: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     let q = Quant::parse(quant).ok_or_else(|| {
         PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)"))
     })?;
+    let grid = match grid {
+        "linear" => crate::quant::Grid::Linear,
+        "table" if q == Quant::Int4 => crate::quant::Grid::Table,
+        "table" => {
+            return Err(PyValueError::new_err(
+                "the table grid is an int4 format; an f32 conversion has no grid",
+            ))
+        }
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "unknown grid `{grid}` (linear, table)"
+            )))
+        }
+    };
     let calib = importance.map(|i| convert::Calibration {
         importance: (*i.inner).clone(),
         info: crate::format::CalibrationInfo {
@@ -768,6 +784,7 @@ fn convert_checkpoint<'py>(
                 q8,
                 q4_0_scales: q4_0_rounding,
                 rounded_as: None,
+                grid,
             };
             convert::convert_calibrated(&hf_dir, &out_dir, q, &prec, calib.as_ref(), &mut report)
         })

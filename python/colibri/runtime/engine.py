@@ -414,6 +414,7 @@ def convert(
     calibration: str | Path | None = None,
     threads: int | None = None,
     q4_0_rounding: bool = False,
+    grid: str = "linear",
 ) -> dict:
     """Converts a Hugging Face checkpoint directory to a colibri model directory; resident
     weight matrices whose names match a ``keep_f32`` pattern (``*`` = any run of characters)
@@ -432,9 +433,17 @@ def convert(
 
     ``q4_0_rounding``: every int4 group rounded to nearest under llama.cpp Q4_0's max-abs scale
     instead of the error-minimising search (same layout, bytes and kernels; a larger error): to
-    measure the search against Q4_0 on colibri's own engine. Not with ``calibration``."""
+    measure the search against Q4_0 on colibri's own engine. Not with ``calibration``.
+
+    ``grid``: ``"linear"`` (dtype ``q4``: codes ``q - 8``) or ``"table"`` (dtype ``q4t``: 16
+    levels in -16..15, denser near zero; the same bytes per weight, a smaller error; MLA's
+    ``kv_b`` halves stay linear). int4 only; not with ``q4_0_rounding``."""
     if q4_0_rounding and (quant != "int4" or calibration is not None):
         raise ValueError("Q4_0 rounding applies to a plain int4 conversion (no calibration)")
+    if grid not in ("linear", "table"):
+        raise ValueError(f"unknown grid {grid!r} (linear, table)")
+    if grid == "table" and (quant != "int4" or q4_0_rounding):
+        raise ValueError("the table grid applies to an int4 conversion without Q4_0 rounding")
     check_tiktoken_tokenizer(Path(hf_dir))
     importance, record = None, None
     if calibration is not None:
@@ -460,6 +469,7 @@ def convert(
             record["sha256"] if record else "",
             record["ctx"] if record else 0,
             q4_0_rounding,
+            grid,
         )
     )
     if record:

@@ -20,7 +20,7 @@ use crate::config::ModelConfig;
 use crate::error::{io_err, Error, Result};
 use crate::format::*;
 use crate::model::plan::{self, Plan, MLP_PARTS};
-use crate::quant;
+use crate::quant::{self, Grid};
 
 mod compressed_tensors;
 mod fp8;
@@ -579,6 +579,7 @@ fn encode(
         (DType::Q4, _) if q4_0 => quant::quantize_q4_0_rtn(data, shape[0], shape[1]),
         (DType::Q4, None) => quant::quantize_q4(data, shape[0], shape[1]),
         (DType::Q4, Some(w)) => quant::quantize_q4_weighted(data, shape[0], shape[1], w),
+        (DType::Q4T, w) => quant::quantize_q4_table(data, shape[0], shape[1], w),
         (DType::Q8, _) => quant::quantize_q8(data, shape[0], shape[1]),
     }
 }
@@ -586,7 +587,7 @@ fn encode(
 fn encoded_len(shape: &[usize], dtype: DType) -> usize {
     match dtype {
         DType::F32 => shape.iter().product::<usize>() * 4,
-        DType::Q4 => quant::q4_byte_len(shape[0], shape[1]),
+        DType::Q4 | DType::Q4T => quant::q4_byte_len(shape[0], shape[1]),
         DType::Q8 => quant::q8_byte_len(shape[0], shape[1]),
     }
 }
@@ -809,6 +810,10 @@ pub struct Precisions {
     /// would quantize (the resident ones the int4 format takes under these precisions, and
     /// the routed experts) is stored at f32 already rounded this way. Ignored otherwise.
     pub rounded_as: Option<rounding::Rounding>,
+    /// The grid of the int4 matrices (`colibri convert --grid`): linear (`DType::Q4`) or the
+    /// table (`DType::Q4T`), but for MLA's `kv_b` halves, whose unrounded and by-column
+    /// products read the linear grid only.
+    pub grid: Grid,
 }
 
 impl Precisions {
@@ -844,8 +849,19 @@ impl Precisions {
             DType::F32
         } else if q8.iter().any(|p| glob_match(p, name)) {
             DType::Q8
-        } else {
+        } else if name.ends_with(".kv_b_uk_t") || name.ends_with(".kv_b_uv") {
             quant.matrix_dtype()
+        } else {
+            self.int4_dtype(quant)
+        }
+    }
+
+    /// The dtype of the routed experts and the other int4 matrices at `quant`: its matrix
+    /// dtype, on this conversion's grid.
+    fn int4_dtype(&self, quant: Quant) -> DType {
+        match (quant.matrix_dtype(), self.grid) {
+            (DType::Q4, Grid::Table) => DType::Q4T,
+            (d, _) => d,
         }
     }
 
@@ -855,11 +871,17 @@ impl Precisions {
     fn rounded_as_for(&self, name: &str, matrix: bool) -> Option<&rounding::Rounding> {
         let how = self.rounded_as.as_ref()?;
         let q8 = self.q8_patterns(Quant::Int4);
-        (self.dtype(name, matrix, Quant::Int4, &q8) == DType::Q4).then_some(how)
+        let dtype = self.dtype(name, matrix, Quant::Int4, &q8);
+        matches!(dtype, DType::Q4 | DType::Q4T).then_some(how)
     }
 
     /// Refuses a pattern the user gave that names no resident weight matrix of the plan.
     fn check(&self, plan: &Plan) -> Result<()> {
+        if self.q4_0_scales && self.grid == Grid::Table {
+            return Err(Error::Input(
+                "Q4_0 rounding is of the linear grid; it cannot go with the table grid".into(),
+            ));
+        }
         let none = Vec::new();
         let given = [
             ("--keep-f32", &self.keep_f32),
@@ -1115,7 +1137,7 @@ pub fn convert_calibrated(
     let experts = if plan.expert_layers.is_empty() {
         None
     } else {
-        let dtype = quant.matrix_dtype();
+        let dtype = prec.int4_dtype(quant);
         let mut parts = BTreeMap::new();
         let mut pos = 0;
         for part in MLP_PARTS {

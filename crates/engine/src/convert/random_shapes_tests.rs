@@ -17,6 +17,7 @@ use safetensors::Dtype;
 use super::{convert_with, expert_shape, family_plan, Checkpoint, Precisions, MLP_PARTS};
 use crate::config::ModelConfig;
 use crate::format::Quant;
+use crate::quant;
 use crate::testutil::{committed_fixtures, fixture, prompt_logits, rel_err, scratch_dir};
 
 /// Size fields redrawn when a config has them, and the range each is drawn from.
@@ -205,7 +206,8 @@ fn int4_below_q4_0_on_random_shapes() {
 }
 
 /// Every committed fixture, as it is: colibri's int4 within 1.0x Q4_0's error on the same
-/// engine, over three prompt sets (8 prompts of 24 tokens twice, 8 of 48).
+/// engine, on the linear grid and on the table grid, over three prompt sets (8 prompts of 24
+/// tokens twice, 8 of 48).
 #[test]
 fn int4_no_worse_than_q4_0_on_every_fixture() {
     let mut worse = Vec::new();
@@ -213,12 +215,16 @@ fn int4_no_worse_than_q4_0_on_every_fixture() {
         let arch = arch.as_str();
         let d = scratch_dir("q4_0-fixture", arch);
         let (e_int4, e_q4_0) = int4_and_q4_0_errors(&fixture(arch), &d, &FIXTURE_SETS);
+        let e_table = table_error(&fixture(arch), &d, &FIXTURE_SETS);
         println!(
-            "{arch}: int4 {e_int4:.4} vs Q4_0 {e_q4_0:.4} ({:.3}x)",
-            e_int4 / e_q4_0
+            "{arch}: int4 {e_int4:.4} ({:.3}x), table {e_table:.4} ({:.3}x) vs Q4_0 {e_q4_0:.4}",
+            e_int4 / e_q4_0,
+            e_table / e_q4_0
         );
-        if e_int4 > e_q4_0 {
-            worse.push(format!("{arch}: {e_int4:.4} > {e_q4_0:.4}"));
+        for (what, e) in [("int4", e_int4), ("table", e_table)] {
+            if e > e_q4_0 {
+                worse.push(format!("{arch} {what}: {e:.4} > {e_q4_0:.4}"));
+            }
         }
         fs::remove_dir_all(&d).unwrap();
     }
@@ -239,6 +245,20 @@ fn int4_and_q4_0_errors(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> (f64, f6
     (
         rel_err(&sets_logits(&int4, sets), &reference),
         rel_err(&sets_logits(&rtn, sets), &reference),
+    )
+}
+
+/// The relative logit error of the table-grid int4 conversion (`--pure --grid table`) of `hf`
+/// against its f32 conversion, which [`int4_and_q4_0_errors`] left under `work`.
+fn table_error(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> f64 {
+    let table = Precisions {
+        grid: quant::Grid::Table,
+        ..Precisions::pure()
+    };
+    let dir = convert(hf, work.join("table"), Quant::Int4, &table);
+    rel_err(
+        &sets_logits(&dir, sets),
+        &sets_logits(&work.join("f32"), sets),
     )
 }
 

@@ -144,7 +144,7 @@ pub(in crate::model) fn check_linear(
 ) -> Result<()> {
     let want = match e.dtype {
         DType::F32 => rows * cols * 4,
-        DType::Q4 => quant::q4_byte_len(rows, cols),
+        DType::Q4 | DType::Q4T => quant::q4_byte_len(rows, cols),
         DType::Q8 => quant::q8_byte_len(rows, cols),
     };
     if e.shape != [rows, cols] || e.nbytes != want {

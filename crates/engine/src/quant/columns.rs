@@ -66,6 +66,11 @@ impl Columns {
     }
 
     fn from_q4(m: &Q4Matrix) -> Columns {
+        assert_eq!(
+            m.grid(),
+            super::Grid::Linear,
+            "columns read the linear grid only"
+        );
         let (rows, cols) = (m.rows, m.cols);
         let groups = m.groups();
         // Padding rows hold weight 0.

@@ -216,6 +216,11 @@ fn exact_into<'w>(
 
 /// `out[t][r] = W[r] . x[t]` for the view's rows of int4 `w`, the activations f32.
 pub fn q4_exact_into<'w>(k: Kernel, w: &Q4Matrix<'w>, x: &StoredActs, out: OutView) {
+    assert_eq!(
+        w.grid(),
+        super::Grid::Linear,
+        "q4_exact_into reads the linear grid only"
+    );
     let kp = w.groups() * GROUP;
     exact_into(
         k,

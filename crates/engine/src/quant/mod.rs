@@ -68,6 +68,7 @@ mod exact;
 mod exact_avx2;
 pub mod prefetch;
 mod q4;
+mod q4_table;
 mod q8;
 mod q8w;
 mod scalar;
@@ -86,8 +87,8 @@ pub(crate) use q4::v2_nibbles_to_v3;
 #[cfg(test)]
 pub(crate) use q4::v3_nibbles_to_v2;
 pub use q4::{
-    q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn,
-    quantize_q4_weighted, Q4Matrix, RowWeights, GROUP,
+    q4_byte_len, q4_padded_cols, q4_row_bytes, quantize_q4, quantize_q4_0_rtn, quantize_q4_table,
+    quantize_q4_weighted, Grid, Q4Matrix, RowWeights, GROUP, TABLE_LEVELS,
 };
 pub use q8::Q8Acts;
 pub use q8w::{q8_byte_len, q8_row_bytes, quantize_q8, Q8Matrix};
@@ -368,6 +369,15 @@ pub unsafe fn q4_matmul_raw(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded from this function's contract (k available ⇒ AVX2/FMA/F16C).
         Kernel::Avx2 => unsafe { x86_avx2::q4_rows(w, x, out, out_stride, rows) },
+        // The AVX-512 kernel reads the linear grid only; table-grid matrices take the AVX2
+        // one (the same exact integers per group, so results differ from the AVX-512 kernel's
+        // only in the f32 order over groups, as any two kernels do).
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded from this function's contract (Avx512Vnni available ⇒ Avx2
+        // available, `Kernel::available`).
+        Kernel::Avx512Vnni if w.grid() == Grid::Table => unsafe {
+            x86_avx2::q4_rows(w, x, out, out_stride, rows)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded from this function's contract (k available ⇒ AVX-512 F/BW/VL/VNNI).
         Kernel::Avx512Vnni => unsafe { x86_avx512::q4_rows(w, x, out, out_stride, rows) },

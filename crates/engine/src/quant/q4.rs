@@ -34,16 +34,73 @@ fn checked_layout(rows: usize, cols: usize) -> Option<(usize, usize)> {
     Some((row, rows.checked_mul(row)?))
 }
 
+/// How a stored 4-bit code `q` (0..16) maps to a multiple of its group's scale.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Grid {
+    /// `q - 8`: the evenly spaced levels -8..=7 (dtype `q4`).
+    #[default]
+    Linear,
+    /// `TABLE_LEVELS[q]`: 16 levels in -16..=15, denser near zero (dtype `q4t`). Gaussian
+    /// weights round to it with 0.80x Q4_0's squared error and heavy-tailed ones with 0.62x,
+    /// where the linear grid's search reaches 0.89x and 0.92x
+    /// (`benchmarks/int4_table_headroom.py`, docs/PERFORMANCE.md).
+    Table,
+}
+
+/// The table grid's levels: llama.cpp's IQ4_NL table scaled to -16..=15, then moved level by
+/// level to lower the squared error of Gaussian and Student-t groups. Code 8 is 0, as in the
+/// linear grid, so padding reads as zero either way.
+pub const TABLE_LEVELS: [i8; 16] = [-16, -13, -10, -8, -6, -4, -2, -1, 0, 1, 3, 5, 7, 9, 12, 15];
+
+impl Grid {
+    /// The level of code `q` (0..16).
+    #[inline(always)]
+    pub fn level(self, q: u8) -> i32 {
+        match self {
+            Grid::Linear => i32::from(q) - 8,
+            Grid::Table => i32::from(TABLE_LEVELS[usize::from(q & 15)]),
+        }
+    }
+
+    /// The kernels multiply the unsigned `level + offset` (0..16 linear, 0..32 table) with the
+    /// signed activations and add `-offset * sum(a)`: the activations' precomputed
+    /// `-8 * sum(a)` times `offset / 8`.
+    #[inline(always)]
+    pub fn offset(self) -> i32 {
+        match self {
+            Grid::Linear => 8,
+            Grid::Table => 16,
+        }
+    }
+
+    /// The unsigned value the kernels multiply for code `q`: `level(q) + offset()`.
+    #[inline(always)]
+    pub fn unsigned(self, q: u8) -> u8 {
+        (self.level(q) + self.offset()) as u8
+    }
+}
+
+/// [`Grid::unsigned`] of the table grid's 16 codes: the SIMD kernels' lookup table.
+pub(crate) const TABLE_UNSIGNED: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (TABLE_LEVELS[i] as i32 + 16) as u8;
+        i += 1;
+    }
+    t
+};
+
 /// Column weights of a group under the plain squared error. The functions below take the
 /// weights and a `W` switch: `W = false` is the plain error and never reads the weights (the
 /// multiplications cost ~15% of the quantizer's time); with `W` every weighted sum multiplies
 /// by the weight first (`(w * a) * b`), and a product with 1.0 is exact, so these weights give
 /// the plain quantizer's bytes either way (tested).
-const ONES: [f32; GROUP] = [1.0; GROUP];
+pub(super) const ONES: [f32; GROUP] = [1.0; GROUP];
 
 /// `w * a` when weighted, else `a` (the same value when `w` is 1).
 #[inline(always)]
-fn weigh<const W: bool>(w: f32, a: f32) -> f32 {
+pub(super) fn weigh<const W: bool>(w: f32, a: f32) -> f32 {
     if W {
         w * a
     } else {
@@ -357,7 +414,7 @@ pub(crate) fn v3_nibbles_to_v2(groups: usize, v3: &[u8], out: &mut [u8]) {
 /// Packs group `g`'s 32 nibbles (`q`, each 0..16) into the row's nibble bytes `nrow`: byte
 /// `j` holds element `j` (low nibble) and element `j + 16` (high nibble).
 #[inline(always)]
-fn pack_group(q: &[u8; GROUP], groups: usize, g: usize, nrow: &mut [u8]) {
+pub(super) fn pack_group(q: &[u8; GROUP], groups: usize, g: usize, nrow: &mut [u8]) {
     for j in (0..GROUP / 2).step_by(4) {
         let at = nibble_offset(groups, g, j);
         for i in 0..4 {
@@ -366,10 +423,21 @@ fn pack_group(q: &[u8; GROUP], groups: usize, g: usize, nrow: &mut [u8]) {
     }
 }
 
+/// How a quantizer rounds each group.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rounder {
+    /// Q4_0's max-abs round-to-nearest on the linear grid.
+    Q4_0,
+    /// The scale search on the linear grid ([`quantize_group`]).
+    Linear,
+    /// The scale search on the table grid (`q4_table::quantize_group`).
+    Table,
+}
+
 /// Quantizes one row (`wrow`: `cols` floats) into its bytes (`out`: scales, then nibbles);
 /// with `weights` (`cols` floats) the search minimises the error weighted by them.
 #[inline(always)]
-fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool, weights: Option<&[f32]>) {
+fn quantize_row(wrow: &[f32], out: &mut [u8], how: Rounder, weights: Option<&[f32]>) {
     let cols = wrow.len();
     let (srow, nrow) = out.split_at_mut(out.len() / 9);
     let mut x = [0.0f32; GROUP];
@@ -386,10 +454,12 @@ fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool, weights: Option<&[f3
             wt.fill(0.0);
             wt[..hi - lo].copy_from_slice(&w[lo..hi]);
         }
-        let d = match (search, weights) {
-            (false, _) => rtn_group(&x, &mut q),
-            (true, None) => quantize_group::<false>(&x, &wt, &mut q),
-            (true, Some(_)) => quantize_group::<true>(&x, &wt, &mut q),
+        let d = match (how, weights) {
+            (Rounder::Q4_0, _) => rtn_group(&x, &mut q),
+            (Rounder::Linear, None) => quantize_group::<false>(&x, &wt, &mut q),
+            (Rounder::Linear, Some(_)) => quantize_group::<true>(&x, &wt, &mut q),
+            (Rounder::Table, None) => super::q4_table::quantize_group::<false>(&x, &wt, &mut q),
+            (Rounder::Table, Some(_)) => super::q4_table::quantize_group::<true>(&x, &wt, &mut q),
         };
         pack_group(&q, groups, g, nrow);
         srow[g * 2..g * 2 + 2].copy_from_slice(&d.to_le_bytes());
@@ -400,8 +470,8 @@ fn quantize_row(wrow: &[f32], out: &mut [u8], search: bool, weights: Option<&[f3
 /// never contracts or reorders float operations, so only the instruction selection differs.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn quantize_row_avx2(wrow: &[f32], out: &mut [u8], search: bool, weights: Option<&[f32]>) {
-    quantize_row(wrow, out, search, weights)
+fn quantize_row_avx2(wrow: &[f32], out: &mut [u8], how: Rounder, weights: Option<&[f32]>) {
+    quantize_row(wrow, out, how, weights)
 }
 
 /// Per-column weights of each row of a matrix being quantized: `f(r)` is row `r`'s (`cols`
@@ -412,7 +482,7 @@ fn quantize_with(
     w: &[f32],
     rows: usize,
     cols: usize,
-    search: bool,
+    how: Rounder,
     weights: Option<RowWeights>,
 ) -> Vec<u8> {
     assert_eq!(
@@ -445,10 +515,10 @@ fn quantize_with(
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU has AVX2 (detected above).
-                unsafe { quantize_row_avx2(wrow, orow, search, wr) };
+                unsafe { quantize_row_avx2(wrow, orow, how, wr) };
                 return;
             }
-            quantize_row(wrow, orow, search, wr);
+            quantize_row(wrow, orow, how, wr);
         });
     out
 }
@@ -456,7 +526,7 @@ fn quantize_with(
 /// Quantizes `w` (`rows x cols`, row-major) to the int4 layout, choosing each group's scale to
 /// minimise the squared error (never worse than Q4_0 round-to-nearest). Parallel over rows.
 pub fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Vec<u8> {
-    quantize_with(w, rows, cols, true, None)
+    quantize_with(w, rows, cols, Rounder::Linear, None)
 }
 
 /// [`quantize_q4`] minimising, for each row `r` that `weights(r)` gives weights for, the
@@ -464,19 +534,33 @@ pub fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Vec<u8> {
 /// `colibri convert --calibration`); never worse than Q4_0 round-to-nearest under the same
 /// weights. Rows without weights come out as [`quantize_q4`] makes them.
 pub fn quantize_q4_weighted(w: &[f32], rows: usize, cols: usize, weights: RowWeights) -> Vec<u8> {
-    quantize_with(w, rows, cols, true, Some(weights))
+    quantize_with(w, rows, cols, Rounder::Linear, Some(weights))
 }
 
 /// Plain llama.cpp Q4_0 round-to-nearest into the same layout (a baseline for comparisons).
 pub fn quantize_q4_0_rtn(w: &[f32], rows: usize, cols: usize) -> Vec<u8> {
-    quantize_with(w, rows, cols, false, None)
+    quantize_with(w, rows, cols, Rounder::Q4_0, None)
 }
 
-/// An int4 matrix borrowed from a byte buffer (any alignment).
+/// Quantizes `w` to the same layout on the table grid ([`Grid::Table`]), each group's scale
+/// searched to minimise the squared error, weighted per column by `weights(r)` where it gives
+/// weights (importance statistics) and plain elsewhere; never worse than the table's max-abs
+/// rounding under the same weights. Parallel over rows.
+pub fn quantize_q4_table(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    weights: Option<RowWeights>,
+) -> Vec<u8> {
+    quantize_with(w, rows, cols, Rounder::Table, weights)
+}
+
+/// An int4 matrix borrowed from a byte buffer (any alignment), its codes read on `grid`.
 #[derive(Clone, Copy)]
 pub struct Q4Matrix<'a> {
     pub rows: usize,
     pub cols: usize,
+    grid: Grid,
     bytes: &'a [u8],
     kp: usize,
     row_bytes: usize,
@@ -487,13 +571,25 @@ impl std::fmt::Debug for Q4Matrix<'_> {
         f.debug_struct("Q4Matrix")
             .field("rows", &self.rows)
             .field("cols", &self.cols)
+            .field("grid", &self.grid)
             .finish_non_exhaustive()
     }
 }
 
 impl<'a> Q4Matrix<'a> {
-    /// Checks that `bytes` has exactly `q4_byte_len(rows, cols)` bytes.
+    /// A matrix on the linear grid; checks that `bytes` has exactly `q4_byte_len(rows, cols)`
+    /// bytes.
     pub fn new(bytes: &'a [u8], rows: usize, cols: usize) -> Result<Self, QuantError> {
+        Self::on_grid(bytes, rows, cols, Grid::Linear)
+    }
+
+    /// A matrix whose codes are read on `grid` (the same layout for both grids).
+    pub fn on_grid(
+        bytes: &'a [u8],
+        rows: usize,
+        cols: usize,
+        grid: Grid,
+    ) -> Result<Self, QuantError> {
         let (row, len) = checked_layout(rows, cols).ok_or(QuantError::Shape { rows, cols })?;
         if bytes.len() != len {
             return Err(QuantError::Length {
@@ -506,10 +602,16 @@ impl<'a> Q4Matrix<'a> {
         Ok(Q4Matrix {
             rows,
             cols,
+            grid,
             bytes,
             kp: q4_padded_cols(cols),
             row_bytes: row,
         })
+    }
+
+    /// How the stored codes map to levels.
+    pub fn grid(&self) -> Grid {
+        self.grid
     }
 
     /// The whole buffer.
@@ -563,8 +665,8 @@ impl<'a> Q4Matrix<'a> {
             for k in 0..4 {
                 let dword = &nib[first + k * apart..first + k * apart + 4];
                 for (i, &b) in dword.iter().enumerate() {
-                    buf[4 * k + i] = ((b & 15) as f32 - 8.0) * d;
-                    buf[4 * k + i + 16] = ((b >> 4) as f32 - 8.0) * d;
+                    buf[4 * k + i] = self.grid.level(b & 15) as f32 * d;
+                    buf[4 * k + i + 16] = self.grid.level(b >> 4) as f32 * d;
                 }
             }
             chunk.copy_from_slice(&buf[..chunk.len()]);

@@ -4,19 +4,20 @@ use std::ops::Range;
 
 use super::q4::nibble_offset;
 use super::q8::{qs_offset, TokenActs};
-use super::{Q4Matrix, Q8Acts};
+use super::{Grid, Q4Matrix, Q8Acts};
 
 /// Exact integer dot product of int4 group `g` of a row's nibbles `nib` (a row of `groups`
-/// groups) with activation group `g`, including the -8 offset.
+/// groups) with activation group `g` on `grid`, as the SIMD kernels compute it: the unsigned
+/// `level + offset` products, then the offset's `-offset * sum(a)`.
 #[inline]
-pub(crate) fn group_dot(nib: &[u8], groups: usize, a: &TokenActs, g: usize) -> i32 {
+pub(crate) fn group_dot(nib: &[u8], groups: usize, grid: Grid, a: &TokenActs, g: usize) -> i32 {
     let mut s = 0i32;
     for j in 0..16 {
         let b = nib[nibble_offset(groups, g, j)];
-        s += (b & 15) as i32 * a.qs[qs_offset(g, j)] as i32
-            + (b >> 4) as i32 * a.qs[qs_offset(g, j + 16)] as i32;
+        s += grid.unsigned(b & 15) as i32 * a.qs[qs_offset(g, j)] as i32
+            + grid.unsigned(b >> 4) as i32 * a.qs[qs_offset(g, j + 16)] as i32;
     }
-    s + a.corr[g]
+    s + a.corr[g] * (grid.offset() / 8)
 }
 
 /// Dot of row `r` of `w` with activation vector `a`: per group the exact integer sum times
@@ -25,7 +26,7 @@ pub(crate) fn q4_row_dot(w: &Q4Matrix, r: usize, a: &TokenActs) -> f32 {
     let nib = w.row_nibbles(r);
     let mut acc = 0.0f32;
     for g in 0..w.groups() {
-        let s = group_dot(nib, w.groups(), a, g);
+        let s = group_dot(nib, w.groups(), w.grid(), a, g);
         acc += s as f32 * (w.scale(r, g) * a.dexp[g]);
     }
     acc

@@ -36,14 +36,38 @@ const SHAPES: &[(usize, usize)] = &[
 ];
 const NS: &[usize] = &[1, 3, 5, 8];
 
+/// Every grid, shape and token count of the kernel tests.
+fn every_case() -> impl Iterator<Item = (Grid, &'static (usize, usize), &'static usize)> {
+    GRIDS.into_iter().flat_map(|g| {
+        SHAPES
+            .iter()
+            .flat_map(move |s| NS.iter().map(move |n| (g, s, n)))
+    })
+}
+
 struct Case {
     rows: usize,
     cols: usize,
+    grid: Grid,
     bytes: Vec<u8>,
     x: Vec<f32>,
 }
 
+impl Case {
+    fn matrix(&self) -> Q4Matrix<'_> {
+        Q4Matrix::on_grid(&self.bytes, self.rows, self.cols, self.grid).unwrap()
+    }
+}
+
+/// Both grids: every int4 kernel path is tested on each.
+const GRIDS: [Grid; 2] = [Grid::Linear, Grid::Table];
+
 fn case(rows: usize, cols: usize, n: usize, seed: u64) -> Case {
+    case_on(Grid::Linear, rows, cols, n, seed)
+}
+
+/// A random matrix quantized on `grid` and `n` activation vectors.
+fn case_on(grid: Grid, rows: usize, cols: usize, n: usize, seed: u64) -> Case {
     let w = gauss(rows * cols, seed);
     let mut x = gauss(n * cols, seed + 1);
     // Some structure: a positive bias in part of the activations (like post-SiLU values).
@@ -52,20 +76,25 @@ fn case(rows: usize, cols: usize, n: usize, seed: u64) -> Case {
             *v = v.abs() + 0.5;
         }
     }
+    let bytes = match grid {
+        Grid::Linear => quantize_q4(&w, rows, cols),
+        Grid::Table => quantize_q4_table(&w, rows, cols, None),
+    };
     Case {
         rows,
         cols,
-        bytes: quantize_q4(&w, rows, cols),
+        grid,
+        bytes,
         x,
     }
 }
 
 #[test]
 fn scalar_q4_matches_dequantized_dot() {
-    for &(rows, cols) in SHAPES {
-        for &n in NS {
-            let c = case(rows, cols, n, (rows * 31 + cols * 7 + n) as u64);
-            let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
+    for (grid, &(rows, cols), &n) in every_case() {
+        {
+            let c = case_on(grid, rows, cols, n, (rows * 31 + cols * 7 + n) as u64);
+            let w = c.matrix();
             let mut a = Q8Acts::new();
             a.quantize(&c.x, n, cols);
             let mut out = vec![0.0; n * rows];
@@ -87,7 +116,7 @@ fn scalar_q4_matches_dequantized_dot() {
                     let got = out[t * rows + r] as f64;
                     assert!(
                         (got - exact).abs() <= 1e-5 * mag + 1e-12,
-                        "{rows}x{cols} n={n} t={t} r={r}: {got} vs {exact}"
+                        "{grid:?} {rows}x{cols} n={n} t={t} r={r}: {got} vs {exact}"
                     );
                 }
             }
@@ -100,10 +129,10 @@ fn simd_q4_matches_scalar_awkward_shapes_and_subranges() {
     let ks = available();
     println!("kernels available: {:?}", ks);
     let mut a = Q8Acts::new();
-    for &(rows, cols) in SHAPES {
-        for &n in NS {
-            let c = case(rows, cols, n, (rows * 131 + cols * 17 + n) as u64);
-            let w = Q4Matrix::new(&c.bytes, c.rows, c.cols).unwrap();
+    for (grid, &(rows, cols), &n) in every_case() {
+        {
+            let c = case_on(grid, rows, cols, n, (rows * 131 + cols * 17 + n) as u64);
+            let w = c.matrix();
             a.quantize(&c.x, n, cols);
             let stride = rows + 3;
             let mut want = vec![f32::NAN; n * stride];
@@ -137,7 +166,7 @@ fn simd_q4_matches_scalar_awkward_shapes_and_subranges() {
                     let d = rel_max_diff(&sel(&got), &sel(&want));
                     assert!(
                         d < 1e-5,
-                        "{} {rows}x{cols} n={n} rows {range:?}: rel diff {d}",
+                        "{} {grid:?} {rows}x{cols} n={n} rows {range:?}: rel diff {d}",
                         k.name()
                     );
                 }
@@ -351,34 +380,36 @@ fn decode_path_equals_batched_tiles_bit_for_bit() {
         (9, 256),
         (11, 768),
     ] {
-        let c = case(rows, cols, 1, 77 + cols as u64);
-        let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
-        let mut one = Q8Acts::new();
-        one.quantize(&c.x, 1, cols);
-        let n = 5;
-        let xs: Vec<f32> = (0..n).flat_map(|_| c.x.iter().copied()).collect();
-        let mut many = Q8Acts::new();
-        many.quantize(&xs, n, cols);
-        for k in available() {
-            for range in [0..rows, 3..rows] {
-                let mut got1 = vec![0.0; rows];
-                q4_matmul(k, &w, &one, &mut got1, rows, range.clone());
-                let mut gotn = vec![0.0; n * rows];
-                q4_matmul(k, &w, &many, &mut gotn, rows, range.clone());
-                for t in 0..n {
-                    let batched = &gotn[t * rows..(t + 1) * rows];
-                    assert_eq!(
-                        got1[range.clone()]
-                            .iter()
-                            .map(|v| v.to_bits())
-                            .collect::<Vec<_>>(),
-                        batched[range.clone()]
-                            .iter()
-                            .map(|v| v.to_bits())
-                            .collect::<Vec<_>>(),
-                        "{} {rows}x{cols} {range:?} token {t}",
-                        k.name()
-                    );
+        for grid in GRIDS {
+            let c = case_on(grid, rows, cols, 1, 77 + cols as u64);
+            let w = c.matrix();
+            let mut one = Q8Acts::new();
+            one.quantize(&c.x, 1, cols);
+            let n = 5;
+            let xs: Vec<f32> = (0..n).flat_map(|_| c.x.iter().copied()).collect();
+            let mut many = Q8Acts::new();
+            many.quantize(&xs, n, cols);
+            for k in available() {
+                for range in [0..rows, 3..rows] {
+                    let mut got1 = vec![0.0; rows];
+                    q4_matmul(k, &w, &one, &mut got1, rows, range.clone());
+                    let mut gotn = vec![0.0; n * rows];
+                    q4_matmul(k, &w, &many, &mut gotn, rows, range.clone());
+                    for t in 0..n {
+                        let batched = &gotn[t * rows..(t + 1) * rows];
+                        assert_eq!(
+                            got1[range.clone()]
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect::<Vec<_>>(),
+                            batched[range.clone()]
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect::<Vec<_>>(),
+                            "{} {grid:?} {rows}x{cols} {range:?} token {t}",
+                            k.name()
+                        );
+                    }
                 }
             }
         }
@@ -393,10 +424,10 @@ fn avx2_kernel_with_avx_vnni_gives_the_same_bits() {
         return;
     }
     let mut a = Q8Acts::new();
-    for &(rows, cols) in SHAPES {
-        for &n in NS {
-            let c = case(rows, cols, n, (rows * 7 + cols * 3 + n) as u64);
-            let w = Q4Matrix::new(&c.bytes, c.rows, c.cols).unwrap();
+    for (grid, &(rows, cols), &n) in every_case() {
+        {
+            let c = case_on(grid, rows, cols, n, (rows * 7 + cols * 3 + n) as u64);
+            let w = c.matrix();
             a.quantize(&c.x, n, cols);
             let run = |vnni: bool| {
                 let mut out = vec![f32::NAN; n * rows];
@@ -407,7 +438,7 @@ fn avx2_kernel_with_avx_vnni_gives_the_same_bits() {
                 };
                 out.into_iter().map(f32::to_bits).collect::<Vec<_>>()
             };
-            assert_eq!(run(true), run(false), "{rows}x{cols} n={n}");
+            assert_eq!(run(true), run(false), "{grid:?} {rows}x{cols} n={n}");
         }
     }
 }
@@ -422,9 +453,9 @@ fn every_prefetch_level_gives_the_same_bits() {
     let before = prefetch_level();
     let mut a = Q8Acts::new();
     for &(rows, cols) in &[(64usize, 2048usize), (9, 288), (7, 1408), (3, 40)] {
-        for &n in &[1usize, 5] {
-            let c = case(rows, cols, n, (rows * 5 + cols + n) as u64);
-            let w = Q4Matrix::new(&c.bytes, rows, cols).unwrap();
+        for (grid, &n) in GRIDS.iter().flat_map(|&g| [(g, &1usize), (g, &5)]) {
+            let c = case_on(grid, rows, cols, n, (rows * 5 + cols + n) as u64);
+            let w = c.matrix();
             a.quantize(&c.x, n, cols);
             for k in available() {
                 let run = |level: PrefetchLevel| {
@@ -438,7 +469,7 @@ fn every_prefetch_level_gives_the_same_bits() {
                     assert_eq!(
                         run(level),
                         want,
-                        "{} {rows}x{cols} n={n} {}",
+                        "{} {grid:?} {rows}x{cols} n={n} {}",
                         k.name(),
                         level.name()
                     );
@@ -598,6 +629,54 @@ fn q4_extreme_values_do_not_overflow() {
                 "{} vs {exact}",
                 want[t * rows]
             );
+        }
+        for k in available() {
+            let mut got = vec![0.0; n * rows];
+            q4_matmul(k, &m, &a, &mut got, rows, 0..rows);
+            assert_eq!(got, want, "{} n={n}", k.name());
+        }
+    }
+}
+
+#[test]
+fn table_grid_extreme_values_do_not_overflow() {
+    // The table grid's largest unsigned value (code 15: level 15 + 16 = 31) in every nibble,
+    // against activations all +-127: AVX2's maddubs pairs are then 2 * 31 * 127 = 7874, the
+    // most its i16 lanes add (four, two dwords of low and high nibbles) 31496; one row of code 0
+    // (level -16, unsigned 0) beside them. Every kernel gives the scalar bits, whole blocks
+    // and a partial one, one token and several.
+    let (rows, cols) = (4, 16 * 32 + 96);
+    let groups = cols / 32;
+    let row = |byte: u8| -> Vec<u8> {
+        (0..groups)
+            .flat_map(|_| half::f16::from_f32(1.0).to_le_bytes())
+            .chain((0..groups * 16).map(|_| byte))
+            .collect()
+    };
+    let bytes = [row(0xff), row(0x00), row(0xff), row(0x0f)].concat();
+    let m = Q4Matrix::on_grid(&bytes, rows, cols, Grid::Table).unwrap();
+    let mut deq = vec![0.0; cols];
+    m.dequantize_row(1, &mut deq);
+    assert!(deq.iter().all(|&v| v == -16.0));
+    let x: Vec<f32> = (0..3 * cols)
+        .map(|i| if i / cols == 1 { -2.0 } else { 2.0 })
+        .collect();
+    let mut a = Q8Acts::new();
+    for n in [1, 2, 3] {
+        a.quantize(&x[..n * cols], n, cols);
+        let mut want = vec![0.0; n * rows];
+        q4_matmul(Kernel::Scalar, &m, &a, &mut want, rows, 0..rows);
+        for t in 0..n {
+            let sign = if t == 1 { -1.0 } else { 1.0 };
+            let expect = [15.0, -16.0, 15.0, -0.5];
+            for (r, e) in expect.iter().enumerate() {
+                let exact = e * 2.0 * sign * cols as f32;
+                assert!(
+                    (want[t * rows + r] - exact).abs() <= 1e-3 * exact.abs(),
+                    "row {r}: {} vs {exact}",
+                    want[t * rows + r]
+                );
+            }
         }
         for k in available() {
             let mut got = vec![0.0; n * rows];

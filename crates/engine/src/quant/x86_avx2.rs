@@ -20,10 +20,10 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::prefetch::{prefetch_level, PrefetchLevel};
-use super::q4::{RowBlocks, TailBuf, BLOCK_GROUPS};
+use super::q4::{self, RowBlocks, TailBuf, BLOCK_GROUPS};
 use super::q8::TokenActs;
 use super::q8w::{RowBlocks8, TailBuf8};
-use super::{Q4Matrix, Q8Acts, Q8Matrix};
+use super::{Grid, Q4Matrix, Q8Acts, Q8Matrix};
 
 /// Software prefetch distance in each row's byte stream, bytes.
 pub(super) const PREFETCH: usize = 8192;
@@ -176,13 +176,78 @@ pub(crate) fn avx_vnni() -> bool {
 /// # Safety
 /// The CPU has AVX2; `corr` points at 8 readable i32; inlined into functions enabling it.
 #[inline(always)]
-unsafe fn dot_start<const VNNI: bool>(corr: *const i32) -> __m256i {
+unsafe fn dot_start<const VNNI: bool, const TABLE: bool>(corr: *const i32) -> __m256i {
     // SAFETY: forwarded contract.
     unsafe {
         if VNNI {
-            _mm256_loadu_si256(corr.cast())
+            offsets::<TABLE>(corr)
         } else {
             _mm256_setzero_si256()
+        }
+    }
+}
+
+/// The group offsets `-offset * sum(a)` of 8 groups: the activations' `-8 * sum(a)` (`corr`),
+/// doubled on the table grid (whose unsigned values are `level + 16`).
+///
+/// # Safety
+/// As [`dot_start`].
+#[inline(always)]
+unsafe fn offsets<const TABLE: bool>(corr: *const i32) -> __m256i {
+    // SAFETY: forwarded contract.
+    unsafe {
+        let c = _mm256_loadu_si256(corr.cast());
+        if TABLE {
+            _mm256_slli_epi32(c, 1)
+        } else {
+            c
+        }
+    }
+}
+
+/// The unsigned values that one vector of codes (each byte 0..16) multiplies as: the codes
+/// themselves on the linear grid, looked up in `lut` ([`q4::TABLE_UNSIGNED`] in both lanes)
+/// on the table grid.
+///
+/// # Safety
+/// The CPU has AVX2; inlined into functions enabling it.
+#[inline(always)]
+unsafe fn unsigned_codes<const TABLE: bool>(codes: __m256i, lut: __m256i) -> __m256i {
+    if TABLE {
+        // SAFETY: register operation; forwarded contract.
+        unsafe { _mm256_shuffle_epi8(lut, codes) }
+    } else {
+        codes
+    }
+}
+
+/// The table grid's lookup vector: [`q4::TABLE_UNSIGNED`] in both 128-bit lanes.
+///
+/// # Safety
+/// The CPU has AVX2; inlined into functions enabling it.
+#[inline(always)]
+unsafe fn table_lut() -> __m256i {
+    // SAFETY: TABLE_UNSIGNED is 16 readable bytes; forwarded contract.
+    unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(q4::TABLE_UNSIGNED.as_ptr().cast())) }
+}
+
+/// Without AVX-VNNI on the table grid, the i16 pair sums after two of the four dwords, widened
+/// (the table's unsigned values reach 31, so a pair is at most 2 * 31 * 128 = 7936 and an i16
+/// lane holds four of them, not eight); zero otherwise.
+///
+/// # Safety
+/// As [`dot_start`].
+#[inline(always)]
+unsafe fn dot_widen<const VNNI: bool, const TABLE: bool>(
+    k: usize,
+    acc: &mut __m256i,
+    wide: &mut __m256i,
+) {
+    if TABLE && !VNNI && k == 1 {
+        // SAFETY: register operations; forwarded contract.
+        unsafe {
+            *wide = _mm256_madd_epi16(*acc, _mm256_set1_epi16(1));
+            *acc = _mm256_setzero_si256();
         }
     }
 }
@@ -225,14 +290,25 @@ unsafe fn dot_lanes<const VNNI: bool>(
 /// # Safety
 /// As [`dot_start`].
 #[inline(always)]
-unsafe fn dot_finish<const VNNI: bool>(acc: __m256i, corr: *const i32) -> __m256i {
+unsafe fn dot_finish<const VNNI: bool, const TABLE: bool>(
+    acc: __m256i,
+    wide: __m256i,
+    corr: *const i32,
+) -> __m256i {
     // SAFETY: forwarded contract.
     unsafe {
         if VNNI {
             acc
         } else {
-            let offsets = _mm256_loadu_si256(corr.cast());
-            _mm256_add_epi32(_mm256_madd_epi16(acc, _mm256_set1_epi16(1)), offsets)
+            let lanes = _mm256_add_epi32(
+                _mm256_madd_epi16(acc, _mm256_set1_epi16(1)),
+                offsets::<TABLE>(corr),
+            );
+            if TABLE {
+                _mm256_add_epi32(lanes, wide)
+            } else {
+                lanes
+            }
         }
     }
 }
@@ -245,7 +321,7 @@ unsafe fn dot_finish<const VNNI: bool>(acc: __m256i, corr: *const i32) -> __m256
 /// bytes of scales, then `groups * 16` bytes of nibbles); each `a[t]` points at the arrays of
 /// one activation vector with at least `groups.next_multiple_of(16)` groups.
 #[inline(always)]
-unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
+unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool, const TABLE: bool>(
     wr: [*const u8; R],
     groups: usize,
     a: [ActPtr; T],
@@ -263,6 +339,7 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
             std::array::from_fn(|r| RowBlocks::new(wr[r], groups, &mut tails[r]));
         let mut prefetch = TilePrefetch::new(wr[0], R * row_bytes, pf);
         let m4 = _mm256_set1_epi8(0x0f);
+        let lut = table_lut();
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         for c in 0..nb {
             prefetch.chunk(c, nb);
@@ -280,8 +357,9 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
                     dw[r] = _mm256_cvtph_ps(_mm_loadu_si128(sc[r].add(h * 16).cast()));
                 }
                 let mut ints = [[_mm256_setzero_si256(); T]; R];
+                let mut wide = [[_mm256_setzero_si256(); T]; R];
                 for t in 0..T {
-                    let start = dot_start::<VNNI>(a[t].corr.add(c * 16 + h * 8));
+                    let start = dot_start::<VNNI, TABLE>(a[t].corr.add(c * 16 + h * 8));
                     for row in ints.iter_mut() {
                         row[t] = start;
                     }
@@ -292,8 +370,11 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
                     for r in 0..R {
                         // q[r] points at the block's 256 nibble bytes.
                         let v = _mm256_loadu_si256(q[r].add(k * 64 + h * 32).cast());
-                        wlo[r] = _mm256_and_si256(v, m4);
-                        whi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        wlo[r] = unsigned_codes::<TABLE>(_mm256_and_si256(v, m4), lut);
+                        whi[r] = unsigned_codes::<TABLE>(
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                            lut,
+                        );
                     }
                     let aoff = c * 512 + k * 128 + h * 32;
                     for t in 0..T {
@@ -302,13 +383,18 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
                         for r in 0..R {
                             // The features this tile's caller enables (contract).
                             ints[r][t] = dot_lanes::<VNNI>(wlo[r], whi[r], alo, ahi, ints[r][t]);
+                            dot_widen::<VNNI, TABLE>(k, &mut ints[r][t], &mut wide[r][t]);
                         }
                     }
                 }
                 for t in 0..T {
                     let de = _mm256_loadu_ps(a[t].dexp.add(c * 16 + h * 8));
                     for r in 0..R {
-                        let lanes = dot_finish::<VNNI>(ints[r][t], a[t].corr.add(c * 16 + h * 8));
+                        let lanes = dot_finish::<VNNI, TABLE>(
+                            ints[r][t],
+                            wide[r][t],
+                            a[t].corr.add(c * 16 + h * 8),
+                        );
                         acc[r][t] = _mm256_fmadd_ps(
                             _mm256_cvtepi32_ps(lanes),
                             _mm256_mul_ps(dw[r], de),
@@ -331,7 +417,7 @@ unsafe fn q4_tile<const R: usize, const T: usize, const VNNI: bool>(
 /// # Safety
 /// As [`q4_rows`] (and AVX-VNNI if `VNNI`), for rows `r0..r0 + R` and tokens `t0..t0 + T`.
 #[inline(always)]
-unsafe fn q4_run<const R: usize, const T: usize, const VNNI: bool>(
+unsafe fn q4_run<const R: usize, const T: usize, const VNNI: bool, const TABLE: bool>(
     w: &Q4Matrix,
     r0: usize,
     x: &Q8Acts,
@@ -344,7 +430,7 @@ unsafe fn q4_run<const R: usize, const T: usize, const VNNI: bool>(
     let a: [ActPtr; T] = std::array::from_fn(|j| ActPtr::new(&x.token(t0 + j)));
     // SAFETY: the pointers come from row slices of `w` (groups*18 bytes: scales, then nibbles)
     // and from activation vectors padded to a multiple of 16 groups >= w.groups() (cols agree).
-    let res = unsafe { q4_tile::<R, T, VNNI>(wr, w.groups(), a, pf) };
+    let res = unsafe { q4_tile::<R, T, VNNI, TABLE>(wr, w.groups(), a, pf) };
     for (i, row) in res.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
             // SAFETY: (t0 + j, r0 + i) is within the tokens and rows the caller guarantees
@@ -357,7 +443,7 @@ unsafe fn q4_run<const R: usize, const T: usize, const VNNI: bool>(
 /// # Safety
 /// As `q4_rows` (and AVX-VNNI if `VNNI`), for rows `r0..r0 + R` and tokens `ts`.
 #[inline(always)]
-unsafe fn q4_rows_tokens<const R: usize, const VNNI: bool>(
+unsafe fn q4_rows_tokens<const R: usize, const VNNI: bool, const TABLE: bool>(
     w: &Q4Matrix,
     r0: usize,
     x: &Q8Acts,
@@ -371,10 +457,10 @@ unsafe fn q4_rows_tokens<const R: usize, const VNNI: bool>(
         // SAFETY: tokens t..t+T are inside ts; forwarded contract otherwise.
         unsafe {
             match ts.end - t {
-                1 => q4_run::<R, 1, VNNI>(w, r0, x, t, out, out_stride, pf),
-                2 => q4_run::<R, 2, VNNI>(w, r0, x, t, out, out_stride, pf),
-                3 => q4_run::<R, 3, VNNI>(w, r0, x, t, out, out_stride, pf),
-                _ => q4_run::<R, 4, VNNI>(w, r0, x, t, out, out_stride, pf),
+                1 => q4_run::<R, 1, VNNI, TABLE>(w, r0, x, t, out, out_stride, pf),
+                2 => q4_run::<R, 2, VNNI, TABLE>(w, r0, x, t, out, out_stride, pf),
+                3 => q4_run::<R, 3, VNNI, TABLE>(w, r0, x, t, out, out_stride, pf),
+                _ => q4_run::<R, 4, VNNI, TABLE>(w, r0, x, t, out, out_stride, pf),
             }
         }
         t += (ts.end - t).min(4);
@@ -430,15 +516,28 @@ unsafe fn q4_rows_plain(
     rows: Range<usize>,
 ) {
     let pf = prefetch_level();
+    let table = w.grid() == Grid::Table;
     if decode_rows_apply(x, &rows) {
         // SAFETY: forwarded contract; one token.
-        unsafe { q4_decode_rows::<false>(w, x, out, rows, pf) };
+        unsafe {
+            if table {
+                q4_decode_rows::<false, true>(w, x, out, rows, pf)
+            } else {
+                q4_decode_rows::<false, false>(w, x, out, rows, pf)
+            }
+        };
         return;
     }
     // The closure is defined here so that it has this function's target features.
     for_each_block(w.row_stride(), x, rows, |chunk, ts| {
         // SAFETY: forwarded contract; this function enables the features the block needs.
-        unsafe { q4_block::<false>(w, x, chunk, ts, out, stride, pf) }
+        unsafe {
+            if table {
+                q4_block::<false, true>(w, x, chunk, ts, out, stride, pf)
+            } else {
+                q4_block::<false, false>(w, x, chunk, ts, out, stride, pf)
+            }
+        }
     });
 }
 
@@ -447,14 +546,27 @@ unsafe fn q4_rows_plain(
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 unsafe fn q4_rows_vnni(w: &Q4Matrix, x: &Q8Acts, out: *mut f32, stride: usize, rows: Range<usize>) {
     let pf = prefetch_level();
+    let table = w.grid() == Grid::Table;
     if decode_rows_apply(x, &rows) {
         // SAFETY: forwarded contract; one token.
-        unsafe { q4_decode_rows::<true>(w, x, out, rows, pf) };
+        unsafe {
+            if table {
+                q4_decode_rows::<true, true>(w, x, out, rows, pf)
+            } else {
+                q4_decode_rows::<true, false>(w, x, out, rows, pf)
+            }
+        };
         return;
     }
     for_each_block(w.row_stride(), x, rows, |chunk, ts| {
         // SAFETY: as above.
-        unsafe { q4_block::<true>(w, x, chunk, ts, out, stride, pf) }
+        unsafe {
+            if table {
+                q4_block::<true, true>(w, x, chunk, ts, out, stride, pf)
+            } else {
+                q4_block::<true, false>(w, x, chunk, ts, out, stride, pf)
+            }
+        }
     });
 }
 
@@ -474,7 +586,7 @@ fn decode_rows_apply(x: &Q8Acts, rows: &Range<usize>) -> bool {
 /// As [`q4_rows`] (and AVX-VNNI if `VNNI`), with `x.n() == 1` and `rows` not empty; inlined
 /// into a function enabling the features.
 #[inline(always)]
-unsafe fn q4_decode_rows<const VNNI: bool>(
+unsafe fn q4_decode_rows<const VNNI: bool, const TABLE: bool>(
     w: &Q4Matrix,
     x: &Q8Acts,
     out: *mut f32,
@@ -500,6 +612,7 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
     // (contract).
     unsafe {
         let m4 = _mm256_set1_epi8(0x0f);
+        let lut = table_lut();
         for (i, r) in rows.enumerate() {
             let ws = base.wrapping_add(i * row_bytes);
             let wq = ws.wrapping_add(groups * 2);
@@ -507,7 +620,8 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
             for c in 0..nb {
                 for h in 0..2 {
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(c * 32 + h * 16).cast()));
-                    let mut ints = dot_start::<VNNI>(a.corr.add(c * 16 + h * 8));
+                    let mut ints = dot_start::<VNNI, TABLE>(a.corr.add(c * 16 + h * 8));
+                    let mut wide = _mm256_setzero_si256();
                     for k in 0..4 {
                         target += step;
                         while cursor < target {
@@ -515,15 +629,19 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                             cursor += 64;
                         }
                         let v = _mm256_loadu_si256(wq.add(c * 256 + k * 64 + h * 32).cast());
-                        let wlo = _mm256_and_si256(v, m4);
-                        let whi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        let wlo = unsigned_codes::<TABLE>(_mm256_and_si256(v, m4), lut);
+                        let whi = unsigned_codes::<TABLE>(
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                            lut,
+                        );
                         let aoff = c * 512 + k * 128 + h * 32;
                         let alo = _mm256_loadu_si256(a.qs.add(aoff).cast());
                         let ahi = _mm256_loadu_si256(a.qs.add(aoff + 64).cast());
                         ints = dot_lanes::<VNNI>(wlo, whi, alo, ahi, ints);
+                        dot_widen::<VNNI, TABLE>(k, &mut ints, &mut wide);
                     }
                     let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
-                    let lanes = dot_finish::<VNNI>(ints, a.corr.add(c * 16 + h * 8));
+                    let lanes = dot_finish::<VNNI, TABLE>(ints, wide, a.corr.add(c * 16 + h * 8));
                     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(dw, de), acc);
                 }
             }
@@ -546,7 +664,8 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                         live * 2,
                     );
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(sc.as_ptr().cast()));
-                    let mut ints = dot_start::<VNNI>(a.corr.add(c * 16 + h * 8));
+                    let mut ints = dot_start::<VNNI, TABLE>(a.corr.add(c * 16 + h * 8));
+                    let mut wide = _mm256_setzero_si256();
                     for k in 0..4 {
                         target += step;
                         while cursor < target {
@@ -559,15 +678,19 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
                             wq.add(c * 256 + k * 4 * m + h * 32).cast(),
                             lane_mask,
                         );
-                        let wlo = _mm256_and_si256(v, m4);
-                        let whi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        let wlo = unsigned_codes::<TABLE>(_mm256_and_si256(v, m4), lut);
+                        let whi = unsigned_codes::<TABLE>(
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                            lut,
+                        );
                         let aoff = c * 512 + k * 128 + h * 32;
                         let alo = _mm256_loadu_si256(a.qs.add(aoff).cast());
                         let ahi = _mm256_loadu_si256(a.qs.add(aoff + 64).cast());
                         ints = dot_lanes::<VNNI>(wlo, whi, alo, ahi, ints);
+                        dot_widen::<VNNI, TABLE>(k, &mut ints, &mut wide);
                     }
                     let de = _mm256_loadu_ps(a.dexp.add(c * 16 + h * 8));
-                    let lanes = dot_finish::<VNNI>(ints, a.corr.add(c * 16 + h * 8));
+                    let lanes = dot_finish::<VNNI, TABLE>(ints, wide, a.corr.add(c * 16 + h * 8));
                     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(dw, de), acc);
                 }
                 // Whole rows between prefetch targets: a partial row's integer steps need not
@@ -594,7 +717,7 @@ unsafe fn q4_decode_rows<const VNNI: bool>(
 /// As [`q4_rows`] (and AVX-VNNI if `VNNI`), for `chunk` inside its rows and `ts` inside its
 /// tokens; inlined into a function enabling the features.
 #[inline(always)]
-unsafe fn q4_block<const VNNI: bool>(
+unsafe fn q4_block<const VNNI: bool, const TABLE: bool>(
     w: &Q4Matrix,
     x: &Q8Acts,
     chunk: Range<usize>,
@@ -605,7 +728,7 @@ unsafe fn q4_block<const VNNI: bool>(
 ) {
     for r in chunk {
         // SAFETY: row r is inside `chunk`, tokens `ts` inside 0..n (contract).
-        unsafe { q4_rows_tokens::<1, VNNI>(w, r, x, ts.clone(), out, out_stride, pf) };
+        unsafe { q4_rows_tokens::<1, VNNI, TABLE>(w, r, x, ts.clone(), out, out_stride, pf) };
     }
 }
 

@@ -117,7 +117,7 @@ pub fn kv_b_columns_bytes(m: &crate::format::Manifest) -> u64 {
             let q8 = match t.dtype {
                 DType::Q4 => false,
                 DType::Q8 => true,
-                _ => return None,
+                DType::F32 | DType::Q4T => return None,
             };
             let [rows, cols] = t.shape[..] else {
                 return None;
@@ -279,9 +279,22 @@ impl Mla {
             }
             KvB::Fused(fused)
         } else {
+            let uk_t = t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?;
+            let uv = t.linear(&n("kv_b_uv"), heads * d.v_head_dim, r)?;
+            // Their unrounded and by-column products read the linear grid only (the
+            // converter keeps them on it).
+            for (name, w) in [("kv_b_uk_t", &uk_t), ("kv_b_uv", &uv)] {
+                if w.dtype == DType::Q4T {
+                    return Err(fmt_err(format!(
+                        "tensor `{}` is stored on the table grid (q4t); MLA's kv_b must be \
+                         f32, q8 or q4",
+                        n(name)
+                    )));
+                }
+            }
             KvB::Split {
-                uk_t: t.linear(&n("kv_b_uk_t"), heads * r, d.qk_nope_head_dim)?,
-                uv: t.linear(&n("kv_b_uv"), heads * d.v_head_dim, r)?,
+                uk_t,
+                uv,
                 cols: KvBColumns::default(),
             }
         };
