@@ -3,7 +3,8 @@
 `--compare mixed` (the default): the default conversion (attention v and o at 8 bits) against
 all-int4 (`--pure`). `--compare scales`: all-int4 with colibri's error-minimising scales against
 all-int4 rounded as llama.cpp's Q4_0 (`--q4-0-rounding`), item 1's before and after (the same
-bytes and kernels: the ratio should be 1 within the noise).
+bytes and kernels: the ratio should be 1 within the noise). `--compare grid`: all-int4 on the
+table grid (`--grid table`: a lookup per code in the kernels) against the linear grid.
 
 Both conversions of the speed benchmark's random OLMoE-1B-7B shape (by default cut to 4 layers;
 the cache and setup steps are bench_vs_llamacpp.py's; the extra conversions bench_quality.py's)
@@ -41,6 +42,14 @@ COMPARISONS = {
         [],
         "Default (v/o 8-bit) vs all-int4",
         "mixed-precision-latest.md",
+    ),
+    "grid": (
+        "linear grid",
+        None,
+        "table grid",
+        ["--pure", "--grid", "table"],
+        "The table grid vs the linear grid, both all-int4",
+        "grid-speed-latest.md",
     ),
     "scales": (
         "Q4_0 rounding",

@@ -19,7 +19,8 @@ The imatrix sees llama.cpp's tokens of the calibration text (statistics per inpu
 split matters little there).
 
 colibri's rows: `colibri convert` int4 `--pure`, the default (attention v/o at 8 bits), each
-without and with `--calibration` (the same calibration text).
+on the linear grid and on the table grid (`--grid table`), without and with `--calibration`
+(the same calibration text).
 
 Every row: mean KL from the f32 model and perplexity on the whole evaluation text (demo
 conversations, seed 12) and on the answer tokens of 100 fresh conversations (seed 13: what the
@@ -57,8 +58,12 @@ LLAMA = [  # label, llama-quantize type, extra flags, imatrix
 COLIBRI = [  # label, convert flags, calibrated
     ("colibri int4 --pure", ["--pure"], False),
     ("colibri int4 --pure --calibration", ["--pure"], True),
+    ("colibri int4 --pure --grid table", ["--pure", "--grid", "table"], False),
+    ("colibri int4 --pure --grid table --calibration", ["--pure", "--grid", "table"], True),
     ("colibri default (v/o 8-bit)", [], False),
     ("colibri default --calibration", [], True),
+    ("colibri default --grid table", ["--grid", "table"], False),
+    ("colibri default --grid table --calibration", ["--grid", "table"], True),
     # llama.cpp's default mixes keep the output matrix at 6-8 bits: the same choice in colibri.
     ("colibri int4, lm_head 8-bit", ["--q8", "lm_head"], False),
     (
@@ -231,7 +236,11 @@ def main(argv: list[str] | None = None) -> None:
             colibri("convert", hf, d, "--quant", "int4", *flags, *extra)
         models.append((label, d, colibri_bits(d)))
     # colibri's int4 weights alone (dequantized, scored by the f32 engine like llama.cpp's).
-    for label in ("colibri int4 --pure", "colibri int4 --pure --calibration"):
+    for label in (
+        "colibri int4 --pure",
+        "colibri int4 --pure --calibration",
+        "colibri int4 --pure --grid table",
+    ):
         d = work / slug(label)
         back, f32_of = d.with_name(d.name + "-weights-hf"), d.with_name(d.name + "-weights")
         if not (f32_of / "manifest.json").exists():

@@ -46,11 +46,12 @@ def checkpoint_name(name: str) -> str:
 def f32_array(blob: bytes, entry: dict, base: int = 0) -> np.ndarray:
     """The tensor's values: f32 as stored, int4 dequantized by the engine (its own numbers)."""
     start = base + entry["offset"]
-    if entry["dtype"] == "q4":
+    if entry["dtype"] in ("q4", "q4t"):
         from colibri import _engine
 
         rows, cols = entry["shape"]
-        raw = _engine.dequantize_q4(blob[start : start + entry["nbytes"]], rows, cols)
+        grid = "table" if entry["dtype"] == "q4t" else "linear"
+        raw = _engine.dequantize_q4(blob[start : start + entry["nbytes"]], rows, cols, grid)
         return np.frombuffer(raw, dtype="<f4").reshape(rows, cols).copy()
     if entry["dtype"] != "f32":
         raise SystemExit(f"export_hf: a {entry['dtype']} tensor: export an f32 or int4 model")

@@ -57,7 +57,8 @@ def reference(request) -> Reference:
 def converted(tmp_path_factory):
     """``converted(arch, quant)`` -> path of that fixture converted (cached per session);
     ``quant`` "int4" is the default conversion (attention v and o at 8 bits), "int4-pure" every
-    matrix int4 (``colibri convert --pure``)."""
+    matrix int4 (``colibri convert --pure``), "int4-table" every matrix int4 on the table grid
+    (``--pure --grid table``)."""
     cache: dict[tuple[str, str], Path] = {}
 
     def get(arch: str, quant: str) -> Path:
@@ -66,6 +67,8 @@ def converted(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{arch}-{quant}")
             if quant == "int4-pure":
                 convert(FIXTURES / arch / "hf", out, "int4", q8=())
+            elif quant == "int4-table":
+                convert(FIXTURES / arch / "hf", out, "int4", q8=(), grid="table")
             else:
                 convert(FIXTURES / arch / "hf", out, quant)
             cache[key] = out

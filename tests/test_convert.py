@@ -724,6 +724,46 @@ def test_q8_refuses_a_pattern_that_names_nothing_and_pure_with_q8(tmp_path):
     assert r.returncode != 0 and "not allowed with argument" in r.stderr, r.stderr
 
 
+def test_table_grid_stores_every_int4_matrix_as_q4t_but_mla_kv_b(olmoe_int4, tmp_path):
+    """`--grid table`: the int4 matrices (resident and experts) are q4t, the same bytes per
+    weight as q4; the 8-bit default and f32 vectors are untouched; MLA's kv_b halves, whose
+    unrounded products read the linear grid only, stay q4. The models load and generate."""
+    hf = FIXTURES / "olmoe" / "hf"
+    table = tmp_path / "table"
+    r = cli("convert", str(hf), str(table), "--grid", "table")
+    assert r.returncode == 0, r.stderr
+    want = {k: {"q4": "q4t"}.get(v, v) for k, v in _dtypes(olmoe_int4).items()}
+    assert _dtypes(table) == want
+    m = json.loads((table / "manifest.json").read_text())
+    assert {p["dtype"] for p in m["experts"]["parts"].values()} == {"q4t"}
+    for part in ("resident.bin", "experts.bin"):
+        a, b = (olmoe_int4 / part).read_bytes(), (table / part).read_bytes()
+        assert len(a) == len(b) and a != b, part
+    assert len(list(Engine(table).generate([1, 2, 3], max_tokens=4))) == 4
+    mla = tmp_path / "mla"
+    r = cli("convert", str(FIXTURES / "deepseek_v3" / "hf"), str(mla), "--pure", "--grid", "table")
+    assert r.returncode == 0, r.stderr
+    dtypes = _dtypes(mla)
+    kv_b = {k for k in dtypes if k.endswith((".kv_b_uk_t", ".kv_b_uv"))}
+    assert kv_b and {dtypes[k] for k in kv_b} == {"q4"}
+    assert {v for k, v in dtypes.items() if k not in kv_b} == {"q4t", "f32"}
+    assert len(list(Engine(mla).generate([1, 2, 3], max_tokens=4))) == 4
+
+
+def test_table_grid_refuses_f32_and_q4_0_rounding(tmp_path):
+    hf = str(FIXTURES / "olmoe" / "hf")
+    for extra, message in [
+        (["--quant", "f32"], "the table grid applies to an int4 conversion"),
+        (["--q4-0-rounding"], "the table grid applies to an int4 conversion"),
+    ]:
+        out = tmp_path / extra[-1].strip("-")
+        r = cli("convert", hf, str(out), "--grid", "table", *extra)
+        assert r.returncode != 0 and message in r.stderr, r.stderr
+        assert not out.exists()
+    r = cli("convert", hf, str(tmp_path / "x"), "--grid", "cubic")
+    assert r.returncode != 0 and "invalid choice: 'cubic'" in r.stderr, r.stderr
+
+
 def test_q4_0_rounding_keeps_the_layout_and_loses_to_the_search(tmp_path):
     """`--q4-0-rounding`: llama.cpp Q4_0's max-abs scales in colibri's layout (the same bytes
     per weight and the same kernels, so the same speed: docs/PERFORMANCE.md), measurably

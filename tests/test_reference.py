@@ -73,6 +73,35 @@ def test_int4_logit_error_no_worse_than_q4_0(reference, converted, request):
     )
 
 
+# The table grid above the anchor on this test's 43 positions, measured 2026-12-07 (table vs
+# Q4_0 anchor; the linear grid's int4 in brackets). Against colibri's own Q4_0 rounding over
+# the engine test's 24 prompts (`int4_no_worse_than_q4_0_on_every_fixture`) the table grid
+# lands below Q4_0 on every fixture (0.885-0.984x); on these three prompts the saturated tiny
+# models move either way (olmoe 0.788x, glm4_moe 0.791x, qwen3_next_ratios 0.827x below).
+TABLE_ABOVE_Q4_0 = {
+    "glm_moe_dsa": "DSA top-k flips: table 0.770 vs Q4_0 0.705 (int4 0.710)",
+    "glm_moe_dsa_yarn": "DSA top-k flips: table 0.805 vs Q4_0 0.766 (int4 0.772)",
+    "deepseek_v32": "DSA top-k flips: table 0.885 vs Q4_0 0.779 (int4 0.797)",
+    "deepseek_v4": "spread rounding error: table 0.450 vs Q4_0 0.442 (int4 0.449)",
+    "qwen3_next": "3 prompts, saturated: table 0.740 vs Q4_0 0.713 (int4 0.677)",
+}
+
+
+def test_table_grid_logit_error_no_worse_than_q4_0(reference, converted, request):
+    """The table grid (`--pure --grid table`: 16 levels denser near zero, the same bits per
+    weight) against the same Q4_0 anchor, on every fixture."""
+    if reference.arch in TABLE_ABOVE_Q4_0:
+        reason = TABLE_ABOVE_Q4_0[reference.arch]
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    eng = Engine(converted(reference.arch, "int4-table"))
+    ours = np.concatenate([eng.logits(p) for p in reference.prompts])
+    err = rel_fro(ours, np.concatenate(reference.logits))
+    assert err <= reference.q4_0_rel_error_all, (
+        f"{reference.arch}: table-grid error {err:.4f} vs Q4_0 anchor "
+        f"{reference.q4_0_rel_error_all:.4f}"
+    )
+
+
 # The prompt each fixture's kernel check runs (default: the longest), and why not the longest.
 KERNEL_PROMPT = {
     # In the int4 model, position 22 of prompt 2 sits on a router near-tie that AVX-512's
@@ -84,10 +113,11 @@ KERNEL_PROMPT = {
 
 
 @pytest.mark.parametrize("kernel", ["avx2", "avx512"])
-def test_every_kernel_matches_the_scalar_path(reference, converted, kernel):
+@pytest.mark.parametrize("quant", ["int4", "int4-table"])
+def test_every_kernel_matches_the_scalar_path(reference, converted, kernel, quant):
     if kernel not in available_kernels():
         pytest.skip(f"{kernel} not available on this CPU")
-    model = converted(reference.arch, "int4")
+    model = converted(reference.arch, quant)
     prompt = reference.prompts[KERNEL_PROMPT.get(reference.arch, 2)]
     scalar = Engine(model, kernel="scalar").logits(prompt)
     fast = Engine(model, kernel=kernel).logits(prompt)

@@ -841,15 +841,27 @@ fn quantize_q4<'py>(
     Ok(PyBytes::new(py, &out))
 }
 
-/// The `rows x cols` f32 values (little-endian bytes) of the int4 matrix `data`.
+/// The `rows x cols` f32 values (little-endian bytes) of the int4 matrix `data`, its codes on
+/// `grid` (`linear`: dtype q4, `table`: q4t).
 #[pyfunction]
+#[pyo3(signature = (data, rows, cols, grid="linear"))]
 fn dequantize_q4<'py>(
     py: Python<'py>,
     data: &[u8],
     rows: usize,
     cols: usize,
+    grid: &str,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let m = crate::quant::Q4Matrix::new(data, rows, cols)
+    let grid = match grid {
+        "linear" => crate::quant::Grid::Linear,
+        "table" => crate::quant::Grid::Table,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "unknown grid `{grid}` (linear, table)"
+            )))
+        }
+    };
+    let m = crate::quant::Q4Matrix::on_grid(data, rows, cols, grid)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     Ok(PyBytes::new(py, bytemuck::cast_slice(&m.dequantize())))
 }
