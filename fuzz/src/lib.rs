@@ -29,6 +29,7 @@ use colibri_engine::format::{Quant, EXPERTS_FILE, MANIFEST, RESIDENT_FILE};
 use colibri_engine::model::glm4_moe;
 use colibri_engine::model::plan::MLP_PARTS;
 use colibri_engine::model::Model;
+use colibri_engine::quant::Grid;
 use safetensors::{Dtype, View};
 
 /// OLMoE: full-width q/k norms, clip_qkv, all layers MoE, softmax top-k without renorm.
@@ -921,32 +922,44 @@ pub fn checkpoint(data: &[u8]) {
     }
 }
 
-/// A converted tiny model (arch `i % ARCHS`, f32 if `i / ARCHS % 2 == 1`; Qwen3-MoE's f32 one
-/// from transformers 5's fused expert tensors): its manifest, resident and experts bytes.
+/// A converted tiny model (arch `i % ARCHS`; `i / ARCHS`: 0 int4, 1 f32, 2 int4 on the table
+/// grid, `q4t`; Qwen3-MoE's f32 one from transformers 5's fused expert tensors): its manifest,
+/// resident and experts bytes.
 pub struct BaseModel {
     pub files: [(String, Vec<u8>); 3],
 }
+
+/// How many conversions of each tiny checkpoint [`base_models`] holds.
+pub const MODELS_KINDS: usize = 3;
 
 pub fn base_models() -> &'static [BaseModel] {
     static MODELS: OnceLock<Vec<BaseModel>> = OnceLock::new();
     MODELS.get_or_init(|| {
         let root = scratch("base");
-        let models = (0..2 * ARCHS)
+        let models = (0..MODELS_KINDS * ARCHS)
             .map(|i| {
                 let (arch, quant) = (
                     i % ARCHS,
-                    if i / ARCHS % 2 == 1 {
+                    if i / ARCHS == 1 {
                         Quant::F32
                     } else {
                         Quant::Int4
                     },
                 );
+                let prec = convert::Precisions {
+                    grid: if i / ARCHS == 2 {
+                        Grid::Table
+                    } else {
+                        Grid::Linear
+                    },
+                    ..convert::Precisions::default()
+                };
                 let hf = root.join(format!("hf{i}"));
                 let out = root.join(format!("out{i}"));
                 fs::create_dir_all(&hf).unwrap();
                 let fused = i == ARCHS + 1;
                 write_checkpoint(&hf, arch, &[&tiny_checkpoint(arch, Dtype::BF16, fused)]);
-                convert::convert(&hf, &out, quant, &mut |_, _, _| {})
+                convert::convert_with(&hf, &out, quant, &prec, &mut |_, _, _| {})
                     .unwrap_or_else(|e| panic!("tiny model {i} does not convert: {e}"));
                 let read = |n: &str| (n.to_string(), fs::read(out.join(n)).unwrap());
                 BaseModel {
@@ -1003,7 +1016,7 @@ pub fn cleanup_thread_scratch() {
     let _ = fs::remove_dir_all(model_dir_scratch());
 }
 
-/// Harness (c): byte 0 = base model (`% (2 * ARCHS)`), byte 1 = what to break (`% 5`): 0 the
+/// Harness (c): byte 0 = base model (`% (MODELS_KINDS * ARCHS)`), byte 1 = what to break (`% 5`): 0 the
 /// manifest is replaced by the rest; 1 `resident.bin`, 2 `experts.bin`, 3 the manifest are
 /// patched by the rest as [`apply_patches`] ops; 4 the manifest gets [`edit_json`] ops (its
 /// numbers and names). Then load, prefill [`PROMPT`] and decode one more token.
@@ -1011,7 +1024,7 @@ pub fn model_dir(data: &[u8]) {
     if data.len() < 2 {
         return;
     }
-    let base = &base_models()[data[0] as usize % (2 * ARCHS)];
+    let base = &base_models()[data[0] as usize % (MODELS_KINDS * ARCHS)];
     let rest = &data[2..];
     let dir = &model_dir_scratch();
     for (i, (name, bytes)) in base.files.iter().enumerate() {

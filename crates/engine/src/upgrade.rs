@@ -59,6 +59,15 @@ fn read_v2_manifest(src: &Path) -> Result<Manifest> {
             m.version
         )));
     }
+    // The table grid came after v2: such a manifest is not one v2 wrote.
+    let resident = m.resident.tensors.iter();
+    let parts = m.experts.iter().flat_map(|x| x.parts.iter());
+    if let Some((name, _)) = resident.chain(parts).find(|(_, e)| e.dtype == DType::Q4T) {
+        return Err(fmt_err(format!(
+            "{}: tensor `{name}` is q4t, which no format v2 directory holds",
+            src.display()
+        )));
+    }
     Ok(m)
 }
 
@@ -312,6 +321,39 @@ mod tests {
             assert!(!root.join(format!(".{arch}-up.upgrading")).exists());
         }
         fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A manifest labelled v2 that holds a table-grid tensor is no directory v2 wrote: refused
+    /// by name before anything is written.
+    #[test]
+    fn a_v2_label_on_table_grid_tensors_is_refused() {
+        let root = scratch_dir("upgrade", "q4t");
+        let dir = root.join("table");
+        let prec = crate::convert::Precisions {
+            grid: crate::quant::Grid::Table,
+            ..Default::default()
+        };
+        crate::convert::convert_with(
+            &fixture("olmoe"),
+            &dir,
+            Quant::Int4,
+            &prec,
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+        let path = dir.join(MANIFEST);
+        let mut m: Manifest = serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+        m.version = 2;
+        fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
+        let up = root.join("up");
+        let err = upgrade(&dir, &up, &mut |_, _, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("is q4t, which no format v2 directory holds"),
+            "{err}"
+        );
+        assert!(!up.exists());
     }
 
     #[test]

@@ -168,7 +168,7 @@ fn int4_below_q4_0_on_random_shapes() {
         .unwrap_or_else(|| rand::make_rng::<StdRng>().random());
     println!("random shapes: COLIBRI_SHAPE_SEED={seed}");
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut ratios = Vec::new();
+    let (mut ratios, mut table_ratios) = (Vec::new(), Vec::new());
     for arch in &committed_fixtures() {
         let arch = arch.as_str();
         let d = scratch_dir("shapes", arch);
@@ -177,6 +177,7 @@ fn int4_below_q4_0_on_random_shapes() {
         fs::create_dir_all(&hf).unwrap();
         write_checkpoint(arch, &cfg, &hf, &mut rng);
         let (e_int4, e_q4_0) = int4_and_q4_0_errors(&hf, &d, &DRAWN_SETS);
+        let e_table = table_error(&hf, &d, &DRAWN_SETS);
         let sizes: Vec<String> = SIZES
             .iter()
             .filter_map(|(f, _, _)| {
@@ -184,25 +185,36 @@ fn int4_below_q4_0_on_random_shapes() {
                 Some(format!("{f}={v}"))
             })
             .collect();
-        let ratio = e_int4 / e_q4_0;
+        let (ratio, table) = (e_int4 / e_q4_0, e_table / e_q4_0);
         println!(
-            "{arch} [{}]: int4 {e_int4:.4} vs Q4_0 {e_q4_0:.4} ({ratio:.3}x)",
+            "{arch} [{}]: int4 {e_int4:.4} ({ratio:.3}x), table {e_table:.4} ({table:.3}x) vs \
+             Q4_0 {e_q4_0:.4}",
             sizes.join(" ")
         );
-        assert!(
-            ratio <= WORST_DRAW,
-            "seed {seed}, {arch}: int4 {ratio:.3}x Q4_0's error"
-        );
+        for (grid, r) in [("int4", ratio), ("table-grid int4", table)] {
+            assert!(
+                r <= WORST_DRAW,
+                "seed {seed}, {arch}: {grid} {r:.3}x Q4_0's error"
+            );
+        }
         ratios.push(ratio);
+        table_ratios.push(table);
         fs::remove_dir_all(&d).unwrap();
     }
     let mean = geometric_mean(&ratios);
     let above = ratios.iter().filter(|&&r| r > 1.0).count();
+    let table_mean = geometric_mean(&table_ratios);
+    let table_above = table_ratios.iter().filter(|&&r| r > 1.0).count();
     println!(
-        "geometric mean {mean:.3}x, {above} of {} above 1.0",
+        "geometric mean {mean:.3}x, {above} of {} above 1.0; table grid {table_mean:.3}x, \
+         {table_above} above 1.0",
         ratios.len()
     );
     assert!(mean < MEAN_RATIO, "seed {seed}: mean ratio {mean:.3}");
+    assert!(
+        table_mean < MEAN_RATIO,
+        "seed {seed}: table grid's mean ratio {table_mean:.3}"
+    );
 }
 
 /// Every committed fixture, as it is: colibri's int4 within 1.0x Q4_0's error on the same
