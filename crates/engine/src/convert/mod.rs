@@ -62,6 +62,9 @@ struct Checkpoint {
     /// Tensors the plan reads as integer tables (I32 / I64 allowed; any other tensor of an
     /// integer dtype is refused).
     int_tables: std::collections::HashSet<String>,
+    /// The name in the checkpoint's files of each tensor `open` renamed (a wrapper's text
+    /// model, a family whose files use other names than transformers' modules), for messages.
+    stored: HashMap<String, String>,
 }
 
 impl Checkpoint {
@@ -122,8 +125,10 @@ impl Checkpoint {
             .map(str::to_string)
             .collect();
         let mut index = HashMap::new();
+        let mut stored_as = HashMap::new();
         for (i, (st, map)) in shards.iter().zip(&maps).enumerate() {
-            for (name, t) in st.iter() {
+            for (file_name, t) in st.iter() {
+                let name = file_name;
                 let alias = if compressed_fp8.is_some() {
                     name.strip_suffix(compressed_tensors::SCALE)
                         .filter(|w| w.ends_with(".weight") && stored.contains(*w))
@@ -134,6 +139,9 @@ impl Checkpoint {
                 let name = alias.unwrap_or_else(|| name.to_string());
                 let name = text.map_or(name.clone(), |t| t.text_name(&name));
                 let name = rename.map_or_else(|| name.clone(), |f| f(&name));
+                if name != file_name {
+                    stored_as.insert(name.clone(), file_name.to_string());
+                }
                 let start = t.data().as_ptr() as usize - map.as_ptr() as usize;
                 let meta = TensorMeta {
                     shard: i,
@@ -180,7 +188,25 @@ impl Checkpoint {
             fp8,
             int4,
             int_tables: Default::default(),
+            stored: stored_as,
         })
+    }
+
+    /// `r`, its error naming `name` also as the checkpoint's files do where `open` renamed it,
+    /// so the user can find the tensor in their index (once, however deep the error came from).
+    fn naming<T>(&self, name: &str, r: Result<T>) -> Result<T> {
+        match (r, self.stored.get(name)) {
+            (Err(Error::Checkpoint(msg)), Some(file)) if !msg.contains(file.as_str()) => {
+                let shown = format!("`{name}` (`{file}` in the checkpoint)");
+                Err(ck(msg.replacen(&format!("`{name}`"), &shown, 1)))
+            }
+            (r, _) => r,
+        }
+    }
+
+    /// The name `name` has in the checkpoint's files.
+    fn stored_name<'a>(&'a self, name: &'a str) -> &'a str {
+        self.stored.get(name).map_or(name, String::as_str)
     }
 
     fn has(&self, name: &str) -> bool {
@@ -190,6 +216,10 @@ impl Checkpoint {
     /// Checks from the header alone that `name` exists, has `shape` and a supported dtype, so a
     /// conversion is refused before anything is written or allocated for it.
     fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        self.naming(name, self.check_named(name, shape))
+    }
+
+    fn check_named(&self, name: &str, shape: &[usize]) -> Result<()> {
         let m = self
             .index
             .get(name)
@@ -206,13 +236,15 @@ impl Checkpoint {
 
     /// The tensor as f32, checked against `shape`.
     fn read(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let (data, got_shape) = self.read_any(name)?;
-        if got_shape != shape {
-            return Err(ck(format!(
-                "tensor `{name}` has shape {got_shape:?}, expected {shape:?}"
-            )));
-        }
-        Ok(data)
+        let read = self.read_any(name).and_then(|(data, got_shape)| {
+            if got_shape != shape {
+                return Err(ck(format!(
+                    "tensor `{name}` has shape {got_shape:?}, expected {shape:?}"
+                )));
+            }
+            Ok(data)
+        });
+        self.naming(name, read)
     }
 
     fn read_any(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
@@ -361,10 +393,14 @@ impl Checkpoint {
             })
     }
 
-    /// Elements `[first, first + count)` of the flattened tensor, as f32.
-    /// Elements `first..first + count` of `name` as f32; an infinite or NaN value is refused
-    /// (it would quantize to garbage, or poison every activation of an f32 model).
+    /// Elements `first..first + count` of the flattened tensor `name` as f32; an infinite or
+    /// NaN value is refused (it would quantize to garbage, or poison every activation of an f32
+    /// model).
     fn read_elements(&self, name: &str, first: usize, count: usize) -> Result<Vec<f32>> {
+        self.naming(name, self.read_elements_named(name, first, count))
+    }
+
+    fn read_elements_named(&self, name: &str, first: usize, count: usize) -> Result<Vec<f32>> {
         let values = self.decode_elements(name, first, count)?;
         if let Some(i) = values.iter().position(|v| !v.is_finite()) {
             return Err(ck(format!(
@@ -735,7 +771,8 @@ fn check_plan(ckpt: &Checkpoint, plan: &Plan, cfg: &ModelConfig) -> Result<()> {
         }
         ckpt.check(&spec.hf, &spec.source_shape())?;
         if spec.int_table {
-            check_expert_ids(&spec.hf, &ckpt.read(&spec.hf, &spec.source_shape())?, cfg)?;
+            let table = ckpt.read(&spec.hf, &spec.source_shape())?;
+            ckpt.naming(&spec.hf, check_expert_ids(&spec.hf, &table, cfg))?;
         }
     }
     for (_, src) in &plan.expert_layers {
@@ -1066,10 +1103,16 @@ pub fn convert_calibrated(
                 skipped.insert(name.clone(), reason);
             }
             None => {
+                let file = ckpt.stored_name(name);
+                let read_as = if file == name.as_str() {
+                    String::new()
+                } else {
+                    format!(" (read as `{name}`)")
+                };
                 return Err(ck(format!(
-                    "unexpected tensor `{name}`: not part of {} as configured",
+                    "unexpected tensor `{file}`{read_as}: not part of {} as configured",
                     cfg.family.hf_name
-                )))
+                )));
             }
         }
     }
@@ -1370,7 +1413,43 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("expert id below 7"), "{e}");
+        // Named as the file has it too (V4's files say `ffn`, the plan `mlp`), once.
+        let file_name = "`model.layers.1.ffn.gate.tid2eid` in the checkpoint";
+        assert_eq!(e.matches(file_name).count(), 1, "{e}");
         assert!(!out.join(MANIFEST).exists());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A family whose files name tensors otherwise than the plan (DeepSeek-V4: `ffn` for
+    /// `mlp`) has its refusals name the tensor as its files do: a stray tensor by its file name.
+    #[test]
+    fn a_renamed_familys_stray_tensor_is_named_as_its_file_has_it() {
+        let d = scratch_copy("deepseek_v4", "stray");
+        let bytes = fs::read(d.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+            .iter()
+            .map(|(n, t)| {
+                (
+                    n.to_string(),
+                    t.dtype(),
+                    t.shape().to_vec(),
+                    t.data().to_vec(),
+                )
+            })
+            .collect();
+        let stray = "model.layers.0.ffn.stray.weight";
+        tensors.push((stray.into(), Dtype::F32, vec![2], f32_bytes(&[1.0, 2.0])));
+        write_shard(&d, &tensors);
+        let e = convert(&d, &d.join("out"), Quant::F32, &mut quiet())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!(
+                "unexpected tensor `{stray}` (read as `model.layers.0.mlp.stray.weight`)"
+            )),
+            "{e}"
+        );
         fs::remove_dir_all(&d).unwrap();
     }
 
