@@ -51,10 +51,12 @@ bench: setup
     {{py}} benchmarks/bench_kv_restart.py
     {{py}} benchmarks/bench_scoring.py
     # Quality against llama.cpp's Q4_0 / Q4_K_M (KL and perplexity vs full precision), and the
-    # default conversion's speed (v/o at 8 bits) against all-int4.
+    # default conversion's speed (v/o at 8 bits) against all-int4, and the table grid's against
+    # the linear grid's.
     {{py}} benchmarks/bench_quality.py
     {{py}} benchmarks/bench_mixed_precision.py
     {{py}} benchmarks/bench_mixed_precision.py --compare scales
+    {{py}} benchmarks/bench_mixed_precision.py --compare grid
     # Concurrent streams (1, 2, 4, 8) through the server against llama-server --parallel N -cb.
     {{py}} benchmarks/bench_concurrent.py
     # Decode with a JSON-schema grammar vs unconstrained (the demo model, then the OLMoE shape with a
