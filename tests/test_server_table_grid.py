@@ -64,6 +64,24 @@ def test_the_served_greedy_reply_is_the_engines(served):
     assert streamed == (plain.choices[0].message.content or "")
 
 
+def test_info_counts_the_table_grid_matrices(served):
+    """`/v1/colibri/info` says how many matrices each dtype stores: the routed experts and the
+    other int4 matrices `q4t`, MLA's `kv_b_uk_t` `q4`, the 8-bit default (o, `kv_b_uv`) `q8`."""
+    import httpx
+
+    model, srv = served
+    counts = httpx.get(f"{srv.url}/v1/colibri/info").json()["matrix_dtypes"]
+    manifest = json.loads((model / "manifest.json").read_text())
+    layers = manifest["config"]["num_hidden_layers"]
+    experts = sum(layer["count"] for layer in manifest["experts"]["layers"])
+    # kv_b_uk_t of every layer (kv_b_uv is among the default's 8-bit matrices)
+    assert counts["q4"] == layers
+    assert counts["q4t"] >= 3 * experts and counts["q8"] >= layers
+    assert sum(counts.values()) == 3 * experts + sum(
+        len(t["shape"]) == 2 for t in manifest["resident"]["tensors"].values()
+    )
+
+
 def test_a_forced_call_is_valid_on_both_routes(served):
     _, srv = served
     c = OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)

@@ -44,6 +44,16 @@ impl DType {
         matches!(self, DType::Q4 | DType::Q4T | DType::Q8)
     }
 
+    /// The manifest's name of the dtype.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Q4 => "q4",
+            DType::Q4T => "q4t",
+            DType::Q8 => "q8",
+        }
+    }
+
     /// How an int4 dtype's codes map to levels (`None` for the others).
     pub fn q4_grid(self) -> Option<crate::quant::Grid> {
         match self {
@@ -157,6 +167,29 @@ pub struct Manifest {
     pub chat_template: Option<String>,
     /// Tensors of the checkpoint deliberately not converted, with the reason (e.g. MTP layers).
     pub skipped_tensors: BTreeMap<String, String>,
+}
+
+impl Manifest {
+    /// How many weight matrices each dtype stores: the resident ones (2-D tensors) and every
+    /// routed expert's gate, up and down.
+    pub fn matrix_dtypes(&self) -> BTreeMap<&'static str, usize> {
+        let mut n = BTreeMap::new();
+        for t in self
+            .resident
+            .tensors
+            .values()
+            .filter(|t| t.shape.len() == 2)
+        {
+            *n.entry(t.dtype.name()).or_insert(0) += 1;
+        }
+        if let Some(x) = &self.experts {
+            let experts: usize = x.layers.iter().map(|l| l.count).sum();
+            for p in x.parts.values() {
+                *n.entry(p.dtype.name()).or_insert(0) += experts;
+            }
+        }
+        n
+    }
 }
 
 /// The manifest of the model directory `dir`, parsed (whatever its format and version: the

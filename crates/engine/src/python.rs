@@ -171,6 +171,7 @@ impl Model {
         d.set_item("context_length", c.max_positions)?;
         d.set_item("model_context_length", self.model_context)?;
         d.set_item("quantization", m.manifest.quantization.kind.name())?;
+        d.set_item("matrix_dtypes", m.manifest.matrix_dtypes())?;
         d.set_item("hidden_size", c.hidden_size)?;
         d.set_item("num_layers", c.num_layers)?;
         d.set_item("num_experts", c.num_experts)?;

@@ -161,6 +161,7 @@ async def profile(request: Request) -> Response:
 _INFO_FIELDS = (
     "architecture",
     "quantization",
+    "matrix_dtypes",
     "hidden_size",
     "num_layers",
     "num_experts",
