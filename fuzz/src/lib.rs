@@ -930,13 +930,13 @@ pub struct BaseModel {
 }
 
 /// How many conversions of each tiny checkpoint [`base_models`] holds.
-pub const MODELS_KINDS: usize = 3;
+pub const MODEL_KINDS: usize = 3;
 
 pub fn base_models() -> &'static [BaseModel] {
     static MODELS: OnceLock<Vec<BaseModel>> = OnceLock::new();
     MODELS.get_or_init(|| {
         let root = scratch("base");
-        let models = (0..MODELS_KINDS * ARCHS)
+        let models = (0..MODEL_KINDS * ARCHS)
             .map(|i| {
                 let (arch, quant) = (
                     i % ARCHS,
@@ -1016,7 +1016,7 @@ pub fn cleanup_thread_scratch() {
     let _ = fs::remove_dir_all(model_dir_scratch());
 }
 
-/// Harness (c): byte 0 = base model (`% (MODELS_KINDS * ARCHS)`), byte 1 = what to break (`% 5`): 0 the
+/// Harness (c): byte 0 = base model (`% (MODEL_KINDS * ARCHS)`), byte 1 = what to break (`% 5`): 0 the
 /// manifest is replaced by the rest; 1 `resident.bin`, 2 `experts.bin`, 3 the manifest are
 /// patched by the rest as [`apply_patches`] ops; 4 the manifest gets [`edit_json`] ops (its
 /// numbers and names). Then load, prefill [`PROMPT`] and decode one more token.
@@ -1024,7 +1024,7 @@ pub fn model_dir(data: &[u8]) {
     if data.len() < 2 {
         return;
     }
-    let base = &base_models()[data[0] as usize % (MODELS_KINDS * ARCHS)];
+    let base = &base_models()[data[0] as usize % (MODEL_KINDS * ARCHS)];
     let rest = &data[2..];
     let dir = &model_dir_scratch();
     for (i, (name, bytes)) in base.files.iter().enumerate() {

@@ -153,8 +153,8 @@ fn model_dir_survives_mutations() {
         base.push(b);
     }
     let mut rng = Rng(11);
-    for i in 0..15 * MODELS_KINDS * ARCHS {
-        let mut b = vec![(i % (MODELS_KINDS * ARCHS)) as u8, 4];
+    for i in 0..15 * MODEL_KINDS * ARCHS {
+        let mut b = vec![(i % (MODEL_KINDS * ARCHS)) as u8, 4];
         b.extend((0..11 * (1 + rng.below(3))).map(|_| rng.next() as u8));
         base.push(b);
     }
@@ -170,7 +170,7 @@ fn tiny_models_convert_load_and_run() {
             checkpoint(&b); // asserts that the converted model loads and runs
         }
     }
-    for m in 0..(MODELS_KINDS * ARCHS) as u8 {
+    for m in 0..(MODEL_KINDS * ARCHS) as u8 {
         model_dir(&[m, 1]); // unmodified files
     }
     // Each quantized form of each tiny checkpoint converts (and then loads and runs).

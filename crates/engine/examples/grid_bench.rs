@@ -8,7 +8,7 @@
 use std::hint::black_box;
 
 mod common;
-use common::thread_cpu_time;
+use common::{median, thread_cpu_time};
 
 use colibri_engine::quant::{q4_matmul, quantize_q4, Grid, Q4Matrix, Q8Acts};
 
@@ -66,12 +66,8 @@ fn main() {
             tab.push(b);
             ratios.push(b / a);
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
         let gb = bytes.len() as f64 * reps as f64 / 1e9;
-        let (l, t) = (median(&mut lin), median(&mut tab));
+        let (l, t) = (median(lin), median(tab));
         println!(
             "{what}: {rows} x {cols}, {n} token(s), {reps} pass(es): linear {:.2} ms ({:.1} GB/s), \
              table {:.2} ms ({:.1} GB/s); time ratio table / linear median {:.3} (range {:.3}-{:.3})",
@@ -79,7 +75,7 @@ fn main() {
             gb / l,
             t * 1e3,
             gb / t,
-            median(&mut ratios.clone()),
+            median(ratios.clone()),
             ratios.iter().copied().fold(f64::INFINITY, f64::min),
             ratios.iter().copied().fold(0.0, f64::max),
         );

@@ -751,20 +751,12 @@ fn convert_checkpoint<'py>(
     let q = Quant::parse(quant).ok_or_else(|| {
         PyValueError::new_err(format!("unknown quantization `{quant}` (int4, f32)"))
     })?;
-    let grid = match grid {
-        "linear" => crate::quant::Grid::Linear,
-        "table" if q == Quant::Int4 => crate::quant::Grid::Table,
-        "table" => {
-            return Err(PyValueError::new_err(
-                "the table grid is an int4 format; an f32 conversion has no grid",
-            ))
-        }
-        _ => {
-            return Err(PyValueError::new_err(format!(
-                "unknown grid `{grid}` (linear, table)"
-            )))
-        }
-    };
+    let grid = parse_grid(grid)?;
+    if grid == crate::quant::Grid::Table && q != Quant::Int4 {
+        return Err(PyValueError::new_err(
+            "the table grid is an int4 format; an f32 conversion has no grid",
+        ));
+    }
     let calib = importance.map(|i| convert::Calibration {
         importance: (*i.inner).clone(),
         info: crate::format::CalibrationInfo {
@@ -842,6 +834,17 @@ fn quantize_q4<'py>(
     Ok(PyBytes::new(py, &out))
 }
 
+/// The int4 grid named `linear` or `table`.
+fn parse_grid(name: &str) -> PyResult<crate::quant::Grid> {
+    match name {
+        "linear" => Ok(crate::quant::Grid::Linear),
+        "table" => Ok(crate::quant::Grid::Table),
+        _ => Err(PyValueError::new_err(format!(
+            "unknown grid `{name}` (linear, table)"
+        ))),
+    }
+}
+
 /// The `rows x cols` f32 values (little-endian bytes) of the int4 matrix `data`, its codes on
 /// `grid` (`linear`: dtype q4, `table`: q4t).
 #[pyfunction]
@@ -853,16 +856,7 @@ fn dequantize_q4<'py>(
     cols: usize,
     grid: &str,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let grid = match grid {
-        "linear" => crate::quant::Grid::Linear,
-        "table" => crate::quant::Grid::Table,
-        _ => {
-            return Err(PyValueError::new_err(format!(
-                "unknown grid `{grid}` (linear, table)"
-            )))
-        }
-    };
-    let m = crate::quant::Q4Matrix::on_grid(data, rows, cols, grid)
+    let m = crate::quant::Q4Matrix::on_grid(data, rows, cols, parse_grid(grid)?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     Ok(PyBytes::new(py, bytemuck::cast_slice(&m.dequantize())))
 }

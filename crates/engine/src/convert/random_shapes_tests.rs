@@ -178,8 +178,7 @@ fn int4_below_q4_0_on_random_shapes() {
         let hf = d.join("hf");
         fs::create_dir_all(&hf).unwrap();
         write_checkpoint(arch, &cfg, &hf, &mut rng);
-        let (e_int4, e_q4_0) = int4_and_q4_0_errors(&hf, &d, &DRAWN_SETS);
-        let e_table = table_error(&hf, &d, &DRAWN_SETS);
+        let (e_int4, e_table, e_q4_0) = int4_and_q4_0_errors(&hf, &d, &DRAWN_SETS);
         let sizes: Vec<String> = SIZES
             .iter()
             .filter_map(|(f, _, _)| {
@@ -228,8 +227,7 @@ fn int4_no_worse_than_q4_0_on_every_fixture() {
     for arch in &committed_fixtures() {
         let arch = arch.as_str();
         let d = scratch_dir("q4_0-fixture", arch);
-        let (e_int4, e_q4_0) = int4_and_q4_0_errors(&fixture(arch), &d, &FIXTURE_SETS);
-        let e_table = table_error(&fixture(arch), &d, &FIXTURE_SETS);
+        let (e_int4, e_table, e_q4_0) = int4_and_q4_0_errors(&fixture(arch), &d, &FIXTURE_SETS);
         println!(
             "{arch}: int4 {e_int4:.4} ({:.3}x), table {e_table:.4} ({:.3}x) vs Q4_0 {e_q4_0:.4}",
             e_int4 / e_q4_0,
@@ -245,34 +243,28 @@ fn int4_no_worse_than_q4_0_on_every_fixture() {
     assert!(worse.is_empty(), "{worse:?}");
 }
 
-/// The relative logit errors of the int4 (`--pure`) and the Q4_0-rounded conversions of
-/// `hf` against its f32 conversion, over `(prompts, tokens)` sets, converted under `work`.
-fn int4_and_q4_0_errors(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> (f64, f64) {
+/// The relative logit errors of the int4 (`--pure`) conversions of `hf` on the linear and the
+/// table grid and of its Q4_0-rounded one, against its f32 conversion, over `(prompts,
+/// tokens)` sets, converted under `work`: `(linear, table, Q4_0)`.
+fn int4_and_q4_0_errors(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> (f64, f64, f64) {
     let q4_0 = Precisions {
         q4_0_scales: true,
         ..Precisions::pure()
     };
-    let f32_dir = convert(hf, work.join("f32"), Quant::F32, &Precisions::default());
-    let int4 = convert(hf, work.join("int4"), Quant::Int4, &Precisions::pure());
-    let rtn = convert(hf, work.join("q4_0"), Quant::Int4, &q4_0);
-    let reference = sets_logits(&f32_dir, sets);
-    (
-        rel_err(&sets_logits(&int4, sets), &reference),
-        rel_err(&sets_logits(&rtn, sets), &reference),
-    )
-}
-
-/// The relative logit error of the table-grid int4 conversion (`--pure --grid table`) of `hf`
-/// against its f32 conversion, which [`int4_and_q4_0_errors`] left under `work`.
-fn table_error(hf: &Path, work: &Path, sets: &[(u32, u32)]) -> f64 {
     let table = Precisions {
         grid: quant::Grid::Table,
         ..Precisions::pure()
     };
-    let dir = convert(hf, work.join("table"), Quant::Int4, &table);
-    rel_err(
-        &sets_logits(&dir, sets),
-        &sets_logits(&work.join("f32"), sets),
+    let f32_dir = convert(hf, work.join("f32"), Quant::F32, &Precisions::default());
+    let reference = sets_logits(&f32_dir, sets);
+    let error = |dir: &str, prec: &Precisions| {
+        let d = convert(hf, work.join(dir), Quant::Int4, prec);
+        rel_err(&sets_logits(&d, sets), &reference)
+    };
+    (
+        error("int4", &Precisions::pure()),
+        error("table", &table),
+        error("q4_0", &q4_0),
     )
 }
 

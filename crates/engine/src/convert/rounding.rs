@@ -11,13 +11,17 @@ use half::f16;
 
 use crate::quant::{self, Q4Matrix, GROUP};
 
-/// 16 levels in -16..15 (stored offset by 16 they fit 5 bits: the AVX2 kernel could add four
-/// `maddubs` pairs per i16 lane, `examples/table_bench.rs`): llama.cpp's IQ4_NL table scaled
-/// to the range, then moved level by level to lower the squared error of Gaussian and
-/// Student-t groups (`benchmarks/int4_table_headroom.py` scores it).
-pub const LEVELS_5_BIT: [f32; 16] = [
-    -16., -13., -10., -8., -6., -4., -2., -1., 0., 1., 3., 5., 7., 9., 12., 15.,
-];
+/// 16 levels in -16..15 (stored offset by 16 they fit 5 bits): the table grid's
+/// (`quant::TABLE_LEVELS`, which `benchmarks/int4_table_headroom.py` scores) as f32.
+pub const LEVELS_5_BIT: [f32; 16] = {
+    let mut l = [0.0f32; 16];
+    let mut i = 0;
+    while i < 16 {
+        l[i] = quant::TABLE_LEVELS[i] as f32;
+        i += 1;
+    }
+    l
+};
 
 /// 16 levels in -32..31 (6 bits offset: two pairs per i16 lane): IQ4_NL's table scaled and
 /// rounded.

@@ -16,7 +16,8 @@
 //! ```
 //!
 //! Within a group of 32 weights, nibble byte `j` (0..16) holds element `j` in its low nibble and
-//! element `j + 16` in its high nibble; the weight is `(q - 8) * scale`. The nibble bytes of 16
+//! element `j + 16` in its high nibble; the weight is `(q - 8) * scale` (on the table grid,
+//! [`Grid::Table`], `TABLE_LEVELS[q] * scale`: the same layout). The nibble bytes of 16
 //! groups form a block, interleaved by dword: byte `j` of the block's group `i` is at
 //! `(j / 4) * 4m + 4i + j % 4`, `m` the block's groups (16 but in a row's last block), so each
 //! 64 bytes hold one dword of each of 16 groups (`q4::nibble_offset`). Padding columns hold

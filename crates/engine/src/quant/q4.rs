@@ -164,13 +164,7 @@ const CANDIDATES: [f32; 16] = [
 /// largest magnitude), `q = min(15, trunc(x / d + 8.5))`, `d` stored as f16.
 #[inline(always)]
 fn rtn_group(x: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
-    let (mut amax, mut m) = (0.0f32, 0.0f32);
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            m = v;
-        }
-    }
+    let (m, _) = largest(x);
     let d = m / -8.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     for (qi, &v) in q.iter_mut().zip(x) {
@@ -210,25 +204,38 @@ fn on_grid(x: &[f32; GROUP], m: f32, q: &mut [u8; GROUP]) -> Option<f16> {
     None
 }
 
-/// A candidate quantization of a group: estimated squared error, scale, nibbles.
+/// The value of largest magnitude in `x` (the first such) and that magnitude: `(m, |m|)`.
+#[inline(always)]
+pub(super) fn largest(x: &[f32; GROUP]) -> (f32, f32) {
+    let (mut amax, mut m) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            m = v;
+        }
+    }
+    (m, amax)
+}
+
+/// A candidate quantization of a group: estimated squared error, scale, codes.
 struct Cand {
     err: f64,
     d: f16,
     q: [u8; GROUP],
 }
 
-/// Rounds with inverse scale `is`, refits the scale and keeps the result if it beats `best`
-/// (errors weighted by `wt`; `sxx` is `sum w x^2`).
+/// Rounds with inverse scale `is` (`round` returns `(sum w x l, sum w l^2)` over the levels
+/// `l` it chose), refits the scale and keeps the result if it beats `best` (`sxx` is
+/// `sum w x^2`).
 #[inline(always)]
-fn consider<const W: bool>(
-    x: &[f32; GROUP],
-    wt: &[f32; GROUP],
+fn consider(
     sxx: f64,
     is: f32,
+    round: &mut impl FnMut(f32, &mut [u8; GROUP]) -> (f32, f32),
     best: &mut Option<Cand>,
 ) {
     let mut q = [0u8; GROUP];
-    let (sxq, sqq) = quant_sums::<W>(x, wt, is, &mut q);
+    let (sxq, sqq) = round(is, &mut q);
     if sqq > 0.0 {
         let d = f16::from_f32(sxq / sqq);
         let df = d.to_f32() as f64;
@@ -240,29 +247,20 @@ fn consider<const W: bool>(
     }
 }
 
-/// Quantizes one group, minimising the squared error weighted per column by `wt` (non-negative;
-/// read only when `W`; without, the plain error) over a small set of scales: for each candidate step the nibbles
-/// are rounded, the scale refit by weighted least squares (in f16), and the error evaluated in
-/// closed form; two rounds of re-rounding with the best scale follow. The winner is checked
-/// against Q4_0 round-to-nearest by direct weighted error, so a group is never worse than RTN
-/// under the same weights.
+/// The scale search of both grids, for a group whose largest-magnitude value is `m`: for each
+/// candidate position `c` of `m` (in units of the step) the codes are rounded with inverse
+/// scale `c / m` by `round` (into its codes; it returns `(sum w x l, sum w l^2)` over their
+/// levels `l`), the scale refit by weighted least squares (in f16) and the error evaluated in
+/// closed form; two rounds of re-rounding with the best scale follow. The winner's scale and
+/// codes, if any candidate gave a finite error; the caller checks it against its baseline.
 #[inline(always)]
-fn quantize_group<const W: bool>(x: &[f32; GROUP], wt: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
-    let (mut amax, mut m) = (0.0f32, 0.0f32);
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            m = v;
-        }
-    }
-    if amax == 0.0 || !amax.is_finite() {
-        // All zero (or not finite: give up on the group rather than emit NaN scales).
-        q.fill(8);
-        return f16::ZERO;
-    }
-    if let Some(d) = on_grid(x, m, q) {
-        return d;
-    }
+pub(super) fn search_scale<const W: bool>(
+    x: &[f32; GROUP],
+    wt: &[f32; GROUP],
+    m: f32,
+    candidates: &[f32],
+    mut round: impl FnMut(f32, &mut [u8; GROUP]) -> (f32, f32),
+) -> Option<(f16, [u8; GROUP])> {
     let sxx: f64 = x
         .iter()
         .zip(wt)
@@ -276,8 +274,8 @@ fn quantize_group<const W: bool>(x: &[f32; GROUP], wt: &[f32; GROUP], q: &mut [u
         })
         .sum();
     let mut best: Option<Cand> = None;
-    for c in CANDIDATES {
-        consider::<W>(x, wt, sxx, c / m, &mut best);
+    for &c in candidates {
+        consider(sxx, c / m, &mut round, &mut best);
     }
     // Two rounds of alternating refinement: re-round with the best scale, refit the scale.
     for _ in 0..2 {
@@ -285,14 +283,35 @@ fn quantize_group<const W: bool>(x: &[f32; GROUP], wt: &[f32; GROUP], q: &mut [u
         if d == 0.0 || !d.is_finite() {
             break;
         }
-        consider::<W>(x, wt, sxx, 1.0 / d, &mut best);
+        consider(sxx, 1.0 / d, &mut round, &mut best);
     }
+    best.map(|b| (b.d, b.q))
+}
+
+/// Quantizes one group, minimising the squared error weighted per column by `wt` (non-negative;
+/// read only when `W`; without, the plain error) over a small set of scales: for each candidate step the nibbles
+/// are rounded, the scale refit by weighted least squares (in f16), and the error evaluated in
+/// closed form; two rounds of re-rounding with the best scale follow. The winner is checked
+/// against Q4_0 round-to-nearest by direct weighted error, so a group is never worse than RTN
+/// under the same weights.
+#[inline(always)]
+fn quantize_group<const W: bool>(x: &[f32; GROUP], wt: &[f32; GROUP], q: &mut [u8; GROUP]) -> f16 {
+    let (m, amax) = largest(x);
+    if amax == 0.0 || !amax.is_finite() {
+        // All zero (or not finite: give up on the group rather than emit NaN scales).
+        q.fill(8);
+        return f16::ZERO;
+    }
+    if let Some(d) = on_grid(x, m, q) {
+        return d;
+    }
+    let best = search_scale::<W>(x, wt, m, &CANDIDATES, |is, q| quant_sums::<W>(x, wt, is, q));
     let rtn_d = rtn_group(x, q);
     let rtn_e = group_err::<W>(x, q, rtn_d.to_f32(), wt);
     match best {
-        Some(b) if group_err::<W>(x, &b.q, b.d.to_f32(), wt) < rtn_e => {
-            *q = b.q;
-            b.d
+        Some((d, bq)) if group_err::<W>(x, &bq, d.to_f32(), wt) < rtn_e => {
+            *q = bq;
+            d
         }
         _ => rtn_d,
     }

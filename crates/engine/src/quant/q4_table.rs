@@ -1,8 +1,8 @@
 //! The table grid's quantizer ([`Grid::Table`]): per group of 32, the f16 scale whose rounding
-//! to [`TABLE_LEVELS`] minimises the (weighted) squared error, by the same kind of search as
-//! the linear grid's (`q4::quantize_group`): candidate scales, each with its codes rounded and
-//! its scale refit by least squares, the error in closed form; then two rounds of re-rounding
-//! with the best scale. The winner is checked against the table's max-abs rounding (the
+//! to [`TABLE_LEVELS`] minimises the (weighted) squared error, by the linear grid's search
+//! (`q4::search_scale`: candidate scales, each with its codes rounded and its scale refit by
+//! least squares, the error in closed form; then two rounds of re-rounding with the best
+//! scale) over this grid's candidates and rounding. The winner is checked against the table's max-abs rounding (the
 //! group's largest-magnitude value on the -16 end, or on the +15 end) by direct error, so a
 //! group never ends worse than that.
 
@@ -11,7 +11,7 @@
 
 use half::f16;
 
-use super::q4::{weigh, Grid, GROUP, TABLE_LEVELS};
+use super::q4::{largest, search_scale, weigh, Grid, GROUP, TABLE_LEVELS};
 
 /// `NEAREST[k]`: the code of the level nearest to `t` for `floor(2t) = k - 32` (`k` in 0..63;
 /// `2t` clamped to -32..=30 first, beyond which the ends are nearest). The midpoints between
@@ -91,35 +91,6 @@ fn quant_sums<const W: bool>(
     (sxq.iter().sum(), sqq.iter().sum())
 }
 
-/// A candidate: estimated squared error, scale, codes.
-struct Cand {
-    err: f64,
-    d: f16,
-    q: [u8; GROUP],
-}
-
-/// Rounds with inverse scale `is`, refits the scale and keeps the result if it beats `best`.
-#[inline(always)]
-fn consider<const W: bool>(
-    x: &[f32; GROUP],
-    wt: &[f32; GROUP],
-    sxx: f64,
-    is: f32,
-    best: &mut Option<Cand>,
-) {
-    let mut q = [0u8; GROUP];
-    let (sxq, sqq) = quant_sums::<W>(x, wt, is, &mut q);
-    if sqq > 0.0 {
-        let d = f16::from_f32(sxq / sqq);
-        let df = d.to_f32() as f64;
-        let err = sxx - 2.0 * df * sxq as f64 + df * df * sqq as f64;
-        // (An f16 overflow gives a non-finite error: skipped.)
-        if err.is_finite() && best.as_ref().is_none_or(|b| err < b.err) {
-            *best = Some(Cand { err, d, q });
-        }
-    }
-}
-
 /// The table's max-abs rounding: `m`, the value of largest magnitude, on the level `end`
 /// (-16 or 15); the scale in f16.
 #[inline(always)]
@@ -145,41 +116,13 @@ pub(super) fn quantize_group<const W: bool>(
     wt: &[f32; GROUP],
     q: &mut [u8; GROUP],
 ) -> f16 {
-    let (mut amax, mut m) = (0.0f32, 0.0f32);
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            m = v;
-        }
-    }
+    let (m, amax) = largest(x);
     if amax == 0.0 || !amax.is_finite() {
         // All zero (or not finite: give up on the group rather than emit NaN scales).
         q.fill(8);
         return f16::ZERO;
     }
-    let sxx: f64 = x
-        .iter()
-        .zip(wt)
-        .map(|(&v, &w)| {
-            let v2 = (v as f64) * (v as f64);
-            if W {
-                (w as f64) * v2
-            } else {
-                v2
-            }
-        })
-        .sum();
-    let mut best: Option<Cand> = None;
-    for c in CANDIDATES {
-        consider::<W>(x, wt, sxx, c / m, &mut best);
-    }
-    for _ in 0..2 {
-        let d = best.as_ref().map_or(0.0, |b| b.d.to_f32());
-        if d == 0.0 || !d.is_finite() {
-            break;
-        }
-        consider::<W>(x, wt, sxx, 1.0 / d, &mut best);
-    }
+    let best = search_scale::<W>(x, wt, m, &CANDIDATES, |is, q| quant_sums::<W>(x, wt, is, q));
     // The max-abs roundings, by direct error (the search's errors are estimates in f64).
     let mut alt = [0u8; GROUP];
     let d_lo = max_abs(x, m, -16.0, q);
@@ -191,9 +134,9 @@ pub(super) fn quantize_group<const W: bool>(
         *q = alt;
     }
     match best {
-        Some(b) if group_err::<W>(x, &b.q, b.d.to_f32(), wt) < e || !e.is_finite() => {
-            *q = b.q;
-            b.d
+        Some((bd, bq)) if group_err::<W>(x, &bq, bd.to_f32(), wt) < e || !e.is_finite() => {
+            *q = bq;
+            bd
         }
         _ => d,
     }
@@ -207,9 +150,7 @@ pub(super) fn max_abs_group<const W: bool>(
     wt: &[f32; GROUP],
     q: &mut [u8; GROUP],
 ) -> f16 {
-    let m = x
-        .iter()
-        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let (m, _) = largest(x);
     if m == 0.0 || !m.is_finite() {
         q.fill(8);
         return f16::ZERO;

@@ -8,7 +8,9 @@
 //! summed to i32 lanes by one `_mm256_madd_epi16` and added to the precomputed `-8 * sum(a)`
 //! of each group; then one conversion to f32 and one FMA against `weight scale * activation
 //! scale` per 8 groups. Tiles of `R` rows × `T` tokens reuse each
-//! unpacked weight vector for `T` tokens and each activation vector for `R` rows.
+//! unpacked weight vector for `T` tokens and each activation vector for `R` rows. On the table
+//! grid (`q4t`) each nibble is looked up (`pshufb`) as `level + 16` (0..31), the pairs widened
+//! after two dwords as well, and the offsets doubled (`-16 * sum(a)`): see [`dot_widen`].
 //!
 //! On CPUs with AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`: Intel Core from Alder Lake on,
 //! which have no AVX-512) the two multiplies and the i16 add become two
